@@ -1,0 +1,31 @@
+//! Capacities of the kernel maps. One number for each, used by the program's map definitions,
+//! by config validation (which rejects configs that would not fit) and by the daemon's reports.
+
+/// Rules evaluated per packet, in file order. Bounded so the verifier can unroll the rule loop.
+pub const MAX_RULES: u32 = 16;
+/// Entries in each of the allow and deny LPM tries.
+pub const MAX_LIST_ENTRIES: u32 = 65_536;
+/// Source-CIDR match entries shared by all rules (after prefix closure, see `maps::ListValue`).
+pub const MAX_RULE_SRC_ENTRIES: u32 = 16_384;
+/// Active bans. Bans have their own map so that churn in per-client state cannot evict them.
+pub const MAX_BANS: u32 = 262_144;
+/// Per-CIDR threshold overrides, all rules together.
+pub const MAX_OVERRIDES: u32 = 65_536;
+/// Per-region threshold overrides, all rules together.
+pub const MAX_REGION_OVERRIDES: u32 = 4_096;
+/// CIDR → region entries loaded from the GeoIP database.
+pub const MAX_REGION_PREFIXES: u32 = 1_048_576;
+/// Destination port ranges one rule may match.
+pub const MAX_PORT_RANGES: usize = 8;
+/// Interfaces whose counters are kept apart; further interfaces share slot 0.
+pub const MAX_IFACES: u32 = 16;
+/// Default bound on per-client state when the config does not set `tracking.max_sources`.
+pub const DEFAULT_MAX_SOURCES: u32 = 1_000_000;
+/// Events ring buffer size in bytes (a power of two, a multiple of the page size).
+pub const EVENTS_RING_BYTES: u32 = 1 << 20;
+/// VLAN tags the parser walks (802.1ad outer + 802.1Q inner).
+pub const MAX_VLAN_DEPTH: usize = 2;
+/// IPv6 extension headers the parser walks before giving up and keying by L3 alone.
+pub const MAX_IPV6_EXT_HEADERS: usize = 6;
+/// Longest interval a threshold may use: keeps the sliding-window weight arithmetic in u64.
+pub const MAX_INTERVAL_NS: u64 = 86_400 * 1_000_000_000;

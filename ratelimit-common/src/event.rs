@@ -1,0 +1,35 @@
+//! Events the kernel program sends to the daemon through the `EVENTS` ring buffer. The daemon
+//! turns them into JSON lines for L7 systems. Reserving ring space never blocks: when the ring
+//! is full the event is counted in `stats::global::EVENTS_LOST` and the packet goes on.
+
+/// A client crossed its ban threshold; `expires_ns` is when the ban ends.
+pub const EV_BAN: u32 = 1;
+/// A ban ended (the kernel saw a packet after expiry and removed it).
+pub const EV_UNBAN: u32 = 2;
+/// A client went above its soft limit (once per episode).
+pub const EV_SOFT_LIMIT: u32 = 3;
+/// A client's first packet over the threshold.
+pub const EV_THROTTLE_START: u32 = 4;
+/// A client admitted again a full interval after its last packet over the threshold.
+pub const EV_THROTTLE_END: u32 = 5;
+
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Event {
+    pub kind: u32,
+    pub rule: u32,
+    /// `maps::KEY_*` of the client key.
+    pub key_kind: u32,
+    /// Prefix length of `addr` as a 16-byte address (IPv4 keys are 96 + prefix).
+    pub prefix_len: u32,
+    /// Client key: the masked address, the region code in the first two bytes, or zero.
+    pub addr: [u8; 16],
+    /// CLOCK_MONOTONIC (bpf_ktime_get_ns) when the event happened.
+    pub ts_ns: u64,
+    /// The limiter's estimate of the client's cost in the current interval.
+    pub count: u64,
+    /// The threshold in force for that client.
+    pub threshold: u64,
+    /// Ban expiry (CLOCK_MONOTONIC) for `EV_BAN`, else 0.
+    pub expires_ns: u64,
+}

@@ -1,0 +1,41 @@
+//! Everything the XDP program and the daemon must agree on: map capacities, key and value
+//! layouts, counter indices, and the limiter arithmetic as pure integer functions.
+//!
+//! The kernel program calls the arithmetic with values it read from its maps; host tests check
+//! the same functions against straightforward reference models. Nothing here allocates or
+//! depends on `std`, so it compiles for `bpfel-unknown-none` unchanged.
+#![no_std]
+
+pub mod addr;
+pub mod caps;
+pub mod event;
+pub mod limiter;
+pub mod maps;
+pub mod stats;
+
+#[cfg(feature = "user")]
+mod pod {
+    //! `aya::Pod` marks types that may be copied byte-for-byte into and out of BPF maps. Every
+    //! type listed is `#[repr(C)]`, has no padding the kernel could leak, and is valid for any
+    //! bit pattern.
+    use crate::{addr::IpKey, event::Event, maps::*, stats::Counter};
+
+    macro_rules! pod {
+        ($($t:ty),* $(,)?) => { $( unsafe impl aya::Pod for $t {} )* };
+    }
+    pod!(
+        IpKey,
+        Counter,
+        Event,
+        RuleConfig,
+        GlobalConfig,
+        ClientKey,
+        ClientState,
+        BanEntry,
+        OverrideValue,
+        OverrideKey,
+        RegionOverrideKey,
+        Admission,
+        ListValue,
+    );
+}

@@ -1,0 +1,224 @@
+//! Key and value layouts of the maps the daemon writes and the XDP program reads (and the
+//! per-client state the program writes and the daemon reads). All `#[repr(C)]`, padding made
+//! explicit so nothing uninitialised crosses the kernel boundary.
+
+use crate::caps::MAX_PORT_RANGES;
+
+// Rule key kinds (Cloud Armor's enforce-on-key).
+/// One bucket for all traffic the rule matches.
+pub const KEY_ALL: u8 = 0;
+/// One bucket per source address, aggregated to the rule's IPv4/IPv6 prefix.
+pub const KEY_IP: u8 = 1;
+/// One bucket per country from the GeoIP-derived region map.
+pub const KEY_REGION: u8 = 2;
+/// The aggregate bucket of a rule's sources that were refused state of their own under a
+/// random-source flood (never configured; chosen by the program).
+pub const KEY_OVERFLOW: u8 = 3;
+
+// Actions.
+pub const ACTION_THROTTLE: u8 = 0;
+pub const ACTION_BAN: u8 = 1;
+
+// Algorithms.
+pub const ALG_SLIDING_WINDOW: u8 = 0;
+pub const ALG_TOKEN_BUCKET: u8 = 1;
+pub const ALG_FIXED_WINDOW: u8 = 2;
+
+// `RuleConfig::flags`.
+/// Never drop for this rule; count what would have been dropped.
+pub const RULE_PREVIEW: u32 = 1 << 0;
+/// `exceed_action = "pass"`: count and report, never drop.
+pub const RULE_EXCEED_PASS: u32 = 1 << 1;
+/// Threshold is in bytes (frame length) rather than packets.
+pub const RULE_BYTES: u32 = 1 << 2;
+/// Match TCP flags: `(flags & tcp_flags_mask) == tcp_flags_value` (implies TCP).
+pub const RULE_TCP_FLAGS: u32 = 1 << 3;
+/// Rule matches only sources in its `src` CIDRs (see `ListValue::rule_src_mask`).
+pub const RULE_SRC_MATCH: u32 = 1 << 4;
+
+// Protocol match values (`RuleConfig::protocol`); 0 matches any.
+pub const PROTO_ANY: u8 = 0;
+pub const PROTO_ICMP: u8 = 1;
+pub const PROTO_TCP: u8 = 6;
+pub const PROTO_UDP: u8 = 17;
+pub const PROTO_ICMPV6: u8 = 58;
+
+/// Inclusive destination port range.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct PortRange {
+    pub lo: u16,
+    pub hi: u16,
+}
+
+/// One rule, as the program evaluates it. `RULES[i]` is rule `i` in file order; the program
+/// evaluates `GlobalConfig::rule_count` of them.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RuleConfig {
+    pub flags: u32,
+    pub key: u8,
+    pub action: u8,
+    pub algorithm: u8,
+    pub protocol: u8,
+    /// Aggregation prefix for `KEY_IP`, IPv4 (0..=32) and IPv6 (0..=128).
+    pub v4_prefix: u8,
+    pub v6_prefix: u8,
+    pub tcp_flags_mask: u8,
+    pub tcp_flags_value: u8,
+    /// Number of used entries in `ports`; 0 matches every port (and portless protocols).
+    pub port_count: u8,
+    pub _pad: [u8; 3],
+    pub ports: [PortRange; MAX_PORT_RANGES],
+    pub limit: Limit,
+    /// Fraction of the threshold (per mille) above which a client is reported as an offender.
+    pub soft_limit_permille: u32,
+    pub _pad2: u32,
+}
+
+/// Thresholds in force for a client: the rule's, or an override's.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Limit {
+    /// Packets (or bytes with `RULE_BYTES`) per `interval_ns`.
+    pub threshold: u64,
+    pub interval_ns: u64,
+    /// Token bucket capacity (same unit as `threshold`).
+    pub burst: u64,
+    /// Offered rate (all matched packets, admitted or not) above which the client is banned.
+    pub ban_threshold: u64,
+    pub ban_interval_ns: u64,
+    pub ban_duration_ns: u64,
+}
+
+/// Load-time-independent settings the daemon may change at any time (`GLOBAL[0]`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct GlobalConfig {
+    pub rule_count: u32,
+    /// Non-zero: act as if every rule and ban were in preview (`ratelimit run --preview`).
+    pub preview_all: u32,
+    /// New per-client states admitted per second (0 = unlimited), see `Admission`.
+    pub admission_rate: u64,
+    /// Burst of new states admitted at once.
+    pub admission_burst: u64,
+}
+
+/// Value of the allow, deny and rule-source LPM tries. For the rule-source trie the daemon
+/// stores, at every prefix, the union of the masks of all prefixes covering it, so that the
+/// longest-prefix match alone answers "which rules' source lists contain this address".
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ListValue {
+    pub rule_src_mask: u32,
+    pub _pad: u32,
+}
+
+/// Per-client state key.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct ClientKey {
+    pub rule: u8,
+    /// `KEY_*`.
+    pub kind: u8,
+    pub _pad: [u8; 2],
+    /// Prefix length of `addr` (0..=128) for `KEY_IP`, else 0.
+    pub prefix_len: u32,
+    /// Masked source address, region code in bytes 0..2 for `KEY_REGION`, zero otherwise.
+    pub addr: [u8; 16],
+}
+
+/// `ClientState::flags`.
+pub const STATE_THROTTLING: u32 = 1 << 0;
+pub const STATE_SOFT_REPORTED: u32 = 1 << 1;
+
+/// Per-client limiter state. Shared by all CPUs (not per-CPU): the program updates it with
+/// atomic instructions so a client's limit is not multiplied by the number of CPUs.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct ClientState {
+    /// Window index (`now / interval`) for the window algorithms; the GCRA theoretical arrival
+    /// time in ns for the token bucket.
+    pub stamp: u64,
+    /// Admitted cost in the current window.
+    pub cur: u64,
+    /// Admitted cost in the previous window.
+    pub prev: u64,
+    /// Window index of the offered-rate (ban) meter.
+    pub ban_stamp: u64,
+    /// Offered cost (every matched packet) in the current / previous ban window.
+    pub seen_cur: u64,
+    pub seen_prev: u64,
+    /// Last packet (CLOCK_MONOTONIC ns).
+    pub last_ns: u64,
+    /// Last packet over the threshold.
+    pub last_exceed_ns: u64,
+    /// Totals since the state was created, for `top`.
+    pub packets: u64,
+    pub bytes: u64,
+    pub drops: u64,
+    /// For `KEY_ALL`/`KEY_REGION` bans (IP bans live in `BANS`): ban end, 0 when not banned.
+    pub banned_until_ns: u64,
+    pub flags: u32,
+    pub _pad: u32,
+}
+
+/// `BanEntry::flags`.
+/// Issued by an operator (`ratelimit ban add`), not by a rule.
+pub const BAN_MANUAL: u32 = 1 << 0;
+/// The issuing rule is in preview: count would-drops, do not drop.
+pub const BAN_PREVIEW: u32 = 1 << 1;
+/// The issuing rule's `exceed_action` is pass.
+pub const BAN_EXCEED_PASS: u32 = 1 << 2;
+
+/// Value of the `BANS` LPM trie.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct BanEntry {
+    /// CLOCK_MONOTONIC ns when the ban ends; 0 = until removed.
+    pub expires_ns: u64,
+    /// When it was issued.
+    pub since_ns: u64,
+    pub rule: u32,
+    pub flags: u32,
+}
+
+/// Data part of the per-CIDR override LPM trie key: the rule index first (always matched in
+/// full, so the trie's prefix length is `32 + address prefix`), then the address.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OverrideKey {
+    /// Rule index, big-endian so it forms the leading bits of the trie key.
+    pub rule_be: u32,
+    pub addr: [u8; 16],
+}
+
+/// Prefix bits taken by `OverrideKey::rule_be`.
+pub const OVERRIDE_RULE_BITS: u32 = 32;
+
+/// Key of the per-region override hash map.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub struct RegionOverrideKey {
+    pub rule: u32,
+    /// ISO 3166 alpha-2 code as two ASCII bytes, `ZZ` for unknown.
+    pub region: [u8; 2],
+    pub _pad: [u8; 2],
+}
+
+/// Value of both override maps.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct OverrideValue {
+    pub limit: Limit,
+}
+
+/// The new-source admission budget (`ADMISSION[0]`), a GCRA meter shared by all CPUs.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Admission {
+    pub tat_ns: u64,
+}
+
+/// Region code used when the GeoIP map has no entry for an address.
+pub const REGION_UNKNOWN: [u8; 2] = *b"ZZ";

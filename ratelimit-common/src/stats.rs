@@ -1,0 +1,120 @@
+//! Counter indices of the per-CPU `STATS` array. Every packet lands in exactly one *verdict*
+//! counter of its interface slot; reason and rule counters add detail beside it.
+//!
+//! Index = `iface_slot * PER_IFACE + counter`, with rule counters after the global ones:
+//! `GLOBAL_COUNT + rule * RULE_COUNT + rule_counter`.
+
+use crate::caps::{MAX_IFACES, MAX_RULES};
+
+/// Packets and bytes, per CPU; the daemon sums the CPUs.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Counter {
+    pub packets: u64,
+    pub bytes: u64,
+}
+
+/// Global counters. The first block (`PASS` .. `DROP_RULE`) are the verdicts: each packet is
+/// counted in exactly one of them, so their sum is the number of frames the program saw.
+pub mod global {
+    /// Passed: matched no rule that dropped it.
+    pub const PASS: u32 = 0;
+    /// Passed: not IPv4/IPv6 (ARP, LLDP, ...).
+    pub const PASS_NON_IP: u32 = 1;
+    /// Passed: an IP frame too short or malformed to parse (see the `MALFORMED_*` reasons).
+    pub const PASS_MALFORMED: u32 = 2;
+    /// Passed: source on the allow list.
+    pub const PASS_ALLOW: u32 = 3;
+    /// Dropped: source on the deny list.
+    pub const DROP_DENY: u32 = 4;
+    /// Dropped: source banned.
+    pub const DROP_BAN: u32 = 5;
+    /// Dropped by a rule's throttle.
+    pub const DROP_RULE: u32 = 6;
+    /// Number of verdict counters.
+    pub const VERDICTS: u32 = 7;
+
+    // Detail counters (a packet may be in several, or none).
+    /// Would have been dropped by a preview rule or a preview ban; passed.
+    pub const PREVIEW_WOULD_DROP: u32 = 7;
+    /// Exceeded a rule whose `exceed_action` is `pass`; passed.
+    pub const EXCEED_PASS: u32 = 8;
+    /// Banned source whose ban has `exceed_action = pass` or preview; passed on to the rules.
+    pub const BAN_PASS: u32 = 9;
+    /// New per-client state created.
+    pub const STATE_CREATED: u32 = 10;
+    /// New source refused per-client state by the admission budget; limited in aggregate.
+    pub const ADMISSION_REFUSED: u32 = 11;
+    /// Per-client state could not be created (map error); limited in aggregate.
+    pub const STATE_INSERT_FAILED: u32 = 12;
+    /// Bans issued by the kernel program.
+    pub const BANS_ISSUED: u32 = 13;
+    /// Ban could not be recorded because the ban map is full.
+    pub const BAN_INSERT_FAILED: u32 = 14;
+    /// Expired bans removed by the kernel program.
+    pub const BANS_EXPIRED: u32 = 15;
+    /// Events dropped because the ring buffer was full.
+    pub const EVENTS_LOST: u32 = 16;
+    /// Non-first fragments (keyed by L3 alone).
+    pub const FRAGMENTS: u32 = 17;
+    /// Malformed: truncated Ethernet or VLAN header, or more VLAN tags than the parser walks.
+    pub const MALFORMED_L2: u32 = 18;
+    /// Malformed: truncated IPv4 header, IHL < 5, or total length shorter than the header.
+    pub const MALFORMED_IPV4: u32 = 19;
+    /// Malformed: truncated IPv6 header or extension header.
+    pub const MALFORMED_IPV6: u32 = 20;
+    /// Malformed: truncated TCP/UDP/ICMP header on a first fragment.
+    pub const MALFORMED_L4: u32 = 21;
+    /// IPv6 extension chain longer than the parser walks: keyed by L3 alone.
+    pub const IPV6_EXT_LIMIT: u32 = 22;
+    /// Lock-free update lost its race too many times; counted as exceeding (never over-admits).
+    pub const CONTENDED: u32 = 23;
+    pub const COUNT: u32 = 24;
+}
+
+/// Per-rule counters.
+pub mod rule {
+    /// Packets the rule matched (and therefore counted).
+    pub const MATCHED: u32 = 0;
+    /// Matched and within the threshold.
+    pub const ADMITTED: u32 = 1;
+    /// Matched, over the threshold, dropped.
+    pub const DROPPED: u32 = 2;
+    /// Matched, over the threshold, passed because of preview.
+    pub const WOULD_DROP: u32 = 3;
+    /// Matched, over the threshold, passed because `exceed_action = pass`.
+    pub const EXCEED_PASSED: u32 = 4;
+    /// Bans this rule issued.
+    pub const BANS: u32 = 5;
+    /// Packets dropped because the client was banned by this rule (key all/region bans).
+    pub const BANNED_DROPPED: u32 = 6;
+    pub const COUNT: u32 = 7;
+}
+
+/// Counters per interface slot.
+pub const PER_IFACE: u32 = global::COUNT + MAX_RULES * rule::COUNT;
+/// Length of the `STATS` array.
+pub const STATS_LEN: u32 = MAX_IFACES * PER_IFACE;
+
+#[inline(always)]
+pub const fn global_index(slot: u32, counter: u32) -> u32 {
+    slot * PER_IFACE + counter
+}
+
+#[inline(always)]
+pub const fn rule_index(slot: u32, rule: u32, counter: u32) -> u32 {
+    slot * PER_IFACE + global::COUNT + rule * rule::COUNT + counter
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn indices_are_disjoint_and_in_range() {
+        let last = rule_index(MAX_IFACES - 1, MAX_RULES - 1, rule::COUNT - 1);
+        assert_eq!(last, STATS_LEN - 1);
+        assert_eq!(rule_index(0, 0, 0), global::COUNT);
+        assert_eq!(global_index(1, 0), PER_IFACE);
+    }
+}
