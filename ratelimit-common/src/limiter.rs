@@ -70,27 +70,36 @@ pub fn sliding_admits(estimate: u64, cost: u64, threshold: u64) -> bool {
 /// Emission interval of `cost` units at `threshold` per `interval_ns` (GCRA increment).
 #[inline(always)]
 pub fn gcra_increment(cost: u64, threshold: u64, interval_ns: u64) -> u64 {
-    cost.saturating_mul(interval_ns) / threshold
+    // cost is a frame length or 1 (< 2^16) and interval <= MAX_INTERVAL_NS (< 2^47).
+    let cost = if cost > 0xffff { 0xffff } else { cost };
+    cost * interval_ns / threshold
 }
+
+
 
 /// Burst tolerance in ns for a bucket of `burst` units; computed once by the daemon in
 /// 128 bits and stored in the rule (`Limit::burst` holds units, the program gets this value
 /// through `gcra_burst_ns`).
 #[inline(always)]
 pub fn gcra_burst_ns(burst: u64, threshold: u64, interval_ns: u64) -> u64 {
-    // burst * interval / threshold without overflow: split burst into whole thresholds and rest.
+    // burst * interval / threshold without 128-bit math (the BPF target has none): split burst
+    // into whole thresholds and the rest. interval <= MAX_INTERVAL_NS < 2^47, so
+    // rest * (interval / threshold) < interval, and a burst of 2^16 thresholds or more is
+    // effectively unlimited.
     let whole = burst / threshold;
     let rest = burst % threshold;
     let per = interval_ns / threshold;
     let per_rem = interval_ns % threshold;
-    // rest * interval / threshold = rest * per + rest * per_rem / threshold, and
-    // rest * per_rem < threshold^2: safe while threshold < 2^32.
     let rest_ns = if threshold < (1 << 32) {
         rest * per + rest * per_rem / threshold
     } else {
-        rest.saturating_mul(per)
+        rest * per
     };
-    whole.saturating_mul(interval_ns).saturating_add(rest_ns)
+    if whole >= (1 << 16) {
+        u64::MAX
+    } else {
+        (whole * interval_ns).saturating_add(rest_ns)
+    }
 }
 
 /// GCRA: the new TAT if `cost` is admitted at `now_ns`, `None` if it must be refused.

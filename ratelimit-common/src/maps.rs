@@ -128,9 +128,9 @@ pub struct ClientKey {
     pub addr: [u8; 16],
 }
 
-/// `ClientState::flags`.
-pub const STATE_THROTTLING: u32 = 1 << 0;
-pub const STATE_SOFT_REPORTED: u32 = 1 << 1;
+/// `ClientState::flags` (a u64: the BPF target has 64-bit atomics only).
+pub const STATE_THROTTLING: u64 = 1 << 0;
+pub const STATE_SOFT_REPORTED: u64 = 1 << 1;
 
 /// Per-client limiter state. Shared by all CPUs (not per-CPU): the program updates it with
 /// atomic instructions so a client's limit is not multiplied by the number of CPUs.
@@ -159,8 +159,7 @@ pub struct ClientState {
     pub drops: u64,
     /// For `KEY_ALL`/`KEY_REGION` bans (IP bans live in `BANS`): ban end, 0 when not banned.
     pub banned_until_ns: u64,
-    pub flags: u32,
-    pub _pad: u32,
+    pub flags: u64,
 }
 
 /// `BanEntry::flags`.
@@ -171,7 +170,8 @@ pub const BAN_PREVIEW: u32 = 1 << 1;
 /// The issuing rule's `exceed_action` is pass.
 pub const BAN_EXCEED_PASS: u32 = 1 << 2;
 
-/// Value of the `BANS` LPM trie.
+/// Value of the `BANS` LPM trie. It repeats its own key, because an LPM lookup does not say
+/// which prefix matched and the program must delete exactly that entry when the ban expires.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct BanEntry {
@@ -181,7 +181,14 @@ pub struct BanEntry {
     pub since_ns: u64,
     pub rule: u32,
     pub flags: u32,
+    /// The entry's own key: prefix length (of the 16-byte address) and address.
+    pub prefix_len: u32,
+    pub _pad: u32,
+    pub addr: [u8; 16],
 }
+
+/// `BanEntry::rule` of a manual ban.
+pub const BAN_RULE_NONE: u32 = u32::MAX;
 
 /// Data part of the per-CIDR override LPM trie key: the rule index first (always matched in
 /// full, so the trie's prefix length is `32 + address prefix`), then the address.

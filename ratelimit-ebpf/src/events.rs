@@ -1,0 +1,41 @@
+//! The events ring buffer: ban, unban, soft_limit, throttle_start, throttle_end. Reserving
+//! never blocks; when the ring is full the event is counted as lost and the packet goes on.
+
+use aya_ebpf::{macros::map, maps::RingBuf};
+use ratelimit_common::{caps::EVENTS_RING_BYTES, event::Event, maps::ClientKey, stats::global};
+
+use crate::stats::{self, Slot};
+
+#[map(name = "RL_EVENTS")]
+static EVENTS: RingBuf = RingBuf::pinned(EVENTS_RING_BYTES, 0);
+
+#[inline(always)]
+#[allow(clippy::too_many_arguments)]
+pub fn emit(slot: Slot, kind: u32, key: &ClientKey, now: u64, count: u64, threshold: u64, expires_ns: u64) {
+    match EVENTS.reserve::<Event>(0) {
+        Some(mut entry) => {
+            // Field by field with volatile stores: a struct literal with zero fields would be
+            // lowered to a byte-wise memset call that the verifier walks byte by byte.
+            let e = entry.as_mut_ptr();
+            // SAFETY: `e` is the reserved ring-buffer slot, sized for an `Event`.
+            unsafe {
+                core::ptr::write_volatile(&raw mut (*e).kind, kind);
+                core::ptr::write_volatile(&raw mut (*e).rule, key.rule as u32);
+                core::ptr::write_volatile(&raw mut (*e).key_kind, key.kind as u32);
+                core::ptr::write_volatile(&raw mut (*e).prefix_len, key.prefix_len);
+                let a = &raw mut (*e).addr as *mut u32;
+                let s = &key.addr as *const [u8; 16] as *const u32;
+                core::ptr::write_volatile(a, core::ptr::read_volatile(s));
+                core::ptr::write_volatile(a.add(1), core::ptr::read_volatile(s.add(1)));
+                core::ptr::write_volatile(a.add(2), core::ptr::read_volatile(s.add(2)));
+                core::ptr::write_volatile(a.add(3), core::ptr::read_volatile(s.add(3)));
+                core::ptr::write_volatile(&raw mut (*e).ts_ns, now);
+                core::ptr::write_volatile(&raw mut (*e).count, count);
+                core::ptr::write_volatile(&raw mut (*e).threshold, threshold);
+                core::ptr::write_volatile(&raw mut (*e).expires_ns, expires_ns);
+            }
+            entry.submit(0);
+        }
+        None => stats::add(slot, global::EVENTS_LOST, 0),
+    }
+}

@@ -1,0 +1,699 @@
+//! Rules, per-client state, bans and the new-source admission budget.
+//!
+//! Concurrency: per-client state (`CLIENTS`) is one shared entry per client, not per-CPU, so a
+//! client whose packets arrive on several CPUs gets its threshold once, not once per CPU. It is
+//! updated with atomic instructions only (BPF_ATOMIC: add, xchg, cmpxchg, or), never a lock:
+//! * window counters use fetch-add to reserve, then give the cost back if the reservation
+//!   overshot the threshold. Two CPUs racing at the edge can both give back (one packet
+//!   refused that could have passed); neither can admit past the threshold.
+//! * the token bucket is one word (GCRA's TAT) updated by compare-and-swap, retried a bounded
+//!   number of times; a packet that loses every retry is treated as exceeding (counted in
+//!   `CONTENDED`), again never over-admitting.
+//! * window rotation is a compare-and-swap on the window index; the winner moves `cur` to
+//!   `prev`. A packet another CPU counts between the swap and the move lands in `prev`
+//!   instead of `cur`: bounded by the packets in flight at a window edge, and it only makes
+//!   the estimate stricter for the rest of that window.
+//! The end-to-end test `two_cpu_accuracy` measures the result with senders on both CPUs.
+
+use aya_ebpf::{
+    bindings::BPF_NOEXIST,
+    macros::map,
+    maps::{Array, LpmTrie, LruHashMap, lpm_trie::Key},
+};
+use ratelimit_common::{
+    addr::{IpKey, V4_MAPPED_PREFIX},
+    caps::{DEFAULT_MAX_SOURCES, MAX_BANS, MAX_RULES},
+    event::{EV_BAN, EV_SOFT_LIMIT, EV_THROTTLE_END, EV_THROTTLE_START, EV_UNBAN},
+    limiter,
+    maps::*,
+    stats::{global, rule as rc},
+};
+
+use crate::{
+    atomic,
+    events,
+    parse::Parsed,
+    policy,
+    stats::{self, Slot},
+};
+
+/// Per-client limiter state. LRU: when `tracking.max_sources` (set at load) is reached, the
+/// least recently used state is evicted, so a flood cannot exhaust memory; which sources get
+/// state at all is decided by the admission budget below, so a random-source flood churns only
+/// its own entries. Shared (not per-CPU): see the module comment.
+#[map(name = "RL_CLIENTS")]
+static CLIENTS: LruHashMap<ClientKey, ClientState> = LruHashMap::pinned(DEFAULT_MAX_SOURCES, 0);
+
+/// Active bans, operator- and rule-issued. Its own bounded map, so per-client churn cannot
+/// evict a ban; an LPM trie so a ban may cover a prefix. Expiry is enforced here, in the
+/// kernel: a ban ends on time with no daemon running. When full, new bans fail and are counted
+/// (`BAN_INSERT_FAILED`); the client stays throttled by its rule.
+#[map(name = "RL_BANS")]
+static BANS: LpmTrie<IpKey, BanEntry> = LpmTrie::pinned(MAX_BANS, 0);
+
+/// `[0]`: GCRA meter of the new-source admission budget, shared by all CPUs.
+#[map(name = "RL_ADMISSION")]
+static ADMISSION: Array<Admission> = Array::pinned(1, 0);
+
+pub enum RuleVerdict {
+    Pass,
+    Drop,
+}
+
+/// Bounded retries of a compare-and-swap before giving up.
+const CAS_RETRIES: u32 = 3;
+
+
+/// `-EEXIST` from a map update with `BPF_NOEXIST`.
+const EEXIST: i32 = -17;
+
+/// The flags of an active ban covering `src`, removing it first if it has expired.
+#[inline(always)]
+pub fn active_ban(slot: Slot, src: &IpKey, now: u64) -> Option<u32> {
+    for _ in 0..2 {
+        let entry = BANS.get(Key::new(128, *src))?;
+        if limiter::ban_active(entry.expires_ns, now) {
+            return Some(entry.flags);
+        }
+        // Expired: remove exactly the entry that matched, then look again for a broader one.
+        rl_unban(slot as u64, now, entry as *const BanEntry);
+    }
+    None
+}
+
+/// Remove an expired ban and report it (a global BPF function: verified once, and its stack
+/// is not added to the XDP entry's).
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn rl_unban(slot: u64, now: u64, entry: *const BanEntry) -> u64 {
+    if entry.is_null() {
+        return 0;
+    }
+    // SAFETY: non-null pointer to a live map value.
+    let entry = unsafe { &*entry };
+    let slot = slot as u32 & (ratelimit_common::caps::MAX_IFACES - 1);
+    let key = Key::new(entry.prefix_len, IpKey { addr: entry.addr });
+    let ck = client_key(entry.rule as u8, KEY_IP, entry.prefix_len, entry.addr);
+    let expires = entry.expires_ns;
+    if BANS.remove(key).is_ok() {
+        stats::add(slot, global::BANS_EXPIRED, 0);
+        events::emit(slot, EV_UNBAN, &ck, now, 0, 0, expires);
+        return 1;
+    }
+    0
+}
+
+/// What a rule evaluation needs besides the rule and the packet (one pointer for the call).
+#[repr(C)]
+pub struct Env {
+    pub slot: Slot,
+    pub len: u64,
+    pub now: u64,
+    pub preview_all: u32,
+    pub admission_rate: u64,
+    pub admission_burst: u64,
+}
+
+/// Per-packet working record of the rule evaluation: the packet facts, the environment, and
+/// scratch space for the stages. It lives in a per-CPU array, not on the stack: the BPF stack
+/// is 512 bytes for the whole call chain, and values in a map cost the verifier nothing to
+/// track. Per-CPU is safe: an XDP program runs to completion on its CPU without preemption.
+/// Plain data only, because global BPF functions see pointer arguments as untyped memory.
+#[repr(C)]
+pub struct RuleLoop {
+    pub env: Env,
+    pub pkt: Parsed,
+    pub key: ClientKey,
+    pub judge: Judge,
+    pub src_mask: u32,
+    pub src_mask_known: u32,
+}
+
+#[map(name = "RL_SCRATCH")]
+static SCRATCH: aya_ebpf::maps::PerCpuArray<RuleLoop> = aya_ebpf::maps::PerCpuArray::with_max_entries(1, 0);
+
+/// Evaluate the rules in file order. Each rule is one call of the global function `rl_rule`,
+/// which the verifier checks once on its own, so this loop costs it a call per rule.
+#[inline(always)]
+pub fn evaluate_rules(slot: Slot, pkt: Parsed, len: u64, now: u64, g: &GlobalConfig) -> RuleVerdict {
+    let n = g.rule_count;
+    if n == 0 {
+        return RuleVerdict::Pass;
+    }
+    let Some(rl) = SCRATCH.get_ptr_mut(0) else { return RuleVerdict::Pass };
+    // SAFETY: this CPU's scratch record, used only during this packet.
+    unsafe {
+        (*rl).env = Env {
+            slot,
+            len,
+            now,
+            preview_all: g.preview_all,
+            admission_rate: g.admission_rate,
+            admission_burst: g.admission_burst,
+        };
+        (*rl).pkt = pkt;
+        (*rl).src_mask_known = 0;
+    }
+    for i in 0..MAX_RULES {
+        if i >= n {
+            break;
+        }
+        if rl_rule(i as u64, rl) != 0 {
+            return RuleVerdict::Drop;
+        }
+    }
+    RuleVerdict::Pass
+}
+
+/// One rule for one packet: 1 if the packet is to be dropped (a global BPF function).
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn rl_rule(index: u64, rl: *mut RuleLoop) -> u64 {
+    if rl.is_null() || index >= MAX_RULES as u64 {
+        return 0;
+    }
+    // SAFETY: non-null pointer to this CPU's scratch record.
+    let rl = unsafe { &mut *rl };
+    let i = index as u32;
+    let Some(rule) = policy::rule(i) else { return 0 };
+    if !matches(rule, &rl.pkt) {
+        return 0;
+    }
+    if rule.flags & RULE_SRC_MATCH != 0 {
+        if rl.src_mask_known == 0 {
+            rl.src_mask = policy::rule_src_mask(&rl.pkt.src);
+            rl.src_mask_known = 1;
+        }
+        if rl.src_mask & (1 << i) == 0 {
+            return 0;
+        }
+    }
+    stats::add_rule(rl.env.slot, i, rc::MATCHED, rl.env.len);
+    match apply(rl, i, rule) {
+        RuleVerdict::Drop => 1,
+        RuleVerdict::Pass => 0,
+    }
+}
+
+/// Protocol, destination ports and TCP flags. Non-first fragments carry no L4 header: they
+/// match on protocol alone (port conditions count as met, so a fragment flood cannot slip past
+/// a port rule), and never match a TCP-flags condition.
+#[inline(always)]
+fn matches(rule: &RuleConfig, pkt: &Parsed) -> bool {
+    if rule.protocol != PROTO_ANY && rule.protocol != pkt.proto {
+        return false;
+    }
+    if rule.flags & RULE_TCP_FLAGS != 0
+        && (pkt.proto != PROTO_TCP || !pkt.l4 || pkt.tcp_flags & rule.tcp_flags_mask != rule.tcp_flags_value)
+    {
+        return false;
+    }
+    if rule.port_count == 0 || pkt.fragment {
+        return true;
+    }
+    if !pkt.l4 || (pkt.proto != PROTO_TCP && pkt.proto != PROTO_UDP) {
+        return false;
+    }
+    let n = rule.port_count as usize;
+    for j in 0..ratelimit_common::caps::MAX_PORT_RANGES {
+        if j >= n {
+            break;
+        }
+        let r = &rule.ports[j];
+        if pkt.dport >= r.lo && pkt.dport <= r.hi {
+            return true;
+        }
+    }
+    false
+}
+
+/// Take the new-source admission budget for one new state.
+#[inline(always)]
+fn admit_new_source(env: &Env) -> bool {
+    env.admission_rate == 0 || rl_admit(env.now, env.admission_rate, env.admission_burst) != 0
+}
+
+/// The admission budget's GCRA meter (a global BPF function: verified once).
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn rl_admit(now: u64, rate: u64, burst: u64) -> u64 {
+    if rate == 0 {
+        return 1;
+    }
+    let Some(a) = ADMISSION.get_ptr_mut(0) else { return 1 };
+    let tat = unsafe { &raw mut (*a).tat_ns };
+    let inc = limiter::gcra_increment(1, rate, 1_000_000_000);
+    let burst_ns = limiter::gcra_burst_ns(if burst == 0 { 1 } else { burst }, rate, 1_000_000_000);
+    for _ in 0..CAS_RETRIES {
+        let old = unsafe { atomic::load(tat) };
+        match limiter::gcra_admit(old, now, inc, burst_ns) {
+            None => return 0,
+            Some(new) => {
+                if unsafe { atomic::cas(tat, old, new) } {
+                    return 1;
+                }
+            }
+        }
+    }
+    0
+}
+
+/// Initial state of a new client. A static, so the map update reads it from .rodata instead of
+/// a stack copy the compiler would zero with a byte-wise memset loop.
+static ZERO_STATE: ClientState = ClientState {
+    stamp: 0,
+    cur: 0,
+    prev: 0,
+    ban_stamp: 0,
+    seen_cur: 0,
+    seen_prev: 0,
+    last_ns: 0,
+    last_exceed_ns: 0,
+    packets: 0,
+    bytes: 0,
+    drops: 0,
+    banned_until_ns: 0,
+    flags: 0,
+};
+
+/// The state for `key`, creating it if the admission budget allows; otherwise (or if the map
+/// refuses) the rule's aggregate overflow state, and `key` is rewritten to say so.
+#[inline(always)]
+fn state_for(env: &Env, key: &mut ClientKey) -> Option<*mut ClientState> {
+    if let Some(p) = CLIENTS.get_ptr_mut(&*key) {
+        return Some(p);
+    }
+    let per_client = key.kind == KEY_IP;
+    if per_client && !admit_new_source(env) {
+        stats::add(env.slot, global::ADMISSION_REFUSED, env.len);
+        overflow(key);
+    } else {
+        match CLIENTS.insert(&*key, &ZERO_STATE, BPF_NOEXIST as u64) {
+            Ok(()) => stats::add(env.slot, global::STATE_CREATED, 0),
+            Err(EEXIST) => {}
+            Err(_) => {
+                stats::add(env.slot, global::STATE_INSERT_FAILED, env.len);
+                overflow(key);
+            }
+        }
+    }
+    if let Some(p) = CLIENTS.get_ptr_mut(&*key) {
+        return Some(p);
+    }
+    let _ = CLIENTS.insert(&*key, &ZERO_STATE, BPF_NOEXIST as u64);
+    CLIENTS.get_ptr_mut(&*key)
+}
+
+#[inline(always)]
+fn overflow(key: &mut ClientKey) {
+    key.kind = KEY_OVERFLOW;
+    key.prefix_len = 0;
+    zero_addr(&mut key.addr);
+}
+
+/// Builds a key with explicit stores. A struct literal with zeroed fields becomes a call to
+/// the byte-wise `memset`, whose loop the verifier walks byte by byte at every call site.
+#[inline(always)]
+fn client_key(rule: u8, kind: u8, prefix_len: u32, addr: [u8; 16]) -> ClientKey {
+    let mut k = core::mem::MaybeUninit::<ClientKey>::uninit();
+    let p = k.as_mut_ptr();
+    // SAFETY: every field (and the padding bytes) is written before `assume_init`.
+    unsafe {
+        core::ptr::write_volatile(p as *mut u32, u32::from_ne_bytes([rule, kind, 0, 0]));
+        core::ptr::write_volatile(&raw mut (*p).prefix_len, prefix_len);
+        let a = &raw mut (*p).addr as *mut u32;
+        let w = |i: usize| u32::from_ne_bytes([addr[i], addr[i + 1], addr[i + 2], addr[i + 3]]);
+        core::ptr::write_volatile(a, w(0));
+        core::ptr::write_volatile(a.add(1), w(4));
+        core::ptr::write_volatile(a.add(2), w(8));
+        core::ptr::write_volatile(a.add(3), w(12));
+        k.assume_init()
+    }
+}
+
+/// Keep the first `prefix_len` bits of a 16-byte address in place (two 64-bit words, no loop:
+/// a byte loop with a variable bound costs the verifier a state per byte).
+#[inline(always)]
+fn mask_addr(addr: &mut [u8; 16], prefix_len: u32) {
+    let p = addr as *mut [u8; 16] as *mut [u8; 8];
+    // SAFETY: two 8-byte halves of a 16-byte array.
+    unsafe {
+        let hi = u64::from_be_bytes(core::ptr::read_unaligned(p));
+        let lo = u64::from_be_bytes(core::ptr::read_unaligned(p.add(1)));
+        let keep_hi = if prefix_len >= 64 { u64::MAX } else if prefix_len == 0 { 0 } else { u64::MAX << (64 - prefix_len) };
+        let keep_lo = if prefix_len >= 128 { u64::MAX } else if prefix_len <= 64 { 0 } else { u64::MAX << (128 - prefix_len) };
+        core::ptr::write_unaligned(p, (hi & keep_hi).to_be_bytes());
+        core::ptr::write_unaligned(p.add(1), (lo & keep_lo).to_be_bytes());
+    }
+}
+
+#[inline(always)]
+fn zero_addr(addr: &mut [u8; 16]) {
+    let a = addr as *mut [u8; 16] as *mut u32;
+    // SAFETY: 16 bytes, written as four (possibly unaligned-free: the field is 4-aligned) words.
+    unsafe {
+        core::ptr::write_volatile(a, 0);
+        core::ptr::write_volatile(a.add(1), 0);
+        core::ptr::write_volatile(a.add(2), 0);
+        core::ptr::write_volatile(a.add(3), 0);
+    }
+}
+
+/// Per-packet facts the verifier-isolated stages below share. Lives on the caller's stack and
+/// is passed by pointer (global BPF functions take scalars or pointers to plain memory).
+#[repr(C)]
+pub struct Judge {
+    pub now: u64,
+    pub cost: u64,
+    /// Limiter usage after this packet, and what it is measured against.
+    pub usage: u64,
+    pub capacity: u64,
+    /// Ban meter estimate.
+    pub seen: u64,
+    pub slot: u32,
+    pub rule: u32,
+    pub algorithm: u32,
+    pub soft_permille: u32,
+    /// `BAN_PREVIEW` / `BAN_EXCEED_PASS` for bans this rule issues.
+    pub ban_flags: u32,
+    pub _pad: u32,
+}
+
+/// Evaluate one matching rule for one packet.
+///
+/// Verifier cost is the design constraint here: each stage with internal branching (window
+/// rotation, compare-and-swap retries, ban issue, event emission) is a *global* BPF function,
+/// which the kernel verifies once on its own instead of once per path through the caller.
+/// Without that split, the combinations of outcomes exceed the verifier's 1M-instruction
+/// budget long before the program is complete.
+#[inline(always)]
+fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
+    let env = &rl.env;
+    let pkt = &rl.pkt;
+    let cost = if rule.flags & RULE_BYTES != 0 { env.len } else { 1 };
+    let key = &mut rl.key;
+    key.rule = i as u8;
+    key.kind = rule.key;
+    key._pad = [0; 2];
+    key.prefix_len = 0;
+    zero_addr(&mut key.addr);
+    let mut limit = &rule.limit;
+    if rule.key == KEY_IP {
+        let plen = if pkt.v4 { V4_MAPPED_PREFIX + rule.v4_prefix as u32 } else { rule.v6_prefix as u32 };
+        key.prefix_len = plen;
+        key.addr = pkt.src.addr;
+        mask_addr(&mut key.addr, plen);
+        if let Some(o) = policy::cidr_override(i, &pkt.src) {
+            limit = &o.limit;
+        }
+    } else if rule.key == KEY_REGION {
+        let region = policy::region_of(&pkt.src);
+        key.addr[0] = region[0];
+        key.addr[1] = region[1];
+        if let Some(o) = policy::region_override(i, region) {
+            limit = &o.limit;
+        }
+    }
+    let Some(st) = state_for(env, key) else {
+        // The map refused even the aggregate state: fail open, counted.
+        stats::add(env.slot, global::STATE_INSERT_FAILED, 0);
+        return RuleVerdict::Pass;
+    };
+    let preview = env.preview_all != 0 || rule.flags & RULE_PREVIEW != 0;
+    let exceed_pass = rule.flags & RULE_EXCEED_PASS != 0;
+    let j = &mut rl.judge;
+    j.now = env.now;
+    j.cost = cost;
+    j.usage = 0;
+    j.capacity = 0;
+    j.seen = 0;
+    j.slot = env.slot;
+    j.rule = i;
+    j.algorithm = rule.algorithm as u32;
+    j.soft_permille = rule.soft_limit_permille;
+    j.ban_flags = if preview { BAN_PREVIEW } else { 0 } | if exceed_pass { BAN_EXCEED_PASS } else { 0 };
+    // SAFETY: `st` is a live map value; fields are touched through atomics or plain stores of
+    // values only reports read.
+    unsafe {
+        atomic::fetch_add(&raw mut (*st).packets, 1);
+        atomic::fetch_add(&raw mut (*st).bytes, env.len);
+        (*st).last_ns = env.now;
+    }
+    let lim = limit as *const Limit;
+    let is_ban = rule.action == ACTION_BAN && key.kind != KEY_OVERFLOW;
+    let key = &rl.key;
+    let j = &mut rl.judge;
+    if is_ban && key.kind != KEY_IP && rl_aggregate_ban(st, key, j) != 0 {
+        return exceeded(env, i, preview, exceed_pass, rc::BANNED_DROPPED);
+    }
+    if is_ban && rl_ban_meter(st, lim, j) != 0 {
+        rl_ban(st, lim, key, j);
+        return exceeded(env, i, preview, exceed_pass, rc::DROPPED);
+    }
+    let admitted = rl_limit(st, lim, j);
+    rl_after(st, lim, key, j, admitted);
+    if admitted != 0 {
+        stats::add_rule(env.slot, i, rc::ADMITTED, env.len);
+        return RuleVerdict::Pass;
+    }
+    exceeded(env, i, preview, exceed_pass, rc::DROPPED)
+}
+
+/// Aggregate (key all/region) bans live in the state itself: 1 if banned now. Clears an
+/// expired one and reports the unban.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn rl_aggregate_ban(st: *mut ClientState, key: *const ClientKey, j: *mut Judge) -> u64 {
+    if st.is_null() || key.is_null() || j.is_null() {
+        return 0;
+    }
+    // SAFETY: non-null pointers to a live map value and to the caller's stack.
+    unsafe {
+        let until = &raw mut (*st).banned_until_ns;
+        let u = atomic::load(until);
+        if u == 0 {
+            return 0;
+        }
+        if (*j).now < u {
+            atomic::fetch_add(&raw mut (*st).drops, 1);
+            return 1;
+        }
+        if atomic::cas(until, u, 0) {
+            events::emit((*j).slot, EV_UNBAN, &*key, (*j).now, 0, 0, u);
+        }
+    }
+    0
+}
+
+/// Offered-rate meter of rate_based_ban (every matched packet counts): 1 if the client is now
+/// above its ban threshold.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn rl_ban_meter(st: *mut ClientState, lim: *const Limit, j: *mut Judge) -> u64 {
+    if st.is_null() || lim.is_null() || j.is_null() {
+        return 0;
+    }
+    // SAFETY: non-null pointers to live map values and the caller's stack.
+    unsafe {
+        let interval = (*lim).ban_interval_ns;
+        if interval == 0 {
+            return 0;
+        }
+        let seen = meter(&raw mut (*st).ban_stamp, &raw mut (*st).seen_cur, &raw mut (*st).seen_prev, (*j).now, interval, (*j).cost);
+        (*j).seen = seen;
+        (seen > (*lim).ban_threshold) as u64
+    }
+}
+
+/// The limiter: 1 if the packet is within the threshold. Sets `usage` and `capacity`.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn rl_limit(st: *mut ClientState, lim: *const Limit, j: *mut Judge) -> u64 {
+    if st.is_null() || lim.is_null() || j.is_null() {
+        return 1;
+    }
+    // SAFETY: non-null pointers to live map values and the caller's stack.
+    unsafe {
+        let (admitted, usage, capacity) = limit_check(st, (*j).algorithm as u8, &*lim, (*j).now, (*j).cost);
+        (*j).usage = usage;
+        (*j).capacity = capacity;
+        if !admitted {
+            (*st).last_exceed_ns = (*j).now;
+            atomic::fetch_add(&raw mut (*st).drops, 1);
+        }
+        admitted as u64
+    }
+}
+
+/// Throttle and soft-limit episodes: flags in the state, one event at each edge.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn rl_after(st: *mut ClientState, lim: *const Limit, key: *const ClientKey, j: *mut Judge, admitted: u64) -> u64 {
+    if st.is_null() || lim.is_null() || key.is_null() || j.is_null() {
+        return 0;
+    }
+    // SAFETY: non-null pointers to live map values and the caller's stack.
+    unsafe {
+        let j = &*j;
+        let lim = &*lim;
+        let key = &*key;
+        let flags = &raw mut (*st).flags;
+        let f = atomic::load(flags);
+        if admitted == 0 {
+            if f & STATE_THROTTLING == 0
+                && atomic::fetch_or(flags, STATE_THROTTLING | STATE_SOFT_REPORTED) & STATE_THROTTLING == 0
+            {
+                events::emit(j.slot, EV_THROTTLE_START, key, j.now, j.usage, lim.threshold, 0);
+            }
+            return 0;
+        }
+        if f & STATE_THROTTLING != 0
+            && j.now.saturating_sub((*st).last_exceed_ns) >= lim.interval_ns
+            && atomic::fetch_and(flags, !STATE_THROTTLING) & STATE_THROTTLING != 0
+        {
+            events::emit(j.slot, EV_THROTTLE_END, key, j.now, j.usage, lim.threshold, 0);
+        }
+        if limiter::above_share(j.usage, j.capacity, j.soft_permille) {
+            if f & STATE_SOFT_REPORTED == 0
+                && atomic::fetch_or(flags, STATE_SOFT_REPORTED) & STATE_SOFT_REPORTED == 0
+            {
+                events::emit(j.slot, EV_SOFT_LIMIT, key, j.now, j.usage, lim.threshold, 0);
+            }
+        } else if f & STATE_SOFT_REPORTED != 0 && f & STATE_THROTTLING == 0 {
+            atomic::fetch_and(flags, !STATE_SOFT_REPORTED);
+        }
+    }
+    0
+}
+
+/// Verdict for a packet over its limit (or banned by its rule), after preview and
+/// `exceed_action`.
+#[inline(always)]
+fn exceeded(env: &Env, i: u32, preview: bool, exceed_pass: bool, drop_counter: u32) -> RuleVerdict {
+    if preview {
+        stats::add_rule(env.slot, i, rc::WOULD_DROP, env.len);
+        stats::add(env.slot, global::PREVIEW_WOULD_DROP, env.len);
+        RuleVerdict::Pass
+    } else if exceed_pass {
+        stats::add_rule(env.slot, i, rc::EXCEED_PASSED, env.len);
+        stats::add(env.slot, global::EXCEED_PASS, env.len);
+        RuleVerdict::Pass
+    } else {
+        stats::add_rule(env.slot, i, drop_counter, env.len);
+        RuleVerdict::Drop
+    }
+}
+
+/// Rotate a window meter to `now` (compare-and-swap on the window index).
+#[inline(always)]
+unsafe fn rotate(stamp: *mut u64, cur: *mut u64, prev: *mut u64, now: u64, interval: u64) {
+    let w = limiter::window_of(now, interval);
+    let s = unsafe { atomic::load(stamp) };
+    if s != w && unsafe { atomic::cas(stamp, s, w) } {
+        let c = unsafe { atomic::swap(cur, 0) };
+        let (_, p) = limiter::rotate(s, w, c, 0);
+        unsafe { atomic::store(prev, p) };
+    }
+}
+
+/// Count `cost` into a sliding-window meter and return its estimate.
+#[inline(always)]
+unsafe fn meter(stamp: *mut u64, cur: *mut u64, prev: *mut u64, now: u64, interval: u64, cost: u64) -> u64 {
+    unsafe { rotate(stamp, cur, prev, now, interval) };
+    let c = unsafe { atomic::fetch_add(cur, cost) } + cost;
+    limiter::sliding_estimate(unsafe { atomic::load(prev) }, c, limiter::prev_weight(now, interval))
+}
+
+/// The rule's algorithm: (admitted, usage after this packet, the capacity usage is measured
+/// against: the threshold for windows, the burst for the token bucket).
+#[inline(always)]
+unsafe fn limit_check(st: *mut ClientState, algorithm: u8, limit: &Limit, now: u64, cost: u64) -> (bool, u64, u64) {
+    let interval = limit.interval_ns;
+    let threshold = limit.threshold;
+    if interval == 0 || threshold == 0 {
+        return (true, 0, threshold);
+    }
+    let (stamp, cur, prev) = unsafe { (&raw mut (*st).stamp, &raw mut (*st).cur, &raw mut (*st).prev) };
+    if algorithm == ALG_TOKEN_BUCKET {
+        let inc = limiter::gcra_increment(cost, threshold, interval);
+        let burst_ns = limiter::gcra_burst_ns(limit.burst, threshold, interval);
+        let tat = stamp;
+        for _ in 0..CAS_RETRIES {
+            let old = unsafe { atomic::load(tat) };
+            match limiter::gcra_admit(old, now, inc, burst_ns) {
+                None => return (false, limit.burst, limit.burst),
+                Some(new) => {
+                    if unsafe { atomic::cas(tat, old, new) } {
+                        // Usage: how much of the burst is spent, in cost units.
+                        let used = (new - now) / (interval / threshold).max(1);
+                        return (true, used, limit.burst);
+                    }
+                }
+            }
+        }
+        return (false, limit.burst, limit.burst);
+    }
+    unsafe { rotate(stamp, cur, prev, now, interval) };
+    let weight = if algorithm == ALG_FIXED_WINDOW { 0 } else { limiter::prev_weight(now, interval) };
+    let before = unsafe { atomic::fetch_add(cur, cost) };
+    let est = limiter::sliding_estimate(unsafe { atomic::load(prev) }, before, weight);
+    if limiter::sliding_admits(est, cost, threshold) {
+        (true, est + cost, threshold)
+    } else {
+        unsafe { atomic::fetch_sub(cur, cost) };
+        (false, est + cost, threshold)
+    }
+}
+
+/// Issue a ban for `key` (rate_based_ban crossed `ban_threshold`): 1 if this call issued it.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn rl_ban(st: *mut ClientState, lim: *const Limit, key: *const ClientKey, j: *mut Judge) -> u64 {
+    if st.is_null() || lim.is_null() || key.is_null() || j.is_null() {
+        return 0;
+    }
+    // SAFETY: non-null pointers to live map values and the caller's stack.
+    unsafe {
+        let j = &*j;
+        let key = &*key;
+        let now = j.now;
+        let expires = limiter::ban_expiry(now, (*lim).ban_duration_ns);
+        let issued = if key.kind == KEY_IP {
+            let entry = BanEntry {
+                expires_ns: expires,
+                since_ns: now,
+                rule: j.rule,
+                flags: j.ban_flags,
+                prefix_len: key.prefix_len,
+                _pad: 0,
+                addr: key.addr,
+            };
+            match BANS.insert(Key::new(key.prefix_len, IpKey { addr: key.addr }), &entry, BPF_NOEXIST as u64) {
+                Ok(()) => true,
+                Err(EEXIST) => false,
+                Err(_) => {
+                    stats::add(j.slot, global::BAN_INSERT_FAILED, 0);
+                    false
+                }
+            }
+        } else {
+            atomic::cas(&raw mut (*st).banned_until_ns, 0, if expires == 0 { u64::MAX } else { expires })
+        };
+        if !issued {
+            return 0;
+        }
+        // The client starts clean when the ban ends.
+        atomic::store(&raw mut (*st).cur, 0);
+        atomic::store(&raw mut (*st).prev, 0);
+        atomic::store(&raw mut (*st).seen_cur, 0);
+        atomic::store(&raw mut (*st).seen_prev, 0);
+        if j.algorithm == ALG_TOKEN_BUCKET as u32 {
+            atomic::store(&raw mut (*st).stamp, 0);
+        }
+        atomic::fetch_add(&raw mut (*st).drops, 1);
+        stats::add(j.slot, global::BANS_ISSUED, 0);
+        stats::add_rule(j.slot, j.rule, rc::BANS, 0);
+        events::emit(j.slot, EV_BAN, key, now, j.seen, (*lim).ban_threshold, expires);
+    }
+    1
+}

@@ -1,0 +1,109 @@
+//! The ratelimit XDP program.
+//!
+//! Per packet: parse (`parse`), then allow list → deny list → active ban → rules in file order
+//! (`policy`, `limit`), record the verdict in the per-CPU counters and return. Every exit goes
+//! through [`finish`], so every frame is counted in exactly one verdict counter.
+#![cfg_attr(target_arch = "bpf", no_std)]
+#![cfg_attr(target_arch = "bpf", no_main)]
+#![cfg_attr(target_arch = "bpf", feature(core_intrinsics))]
+#![cfg_attr(target_arch = "bpf", expect(internal_features, reason = "BPF atomics, see atomic.rs"))]
+
+#[cfg(target_arch = "bpf")]
+mod atomic;
+#[cfg(target_arch = "bpf")]
+mod events;
+#[cfg(target_arch = "bpf")]
+mod limit;
+#[cfg(target_arch = "bpf")]
+mod parse;
+#[cfg(target_arch = "bpf")]
+mod policy;
+#[cfg(target_arch = "bpf")]
+mod stats;
+
+#[cfg(target_arch = "bpf")]
+mod program {
+    use aya_ebpf::{bindings::xdp_action, helpers::bpf_ktime_get_ns, macros::xdp, programs::XdpContext};
+    use ratelimit_common::{
+        maps::{BAN_EXCEED_PASS, BAN_PREVIEW},
+        stats::global,
+    };
+
+    use crate::{
+        limit::{self, RuleVerdict},
+        parse::{self, Parsed},
+        policy,
+        stats::{self, Slot},
+    };
+
+    #[xdp]
+    pub fn ratelimit(ctx: XdpContext) -> u32 {
+        let len = (ctx.data_end() - ctx.data()) as u64;
+        let slot = stats::slot(ctx.ingress_ifindex() as u32);
+        let pkt = match parse::parse(&ctx) {
+            Ok(Some(pkt)) => pkt,
+            Ok(None) => return finish(slot, global::PASS_NON_IP, len),
+            Err(reason) => {
+                stats::add(slot, reason, len);
+                return finish(slot, global::PASS_MALFORMED, len);
+            }
+        };
+        if pkt.ext_limit {
+            stats::add(slot, global::IPV6_EXT_LIMIT, len);
+        } else if pkt.fragment {
+            stats::add(slot, global::FRAGMENTS, len);
+        }
+        decide(slot, pkt, len)
+    }
+
+    #[inline(always)]
+    fn decide(slot: Slot, pkt: Parsed, len: u64) -> u32 {
+        let src = &pkt.src;
+        if policy::allowed(src) {
+            return finish(slot, global::PASS_ALLOW, len);
+        }
+        if policy::denied(src) {
+            return finish(slot, global::DROP_DENY, len);
+        }
+        let now = unsafe { bpf_ktime_get_ns() };
+        let global_cfg = policy::global();
+        if let Some(ban_flags) = limit::active_ban(slot, src, now) {
+            let passes = global_cfg.preview_all != 0 || ban_flags & (BAN_PREVIEW | BAN_EXCEED_PASS) != 0;
+            if !passes {
+                return finish(slot, global::DROP_BAN, len);
+            }
+            stats::add(slot, global::BAN_PASS, len);
+            if ban_flags & BAN_PREVIEW != 0 || global_cfg.preview_all != 0 {
+                stats::add(slot, global::PREVIEW_WOULD_DROP, len);
+            }
+        }
+        match limit::evaluate_rules(slot, pkt, len, now, global_cfg) {
+            RuleVerdict::Drop => finish(slot, global::DROP_RULE, len),
+            RuleVerdict::Pass => finish(slot, global::PASS, len),
+        }
+    }
+
+    /// Record the verdict and return the XDP action it implies.
+    #[inline(always)]
+    fn finish(slot: Slot, verdict: u32, len: u64) -> u32 {
+        stats::add(slot, verdict, len);
+        match verdict {
+            global::DROP_DENY | global::DROP_BAN | global::DROP_RULE => xdp_action::XDP_DROP,
+            _ => xdp_action::XDP_PASS,
+        }
+    }
+}
+
+#[cfg(target_arch = "bpf")]
+#[panic_handler]
+fn panic(_info: &core::panic::PanicInfo) -> ! {
+    loop {}
+}
+
+#[cfg(target_arch = "bpf")]
+#[unsafe(link_section = "license")]
+#[unsafe(no_mangle)]
+static LICENSE: [u8; 13] = *b"Dual MIT/GPL\0";
+
+#[cfg(not(target_arch = "bpf"))]
+fn main() {}

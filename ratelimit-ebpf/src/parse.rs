@@ -1,0 +1,230 @@
+//! Packet parsing: one bounds-checked accessor, one function per layer, explicit bounds on VLAN
+//! depth and on the IPv6 extension-header walk (the verifier needs both, and a hostile chain
+//! must not buy more work than a fixed budget).
+
+use aya_ebpf::programs::XdpContext;
+use network_types::{eth::EthHdr, ip::{Ipv4Hdr, Ipv6Hdr}, tcp::TcpHdr, udp::UdpHdr, vlan::VlanHdr};
+use ratelimit_common::{
+    addr::IpKey,
+    caps::{MAX_IPV6_EXT_HEADERS, MAX_VLAN_DEPTH},
+    stats::global,
+};
+
+const ETH_P_IP: u16 = 0x0800;
+const ETH_P_IPV6: u16 = 0x86dd;
+const ETH_P_8021Q: u16 = 0x8100;
+const ETH_P_8021AD: u16 = 0x88a8;
+
+const IPPROTO_HOPOPTS: u8 = 0;
+const IPPROTO_ICMP: u8 = 1;
+const IPPROTO_TCP: u8 = 6;
+const IPPROTO_UDP: u8 = 17;
+const IPPROTO_ROUTING: u8 = 43;
+const IPPROTO_FRAGMENT: u8 = 44;
+const IPPROTO_AH: u8 = 51;
+const IPPROTO_ICMPV6: u8 = 58;
+const IPPROTO_DSTOPTS: u8 = 60;
+
+/// Furthest header offset the parser follows; keeps every offset provably bounded.
+const MAX_L4_OFFSET: usize = 512;
+
+/// What the policy needs from a packet.
+#[repr(C)]
+pub struct Parsed {
+    pub src: IpKey,
+    pub dport: u16,
+    /// IP protocol of the upper layer (after IPv6 extension headers).
+    pub proto: u8,
+    pub tcp_flags: u8,
+    pub v4: bool,
+    /// The L4 header was parsed: ports (TCP/UDP) and flags (TCP) are valid.
+    pub l4: bool,
+    /// A non-first fragment, or an IPv6 chain too long to walk: matched on L3 fields alone.
+    pub fragment: bool,
+    /// The IPv6 extension chain was longer than `MAX_IPV6_EXT_HEADERS`.
+    pub ext_limit: bool,
+}
+
+type Reason = u32;
+
+/// The one bounds check: a header of `len` bytes at `off`, or `reason`. Fields are then read
+/// at constant offsets from the returned pointer (`field`, `field16`), which is the shape the
+/// verifier can follow: a pointer it has range-checked plus a constant.
+#[inline(always)]
+fn hdr(ctx: &XdpContext, off: usize, len: usize, reason: Reason) -> Result<Hdr, Reason> {
+    let start = ctx.data();
+    if start + off + len > ctx.data_end() {
+        return Err(reason);
+    }
+    Ok(Hdr((start + off) as *const u8))
+}
+
+#[derive(Clone, Copy)]
+struct Hdr(*const u8);
+
+impl Hdr {
+    /// A `T` at byte `at` of a header whose length `hdr` checked to cover it.
+    #[inline(always)]
+    fn field<T: Copy>(self, at: usize) -> T {
+        // SAFETY: callers only read inside the length `hdr` checked; unaligned because headers
+        // sit at any offset.
+        unsafe { core::ptr::read_unaligned(self.0.add(at) as *const T) }
+    }
+
+    #[inline(always)]
+    fn field16(self, at: usize) -> u16 {
+        u16::from_be_bytes(self.field::<[u8; 2]>(at))
+    }
+}
+
+/// `Ok(None)`: not IP. `Err(reason)`: an IP frame the parser could not read (a
+/// `stats::global::MALFORMED_*` reason).
+#[inline(always)]
+pub fn parse(ctx: &XdpContext) -> Result<Option<Parsed>, Reason> {
+    let (ethertype, off) = parse_l2(ctx)?;
+    match ethertype {
+        ETH_P_IP => parse_ipv4(ctx, off).map(Some),
+        ETH_P_IPV6 => parse_ipv6(ctx, off).map(Some),
+        _ => Ok(None),
+    }
+}
+
+/// Ethernet and up to `MAX_VLAN_DEPTH` 802.1Q / 802.1ad tags: the inner ethertype and offset.
+#[inline(always)]
+fn parse_l2(ctx: &XdpContext) -> Result<(u16, usize), Reason> {
+    let mut ethertype = hdr(ctx, 0, EthHdr::LEN, global::MALFORMED_L2)?.field16(12);
+    let mut off = EthHdr::LEN;
+    for _ in 0..MAX_VLAN_DEPTH {
+        if ethertype != ETH_P_8021Q && ethertype != ETH_P_8021AD {
+            break;
+        }
+        ethertype = hdr(ctx, off, VlanHdr::LEN, global::MALFORMED_L2)?.field16(2);
+        off += VlanHdr::LEN;
+    }
+    if ethertype == ETH_P_8021Q || ethertype == ETH_P_8021AD {
+        return Err(global::MALFORMED_L2);
+    }
+    Ok((ethertype, off))
+}
+
+#[inline(always)]
+fn parse_ipv4(ctx: &XdpContext, off: usize) -> Result<Parsed, Reason> {
+    const R: Reason = global::MALFORMED_IPV4;
+    let h = hdr(ctx, off, Ipv4Hdr::LEN, R)?;
+    let ver_ihl: u8 = h.field(0);
+    let ihl = ((ver_ihl & 0x0f) as usize) * 4;
+    if ver_ihl >> 4 != 4 || ihl < Ipv4Hdr::LEN || (h.field16(2) as usize) < ihl {
+        return Err(R);
+    }
+    let mut pkt = Parsed {
+        src: IpKey::from_v4(h.field(12)),
+        dport: 0,
+        proto: h.field(9),
+        tcp_flags: 0,
+        v4: true,
+        l4: false,
+        fragment: h.field16(6) & 0x1fff != 0,
+        ext_limit: false,
+    };
+    // The options must be present too.
+    hdr(ctx, off, ihl, R)?;
+    if !pkt.fragment {
+        parse_l4(ctx, off + ihl, &mut pkt)?;
+    }
+    Ok(pkt)
+}
+
+#[inline(always)]
+fn parse_ipv6(ctx: &XdpContext, off: usize) -> Result<Parsed, Reason> {
+    const R: Reason = global::MALFORMED_IPV6;
+    let h = hdr(ctx, off, Ipv6Hdr::LEN, R)?;
+    if h.field::<u8>(0) >> 4 != 6 {
+        return Err(R);
+    }
+    let mut pkt = Parsed {
+        src: IpKey::from_v6(h.field(8)),
+        dport: 0,
+        proto: h.field(6),
+        tcp_flags: 0,
+        v4: false,
+        l4: false,
+        fragment: false,
+        ext_limit: false,
+    };
+    let mut off = off + Ipv6Hdr::LEN;
+    let mut done = false;
+    for _ in 0..MAX_IPV6_EXT_HEADERS {
+        let ext_len = match pkt.proto {
+            IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS => {
+                let e = hdr(ctx, off, 2, R)?;
+                pkt.proto = e.field(0);
+                (e.field::<u8>(1) as usize + 1) * 8
+            }
+            IPPROTO_AH => {
+                let e = hdr(ctx, off, 2, R)?;
+                pkt.proto = e.field(0);
+                (e.field::<u8>(1) as usize + 2) * 4
+            }
+            IPPROTO_FRAGMENT => {
+                let e = hdr(ctx, off, 8, R)?;
+                pkt.proto = e.field(0);
+                if e.field16(2) & 0xfff8 != 0 {
+                    pkt.fragment = true;
+                }
+                8
+            }
+            _ => {
+                done = true;
+                0
+            }
+        };
+        if done {
+            break;
+        }
+        off += ext_len;
+        if off > MAX_L4_OFFSET {
+            return Err(R);
+        }
+    }
+    if !done && is_ipv6_ext(pkt.proto) {
+        // Longer chain than we walk: judge it by its source alone.
+        pkt.fragment = true;
+        pkt.ext_limit = true;
+        return Ok(pkt);
+    }
+    if !pkt.fragment {
+        parse_l4(ctx, off, &mut pkt)?;
+    }
+    Ok(pkt)
+}
+
+#[inline(always)]
+fn is_ipv6_ext(proto: u8) -> bool {
+    matches!(proto, IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS | IPPROTO_AH | IPPROTO_FRAGMENT)
+}
+
+#[inline(always)]
+fn parse_l4(ctx: &XdpContext, off: usize, pkt: &mut Parsed) -> Result<(), Reason> {
+    const R: Reason = global::MALFORMED_L4;
+    if off > MAX_L4_OFFSET {
+        return Err(R);
+    }
+    match pkt.proto {
+        IPPROTO_TCP => {
+            let t = hdr(ctx, off, TcpHdr::LEN, R)?;
+            pkt.dport = t.field16(2);
+            pkt.tcp_flags = t.field(13);
+            pkt.l4 = true;
+        }
+        IPPROTO_UDP => {
+            pkt.dport = hdr(ctx, off, UdpHdr::LEN, R)?.field16(2);
+            pkt.l4 = true;
+        }
+        IPPROTO_ICMP | IPPROTO_ICMPV6 => {
+            hdr(ctx, off, 4, R)?;
+            pkt.l4 = true;
+        }
+        _ => {}
+    }
+    Ok(())
+}

@@ -1,0 +1,103 @@
+//! Policy the daemon writes and the program only reads: global settings, rules, the allow and
+//! deny lists, rule source lists, overrides and the GeoIP region map. The daemon replaces
+//! entries in place, so a live rule change never touches per-client counters.
+
+use aya_ebpf::{macros::map, maps::{Array, HashMap, LpmTrie, lpm_trie::Key}};
+use ratelimit_common::{
+    addr::IpKey,
+    caps::{
+        MAX_LIST_ENTRIES, MAX_OVERRIDES, MAX_REGION_OVERRIDES, MAX_REGION_PREFIXES,
+        MAX_RULE_SRC_ENTRIES, MAX_RULES,
+    },
+    maps::{
+        GlobalConfig, ListValue, OVERRIDE_RULE_BITS, OverrideKey, OverrideValue,
+        REGION_UNKNOWN, RegionOverrideKey, RuleConfig,
+    },
+};
+
+/// `[0]`: global settings (rule count, preview-all, admission budget). Array: one fixed slot.
+#[map(name = "RL_GLOBAL")]
+static GLOBAL: Array<GlobalConfig> = Array::pinned(1, 0);
+
+/// Rules in file order. Array: indexed by position, updated in place.
+#[map(name = "RL_RULES")]
+static RULES: Array<RuleConfig> = Array::pinned(MAX_RULES, 0);
+
+/// Sources never limited nor banned. LPM trie: CIDRs of any length, longest match wins.
+#[map(name = "RL_ALLOW")]
+static ALLOW: LpmTrie<IpKey, ListValue> = LpmTrie::pinned(MAX_LIST_ENTRIES, 0);
+
+/// Sources always dropped.
+#[map(name = "RL_DENY")]
+static DENY: LpmTrie<IpKey, ListValue> = LpmTrie::pinned(MAX_LIST_ENTRIES, 0);
+
+/// Rule source CIDRs: value = bitmask of rules whose `src` list covers the address (the daemon
+/// stores the union over covering prefixes at each prefix, so the longest match is complete).
+#[map(name = "RL_RULE_SRC")]
+static RULE_SRC: LpmTrie<IpKey, ListValue> = LpmTrie::pinned(MAX_RULE_SRC_ENTRIES, 0);
+
+/// Per-CIDR threshold overrides: key = (rule, address), most specific prefix wins.
+#[map(name = "RL_OVERRIDES")]
+static OVERRIDES: LpmTrie<OverrideKey, OverrideValue> = LpmTrie::pinned(MAX_OVERRIDES, 0);
+
+/// Per-region threshold overrides: key = (rule, ISO country code).
+#[map(name = "RL_REGION_OVERRIDES")]
+static REGION_OVERRIDES: HashMap<RegionOverrideKey, OverrideValue> =
+    HashMap::pinned(MAX_REGION_OVERRIDES, 0);
+
+/// CIDR → country code (two ASCII bytes, zero-padded to 4), from the GeoIP database.
+#[map(name = "RL_REGIONS")]
+static REGIONS: LpmTrie<IpKey, [u8; 4]> = LpmTrie::pinned(MAX_REGION_PREFIXES, 0);
+
+const EMPTY: GlobalConfig = GlobalConfig { rule_count: 0, preview_all: 0, admission_rate: 0, admission_burst: 0 };
+
+#[inline(always)]
+pub fn global() -> &'static GlobalConfig {
+    GLOBAL.get(0).unwrap_or(&EMPTY)
+}
+
+#[inline(always)]
+pub fn rule(i: u32) -> Option<&'static RuleConfig> {
+    RULES.get(i)
+}
+
+#[inline(always)]
+fn full(src: &IpKey) -> Key<IpKey> {
+    Key::new(128, *src)
+}
+
+#[inline(always)]
+pub fn allowed(src: &IpKey) -> bool {
+    ALLOW.get(full(src)).is_some()
+}
+
+#[inline(always)]
+pub fn denied(src: &IpKey) -> bool {
+    DENY.get(full(src)).is_some()
+}
+
+/// Bitmask of rules whose source list contains `src`.
+#[inline(always)]
+pub fn rule_src_mask(src: &IpKey) -> u32 {
+    RULE_SRC.get(full(src)).map(|v| v.rule_src_mask).unwrap_or(0)
+}
+
+#[inline(always)]
+pub fn cidr_override(rule: u32, src: &IpKey) -> Option<&'static OverrideValue> {
+    let key = Key::new(OVERRIDE_RULE_BITS + 128, OverrideKey { rule_be: rule.to_be(), addr: src.addr });
+    OVERRIDES.get(key)
+}
+
+#[inline(always)]
+pub fn region_of(src: &IpKey) -> [u8; 2] {
+    match REGIONS.get(full(src)) {
+        Some(r) => [r[0], r[1]],
+        None => REGION_UNKNOWN,
+    }
+}
+
+#[inline(always)]
+pub fn region_override(rule: u32, region: [u8; 2]) -> Option<&'static OverrideValue> {
+    let key = RegionOverrideKey { rule, region, _pad: [0; 2] };
+    unsafe { REGION_OVERRIDES.get(&key) }
+}

@@ -1,0 +1,298 @@
+//! Loading, attaching, pinning and adopting the XDP program and its maps.
+//!
+//! Everything lives under one bpffs directory (`daemon.bpffs_dir`): every map pinned by name,
+//! and one pinned bpf_link per interface (`link-<ifname>`). Pinned links keep the program
+//! attached when the daemon exits or is killed, so enforcement never depends on the daemon
+//! being up. A restarted daemon loads the program against the pinned maps (same counters,
+//! same bans) and swaps it into the existing links with `bpf_link_update`, atomically: there
+//! is no instant without a program on the interface.
+
+use std::{
+    ffi::CString,
+    fs,
+    path::{Path, PathBuf},
+};
+
+use anyhow::{Context as _, anyhow, bail};
+use aya::{
+    Ebpf, EbpfLoader,
+    maps::{Array, HashMap, LpmTrie, MapData, PerCpuArray, RingBuf},
+    programs::{
+        Xdp, XdpMode,
+        links::{FdLink, PinnedLink},
+        xdp::XdpLink,
+    },
+};
+use ratelimit_common::{
+    addr::IpKey,
+    caps::MAX_IFACES,
+    maps::{
+        BanEntry, ClientKey, ClientState, GlobalConfig, ListValue, OverrideKey, OverrideValue,
+        RegionOverrideKey, RuleConfig,
+    },
+    stats::Counter,
+};
+use tracing::{debug, info, warn};
+
+use crate::config;
+
+/// The compiled XDP program, built by build.rs.
+static PROGRAM: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/ratelimit"));
+
+const PROGRAM_NAME: &str = "ratelimit";
+const BPF_FS_MAGIC: i64 = 0xcafe4a11;
+
+/// Typed handles on every map.
+pub struct Maps {
+    pub global: Array<MapData, GlobalConfig>,
+    pub rules: Array<MapData, RuleConfig>,
+    pub allow: LpmTrie<MapData, IpKey, ListValue>,
+    pub deny: LpmTrie<MapData, IpKey, ListValue>,
+    pub rule_src: LpmTrie<MapData, IpKey, ListValue>,
+    pub overrides: LpmTrie<MapData, OverrideKey, OverrideValue>,
+    pub region_overrides: HashMap<MapData, RegionOverrideKey, OverrideValue>,
+    pub regions: LpmTrie<MapData, IpKey, [u8; 4]>,
+    pub clients: HashMap<MapData, ClientKey, ClientState>,
+    pub bans: LpmTrie<MapData, IpKey, BanEntry>,
+    pub admission: Array<MapData, ratelimit_common::maps::Admission>,
+    pub stats: PerCpuArray<MapData, Counter>,
+    pub ifaces: HashMap<MapData, u32, u32>,
+    pub events: Option<RingBuf<MapData>>,
+}
+
+pub struct Datapath {
+    ebpf: Ebpf,
+    pin_dir: PathBuf,
+    /// Interfaces this daemon attached or adopted, with the mode in use.
+    pub attached: Vec<Attached>,
+    /// True when pinned state from an earlier daemon was found and adopted.
+    pub adopted: bool,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct Attached {
+    pub iface: String,
+    pub ifindex: u32,
+    pub mode: String,
+    pub slot: u32,
+}
+
+/// Make sure `/sys/fs/bpf` (or the parent of `dir`) is a bpffs, mounting one if it is not.
+fn ensure_bpffs(dir: &Path) -> anyhow::Result<()> {
+    let root = Path::new("/sys/fs/bpf");
+    if !dir.starts_with(root) {
+        fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        return Ok(());
+    }
+    if statfs_magic(root) != Some(BPF_FS_MAGIC) {
+        fs::create_dir_all(root).ok();
+        let src = CString::new("bpf")?;
+        let target = CString::new("/sys/fs/bpf")?;
+        // SAFETY: plain mount(2) with valid C strings.
+        let rc = unsafe { libc::mount(src.as_ptr(), target.as_ptr(), src.as_ptr(), 0, std::ptr::null()) };
+        if rc != 0 {
+            bail!(
+                "/sys/fs/bpf is not a bpffs and mounting one failed ({}); mount it with `mount -t bpf bpf /sys/fs/bpf`",
+                std::io::Error::last_os_error()
+            );
+        }
+        info!("mounted bpffs on /sys/fs/bpf");
+    }
+    fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    Ok(())
+}
+
+fn statfs_magic(path: &Path) -> Option<i64> {
+    let c = CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
+    let mut st: libc::statfs = unsafe { std::mem::zeroed() };
+    // SAFETY: valid path and out-pointer.
+    if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
+        return None;
+    }
+    Some(st.f_type as i64)
+}
+
+fn link_pin(pin_dir: &Path, iface: &str) -> PathBuf {
+    pin_dir.join(format!("link-{iface}"))
+}
+
+pub fn ifindex(iface: &str) -> anyhow::Result<u32> {
+    let c = CString::new(iface)?;
+    // SAFETY: valid C string.
+    let idx = unsafe { libc::if_nametoindex(c.as_ptr()) };
+    if idx == 0 {
+        bail!("no such interface: {iface} (check `ip link`)");
+    }
+    Ok(idx)
+}
+
+impl Datapath {
+    /// Load the program against the pinned maps in `pin_dir` (created if absent).
+    pub fn load(pin_dir: &Path, max_sources: u32) -> anyhow::Result<Self> {
+        if let Err(e) = raise_memlock() {
+            debug!("raising RLIMIT_MEMLOCK failed ({e}); not needed on kernels with memcg accounting");
+        }
+        ensure_bpffs(pin_dir)?;
+        let adopted = pin_dir.join("RL_STATS").exists();
+        let ebpf = EbpfLoader::new()
+            .default_map_pin_directory(pin_dir)
+            .map_max_entries("RL_CLIENTS", max_sources)
+            .load(PROGRAM)
+            .context("loading the XDP program and its maps")?;
+        let mut dp = Self { ebpf, pin_dir: pin_dir.to_owned(), attached: Vec::new(), adopted };
+        let prog: &mut Xdp = dp
+            .ebpf
+            .program_mut(PROGRAM_NAME)
+            .ok_or_else(|| anyhow!("program {PROGRAM_NAME} missing from the object"))?
+            .try_into()?;
+        prog.load().map_err(|e| anyhow!("the kernel verifier rejected the XDP program: {e:#}"))?;
+        if adopted {
+            info!(dir = %pin_dir.display(), "adopted pinned maps: counters and bans carried over");
+        }
+        Ok(dp)
+    }
+
+    /// Verifier statistics of the loaded program: (xlated instruction count, verified insns).
+    pub fn program_info(&self) -> Option<(u32, u32)> {
+        let prog: &Xdp = self.ebpf.program(PROGRAM_NAME)?.try_into().ok()?;
+        let info = prog.info().ok()?;
+        Some((info.size_translated().unwrap_or(0) as u32 / 8, info.verified_instruction_count().unwrap_or(0)))
+    }
+
+    /// Attach to `iface` (or take over its pinned link from an earlier daemon).
+    pub fn attach(&mut self, iface: &str, mode: config::XdpMode) -> anyhow::Result<Attached> {
+        let idx = ifindex(iface)?;
+        let pin = link_pin(&self.pin_dir, iface);
+        let prog: &mut Xdp = self.ebpf.program_mut(PROGRAM_NAME).expect("loaded").try_into()?;
+        let (link_id, mode_used) = if pin.exists() {
+            let pinned = PinnedLink::from_pin(&pin).with_context(|| format!("opening {}", pin.display()))?;
+            let fd_link = FdLink::from(pinned);
+            let mode_used = fd_link
+                .info()
+                .ok()
+                .map(|_| "adopted".to_string())
+                .unwrap_or_else(|| "adopted".to_string());
+            let xdp_link = XdpLink::try_from(fd_link).context("adopting the pinned XDP link")?;
+            let id = prog
+                .attach_to_link(xdp_link)
+                .with_context(|| format!("replacing the program in the pinned link on {iface}"))?;
+            (id, mode_used)
+        } else {
+            match mode {
+                config::XdpMode::Native => (
+                    prog.attach(iface, XdpMode::Driver)
+                        .with_context(|| format!("attaching in native (driver) mode on {iface}; try xdp_mode = \"generic\""))?,
+                    "native".to_string(),
+                ),
+                config::XdpMode::Generic => (
+                    prog.attach(iface, XdpMode::Skb).with_context(|| format!("attaching in generic mode on {iface}"))?,
+                    "generic".to_string(),
+                ),
+                config::XdpMode::Auto => match prog.attach(iface, XdpMode::Driver) {
+                    Ok(id) => (id, "native".to_string()),
+                    Err(e) => {
+                        warn!(
+                            iface,
+                            "native XDP attach failed on {iface} ({e}); retrying in generic mode, which runs after the kernel allocates an skb and costs more per packet"
+                        );
+                        (
+                            prog.attach(iface, XdpMode::Skb)
+                                .with_context(|| format!("attaching in generic mode on {iface}"))?,
+                            "generic".to_string(),
+                        )
+                    }
+                },
+            }
+        };
+        let link = prog.take_link(link_id)?;
+        let fd_link: FdLink = link.try_into().context("XDP attach did not produce a bpf_link")?;
+        if pin.exists() {
+            fs::remove_file(&pin).with_context(|| format!("replacing {}", pin.display()))?;
+        }
+        let pinned = fd_link.pin(&pin).with_context(|| format!("pinning {}", pin.display()))?;
+        drop(pinned); // the pin keeps the link (and the program) attached
+        let slot = self.assign_slot(idx)?;
+        let a = Attached { iface: iface.to_string(), ifindex: idx, mode: mode_used, slot };
+        info!(iface, mode = %a.mode, slot, "XDP program attached");
+        self.attached.push(a.clone());
+        Ok(a)
+    }
+
+    /// Counter slot for `ifindex`: the one already assigned, else the lowest free one.
+    fn assign_slot(&mut self, ifindex: u32) -> anyhow::Result<u32> {
+        let mut ifaces: HashMap<&mut MapData, u32, u32> =
+            HashMap::try_from(self.ebpf.map_mut("RL_IFACES").expect("map"))?;
+        if let Ok(s) = ifaces.get(&ifindex, 0) {
+            return Ok(s);
+        }
+        let used: Vec<u32> = ifaces.iter().filter_map(|r| r.ok().map(|(_, v)| v)).collect();
+        let slot = (1..MAX_IFACES).find(|s| !used.contains(s)).unwrap_or(0);
+        ifaces.insert(ifindex, slot, 0)?;
+        Ok(slot)
+    }
+
+    /// Take typed handles on every map (once).
+    pub fn take_maps(&mut self) -> anyhow::Result<Maps> {
+        let e = &mut self.ebpf;
+        let mut take = |name: &str| e.take_map(name).ok_or_else(|| anyhow!("map {name} missing"));
+        Ok(Maps {
+            global: Array::try_from(take("RL_GLOBAL")?)?,
+            rules: Array::try_from(take("RL_RULES")?)?,
+            allow: LpmTrie::try_from(take("RL_ALLOW")?)?,
+            deny: LpmTrie::try_from(take("RL_DENY")?)?,
+            rule_src: LpmTrie::try_from(take("RL_RULE_SRC")?)?,
+            overrides: LpmTrie::try_from(take("RL_OVERRIDES")?)?,
+            region_overrides: HashMap::try_from(take("RL_REGION_OVERRIDES")?)?,
+            regions: LpmTrie::try_from(take("RL_REGIONS")?)?,
+            clients: HashMap::try_from(take("RL_CLIENTS")?)?,
+            bans: LpmTrie::try_from(take("RL_BANS")?)?,
+            admission: Array::try_from(take("RL_ADMISSION")?)?,
+            stats: PerCpuArray::try_from(take("RL_STATS")?)?,
+            ifaces: HashMap::try_from(take("RL_IFACES")?)?,
+            events: Some(RingBuf::try_from(take("RL_EVENTS")?)?),
+        })
+    }
+}
+
+/// Remove the program from the interfaces (all pinned links, or those named) and, when no link
+/// is left, every pinned map. Returns the interfaces detached.
+pub fn detach(pin_dir: &Path, only: &[String]) -> anyhow::Result<Vec<String>> {
+    let mut detached = Vec::new();
+    let Ok(entries) = fs::read_dir(pin_dir) else {
+        return Ok(detached);
+    };
+    let mut remaining_links = 0;
+    let mut files = Vec::new();
+    for entry in entries.flatten() {
+        let name = entry.file_name().to_string_lossy().into_owned();
+        if let Some(iface) = name.strip_prefix("link-") {
+            if only.is_empty() || only.iter().any(|o| o == iface) {
+                let pinned = PinnedLink::from_pin(entry.path())
+                    .with_context(|| format!("opening {}", entry.path().display()))?;
+                let link = pinned.unpin()?;
+                drop(link); // last reference: the kernel detaches the program
+                detached.push(iface.to_string());
+            } else {
+                remaining_links += 1;
+            }
+        } else {
+            files.push(entry.path());
+        }
+    }
+    if remaining_links == 0 {
+        for f in files {
+            fs::remove_file(&f).with_context(|| format!("removing {}", f.display()))?;
+        }
+        let _ = fs::remove_dir(pin_dir);
+    }
+    Ok(detached)
+}
+
+fn raise_memlock() -> std::io::Result<()> {
+    let rlim = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
+    // SAFETY: valid rlimit struct.
+    if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &rlim) } != 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    Ok(())
+}
