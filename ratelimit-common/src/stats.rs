@@ -70,6 +70,34 @@ pub mod global {
     /// Lock-free update lost its race too many times; counted as exceeding (never over-admits).
     pub const CONTENDED: u32 = 23;
     pub const COUNT: u32 = 24;
+
+    /// Names used in reports and metric labels, by index.
+    pub const NAMES: [&str; COUNT as usize] = [
+        "pass",
+        "pass_non_ip",
+        "pass_malformed",
+        "pass_allow",
+        "drop_deny",
+        "drop_ban",
+        "drop_rule",
+        "preview_would_drop",
+        "exceed_pass",
+        "ban_pass",
+        "state_created",
+        "admission_refused",
+        "state_insert_failed",
+        "bans_issued",
+        "ban_insert_failed",
+        "bans_expired",
+        "events_lost",
+        "fragments",
+        "malformed_l2",
+        "malformed_ipv4",
+        "malformed_ipv6",
+        "malformed_l4",
+        "ipv6_ext_limit",
+        "contended",
+    ];
 }
 
 /// Per-rule counters.
@@ -89,6 +117,10 @@ pub mod rule {
     /// Packets dropped because the client was banned by this rule (key all/region bans).
     pub const BANNED_DROPPED: u32 = 6;
     pub const COUNT: u32 = 7;
+
+    /// Names used in reports and metric labels, by index.
+    pub const NAMES: [&str; COUNT as usize] =
+        ["matched", "admitted", "dropped", "would_drop", "exceed_passed", "bans", "banned_dropped"];
 }
 
 /// Counters per interface slot.

@@ -3,6 +3,11 @@
 //! instructions (kernel 5.12+): add, and, or, xchg and cmpxchg, all with fetch.
 //!
 //! Every function takes a pointer into a map value that the caller got from a map lookup.
+//!
+//! The fetch-and-op functions are inline assembly: LLVM 22's BPF backend rewrites an
+//! `atomicrmw add` whose result *is* used into the non-fetching form (its pre-emit check
+//! misreads the tied register as dead), so the "previous value" silently became the operand.
+//! Found by an end-to-end test that admitted every packet; the asm leaves no room for that.
 
 use core::intrinsics::{self, AtomicOrdering::Relaxed};
 
@@ -19,31 +24,83 @@ pub unsafe fn store(p: *mut u64, v: u64) {
     unsafe { core::ptr::write_volatile(p, v) }
 }
 
-/// Adds `v`, returning the previous value.
+/// Adds `v`, returning the previous value (BPF_ADD | BPF_FETCH).
 #[inline(always)]
 pub unsafe fn fetch_add(p: *mut u64, v: u64) -> u64 {
-    unsafe { intrinsics::atomic_xadd::<u64, u64, { Relaxed }>(p, v) }
+    let mut r = v;
+    unsafe {
+        core::arch::asm!(
+            "{r} = atomic_fetch_add((u64 *)({p} + 0), {r})",
+            r = inout(reg) r,
+            p = in(reg) p,
+            options(nostack),
+        )
+    };
+    r
+}
+
+/// Adds `v` without reading the result (BPF_ADD): for counters nobody reads back here.
+#[inline(always)]
+pub unsafe fn add(p: *mut u64, v: u64) {
+    unsafe {
+        core::arch::asm!(
+            "lock *(u64 *)({p} + 0) += {v}",
+            v = in(reg) v,
+            p = in(reg) p,
+            options(nostack),
+        )
+    };
 }
 
 /// Subtracts `v` (adds its two's complement), returning the previous value.
 #[inline(always)]
 pub unsafe fn fetch_sub(p: *mut u64, v: u64) -> u64 {
-    unsafe { intrinsics::atomic_xadd::<u64, u64, { Relaxed }>(p, v.wrapping_neg()) }
+    unsafe { fetch_add(p, v.wrapping_neg()) }
 }
 
+/// BPF_OR | BPF_FETCH.
 #[inline(always)]
 pub unsafe fn fetch_or(p: *mut u64, v: u64) -> u64 {
-    unsafe { intrinsics::atomic_or::<u64, u64, { Relaxed }>(p, v) }
+    let mut r = v;
+    unsafe {
+        core::arch::asm!(
+            "{r} = atomic_fetch_or((u64 *)({p} + 0), {r})",
+            r = inout(reg) r,
+            p = in(reg) p,
+            options(nostack),
+        )
+    };
+    r
 }
 
+/// BPF_AND | BPF_FETCH.
 #[inline(always)]
 pub unsafe fn fetch_and(p: *mut u64, v: u64) -> u64 {
-    unsafe { intrinsics::atomic_and::<u64, u64, { Relaxed }>(p, v) }
+    let mut r = v;
+    unsafe {
+        core::arch::asm!(
+            "{r} = atomic_fetch_and((u64 *)({p} + 0), {r})",
+            r = inout(reg) r,
+            p = in(reg) p,
+            options(nostack),
+        )
+    };
+    r
 }
 
+/// BPF_XCHG.
 #[inline(always)]
 pub unsafe fn swap(p: *mut u64, v: u64) -> u64 {
-    unsafe { intrinsics::atomic_xchg::<u64, { Relaxed }>(p, v) }
+    let mut r = v;
+    unsafe {
+        core::arch::asm!(
+            "{r} = xchg_64({p} + 0, {r})",
+            r = inout(reg) r,
+            p = in(reg) p,
+            options(nostack),
+        )
+    };
+    r
 }
 
 /// Compare-and-swap: true if `*p` was `old` and is now `new`.

@@ -435,8 +435,8 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
     // SAFETY: `st` is a live map value; fields are touched through atomics or plain stores of
     // values only reports read.
     unsafe {
-        atomic::fetch_add(&raw mut (*st).packets, 1);
-        atomic::fetch_add(&raw mut (*st).bytes, env.len);
+        atomic::add(&raw mut (*st).packets, 1);
+        atomic::add(&raw mut (*st).bytes, env.len);
         (*st).last_ns = env.now;
     }
     let lim = limit as *const Limit;
@@ -475,7 +475,7 @@ pub extern "C" fn rl_aggregate_ban(st: *mut ClientState, key: *const ClientKey, 
             return 0;
         }
         if (*j).now < u {
-            atomic::fetch_add(&raw mut (*st).drops, 1);
+            atomic::add(&raw mut (*st).drops, 1);
             return 1;
         }
         if atomic::cas(until, u, 0) {
@@ -519,7 +519,7 @@ pub extern "C" fn rl_limit(st: *mut ClientState, lim: *const Limit, j: *mut Judg
         (*j).capacity = capacity;
         if !admitted {
             (*st).last_exceed_ns = (*j).now;
-            atomic::fetch_add(&raw mut (*st).drops, 1);
+            atomic::add(&raw mut (*st).drops, 1);
         }
         admitted as u64
     }
@@ -690,7 +690,7 @@ pub extern "C" fn rl_ban(st: *mut ClientState, lim: *const Limit, key: *const Cl
         if j.algorithm == ALG_TOKEN_BUCKET as u32 {
             atomic::store(&raw mut (*st).stamp, 0);
         }
-        atomic::fetch_add(&raw mut (*st).drops, 1);
+        atomic::add(&raw mut (*st).drops, 1);
         stats::add(j.slot, global::BANS_ISSUED, 0);
         stats::add_rule(j.slot, j.rule, rc::BANS, 0);
         events::emit(j.slot, EV_BAN, key, now, j.seen, (*lim).ban_threshold, expires);

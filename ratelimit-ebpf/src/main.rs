@@ -5,7 +5,7 @@
 //! through [`finish`], so every frame is counted in exactly one verdict counter.
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
-#![cfg_attr(target_arch = "bpf", feature(core_intrinsics))]
+#![cfg_attr(target_arch = "bpf", feature(core_intrinsics, asm_experimental_arch))]
 #![cfg_attr(target_arch = "bpf", expect(internal_features, reason = "BPF atomics, see atomic.rs"))]
 
 #[cfg(target_arch = "bpf")]

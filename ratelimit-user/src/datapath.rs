@@ -160,7 +160,7 @@ impl Datapath {
     }
 
     /// Attach to `iface` (or take over its pinned link from an earlier daemon).
-    pub fn attach(&mut self, iface: &str, mode: config::XdpMode) -> anyhow::Result<Attached> {
+    pub fn attach(&mut self, iface: &str, mode: config::XdpMode, maps: &mut Maps) -> anyhow::Result<Attached> {
         let idx = ifindex(iface)?;
         let pin = link_pin(&self.pin_dir, iface);
         let prog: &mut Xdp = self.ebpf.program_mut(PROGRAM_NAME).expect("loaded").try_into()?;
@@ -211,25 +211,13 @@ impl Datapath {
         }
         let pinned = fd_link.pin(&pin).with_context(|| format!("pinning {}", pin.display()))?;
         drop(pinned); // the pin keeps the link (and the program) attached
-        let slot = self.assign_slot(idx)?;
+        let slot = assign_slot(&mut maps.ifaces, idx)?;
         let a = Attached { iface: iface.to_string(), ifindex: idx, mode: mode_used, slot };
         info!(iface, mode = %a.mode, slot, "XDP program attached");
         self.attached.push(a.clone());
         Ok(a)
     }
 
-    /// Counter slot for `ifindex`: the one already assigned, else the lowest free one.
-    fn assign_slot(&mut self, ifindex: u32) -> anyhow::Result<u32> {
-        let mut ifaces: HashMap<&mut MapData, u32, u32> =
-            HashMap::try_from(self.ebpf.map_mut("RL_IFACES").expect("map"))?;
-        if let Ok(s) = ifaces.get(&ifindex, 0) {
-            return Ok(s);
-        }
-        let used: Vec<u32> = ifaces.iter().filter_map(|r| r.ok().map(|(_, v)| v)).collect();
-        let slot = (1..MAX_IFACES).find(|s| !used.contains(s)).unwrap_or(0);
-        ifaces.insert(ifindex, slot, 0)?;
-        Ok(slot)
-    }
 
     /// Take typed handles on every map (once).
     pub fn take_maps(&mut self) -> anyhow::Result<Maps> {
@@ -252,6 +240,18 @@ impl Datapath {
             events: Some(RingBuf::try_from(take("RL_EVENTS")?)?),
         })
     }
+}
+
+/// Counter slot for `ifindex`: the one already assigned, else the lowest free one (slot 0, shared,
+/// once all are taken).
+fn assign_slot(ifaces: &mut HashMap<MapData, u32, u32>, ifindex: u32) -> anyhow::Result<u32> {
+    if let Ok(s) = ifaces.get(&ifindex, 0) {
+        return Ok(s);
+    }
+    let used: Vec<u32> = ifaces.iter().filter_map(|r| r.ok().map(|(_, v)| v)).collect();
+    let slot = (1..MAX_IFACES).find(|s| !used.contains(s)).unwrap_or(0);
+    ifaces.insert(ifindex, slot, 0)?;
+    Ok(slot)
 }
 
 /// Remove the program from the interfaces (all pinned links, or those named) and, when no link

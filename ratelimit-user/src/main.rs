@@ -1,1 +1,223 @@
-fn main() {}
+//! `ratelimit`: the daemon (`ratelimit run`) and its command-line client.
+
+mod apply;
+mod bans;
+mod cli;
+mod config;
+mod control;
+mod daemon;
+mod datapath;
+mod events;
+mod report;
+mod ruleset;
+
+use std::{
+    io::Read as _,
+    path::{Path, PathBuf},
+    process::ExitCode,
+};
+
+use anyhow::Context as _;
+use clap::Parser as _;
+
+use crate::{
+    cli::{BanCommand, Cli, Command, RuleCommand, XdpModeArg},
+    control::{BanSpec, Request},
+};
+
+const DEFAULT_SOCKET: &str = "/run/ratelimit/control.sock";
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match dispatch(cli) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+fn socket_path(cli: &Cli) -> anyhow::Result<PathBuf> {
+    if let Some(s) = &cli.socket {
+        return Ok(s.clone());
+    }
+    if let Some(c) = &cli.config {
+        let cfg = config::load(c).map_err(|e| anyhow::anyhow!("{e}"))?;
+        return Ok(cfg.daemon.control_socket);
+    }
+    Ok(PathBuf::from(DEFAULT_SOCKET))
+}
+
+fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
+    let req = match &cli.command {
+        Command::Run(args) => {
+            let opts = daemon::Options {
+                config_path: cli.config.clone(),
+                ifaces: args.ifaces.clone(),
+                xdp_mode: args.xdp_mode.map(|m| match m {
+                    XdpModeArg::Auto => config::XdpMode::Auto,
+                    XdpModeArg::Native => config::XdpMode::Native,
+                    XdpModeArg::Generic => config::XdpMode::Generic,
+                }),
+                preview: args.preview,
+            };
+            let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+            rt.block_on(daemon::run(opts))?;
+            return Ok(ExitCode::SUCCESS);
+        }
+        Command::CheckConfig { file } => {
+            return Ok(match config::load(file) {
+                Ok(cfg) => {
+                    println!("{}: ok ({} rules)", file.display(), cfg.rules.len());
+                    ExitCode::SUCCESS
+                }
+                Err(e) => {
+                    eprintln!("{e}");
+                    ExitCode::FAILURE
+                }
+            });
+        }
+        Command::Detach(args) => {
+            let dir = match (&args.bpffs_dir, &cli.config) {
+                (Some(d), _) => d.clone(),
+                (None, Some(c)) => config::load(c).map_err(|e| anyhow::anyhow!("{e}"))?.daemon.bpffs_dir,
+                (None, None) => config::Daemon::default().bpffs_dir,
+            };
+            let done = datapath::detach(&dir, &args.ifaces)?;
+            if done.is_empty() {
+                println!("nothing attached under {}", dir.display());
+            } else {
+                println!("detached from {}", done.join(", "));
+            }
+            return Ok(ExitCode::SUCCESS);
+        }
+        Command::Status(_) => Request::Status,
+        Command::Stats(_) => Request::Stats,
+        Command::Top(t) => Request::Top { n: t.n, by: t.by },
+        Command::Bans(_) => Request::Bans,
+        Command::Offenders(_) => Request::Offenders,
+        Command::Reload(_) => Request::Reload,
+        Command::Ban { action: BanCommand::Add { cidr, duration, reason, file, .. } } => {
+            let duration_ms = duration
+                .as_deref()
+                .map(|d| humantime::parse_duration(d).with_context(|| format!("--for {d:?}: expected e.g. 30s, 20m, 1h, 1d")))
+                .transpose()?
+                .map(|d| d.as_millis() as u64);
+            let cidrs = cidr_list(cidr.as_deref(), file.as_deref())?;
+            Request::BanAdd {
+                bans: cidrs.into_iter().map(|c| BanSpec { cidr: c, duration_ms, reason: reason.clone() }).collect(),
+            }
+        }
+        Command::Ban { action: BanCommand::Del { cidr, file, .. } } => {
+            Request::BanDel { cidrs: cidr_list(cidr.as_deref(), file.as_deref())? }
+        }
+        Command::Rule { action: RuleCommand::Set(set) } => Request::RuleSet { set: set.clone() },
+    };
+    let json = match &cli.command {
+        Command::Status(j) | Command::Stats(j) | Command::Bans(j) | Command::Offenders(j) | Command::Reload(j) => j.json,
+        Command::Top(t) => t.json,
+        Command::Ban { action: BanCommand::Add { json, .. } | BanCommand::Del { json, .. } } => *json,
+        Command::Rule { action: RuleCommand::Set(s) } => s.json,
+        _ => false,
+    };
+    let data = control::call(&socket_path(&cli)?, &req)?;
+    if json {
+        println!("{}", serde_json::to_string_pretty(&data)?);
+    } else {
+        print_human(&req, &data);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// One CIDR from the command line, or many from a file (`-` = stdin).
+fn cidr_list(one: Option<&str>, file: Option<&Path>) -> anyhow::Result<Vec<String>> {
+    match (one, file) {
+        (Some(c), None) => Ok(vec![c.to_string()]),
+        (None, Some(f)) => {
+            let mut text = String::new();
+            if f == Path::new("-") {
+                std::io::stdin().read_to_string(&mut text)?;
+            } else {
+                text = std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
+            }
+            Ok(text
+                .lines()
+                .map(|l| l.split('#').next().unwrap_or("").trim())
+                .filter(|l| !l.is_empty())
+                .map(str::to_string)
+                .collect())
+        }
+        _ => anyhow::bail!("give one CIDR or --file FILE"),
+    }
+}
+
+fn print_human(req: &Request, data: &serde_json::Value) {
+    use serde_json::Value;
+    let num = |v: &Value, k: &str| v.get(k).and_then(Value::as_u64).unwrap_or(0);
+    match req {
+        Request::Stats => {
+            println!("{:<22} {:>14} {:>16}", "verdict", "packets", "bytes");
+            if let Some(Value::Object(v)) = data.get("verdicts") {
+                for (k, c) in v {
+                    println!("{:<22} {:>14} {:>16}", k, num(c, "packets"), num(c, "bytes"));
+                }
+            }
+            if let Some(t) = data.get("total") {
+                println!("{:<22} {:>14} {:>16}", "total", num(t, "packets"), num(t, "bytes"));
+            }
+            if let Some(Value::Array(rules)) = data.get("rules") {
+                for r in rules {
+                    let c = &r["counters"];
+                    println!(
+                        "rule {:<17} matched {:>10}  admitted {:>10}  dropped {:>10}  would_drop {:>8}  bans {:>6}",
+                        r["name"].as_str().unwrap_or(""),
+                        num(&c["matched"], "packets"),
+                        num(&c["admitted"], "packets"),
+                        num(&c["dropped"], "packets"),
+                        num(&c["would_drop"], "packets"),
+                        num(&c["bans"], "packets"),
+                    );
+                }
+            }
+        }
+        Request::Top { .. } | Request::Offenders => {
+            println!(
+                "{:<20} {:<8} {:<40} {:>10} {:>12} {:>8} {:>9} {:>9}",
+                "rule", "key", "client", "packets", "bytes", "drops", "usage", "throttled"
+            );
+            for c in data.as_array().into_iter().flatten() {
+                println!(
+                    "{:<20} {:<8} {:<40} {:>10} {:>12} {:>8} {:>9} {:>9}",
+                    c["rule"].as_str().unwrap_or(""),
+                    c["key"].as_str().unwrap_or(""),
+                    c["client"].as_str().unwrap_or(""),
+                    num(c, "packets"),
+                    num(c, "bytes"),
+                    num(c, "drops"),
+                    format!("{}/{}", num(c, "usage"), num(c, "limit")),
+                    c["throttled"].as_bool().unwrap_or(false),
+                );
+            }
+        }
+        Request::Bans => {
+            println!("{:<40} {:<20} {:<26} {}", "cidr", "rule", "expires", "reason");
+            for b in data.as_array().into_iter().flatten() {
+                println!(
+                    "{:<40} {:<20} {:<26} {}",
+                    b["cidr"].as_str().unwrap_or(""),
+                    b["rule"].as_str().unwrap_or(if b["manual"].as_bool() == Some(true) { "(manual)" } else { "" }),
+                    b["expires"].as_str().unwrap_or("never"),
+                    b["reason"].as_str().unwrap_or(""),
+                );
+            }
+        }
+        _ => println!("{}", serde_json::to_string_pretty(data).unwrap_or_default()),
+    }
+}

@@ -1,1 +1,58 @@
-fn main() {}
+//! `cargo xtask ...`: the developer and CI entry point of the workspace.
+//!
+//! Every command that builds something first runs [`setup::ensure`], so a fresh machine needs
+//! nothing but Rust and rustup before `cargo xtask run` or `cargo xtask test`.
+
+mod bench;
+mod demo;
+mod run;
+mod setup;
+mod test;
+mod util;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Debug, Parser)]
+#[command(
+    name = "xtask",
+    about = "Developer commands for the ratelimit workspace"
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Install what the build and the tests need (Debian packages, nightly rust-src,
+    /// bpf-linker); idempotent, skips what is present.
+    Setup,
+    /// Build the daemon and run it attached to the given interfaces.
+    Run(run::Options),
+    /// Run every check and test: fmt, clippy, host tests, kernel end-to-end tests.
+    Test(test::Options),
+    /// A self-contained lab: namespaces, veth links, a flood, throttling and bans live.
+    Demo(demo::Options),
+    /// The benchmark suite.
+    Bench(bench::Options),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Setup => setup::ensure(),
+        Command::Run(options) => run::run(options),
+        Command::Test(options) => test::run(options),
+        Command::Demo(options) => demo::run(options),
+        Command::Bench(options) => bench::run(options),
+    };
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("xtask: error: {error:#}");
+            ExitCode::FAILURE
+        }
+    }
+}

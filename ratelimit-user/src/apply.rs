@@ -1,0 +1,247 @@
+//! Turning a validated config into map contents (`plan`, pure) and writing them (`apply`).
+//!
+//! `plan` cannot fail on a config that passed validation, and `apply` writes the maps in an
+//! order that never exposes a half-applied rule set to the data plane: entries are added before
+//! stale ones are removed, rules are written before the rule count grows and after it shrinks.
+//! Capacities were checked by validation, so a map write can only fail for reasons outside
+//! the config (memory), and that is reported as such.
+
+use std::collections::{BTreeMap, BTreeSet};
+
+use anyhow::Context as _;
+use aya::maps::lpm_trie::Key;
+use ipnet::IpNet;
+use ratelimit_common::{
+    addr::{IpKey, V4_MAPPED_PREFIX},
+    caps::MAX_PORT_RANGES,
+    maps::*,
+};
+
+use crate::{
+    config::{Action, Algorithm, Config, ExceedAction, KeyKind, OverrideTarget, Protocol, Rule, Threshold, Unit},
+    datapath::Maps,
+};
+
+/// An address prefix as the tries see it: (prefix length over 16 bytes, address).
+pub type Prefix = (u32, IpKey);
+
+pub fn prefix(net: &IpNet) -> Prefix {
+    match net {
+        IpNet::V4(n) => (V4_MAPPED_PREFIX + n.prefix_len() as u32, IpKey::from_v4(n.network().octets())),
+        IpNet::V6(n) => (n.prefix_len() as u32, IpKey::from_v6(n.network().octets())),
+    }
+}
+
+/// Back from a trie prefix to an `IpNet`.
+pub fn net_of(prefix_len: u32, key: &IpKey) -> IpNet {
+    if key.is_v4() && prefix_len >= V4_MAPPED_PREFIX {
+        let a = std::net::Ipv4Addr::new(key.addr[12], key.addr[13], key.addr[14], key.addr[15]);
+        IpNet::V4(ipnet::Ipv4Net::new(a, (prefix_len - V4_MAPPED_PREFIX) as u8).expect("valid"))
+    } else {
+        IpNet::V6(ipnet::Ipv6Net::new(std::net::Ipv6Addr::from(key.addr), prefix_len.min(128) as u8).expect("valid"))
+    }
+}
+
+/// Everything the maps should hold for a config.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Plan {
+    pub global: GlobalConfig,
+    pub rules: Vec<RuleConfig>,
+    pub allow: BTreeSet<Prefix>,
+    pub deny: BTreeSet<Prefix>,
+    pub rule_src: BTreeMap<Prefix, u32>,
+    pub overrides: BTreeMap<(u32, Prefix), OverrideValue>,
+    pub region_overrides: BTreeMap<(u32, [u8; 2]), OverrideValue>,
+}
+
+pub fn limit_of(t: &Threshold, burst: Option<u64>, ban: Option<&Threshold>, ban_duration: Option<std::time::Duration>) -> Limit {
+    let interval_ns = t.interval.as_nanos() as u64;
+    let burst = burst.unwrap_or(t.amount);
+    let ban = ban.unwrap_or(t);
+    Limit {
+        threshold: t.amount,
+        interval_ns,
+        burst,
+        ban_threshold: ban.amount,
+        ban_interval_ns: ban.interval.as_nanos() as u64,
+        ban_duration_ns: ban_duration.map(|d| d.as_nanos() as u64).unwrap_or(0),
+    }
+}
+
+pub fn rule_config(r: &Rule) -> RuleConfig {
+    let mut flags = 0;
+    if r.preview {
+        flags |= RULE_PREVIEW;
+    }
+    if r.exceed_action == ExceedAction::Pass {
+        flags |= RULE_EXCEED_PASS;
+    }
+    if r.threshold.unit == Unit::Bytes {
+        flags |= RULE_BYTES;
+    }
+    let (mut mask, mut value) = (0, 0);
+    if let Some(f) = &r.matcher.tcp_flags {
+        flags |= RULE_TCP_FLAGS;
+        mask = f.mask;
+        value = f.value;
+    }
+    if !r.matcher.src.is_empty() {
+        flags |= RULE_SRC_MATCH;
+    }
+    let mut ports = [PortRange::default(); MAX_PORT_RANGES];
+    for (slot, (lo, hi)) in ports.iter_mut().zip(&r.matcher.dst_ports) {
+        *slot = PortRange { lo: *lo, hi: *hi };
+    }
+    let is_ban = r.action == Action::RateBasedBan;
+    RuleConfig {
+        flags,
+        key: match r.key {
+            KeyKind::All => KEY_ALL,
+            KeyKind::Ip => KEY_IP,
+            KeyKind::Region => KEY_REGION,
+        },
+        action: if is_ban { ACTION_BAN } else { ACTION_THROTTLE },
+        algorithm: match r.algorithm {
+            Algorithm::SlidingWindow => ALG_SLIDING_WINDOW,
+            Algorithm::TokenBucket => ALG_TOKEN_BUCKET,
+            Algorithm::FixedWindow => ALG_FIXED_WINDOW,
+        },
+        protocol: match r.matcher.protocol {
+            None => PROTO_ANY,
+            Some(Protocol::Tcp) => PROTO_TCP,
+            Some(Protocol::Udp) => PROTO_UDP,
+            Some(Protocol::Icmp) => PROTO_ICMP,
+            Some(Protocol::Icmpv6) => PROTO_ICMPV6,
+        },
+        v4_prefix: r.ipv4_prefix,
+        v6_prefix: r.ipv6_prefix,
+        tcp_flags_mask: mask,
+        tcp_flags_value: value,
+        port_count: r.matcher.dst_ports.len().min(MAX_PORT_RANGES) as u8,
+        _pad: [0; 3],
+        ports,
+        limit: limit_of(
+            &r.threshold,
+            Some(r.burst),
+            if is_ban { Some(&r.ban_threshold) } else { None },
+            if is_ban { Some(r.ban_duration) } else { None },
+        ),
+        soft_limit_permille: (r.soft_limit * 1000.0).round().clamp(0.0, 1000.0) as u32,
+        _pad2: 0,
+    }
+}
+
+pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
+    let rules: Vec<RuleConfig> = cfg.rules.iter().map(rule_config).collect();
+    let global = GlobalConfig {
+        rule_count: rules.len() as u32,
+        preview_all: preview_all as u32,
+        admission_rate: cfg.tracking.new_sources_per_sec,
+        admission_burst: cfg.tracking.new_sources_burst,
+    };
+    // Rule source lists: at each listed prefix, the union of the masks of every listed prefix
+    // that covers it, so a longest-prefix match alone answers for all rules.
+    let mut listed: Vec<(IpNet, u32)> = Vec::new();
+    for (i, r) in cfg.rules.iter().enumerate() {
+        for n in &r.matcher.src {
+            listed.push((n.trunc(), 1 << i));
+        }
+    }
+    let mut rule_src = BTreeMap::new();
+    for (p, _) in &listed {
+        let mask = listed.iter().filter(|(q, _)| q.contains(p)).fold(0, |m, (_, b)| m | b);
+        rule_src.insert(prefix(p), mask);
+    }
+    let mut overrides = BTreeMap::new();
+    let mut region_overrides = BTreeMap::new();
+    for (i, r) in cfg.rules.iter().enumerate() {
+        let is_ban = r.action == Action::RateBasedBan;
+        for o in &r.overrides {
+            let ban = o.ban_threshold.as_ref().or(if is_ban { Some(&r.ban_threshold) } else { None });
+            let limit = limit_of(&o.threshold, Some(o.burst.unwrap_or(o.threshold.amount)), ban, if is_ban { Some(r.ban_duration) } else { None });
+            let v = OverrideValue { limit };
+            match &o.target {
+                OverrideTarget::Cidr(n) => {
+                    overrides.insert((i as u32, prefix(&n.trunc())), v);
+                }
+                OverrideTarget::Region(code) => {
+                    region_overrides.insert((i as u32, *code), v);
+                }
+            }
+        }
+    }
+    Plan {
+        global,
+        rules,
+        allow: cfg.lists.allow.iter().map(|n| prefix(&n.trunc())).collect(),
+        deny: cfg.lists.deny.iter().map(|n| prefix(&n.trunc())).collect(),
+        rule_src,
+        overrides,
+        region_overrides,
+    }
+}
+
+fn sync_list(trie: &mut aya::maps::LpmTrie<aya::maps::MapData, IpKey, ListValue>, want: &BTreeMap<Prefix, u32>, what: &str) -> anyhow::Result<()> {
+    let have: Vec<Prefix> = trie.keys().filter_map(|k| k.ok()).map(|k| (k.prefix_len(), k.data())).collect();
+    for (p, mask) in want {
+        trie.insert(&Key::new(p.0, p.1), ListValue { rule_src_mask: *mask, _pad: 0 }, 0)
+            .with_context(|| format!("writing the {what} map"))?;
+    }
+    for p in have {
+        if !want.contains_key(&p) {
+            trie.remove(&Key::new(p.0, p.1)).with_context(|| format!("pruning the {what} map"))?;
+        }
+    }
+    Ok(())
+}
+
+/// Write a plan into the maps.
+pub fn apply(maps: &mut Maps, plan: &Plan) -> anyhow::Result<()> {
+    let as_map = |s: &BTreeSet<Prefix>| s.iter().map(|p| (*p, 0u32)).collect::<BTreeMap<_, _>>();
+    sync_list(&mut maps.allow, &as_map(&plan.allow), "allow")?;
+    sync_list(&mut maps.deny, &as_map(&plan.deny), "deny")?;
+    sync_list(&mut maps.rule_src, &plan.rule_src, "rule source")?;
+
+    let have: Vec<(u32, Prefix)> = maps
+        .overrides
+        .keys()
+        .filter_map(|k| k.ok())
+        .map(|k| {
+            let d = k.data();
+            (u32::from_be(d.rule_be), (k.prefix_len() - OVERRIDE_RULE_BITS, IpKey { addr: d.addr }))
+        })
+        .collect();
+    for ((rule, p), v) in &plan.overrides {
+        let key = Key::new(OVERRIDE_RULE_BITS + p.0, OverrideKey { rule_be: rule.to_be(), addr: p.1.addr });
+        maps.overrides.insert(&key, *v, 0).context("writing the override map")?;
+    }
+    for (rule, p) in have {
+        if !plan.overrides.contains_key(&(rule, p)) {
+            let key = Key::new(OVERRIDE_RULE_BITS + p.0, OverrideKey { rule_be: rule.to_be(), addr: p.1.addr });
+            maps.overrides.remove(&key).context("pruning the override map")?;
+        }
+    }
+    let have: Vec<RegionOverrideKey> = maps.region_overrides.keys().filter_map(|k| k.ok()).collect();
+    for ((rule, region), v) in &plan.region_overrides {
+        let key = RegionOverrideKey { rule: *rule, region: *region, _pad: [0; 2] };
+        maps.region_overrides.insert(key, *v, 0).context("writing the region override map")?;
+    }
+    for k in have {
+        if !plan.region_overrides.contains_key(&(k.rule, k.region)) {
+            maps.region_overrides.remove(&k).context("pruning the region override map")?;
+        }
+    }
+
+    let old = maps.global.get(&0, 0).unwrap_or_default();
+    let shrinking = plan.global.rule_count < old.rule_count;
+    if shrinking {
+        maps.global.set(0, plan.global, 0).context("writing the global settings")?;
+    }
+    for (i, r) in plan.rules.iter().enumerate() {
+        maps.rules.set(i as u32, *r, 0).context("writing a rule")?;
+    }
+    if !shrinking {
+        maps.global.set(0, plan.global, 0).context("writing the global settings")?;
+    }
+    Ok(())
+}

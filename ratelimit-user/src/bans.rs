@@ -1,0 +1,115 @@
+//! Bans on disk: every active ban (operator's and rule-issued) is saved to
+//! `state_dir/bans.json` with its wall-clock expiry, written atomically (temp file + rename),
+//! so bans survive a reboot, when the pinned maps are gone. On start, bans missing from the
+//! map are restored with their remaining time; expired ones are dropped.
+
+use std::{collections::BTreeMap, io::Write as _, path::Path, time::{Duration, SystemTime, UNIX_EPOCH}};
+
+use anyhow::Context as _;
+use aya::maps::lpm_trie::Key;
+use ratelimit_common::{limiter, maps::*};
+use serde::{Deserialize, Serialize};
+
+use crate::{
+    apply::{net_of, prefix},
+    datapath::Maps,
+    report::{mono_ns, wall_of},
+};
+
+pub const FILE: &str = "bans.json";
+
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct SavedBan {
+    pub cidr: String,
+    /// Unix time in ms; None = until removed.
+    pub expires_unix_ms: Option<u64>,
+    /// Issuing rule by name; None for an operator's ban.
+    pub rule: Option<String>,
+    pub manual: bool,
+    pub preview: bool,
+    #[serde(default)]
+    pub reason: Option<String>,
+}
+
+fn unix_ms(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64
+}
+
+pub fn save(dir: &Path, maps: &Maps, rule_names: &[String], reasons: &BTreeMap<String, String>) -> anyhow::Result<()> {
+    let now = mono_ns();
+    let list: Vec<SavedBan> = maps
+        .bans
+        .iter()
+        .filter_map(|r| r.ok())
+        .filter(|(_, b)| limiter::ban_active(b.expires_ns, now))
+        .map(|(k, b)| {
+            let cidr = net_of(k.prefix_len(), &k.data()).to_string();
+            SavedBan {
+                expires_unix_ms: (b.expires_ns != 0).then(|| unix_ms(wall_of(b.expires_ns))),
+                rule: (b.rule != BAN_RULE_NONE).then(|| rule_names.get(b.rule as usize).cloned()).flatten(),
+                manual: b.flags & BAN_MANUAL != 0,
+                preview: b.flags & BAN_PREVIEW != 0,
+                reason: reasons.get(&cidr).cloned(),
+                cidr,
+            }
+        })
+        .collect();
+    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    let tmp = dir.join(format!(".{FILE}.tmp"));
+    let mut f = std::fs::File::create(&tmp)?;
+    f.write_all(&serde_json::to_vec_pretty(&list)?)?;
+    f.sync_all()?;
+    std::fs::rename(&tmp, dir.join(FILE))?;
+    Ok(())
+}
+
+pub struct Restored {
+    pub restored: usize,
+    pub reasons: BTreeMap<String, String>,
+}
+
+pub fn restore(dir: &Path, maps: &mut Maps, rule_names: &[String]) -> anyhow::Result<Restored> {
+    let path = dir.join(FILE);
+    let mut out = Restored { restored: 0, reasons: BTreeMap::new() };
+    let text = match std::fs::read(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
+        Err(e) => return Err(e).with_context(|| format!("reading {}", path.display())),
+    };
+    let list: Vec<SavedBan> = match serde_json::from_slice(&text) {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::warn!("ignoring unreadable {}: {e}", path.display());
+            return Ok(out);
+        }
+    };
+    let now_wall = unix_ms(SystemTime::now());
+    let now = mono_ns();
+    for b in list {
+        let Ok(net) = b.cidr.parse::<ipnet::IpNet>() else { continue };
+        if let Some(r) = &b.reason {
+            out.reasons.insert(b.cidr.clone(), r.clone());
+        }
+        let expires_ns = match b.expires_unix_ms {
+            None => 0,
+            Some(ms) if ms <= now_wall => continue,
+            Some(ms) => now + Duration::from_millis(ms - now_wall).as_nanos() as u64,
+        };
+        let (plen, key) = prefix(&net);
+        if maps.bans.get(&Key::new(plen, key), 0).is_ok() {
+            continue; // still pinned: the kernel's copy is authoritative
+        }
+        let rule = b.rule.as_ref().and_then(|n| rule_names.iter().position(|r| r == n)).map(|i| i as u32).unwrap_or(BAN_RULE_NONE);
+        let mut flags = 0;
+        if b.manual {
+            flags |= BAN_MANUAL;
+        }
+        if b.preview {
+            flags |= BAN_PREVIEW;
+        }
+        let entry = BanEntry { expires_ns, since_ns: now, rule, flags, prefix_len: plen, _pad: 0, addr: key.addr };
+        maps.bans.insert(&Key::new(plen, key), entry, 0).with_context(|| format!("restoring ban {net}"))?;
+        out.restored += 1;
+    }
+    Ok(out)
+}

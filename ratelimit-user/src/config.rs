@@ -1,0 +1,533 @@
+//! The config file: its model, parser and validator.
+//!
+//! [`parse`] turns TOML text into a [`Config`] or into every problem it can find at once
+//! ([`ConfigErrors`]), each with the file, line and column of the offending key or value and a
+//! message naming the field, e.g.
+//! `ratelimit.toml:14:39: rule "syn-per-client": threshold.interval must be greater than 0`.
+//! A config that parses fits the kernel maps (see [`ratelimit_common::caps`]): the daemon can
+//! apply it without a partial failure.
+//!
+//! Value syntax, shared with the CLI through the `parse_*` helpers and the `FromStr` impls:
+//! - durations: `"500ms"`, `"30s"`, `"20m"`, `"1h"`, `"1d"` ([`parse_duration`]);
+//! - addresses: IPv4 or IPv6, bare (a /32 or /128) or CIDR; a CIDR with host bits set is an
+//!   error ([`parse_net`]);
+//! - byte sizes: an integer, or a string with a `B`, `KB`/`kB` (1000), `KiB` (1024), `MB`,
+//!   `MiB`, `GB` or `GiB` suffix ([`parse_bytes`]);
+//! - destination ports: `80`, `"80"` or `"8000-8100"` ([`parse_port_range`]);
+//! - TCP flags: names `fin`, `syn`, `rst`, `psh`, `ack`, `urg`, `ece`, `cwr` separated by `,`
+//!   or `|`, `!name` for a flag that must be clear. Exactly `"syn"` alone is shorthand for
+//!   `"syn,!ack"`: a connection attempt, not a SYN-ACK ([`parse_tcp_flags`]);
+//! - thresholds: `{ count = 2000, interval = "20m" }` or `{ bytes = "10MiB", interval = "1s" }`
+//!   in the file, `2000/20m` or `10MiB/1s` on the command line ([`Threshold`]'s `FromStr`).
+
+use std::fmt;
+use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::path::{Path, PathBuf};
+use std::str::FromStr;
+use std::time::Duration;
+
+use ipnet::IpNet;
+use ratelimit_common::caps;
+
+mod tree;
+mod validate;
+mod values;
+
+#[cfg(test)]
+mod tests;
+
+pub use values::{
+    format_duration, parse_bytes, parse_duration, parse_net, parse_port_range, parse_tcp_flags,
+};
+
+/// Default `daemon.control_socket`.
+pub const DEFAULT_CONTROL_SOCKET: &str = "/run/ratelimit/control.sock";
+/// Default `daemon.http_listen`.
+pub const DEFAULT_HTTP_LISTEN: SocketAddr =
+    SocketAddr::V4(SocketAddrV4::new(Ipv4Addr::LOCALHOST, 9477));
+/// Default `daemon.state_dir`.
+pub const DEFAULT_STATE_DIR: &str = "/var/lib/ratelimit";
+/// Default `daemon.bpffs_dir`.
+pub const DEFAULT_BPFFS_DIR: &str = "/sys/fs/bpf/ratelimit";
+/// Longest interface name Linux accepts (`IFNAMSIZ - 1`).
+pub const MAX_IFACE_NAME_LEN: usize = 15;
+
+/// A whole config file.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct Config {
+    pub daemon: Daemon,
+    pub tracking: Tracking,
+    pub lists: Lists,
+    pub geoip: Option<GeoIp>,
+    /// In file order, which is evaluation order.
+    pub rules: Vec<Rule>,
+}
+
+/// `[daemon]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Daemon {
+    /// Empty by default: `ratelimit run --iface` can supply them.
+    pub interfaces: Vec<String>,
+    pub xdp_mode: XdpMode,
+    pub control_socket: PathBuf,
+    /// `None` when the config says `""` or `"off"`.
+    pub http_listen: Option<SocketAddr>,
+    pub state_dir: PathBuf,
+    /// `None` when absent.
+    pub events: Option<EventsSink>,
+    /// Where maps and links are pinned.
+    pub bpffs_dir: PathBuf,
+}
+
+impl Default for Daemon {
+    fn default() -> Self {
+        Daemon {
+            interfaces: Vec::new(),
+            xdp_mode: XdpMode::Auto,
+            control_socket: PathBuf::from(DEFAULT_CONTROL_SOCKET),
+            http_listen: Some(DEFAULT_HTTP_LISTEN),
+            state_dir: PathBuf::from(DEFAULT_STATE_DIR),
+            events: None,
+            bpffs_dir: PathBuf::from(DEFAULT_BPFFS_DIR),
+        }
+    }
+}
+
+/// Where events go: `"-"` is stdout, anything else a file (JSON lines, appended).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum EventsSink {
+    Stdout,
+    File(PathBuf),
+}
+
+/// `[tracking]`: bounds on per-client state.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Tracking {
+    /// At least 1.
+    pub max_sources: u32,
+    /// Admission budget for new per-client state, per second; 0 = unlimited.
+    pub new_sources_per_sec: u64,
+    /// Defaults to `max(new_sources_per_sec, 1)`; may only be set with `new_sources_per_sec`.
+    pub new_sources_burst: u64,
+}
+
+impl Default for Tracking {
+    fn default() -> Self {
+        Tracking {
+            max_sources: caps::DEFAULT_MAX_SOURCES,
+            new_sources_per_sec: 0,
+            new_sources_burst: 1,
+        }
+    }
+}
+
+/// `[lists]`. Bare addresses become /32 or /128 networks; duplicates within a list are dropped.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Lists {
+    pub allow: Vec<IpNet>,
+    pub deny: Vec<IpNet>,
+}
+
+/// `[geoip]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GeoIp {
+    /// A MaxMind-format country database. Not opened by the parser.
+    pub database: PathBuf,
+}
+
+/// One `[[rule]]`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rule {
+    /// Unique, non-empty.
+    pub name: String,
+    /// TOML key `match`; absent = all traffic.
+    pub matcher: Match,
+    pub key: KeyKind,
+    /// 1..=32; may only be set with `key = "ip"`.
+    pub ipv4_prefix: u8,
+    /// 1..=128; may only be set with `key = "ip"`.
+    pub ipv6_prefix: u8,
+    pub action: Action,
+    pub threshold: Threshold,
+    pub algorithm: Algorithm,
+    /// Token bucket capacity in threshold units; defaults to `threshold.amount`, and may only be
+    /// set with `algorithm = "token_bucket"`.
+    pub burst: u64,
+    /// Defaults to `threshold`; may only be set with `action = "rate_based_ban"`; same unit as
+    /// `threshold`.
+    pub ban_threshold: Threshold,
+    /// Greater than zero for `rate_based_ban`, zero for `throttle`.
+    pub ban_duration: Duration,
+    pub exceed_action: ExceedAction,
+    pub preview: bool,
+    /// In (0, 1].
+    pub soft_limit: f64,
+    /// TOML `[[rule.override]]`, in file order.
+    pub overrides: Vec<Override>,
+}
+
+/// What a rule matches. The default matches every packet.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct Match {
+    /// `None` = any protocol.
+    pub protocol: Option<Protocol>,
+    /// Only with `protocol = Tcp`.
+    pub tcp_flags: Option<TcpFlags>,
+    /// Inclusive ranges, `lo <= hi`, no port 0; at most `caps::MAX_PORT_RANGES`; only with TCP
+    /// or UDP; empty = any port.
+    pub dst_ports: Vec<(u16, u16)>,
+    /// Source networks the rule is limited to; empty = any source.
+    pub src: Vec<IpNet>,
+}
+
+/// TCP flag match: `(flags & mask) == value`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TcpFlags {
+    pub mask: u8,
+    pub value: u8,
+}
+
+impl TcpFlags {
+    pub const FIN: u8 = 0x01;
+    pub const SYN: u8 = 0x02;
+    pub const RST: u8 = 0x04;
+    pub const PSH: u8 = 0x08;
+    pub const ACK: u8 = 0x10;
+    pub const URG: u8 = 0x20;
+    pub const ECE: u8 = 0x40;
+    pub const CWR: u8 = 0x80;
+    /// Flag names in bit order.
+    pub const NAMES: [(&'static str, u8); 8] = [
+        ("fin", Self::FIN),
+        ("syn", Self::SYN),
+        ("rst", Self::RST),
+        ("psh", Self::PSH),
+        ("ack", Self::ACK),
+        ("urg", Self::URG),
+        ("ece", Self::ECE),
+        ("cwr", Self::CWR),
+    ];
+}
+
+/// Canonical form, e.g. `syn,!ack`; parses back to the same value.
+impl fmt::Display for TcpFlags {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut first = true;
+        for (name, bit) in Self::NAMES {
+            if self.mask & bit == 0 {
+                continue;
+            }
+            if !first {
+                f.write_str(",")?;
+            }
+            first = false;
+            if self.value & bit == 0 {
+                f.write_str("!")?;
+            }
+            f.write_str(name)?;
+        }
+        Ok(())
+    }
+}
+
+impl FromStr for TcpFlags {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        parse_tcp_flags(s)
+    }
+}
+
+/// A rate: `amount` packets or bytes per `interval`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Threshold {
+    /// At least 1.
+    pub amount: u64,
+    pub unit: Unit,
+    /// Greater than zero, at most `caps::MAX_INTERVAL_NS`.
+    pub interval: Duration,
+}
+
+/// `2000/20m` for packets, `10485760B/1s` for bytes.
+impl fmt::Display for Threshold {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let unit = match self.unit {
+            Unit::Packets => "",
+            Unit::Bytes => "B",
+        };
+        write!(
+            f,
+            "{}{unit}/{}",
+            self.amount,
+            format_duration(self.interval)
+        )
+    }
+}
+
+/// `COUNT/INTERVAL` as on the command line: `2000/20m` counts packets; a byte size with a unit
+/// suffix (`10MiB/1s`, `1500B/1s`) counts bytes. Same limits as in the file.
+impl FromStr for Threshold {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let Some((amount, interval)) = s.split_once('/') else {
+            return Err(format!(
+                "{s:?} is not a threshold; write COUNT/INTERVAL, e.g. \"2000/20m\" or \"10MiB/1s\""
+            ));
+        };
+        let amount = amount.trim();
+        let (amount, unit) = if !amount.is_empty() && amount.bytes().all(|b| b.is_ascii_digit()) {
+            let n = amount
+                .parse::<u64>()
+                .map_err(|_| format!("{amount} is too large"))?;
+            (n, Unit::Packets)
+        } else {
+            (parse_bytes(amount)?, Unit::Bytes)
+        };
+        if amount == 0 {
+            return Err("the threshold amount must be at least 1".into());
+        }
+        let interval = parse_duration(interval)?;
+        values::check_interval(interval).map_err(|e| format!("the interval {e}"))?;
+        Ok(Threshold {
+            amount,
+            unit,
+            interval,
+        })
+    }
+}
+
+/// Override of a rule's thresholds for some clients. `burst` and `ban_threshold` fall back to
+/// the rule's when `None`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Override {
+    pub target: OverrideTarget,
+    pub threshold: Threshold,
+    pub burst: Option<u64>,
+    pub ban_threshold: Option<Threshold>,
+}
+
+/// Who an override applies to.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum OverrideTarget {
+    /// Only for `key = "ip"` or `"all"`; the most specific prefix wins.
+    Cidr(IpNet),
+    /// Only for `key = "region"`: ISO 3166 alpha-2 as two uppercase ASCII letters, `ZZ` for
+    /// unknown.
+    Region([u8; 2]),
+}
+
+impl fmt::Display for OverrideTarget {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            OverrideTarget::Cidr(net) => write!(f, "cidr {net}"),
+            OverrideTarget::Region([a, b]) => write!(f, "region {}{}", *a as char, *b as char),
+        }
+    }
+}
+
+/// Defines a config keyword enum with `as_str`, `Display` (the config spelling), `FromStr`
+/// (exact config spelling; the error lists the choices).
+macro_rules! keyword_enum {
+    ($(#[$m:meta])* $name:ident { $($(#[$vm:meta])* $variant:ident = $text:literal),+ $(,)? }) => {
+        $(#[$m])*
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        pub enum $name {
+            $($(#[$vm])* $variant),+
+        }
+
+        impl $name {
+            /// The spelling used in the config file and on the command line.
+            pub fn as_str(self) -> &'static str {
+                match self {
+                    $($name::$variant => $text),+
+                }
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(self.as_str())
+            }
+        }
+
+        impl FromStr for $name {
+            type Err = String;
+            fn from_str(s: &str) -> Result<Self, String> {
+                match s {
+                    $($text => Ok($name::$variant),)+
+                    _ => Err(format!(
+                        "must be one of {} (got {s:?})",
+                        values::quoted_list(&[$($text),+])
+                    )),
+                }
+            }
+        }
+    };
+}
+
+keyword_enum!(
+    /// How the XDP program is attached.
+    #[derive(Default)]
+    XdpMode {
+        /// Native, falling back to generic.
+        #[default]
+        Auto = "auto",
+        Native = "native",
+        Generic = "generic",
+    }
+);
+
+keyword_enum!(
+    /// What a rule counts per: `key`.
+    #[derive(Default)]
+    KeyKind {
+        /// One counter for all matching traffic.
+        All = "all",
+        /// Per source address, aggregated to `ipv4_prefix` / `ipv6_prefix`. The default.
+        #[default]
+        Ip = "ip",
+        /// Per country from the GeoIP database.
+        Region = "region",
+    }
+);
+
+keyword_enum!(
+    /// `action`.
+    #[derive(Default)]
+    Action {
+        #[default]
+        Throttle = "throttle",
+        RateBasedBan = "rate_based_ban",
+    }
+);
+
+keyword_enum!(
+    /// `algorithm`.
+    #[derive(Default)]
+    Algorithm {
+        #[default]
+        SlidingWindow = "sliding_window",
+        TokenBucket = "token_bucket",
+        FixedWindow = "fixed_window",
+    }
+);
+
+keyword_enum!(
+    /// `exceed_action`: what happens to packets over the threshold.
+    #[derive(Default)]
+    ExceedAction {
+        #[default]
+        Drop = "drop",
+        /// Count and report only.
+        Pass = "pass",
+    }
+);
+
+keyword_enum!(
+    /// `match.protocol`.
+    Protocol {
+        Tcp = "tcp",
+        Udp = "udp",
+        Icmp = "icmp",
+        Icmpv6 = "icmpv6",
+    }
+);
+
+impl Protocol {
+    /// Whether destination ports apply.
+    pub fn has_ports(self) -> bool {
+        matches!(self, Protocol::Tcp | Protocol::Udp)
+    }
+}
+
+/// What a threshold counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Unit {
+    Packets,
+    Bytes,
+}
+
+impl Unit {
+    /// `"packets"` or `"bytes"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Unit::Packets => "packets",
+            Unit::Bytes => "bytes",
+        }
+    }
+}
+
+impl fmt::Display for Unit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// One problem in a config file. `line` and `col` are 1-based; `col` counts characters.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigError {
+    pub file: String,
+    pub line: usize,
+    pub col: usize,
+    pub message: String,
+}
+
+impl fmt::Display for ConfigError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(
+            f,
+            "{}:{}:{}: {}",
+            self.file, self.line, self.col, self.message
+        )
+    }
+}
+
+impl std::error::Error for ConfigError {}
+
+/// Every problem found, sorted by position. Displays one per line.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigErrors(pub Vec<ConfigError>);
+
+impl fmt::Display for ConfigErrors {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        for (i, e) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str("\n")?;
+            }
+            write!(f, "{e}")?;
+        }
+        Ok(())
+    }
+}
+
+impl std::error::Error for ConfigErrors {}
+
+/// Parses and validates config text. `file_name` only labels the errors.
+pub fn parse(file_name: &str, text: &str) -> Result<Config, ConfigErrors> {
+    let mut ck = tree::Checker::new(text);
+    let config = match tree::parse_toml(text) {
+        Ok(root) => Some(validate::build(&root, &mut ck)),
+        Err((at, msg)) => {
+            ck.error(at, format!("invalid TOML: {msg}"));
+            None
+        }
+    };
+    let errors = ck.into_errors(file_name);
+    match config {
+        Some(config) if errors.is_empty() => Ok(config),
+        _ => Err(ConfigErrors(errors)),
+    }
+}
+
+/// Reads and parses a config file. A read error is reported at 1:1.
+pub fn load(path: &Path) -> Result<Config, ConfigErrors> {
+    let file_name = path.display().to_string();
+    match std::fs::read_to_string(path) {
+        Ok(text) => parse(&file_name, &text),
+        Err(e) => Err(ConfigErrors(vec![ConfigError {
+            file: file_name,
+            line: 1,
+            col: 1,
+            message: e.to_string(),
+        }])),
+    }
+}

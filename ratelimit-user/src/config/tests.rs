@@ -1,0 +1,1471 @@
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use ipnet::IpNet;
+use ratelimit_common::caps;
+
+use super::*;
+
+/// The example from SPEC.md, "Config file (TOML)", verbatim.
+const SPEC_EXAMPLE: &str = r#"[daemon]
+interfaces = ["eth0"]
+xdp_mode = "auto"                      # auto = native, falling back to generic
+control_socket = "/run/ratelimit/control.sock"   # root-only (0600)
+http_listen = "127.0.0.1:9477"         # GET /metrics (Prometheus) and read-only JSON /v1/...
+state_dir = "/var/lib/ratelimit"       # bans survive restarts here
+events = "/var/log/ratelimit/events.jsonl"       # optional; "-" = stdout
+
+[tracking]
+max_sources = 1_000_000                # bound on per-client state, whatever the flood
+
+[lists]
+allow = ["10.0.0.0/8", "2001:db8:1::/48"]   # never limited, never banned
+deny  = ["203.0.113.0/24"]                   # always dropped
+
+[geoip]
+database = "/usr/share/GeoIP/GeoLite2-Country.mmdb"  # MaxMind format; needed for key = "region"
+
+[[rule]]
+name = "syn-per-client"
+match = { protocol = "tcp", tcp_flags = "syn", dst_ports = ["80", "443", "8000-8100"] }
+key = "ip"                 # "all" | "ip" | "region"
+ipv4_prefix = 32           # key = ip: aggregate clients per prefix (IPv6 default 64)
+ipv6_prefix = 64
+action = "rate_based_ban"  # "throttle" | "rate_based_ban"
+threshold = { count = 2000, interval = "20m" }      # or { bytes = "10MiB", interval = "1s" }
+algorithm = "sliding_window"                        # | "token_bucket" (+ burst) | "fixed_window"
+ban_threshold = { count = 3000, interval = "20m" }  # default: the threshold
+ban_duration = "1h"
+exceed_action = "drop"     # | "pass" (count and report only)
+preview = false            # true: never drop for this rule, report what would have been dropped
+soft_limit = 0.8           # clients above this share of the threshold are reported as offenders
+
+[[rule.override]]          # per-client thresholds; the most specific prefix wins
+cidr = "192.168.11.3/32"
+threshold = { count = 100000, interval = "20m" }
+
+[[rule.override]]          # with key = "region"
+region = "ZZ"              # ISO country code; ZZ = unknown
+threshold = { count = 10, interval = "1s" }
+"#;
+
+/// The example with its region override moved to a rule of its own with `key = "region"`
+/// (the example puts both kinds of override in one `key = "ip"` rule, which is rejected).
+fn spec_example_fixed() -> String {
+    let (head, region_override) = SPEC_EXAMPLE
+        .split_once("[[rule.override]]          # with key = \"region\"\n")
+        .unwrap();
+    format!(
+        "{head}[[rule]]\nname = \"per-country\"\nkey = \"region\"\n\
+         threshold = {{ bytes = \"10MiB\", interval = \"1s\" }}\n\
+         [[rule.override]]\n{}",
+        region_override.replace("count = 10,", "bytes = 1000,")
+    )
+}
+
+const FILE: &str = "t.toml";
+
+/// Every error as `file:line:col: message`.
+fn errors(text: &str) -> Vec<String> {
+    match parse(FILE, text) {
+        Ok(_) => Vec::new(),
+        Err(e) => e.0.iter().map(ToString::to_string).collect(),
+    }
+}
+
+/// The single error `text` produces.
+#[track_caller]
+fn error(text: &str) -> String {
+    let errors = errors(text);
+    assert_eq!(errors.len(), 1, "expected one error, got {errors:#?}");
+    errors.into_iter().next().unwrap()
+}
+
+/// `t.toml:L:C: message` where L:C is the start of the `nth` (0-based) occurrence of `needle`.
+#[track_caller]
+fn at(text: &str, needle: &str, nth: usize, message: &str) -> String {
+    let offset = text
+        .match_indices(needle)
+        .nth(nth)
+        .unwrap_or_else(|| panic!("{needle:?} #{nth} not in text"))
+        .0;
+    let before = &text[..offset];
+    let line = before.matches('\n').count() + 1;
+    let col = before[before.rfind('\n').map_or(0, |i| i + 1)..]
+        .chars()
+        .count()
+        + 1;
+    format!("{FILE}:{line}:{col}: {message}")
+}
+
+#[track_caller]
+fn ok(text: &str) -> Config {
+    parse(FILE, text).unwrap_or_else(|e| panic!("unexpected errors:\n{e}"))
+}
+
+/// A valid rule named `name` followed by `extra` lines.
+fn rule(name: &str, extra: &str) -> String {
+    format!("[[rule]]\nname = \"{name}\"\nthreshold = {{ count = 10, interval = \"1s\" }}\n{extra}")
+}
+
+fn net(s: &str) -> IpNet {
+    s.parse().unwrap()
+}
+
+fn pkts(amount: u64, secs: u64) -> Threshold {
+    Threshold {
+        amount,
+        unit: Unit::Packets,
+        interval: Duration::from_secs(secs),
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The SPEC example and defaults
+
+#[test]
+fn spec_example_verbatim_only_rejects_region_override_on_ip_rule() {
+    assert_eq!(
+        errors(SPEC_EXAMPLE),
+        [at(
+            SPEC_EXAMPLE,
+            "region = \"ZZ\"",
+            0,
+            "rule \"syn-per-client\": override #2: region overrides need key = \"region\" \
+             (this rule has key = \"ip\")"
+        )]
+    );
+}
+
+#[test]
+fn spec_example_parses() {
+    let c = ok(&spec_example_fixed());
+    assert_eq!(
+        c.daemon,
+        Daemon {
+            interfaces: vec!["eth0".into()],
+            xdp_mode: XdpMode::Auto,
+            control_socket: "/run/ratelimit/control.sock".into(),
+            http_listen: Some("127.0.0.1:9477".parse().unwrap()),
+            state_dir: "/var/lib/ratelimit".into(),
+            events: Some(EventsSink::File("/var/log/ratelimit/events.jsonl".into())),
+            bpffs_dir: "/sys/fs/bpf/ratelimit".into(),
+        }
+    );
+    assert_eq!(
+        c.tracking,
+        Tracking {
+            max_sources: 1_000_000,
+            new_sources_per_sec: 0,
+            new_sources_burst: 1
+        }
+    );
+    assert_eq!(c.lists.allow, [net("10.0.0.0/8"), net("2001:db8:1::/48")]);
+    assert_eq!(c.lists.deny, [net("203.0.113.0/24")]);
+    assert_eq!(
+        c.geoip,
+        Some(GeoIp {
+            database: "/usr/share/GeoIP/GeoLite2-Country.mmdb".into()
+        })
+    );
+    assert_eq!(c.rules.len(), 2);
+
+    let r = &c.rules[0];
+    assert_eq!(r.name, "syn-per-client");
+    assert_eq!(
+        r.matcher,
+        Match {
+            protocol: Some(Protocol::Tcp),
+            tcp_flags: Some(TcpFlags {
+                mask: TcpFlags::SYN | TcpFlags::ACK,
+                value: TcpFlags::SYN
+            }),
+            dst_ports: vec![(80, 80), (443, 443), (8000, 8100)],
+            src: vec![],
+        }
+    );
+    assert_eq!(r.key, KeyKind::Ip);
+    assert_eq!((r.ipv4_prefix, r.ipv6_prefix), (32, 64));
+    assert_eq!(r.action, Action::RateBasedBan);
+    assert_eq!(r.threshold, pkts(2000, 20 * 60));
+    assert_eq!(r.algorithm, Algorithm::SlidingWindow);
+    assert_eq!(r.burst, 2000);
+    assert_eq!(r.ban_threshold, pkts(3000, 20 * 60));
+    assert_eq!(r.ban_duration, Duration::from_secs(3600));
+    assert_eq!(r.exceed_action, ExceedAction::Drop);
+    assert!(!r.preview);
+    assert_eq!(r.soft_limit, 0.8);
+    assert_eq!(
+        r.overrides,
+        [Override {
+            target: OverrideTarget::Cidr(net("192.168.11.3/32")),
+            threshold: pkts(100_000, 20 * 60),
+            burst: None,
+            ban_threshold: None,
+        }]
+    );
+
+    let r = &c.rules[1];
+    assert_eq!(r.name, "per-country");
+    assert_eq!(r.key, KeyKind::Region);
+    assert_eq!(
+        r.threshold,
+        Threshold {
+            amount: 10 << 20,
+            unit: Unit::Bytes,
+            interval: Duration::from_secs(1)
+        }
+    );
+    assert_eq!(
+        r.overrides,
+        [Override {
+            target: OverrideTarget::Region(*b"ZZ"),
+            threshold: Threshold {
+                amount: 1000,
+                unit: Unit::Bytes,
+                interval: Duration::from_secs(1)
+            },
+            burst: None,
+            ban_threshold: None,
+        }]
+    );
+}
+
+#[test]
+fn empty_config_is_all_defaults() {
+    let c = ok("");
+    assert_eq!(c, Config::default());
+    assert!(c.rules.is_empty() && c.geoip.is_none());
+    assert_eq!(c.lists, Lists::default());
+    let d = Daemon::default();
+    assert!(d.interfaces.is_empty());
+    assert_eq!(d.xdp_mode, XdpMode::Auto);
+    assert_eq!(d.control_socket, Path::new("/run/ratelimit/control.sock"));
+    assert_eq!(
+        d.http_listen,
+        Some("127.0.0.1:9477".parse::<SocketAddr>().unwrap())
+    );
+    assert_eq!(d.state_dir, Path::new("/var/lib/ratelimit"));
+    assert_eq!(d.events, None);
+    assert_eq!(d.bpffs_dir, Path::new("/sys/fs/bpf/ratelimit"));
+    let t = Tracking::default();
+    assert_eq!(t.max_sources, caps::DEFAULT_MAX_SOURCES);
+    assert_eq!((t.new_sources_per_sec, t.new_sources_burst), (0, 1));
+}
+
+#[test]
+fn rule_defaults() {
+    let c = ok(&rule("r", ""));
+    assert_eq!(
+        c.rules,
+        [Rule {
+            name: "r".into(),
+            matcher: Match::default(),
+            key: KeyKind::Ip,
+            ipv4_prefix: 32,
+            ipv6_prefix: 64,
+            action: Action::Throttle,
+            threshold: pkts(10, 1),
+            algorithm: Algorithm::SlidingWindow,
+            burst: 10,
+            ban_threshold: pkts(10, 1),
+            ban_duration: Duration::ZERO,
+            exceed_action: ExceedAction::Drop,
+            preview: false,
+            soft_limit: 0.8,
+            overrides: vec![],
+        }]
+    );
+}
+
+#[test]
+fn explicit_values() {
+    let c = ok(&format!(
+        "[daemon]\nxdp_mode = \"generic\"\nhttp_listen = \"[::1]:9000\"\nevents = \"-\"\n\
+         bpffs_dir = \"/sys/fs/bpf/rl2\"\n\
+         [tracking]\nnew_sources_per_sec = 500\n\
+         [lists]\nallow = [\"10.1.2.3\", \"2001:db8::1\"]\n{}",
+        rule(
+            "tb",
+            "algorithm = \"token_bucket\"\nburst = 25\nkey = \"all\"\nexceed_action = \"pass\"\n\
+             preview = true\nsoft_limit = 1\n\
+             match = { protocol = \"udp\", dst_ports = [53, \"5353\"], \
+             src = [\"192.0.2.0/24\", \"192.0.2.0/24\", \"2001:db8::/32\"] }\n\
+             [[rule.override]]\ncidr = \"192.0.2.7\"\n\
+             threshold = { count = 50, interval = \"1s\" }\nburst = 100\n"
+        )
+    ));
+    assert_eq!(c.daemon.xdp_mode, XdpMode::Generic);
+    assert_eq!(c.daemon.http_listen, Some("[::1]:9000".parse().unwrap()));
+    assert_eq!(c.daemon.events, Some(EventsSink::Stdout));
+    assert_eq!(c.daemon.bpffs_dir, PathBuf::from("/sys/fs/bpf/rl2"));
+    assert_eq!(c.tracking.new_sources_per_sec, 500);
+    assert_eq!(c.tracking.new_sources_burst, 500);
+    assert_eq!(c.lists.allow, [net("10.1.2.3/32"), net("2001:db8::1/128")]);
+    let r = &c.rules[0];
+    assert_eq!(r.algorithm, Algorithm::TokenBucket);
+    assert_eq!(r.burst, 25);
+    assert_eq!(r.key, KeyKind::All);
+    assert_eq!(r.exceed_action, ExceedAction::Pass);
+    assert!(r.preview);
+    assert_eq!(r.soft_limit, 1.0);
+    assert_eq!(r.matcher.protocol, Some(Protocol::Udp));
+    assert_eq!(r.matcher.dst_ports, [(53, 53), (5353, 5353)]);
+    assert_eq!(
+        r.matcher.src,
+        [net("192.0.2.0/24"), net("2001:db8::/32")],
+        "duplicates dropped"
+    );
+    assert_eq!(
+        r.overrides[0].target,
+        OverrideTarget::Cidr(net("192.0.2.7/32"))
+    );
+    assert_eq!(r.overrides[0].burst, Some(100));
+
+    for off in ["\"off\"", "\"\""] {
+        let c = ok(&format!("[daemon]\nhttp_listen = {off}\n"));
+        assert_eq!(c.daemon.http_listen, None);
+    }
+    let c = ok("[tracking]\nnew_sources_per_sec = 100\nnew_sources_burst = 1000\n");
+    assert_eq!(c.tracking.new_sources_burst, 1000);
+    // Dotted keys and sub-tables work as well as inline tables.
+    let c = ok(&format!(
+        "daemon.xdp_mode = \"native\"\n{}[rule.match]\nprotocol = \"icmp\"\n",
+        "[[rule]]\nname = \"r\"\n[rule.threshold]\nbytes = \"1 KB\"\ninterval = \"500ms\"\n"
+    ));
+    assert_eq!(c.daemon.xdp_mode, XdpMode::Native);
+    assert_eq!(c.rules[0].matcher.protocol, Some(Protocol::Icmp));
+    assert_eq!(
+        c.rules[0].threshold,
+        Threshold {
+            amount: 1000,
+            unit: Unit::Bytes,
+            interval: Duration::from_millis(500)
+        }
+    );
+}
+
+#[test]
+fn bytes_burst_and_ban_threshold_in_bytes() {
+    let c = ok(
+        "[[rule]]\nname = \"b\"\nthreshold = { bytes = \"1MiB\", interval = \"1s\" }\n\
+         algorithm = \"token_bucket\"\nburst = \"4MiB\"\naction = \"rate_based_ban\"\n\
+         ban_threshold = { bytes = \"1GB\", interval = \"10s\" }\nban_duration = \"1d\"\n",
+    );
+    let r = &c.rules[0];
+    assert_eq!(r.burst, 4 << 20);
+    assert_eq!(r.ban_threshold.amount, 1_000_000_000);
+    assert_eq!(r.ban_threshold.unit, Unit::Bytes);
+    assert_eq!(r.ban_duration, Duration::from_secs(86_400));
+}
+
+#[test]
+fn load_reads_files_and_reports_read_errors() {
+    let path =
+        std::env::temp_dir().join(format!("ratelimit-config-test-{}.toml", std::process::id()));
+    std::fs::write(&path, spec_example_fixed()).unwrap();
+    let c = load(&path).unwrap();
+    assert_eq!(c.rules.len(), 2);
+    std::fs::write(&path, "[daemon]\nxdp_mode = 1\n").unwrap();
+    let e = load(&path).unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        format!(
+            "{}:2:12: daemon.xdp_mode must be a string, not an integer",
+            path.display()
+        )
+    );
+    std::fs::remove_file(&path).unwrap();
+
+    let missing = Path::new("/nonexistent/ratelimit.toml");
+    let e = load(missing).unwrap_err();
+    assert_eq!(
+        e.0,
+        [ConfigError {
+            file: "/nonexistent/ratelimit.toml".into(),
+            line: 1,
+            col: 1,
+            // The OS's words, e.g. "No such file or directory (os error 2)".
+            message: std::fs::read(missing).unwrap_err().to_string(),
+        }]
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Errors: syntax, unknown keys, types
+
+#[test]
+fn syntax_errors() {
+    assert_eq!(
+        error("[daemon\n"),
+        "t.toml:1:8: invalid TOML: invalid table header, expected `.`, `]`"
+    );
+    assert_eq!(
+        error("a = 1\na = 2\n"),
+        "t.toml:2:1: invalid TOML: duplicate key `a` in document root"
+    );
+    assert_eq!(
+        error("[daemon]\nxdp_mode = \"auto\n"),
+        "t.toml:2:17: invalid TOML: invalid basic string"
+    );
+}
+
+#[test]
+fn unknown_keys() {
+    assert_eq!(
+        error("[daemon]\nxdp_mod = \"auto\"\n"),
+        "t.toml:2:1: daemon: unknown key \"xdp_mod\"; did you mean \"xdp_mode\"?"
+    );
+    assert_eq!(
+        error("[[rules]]\nname = \"x\"\n"),
+        "t.toml:1:3: unknown key \"rules\"; did you mean \"rule\"?"
+    );
+    assert_eq!(
+        error("[daemon]\nfoo = 1\n"),
+        "t.toml:2:1: daemon: unknown key \"foo\"; expected one of interfaces, xdp_mode, \
+         control_socket, http_listen, state_dir, events, bpffs_dir"
+    );
+    // In inline tables, sub-tables, dotted keys and overrides.
+    let text = rule(
+        "r",
+        "match = { protocol = \"tcp\", port = 80 }\nban_treshold = 5\n\
+         [[rule.override]]\ncidr = \"10.0.0.0/8\"\nthreshold = { count = 1, interval = \"1s\", x = 1 }\n\
+         [tracking]\nmax_source = 5\n[geoip]\ndatabase = \"/x\"\nextra.y = 1\n",
+    );
+    assert_eq!(
+        errors(&text),
+        [
+            at(
+                &text,
+                "port",
+                0,
+                "rule \"r\": match: unknown key \"port\"; expected one of protocol, tcp_flags, dst_ports, src"
+            ),
+            at(
+                &text,
+                "ban_treshold",
+                0,
+                "rule \"r\": unknown key \"ban_treshold\"; did you mean \"ban_threshold\"?"
+            ),
+            at(
+                &text,
+                "x = 1",
+                0,
+                "rule \"r\": override #1: threshold: unknown key \"x\"; expected one of count, bytes, interval"
+            ),
+            at(
+                &text,
+                "max_source",
+                0,
+                "tracking: unknown key \"max_source\"; did you mean \"max_sources\"?"
+            ),
+            at(
+                &text,
+                "extra",
+                0,
+                "geoip: unknown key \"extra\"; expected one of database"
+            ),
+        ]
+    );
+}
+
+#[test]
+fn wrong_types() {
+    let text = "daemon = 1\nrule = 2\n";
+    assert_eq!(
+        errors(text),
+        [
+            "t.toml:1:10: daemon must be a table, not an integer",
+            "t.toml:2:8: rule must be an array of tables (write [[rule]]), not an integer",
+        ]
+    );
+    assert_eq!(
+        error("[rule]\nname = \"x\"\n"),
+        "t.toml:1:1: rule must be an array of tables (write [[rule]]), not a table"
+    );
+    let text = "[daemon]\ninterfaces = \"eth0\"\nxdp_mode = 1979-05-27\n\
+                [tracking]\nmax_sources = \"big\"\n[lists]\nallow = [\"10.0.0.0/8\", 5]\n";
+    assert_eq!(
+        errors(text),
+        [
+            at(
+                text,
+                "\"eth0\"",
+                0,
+                "daemon.interfaces must be an array, not a string"
+            ),
+            at(
+                text,
+                "1979",
+                0,
+                "daemon.xdp_mode must be a string, not a date-time"
+            ),
+            at(
+                text,
+                "\"big\"",
+                0,
+                "tracking.max_sources must be an integer, not a string"
+            ),
+            at(
+                text,
+                "5]",
+                0,
+                "lists.allow: each entry must be a string, not an integer"
+            ),
+        ]
+    );
+    let text = rule(
+        "r",
+        "preview = \"yes\"\nsoft_limit = \"high\"\nmatch = \"tcp\"\n\
+         [[rule.override]]\ncidr = 10\nthreshold = { count = \"5\", interval = 5 }\n",
+    );
+    assert_eq!(
+        errors(&text),
+        [
+            at(
+                &text,
+                "\"yes\"",
+                0,
+                "rule \"r\": preview must be true or false, not a string"
+            ),
+            at(
+                &text,
+                "\"high\"",
+                0,
+                "rule \"r\": soft_limit must be a number, not a string"
+            ),
+            at(
+                &text,
+                "\"tcp\"",
+                0,
+                "rule \"r\": match must be a table, not a string"
+            ),
+            at(
+                &text,
+                "10\n",
+                0,
+                "rule \"r\": override #1: cidr must be a string, not an integer"
+            ),
+            at(
+                &text,
+                "\"5\"",
+                0,
+                "rule \"r\": override #1: threshold.count must be an integer, not a string"
+            ),
+            at(
+                &text,
+                "5 }",
+                0,
+                "rule \"r\": override #1: threshold.interval must be a duration string such as \"30s\", not an integer"
+            ),
+        ]
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Errors: values
+
+#[test]
+fn bad_addresses() {
+    let text = "[lists]\nallow = [\"192.168.1.1/24\", \"10.0.0.256\", \"10.0.0.0/33\", \
+                \"::1/64\", \"fe80::/x\"]\n";
+    assert_eq!(
+        errors(text),
+        [
+            "t.toml:2:10: lists.allow: 192.168.1.1/24 has host bits set; did you mean 192.168.1.0/24?".to_string(),
+            at(text, "\"10.0.0.256", 0, "lists.allow: \"10.0.0.256\" is not an IP address or CIDR"),
+            at(text, "\"10.0.0.0/33", 0, "lists.allow: 10.0.0.0/33: the prefix length must be a number from 0 to 32"),
+            at(text, "\"::1/64", 0, "lists.allow: ::1/64 has host bits set; did you mean ::/64?"),
+            at(text, "\"fe80", 0, "lists.allow: fe80::/x: the prefix length must be a number from 0 to 128"),
+        ]
+    );
+    let text = rule("r", "match = { src = [\"1.2.3.4/8\"] }\n");
+    assert_eq!(
+        error(&text),
+        at(
+            &text,
+            "\"1.2.3.4/8",
+            0,
+            "rule \"r\": match.src: 1.2.3.4/8 has host bits set; did you mean 1.0.0.0/8?"
+        )
+    );
+}
+
+#[test]
+fn bad_thresholds_and_durations() {
+    let text =
+        "[[rule]]\nname = \"syn-per-client\"\nthreshold = { count = 5, interval = \"0s\" }\n";
+    assert_eq!(
+        error(text),
+        "t.toml:3:37: rule \"syn-per-client\": threshold.interval must be greater than 0"
+    );
+    let text = "[[rule]]\nname = \"r\"\nthreshold = { count = 0, interval = \"25h\" }\n";
+    assert_eq!(
+        errors(text),
+        [
+            "t.toml:3:23: rule \"r\": threshold.count must be at least 1",
+            "t.toml:3:37: rule \"r\": threshold.interval must be at most 1d",
+        ]
+    );
+    let text = "[[rule]]\nname = \"r\"\nthreshold = { count = 1, interval = \"20x\" }\n";
+    let e = error(text);
+    assert!(
+        e.starts_with("t.toml:3:37: rule \"r\": threshold.interval: \"20x\" is not a duration ("),
+        "{e}"
+    );
+    let text = "[[rule]]\nname = \"r\"\nthreshold = { bytes = 0, interval = \"1s\" }\n";
+    assert_eq!(
+        error(text),
+        "t.toml:3:23: rule \"r\": threshold.bytes must be at least 1"
+    );
+    let text =
+        "[[rule]]\nname = \"r\"\nthreshold = { bytes = \"10 parsecs\", interval = \"1s\" }\n";
+    assert!(error(text).starts_with(
+        "t.toml:3:23: rule \"r\": threshold.bytes: \"10 parsecs\" is not a byte size"
+    ));
+    let text = "[[rule]]\nname = \"r\"\nthreshold = { count = 1, bytes = 5, interval = \"1s\" }\n";
+    assert_eq!(
+        error(text),
+        "t.toml:3:26: rule \"r\": threshold.bytes cannot be combined with threshold.count: \
+         a threshold counts packets or bytes"
+    );
+    let text = "[[rule]]\nname = \"r\"\nthreshold = { interval = \"1s\" }\n";
+    assert_eq!(
+        error(text),
+        "t.toml:3:13: rule \"r\": threshold needs count (packets) or bytes"
+    );
+    let text = "[[rule]]\nname = \"r\"\nthreshold = { count = 1 }\n";
+    assert_eq!(
+        error(text),
+        "t.toml:3:13: rule \"r\": threshold.interval is required"
+    );
+    let text = "[[rule]]\nname = \"r\"\n";
+    assert_eq!(error(text), "t.toml:1:1: rule \"r\": threshold is required");
+}
+
+#[test]
+fn rule_names() {
+    let text = format!("{}{}", rule("a", ""), rule("a", ""));
+    assert_eq!(
+        error(&text),
+        at(
+            &text,
+            "\"a\"",
+            1,
+            "rule \"a\": duplicate rule name; the rule at line 1 has the same name"
+        )
+    );
+    let text = rule("", "");
+    assert_eq!(error(&text), "t.toml:2:8: rule #1: name must not be empty");
+    let text = "[[rule]]\nthreshold = { count = 1, interval = \"1s\" }\n";
+    assert_eq!(error(text), "t.toml:1:1: rule #1: name is required");
+}
+
+#[test]
+fn region_key_needs_geoip() {
+    let text = rule("r", "key = \"region\"\n");
+    assert_eq!(
+        error(&text),
+        "t.toml:4:1: rule \"r\": key = \"region\" needs a [geoip] database"
+    );
+    assert!(errors(&format!("[geoip]\ndatabase = \"/x.mmdb\"\n{text}")).is_empty());
+    assert_eq!(error("[geoip]\n"), "t.toml:1:1: geoip.database is required");
+}
+
+#[test]
+fn override_targets_must_fit_the_key() {
+    let text = rule(
+        "r",
+        "[[rule.override]]\nregion = \"DE\"\nthreshold = { count = 1, interval = \"1s\" }\n",
+    );
+    assert_eq!(
+        error(&text),
+        "t.toml:5:1: rule \"r\": override #1: region overrides need key = \"region\" \
+         (this rule has key = \"ip\")"
+    );
+    let text = format!(
+        "[geoip]\ndatabase = \"/x\"\n{}",
+        rule(
+            "r",
+            "key = \"region\"\n\
+             [[rule.override]]\ncidr = \"10.0.0.0/8\"\nthreshold = { count = 1, interval = \"1s\" }\n\
+             [[rule.override]]\nregion = \"de\"\nthreshold = { count = 1, interval = \"1s\" }\n\
+             [[rule.override]]\nregion = \"DEU\"\nthreshold = { count = 1, interval = \"1s\" }\n\
+             [[rule.override]]\nregion = \"FR\"\nthreshold = { bytes = 1, interval = \"1s\" }\n\
+             [[rule.override]]\nregion = \"FR\"\ncidr = \"10.0.0.0/8\"\nthreshold = { count = 1, interval = \"1s\" }\n\
+             [[rule.override]]\nthreshold = { count = 1, interval = \"1s\" }\n\
+             [[rule.override]]\nregion = \"FR\"\nthreshold = { count = 1, interval = \"1s\" }\n\
+             [[rule.override]]\nregion = \"FR\"\nthreshold = { count = 1, interval = \"1s\" }\n"
+        )
+    );
+    assert_eq!(
+        errors(&text),
+        [
+            at(
+                &text,
+                "cidr",
+                0,
+                "rule \"r\": override #1: cidr overrides need key = \"ip\" or \"all\" (this rule has key = \"region\")"
+            ),
+            at(
+                &text,
+                "\"de\"",
+                0,
+                "rule \"r\": override #2: region: \"de\" must be uppercase; did you mean \"DE\"?"
+            ),
+            at(
+                &text,
+                "\"DEU\"",
+                0,
+                "rule \"r\": override #3: region: \"DEU\" is not a two-letter country code (ISO 3166 alpha-2; \"ZZ\" is unknown)"
+            ),
+            at(
+                &text,
+                "{ bytes",
+                0,
+                "rule \"r\": override #4: threshold counts bytes but the rule's threshold counts packets; both must count the same"
+            ),
+            at(
+                &text,
+                "region = \"FR\"\ncidr",
+                0,
+                "rule \"r\": override #5: region cannot be combined with cidr: an override is for a network or a region"
+            ),
+            at(
+                &text,
+                "[[rule.override]]\nthreshold",
+                0,
+                "rule \"r\": override #6: needs cidr or region"
+            ),
+            at(
+                &text,
+                "\"FR\"",
+                2,
+                "rule \"r\": override #7: region FR already has an override in this rule (line 17)"
+            ),
+            at(
+                &text,
+                "\"FR\"",
+                3,
+                "rule \"r\": override #8: region FR already has an override in this rule (line 17)"
+            ),
+        ]
+    );
+}
+
+#[test]
+fn action_and_algorithm_dependent_fields() {
+    let text = rule(
+        "r",
+        "burst = 5\nban_threshold = { count = 20, interval = \"1s\" }\nban_duration = \"1h\"\n\
+         ipv6_prefix = 48\n",
+    );
+    assert_eq!(
+        errors(&text),
+        [
+            "t.toml:4:1: rule \"r\": burst only applies to algorithm = \"token_bucket\" (this rule uses \"sliding_window\")",
+            "t.toml:5:1: rule \"r\": ban_threshold only applies to action = \"rate_based_ban\"",
+            "t.toml:6:1: rule \"r\": ban_duration only applies to action = \"rate_based_ban\"",
+        ]
+    );
+    let text = rule(
+        "r",
+        "action = \"rate_based_ban\"\nban_threshold = { bytes = 20, interval = \"1s\" }\n",
+    );
+    assert_eq!(
+        errors(&text),
+        [
+            "t.toml:4:1: rule \"r\": ban_duration is required with action = \"rate_based_ban\"",
+            "t.toml:5:17: rule \"r\": ban_threshold counts bytes but the rule's threshold counts packets; both must count the same",
+        ]
+    );
+    let text = rule("r", "action = \"rate_based_ban\"\nban_duration = \"0s\"\n");
+    assert_eq!(
+        error(&text),
+        "t.toml:5:16: rule \"r\": ban_duration must be greater than 0"
+    );
+    let text = rule(
+        "r",
+        "key = \"all\"\nipv4_prefix = 24\nipv6_prefix = 129\nsoft_limit = 0\n",
+    );
+    assert_eq!(
+        errors(&text),
+        [
+            "t.toml:5:1: rule \"r\": ipv4_prefix only applies to key = \"ip\" (this rule has key = \"all\")",
+            "t.toml:6:1: rule \"r\": ipv6_prefix only applies to key = \"ip\" (this rule has key = \"all\")",
+            "t.toml:6:15: rule \"r\": ipv6_prefix must be between 1 and 128",
+            "t.toml:7:14: rule \"r\": soft_limit must be greater than 0 and at most 1",
+        ]
+    );
+    let text = rule(
+        "r",
+        "ipv4_prefix = 0\nalgorithm = \"token_bucket\"\nburst = \"5MiB\"\n",
+    );
+    assert_eq!(
+        errors(&text),
+        [
+            "t.toml:4:15: rule \"r\": ipv4_prefix must be between 1 and 32",
+            "t.toml:6:9: rule \"r\": burst must be an integer: the threshold counts packets",
+        ]
+    );
+    let text = rule("r", "action = \"ban\"\nexceed_action = \"reject\"\n");
+    assert_eq!(
+        errors(&text),
+        [
+            "t.toml:4:10: rule \"r\": action must be one of \"throttle\" or \"rate_based_ban\" (got \"ban\")",
+            "t.toml:5:17: rule \"r\": exceed_action must be one of \"drop\" or \"pass\" (got \"reject\")",
+        ]
+    );
+}
+
+#[test]
+fn match_errors() {
+    let text = rule("r", "match = { tcp_flags = \"syn\", dst_ports = [80] }\n");
+    assert_eq!(
+        errors(&text),
+        [
+            at(
+                &text,
+                "tcp_flags",
+                0,
+                "rule \"r\": match.tcp_flags needs match.protocol = \"tcp\""
+            ),
+            at(
+                &text,
+                "dst_ports",
+                0,
+                "rule \"r\": match.dst_ports needs match.protocol = \"tcp\" or \"udp\""
+            ),
+        ]
+    );
+    let text = rule(
+        "r",
+        "match = { protocol = \"icmp\", tcp_flags = \"syn,bogus\", dst_ports = [] }\n",
+    );
+    assert_eq!(
+        errors(&text),
+        [
+            at(
+                &text,
+                "tcp_flags",
+                0,
+                "rule \"r\": match.tcp_flags needs match.protocol = \"tcp\""
+            ),
+            at(
+                &text,
+                "\"syn,bogus\"",
+                0,
+                "rule \"r\": match.tcp_flags: unknown TCP flag \"bogus\"; use fin, syn, rst, psh, ack, urg, ece or cwr"
+            ),
+            at(
+                &text,
+                "dst_ports",
+                0,
+                "rule \"r\": match.dst_ports needs match.protocol = \"tcp\" or \"udp\""
+            ),
+            at(
+                &text,
+                "[]",
+                0,
+                "rule \"r\": match.dst_ports must not be empty; leave it out to match any port"
+            ),
+        ]
+    );
+    let text = rule(
+        "r",
+        "match = { protocol = \"udp\", dst_ports = [0, \"90-80\", 70000, true, 1, 2, 3, 4, 5, 6, 7, 8, 9], src = [] }\n",
+    );
+    assert_eq!(
+        errors(&text),
+        [
+            at(
+                &text,
+                "0, \"90",
+                0,
+                "rule \"r\": match.dst_ports: port 0 is not allowed"
+            ),
+            at(
+                &text,
+                "\"90-80\"",
+                0,
+                "rule \"r\": match.dst_ports: port range 90-80 is reversed; did you mean 80-90?"
+            ),
+            at(
+                &text,
+                "70000",
+                0,
+                "rule \"r\": match.dst_ports: port 70000 is out of range (1-65535)"
+            ),
+            at(
+                &text,
+                "true",
+                0,
+                "rule \"r\": match.dst_ports: each entry must be a port number or a string such as \"8000-8100\", not a boolean"
+            ),
+            // The ninth entry, valid or not.
+            at(
+                &text,
+                "5, 6",
+                0,
+                "rule \"r\": match.dst_ports: too many port ranges; at most 8 fit"
+            ),
+            at(
+                &text,
+                "[]",
+                0,
+                "rule \"r\": match.src must not be empty; leave it out to match any source"
+            ),
+        ]
+    );
+    let text = rule("r", "match = { protocol = \"sctp\", dst_ports = [80] }\n");
+    assert_eq!(
+        error(&text),
+        at(
+            &text,
+            "\"sctp\"",
+            0,
+            "rule \"r\": match.protocol must be one of \"tcp\", \"udp\", \"icmp\" or \"icmpv6\" (got \"sctp\")"
+        )
+    );
+}
+
+#[test]
+fn lists_errors() {
+    let text = "[lists]\nallow = [\"10.0.0.0/8\", \"192.0.2.1\"]\ndeny = [\"10.0.0.0/16\", \"192.0.2.1/32\", \"10.0.0.0/8\"]\n";
+    assert_eq!(
+        errors(text),
+        [
+            at(
+                text,
+                "\"192.0.2.1/32",
+                0,
+                "lists.deny: 192.0.2.1/32 is also in lists.allow (line 2); an address cannot be both allowed and denied"
+            ),
+            at(
+                text,
+                "\"10.0.0.0/8",
+                1,
+                "lists.deny: 10.0.0.0/8 is also in lists.allow (line 2); an address cannot be both allowed and denied"
+            ),
+        ]
+    );
+    // Duplicates within a list are dropped, not errors.
+    let c = ok("[lists]\ndeny = [\"10.0.0.1\", \"10.0.0.1/32\"]\n");
+    assert_eq!(c.lists.deny, [net("10.0.0.1/32")]);
+}
+
+#[test]
+fn daemon_errors() {
+    let text = "[daemon]\ninterfaces = [\"eth0\", \"\", \"eth0\", \"averyveryverylongname\", \"a/b\", \"a b\", \"lo:1\"]\n\
+                xdp_mode = \"fast\"\nhttp_listen = \"localhost\"\nevents = \"\"\ncontrol_socket = \"\"\n";
+    assert_eq!(
+        errors(text),
+        [
+            "t.toml:2:23: daemon.interfaces: an interface name must not be empty",
+            "t.toml:2:27: daemon.interfaces: \"eth0\" is listed twice",
+            "t.toml:2:35: daemon.interfaces: \"averyveryverylongname\" is longer than 15 bytes, the longest interface name Linux allows",
+            "t.toml:2:60: daemon.interfaces: \"a/b\" is not a valid interface name (no '/', ':' or whitespace)",
+            "t.toml:2:67: daemon.interfaces: \"a b\" is not a valid interface name (no '/', ':' or whitespace)",
+            "t.toml:2:74: daemon.interfaces: \"lo:1\" is not a valid interface name (no '/', ':' or whitespace)",
+            "t.toml:3:12: daemon.xdp_mode must be one of \"auto\", \"native\" or \"generic\" (got \"fast\")",
+            "t.toml:4:15: daemon.http_listen: \"localhost\" is not an address and port such as \"127.0.0.1:9477\" or \"[::1]:9477\"; \"off\" disables the listener",
+            "t.toml:5:10: daemon.events must not be empty; \"-\" is stdout, and leaving it out disables events",
+            "t.toml:6:18: daemon.control_socket must not be empty",
+        ]
+    );
+    // 15 bytes is the limit.
+    assert!(errors("[daemon]\ninterfaces = [\"abcdefghijklmno\"]\n").is_empty());
+}
+
+#[test]
+fn tracking_errors() {
+    let text = "[tracking]\nmax_sources = 0\nnew_sources_burst = 5\nnew_sources_per_sec = -1\n";
+    assert_eq!(
+        errors(text),
+        [
+            "t.toml:2:15: tracking.max_sources must be between 1 and 4294967295",
+            "t.toml:4:23: tracking.new_sources_per_sec must not be negative",
+        ]
+    );
+    let text = "[tracking]\nnew_sources_burst = 5\n";
+    assert_eq!(
+        error(text),
+        "t.toml:2:1: tracking.new_sources_burst only applies when tracking.new_sources_per_sec is set (0 is unlimited)"
+    );
+}
+
+#[test]
+fn errors_are_collected_and_sorted() {
+    // The name is read first but comes last; every problem is reported, in file order.
+    let text = "[[rule]]\nkey = \"bogus\"\nthreshold = { count = 0, interval = \"0s\" }\nname = \"\"\n\
+                [daemon]\nxdp_mode = \"x\"\n";
+    let e = parse(FILE, text).unwrap_err();
+    let positions: Vec<(usize, usize)> = e.0.iter().map(|e| (e.line, e.col)).collect();
+    assert_eq!(positions, [(2, 7), (3, 23), (3, 37), (4, 8), (6, 12)]);
+    assert_eq!(
+        e.to_string(),
+        "t.toml:2:7: rule #1: key must be one of \"all\", \"ip\" or \"region\" (got \"bogus\")\n\
+         t.toml:3:23: rule #1: threshold.count must be at least 1\n\
+         t.toml:3:37: rule #1: threshold.interval must be greater than 0\n\
+         t.toml:4:8: rule #1: name must not be empty\n\
+         t.toml:6:12: daemon.xdp_mode must be one of \"auto\", \"native\" or \"generic\" (got \"x\")"
+    );
+}
+
+#[test]
+fn columns_count_characters() {
+    let text = "# é ü\n[daemon]\nxdp_mode = \"ñ\"  \ninterfaces = [\"é\", 1]\n";
+    assert_eq!(
+        errors(text),
+        [
+            "t.toml:3:12: daemon.xdp_mode must be one of \"auto\", \"native\" or \"generic\" (got \"ñ\")",
+            "t.toml:4:20: daemon.interfaces: each entry must be a string, not an integer",
+        ]
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Capacities
+
+#[test]
+fn too_many_rules() {
+    let text: String = (0..=caps::MAX_RULES)
+        .map(|i| rule(&format!("r{i}"), ""))
+        .collect();
+    assert_eq!(
+        error(&text),
+        at(
+            &text,
+            "[[rule]]",
+            caps::MAX_RULES as usize,
+            "rule \"r16\": too many rules; at most 16 fit"
+        )
+    );
+    let text: String = (0..caps::MAX_RULES)
+        .map(|i| rule(&format!("r{i}"), ""))
+        .collect();
+    assert_eq!(ok(&text).rules.len(), caps::MAX_RULES as usize);
+}
+
+/// `n` distinct /32 networks as TOML string literals.
+fn nets(n: usize) -> String {
+    let mut s = String::new();
+    for i in 0..n {
+        let _ = write!(s, "\"10.{}.{}.{}\",", i >> 16, (i >> 8) & 255, i & 255);
+    }
+    s
+}
+
+#[test]
+fn too_many_list_entries() {
+    let max = caps::MAX_LIST_ENTRIES as usize;
+    let text = format!(
+        "[lists]\ndeny = [{}\"10.0.0.0\", \"11.0.0.0\"]\n",
+        nets(max)
+    );
+    assert_eq!(
+        error(&text),
+        at(
+            &text,
+            "\"11.0.0.0\"",
+            0,
+            "lists.deny: too many entries; at most 65536 fit"
+        )
+    );
+}
+
+#[test]
+fn too_many_src_entries() {
+    let max = caps::MAX_RULE_SRC_ENTRIES as usize;
+    // Shared networks count once; the limit is on distinct networks across rules.
+    let text = format!(
+        "{}{}",
+        rule("a", &format!("match = {{ src = [{}] }}\n", nets(max - 1))),
+        rule(
+            "b",
+            "match = { src = [\"10.0.0.0\", \"11.0.0.0\", \"12.0.0.0\"] }\n"
+        ),
+    );
+    assert_eq!(
+        error(&text),
+        at(
+            &text,
+            "\"12.0.0.0\"",
+            0,
+            "rule \"b\": match.src: too many source networks; at most 16384 fit across all rules"
+        )
+    );
+}
+
+#[test]
+fn too_many_overrides() {
+    let max = caps::MAX_OVERRIDES as usize;
+    let mut text = rule("r", "");
+    for i in 0..=max {
+        let _ = write!(
+            text,
+            "[[rule.override]]\ncidr = \"10.{}.{}.{}\"\nthreshold = {{ count = 1, interval = \"1s\" }}\n",
+            i >> 16,
+            (i >> 8) & 255,
+            i & 255
+        );
+    }
+    assert_eq!(
+        error(&text),
+        at(
+            &text,
+            "\"10.1.0.0\"",
+            0,
+            "rule \"r\": override #65537: cidr: too many cidr overrides; at most 65536 fit across all rules"
+        )
+    );
+}
+
+#[test]
+fn too_many_region_overrides() {
+    let max = caps::MAX_REGION_OVERRIDES as usize;
+    let mut text = String::from("[geoip]\ndatabase = \"/x\"\n");
+    let codes: Vec<String> = (b'A'..=b'Z')
+        .flat_map(|a| (b'A'..=b'Z').map(move |b| format!("{}{}", a as char, b as char)))
+        .collect();
+    let mut n = 0;
+    let mut rule_index = 0;
+    while n <= max {
+        text += &rule(&format!("r{rule_index}"), "key = \"region\"\n");
+        for code in codes.iter().take((max + 1 - n).min(codes.len())) {
+            let _ = write!(
+                text,
+                "[[rule.override]]\nregion = \"{code}\"\nthreshold = {{ count = 1, interval = \"1s\" }}\n"
+            );
+            n += 1;
+        }
+        rule_index += 1;
+    }
+    let last_rule = rule_index - 1;
+    let nth_in_rule = max % codes.len();
+    let e = error(&text);
+    assert!(
+        e.ends_with(&format!(
+            ": rule \"r{last_rule}\": override #{}: region: too many region overrides; at most 4096 fit across all rules",
+            nth_in_rule + 1
+        )),
+        "{e}"
+    );
+    let region = &codes[nth_in_rule];
+    let line = text[..text.rfind(&format!("region = \"{region}\"")).unwrap()]
+        .matches('\n')
+        .count()
+        + 1;
+    assert!(e.starts_with(&format!("t.toml:{line}:10: ")), "{e}");
+}
+
+// ---------------------------------------------------------------------------------------------
+// Value syntax tables
+
+#[test]
+fn tcp_flags_table() {
+    use TcpFlags as F;
+    let cases: &[(&str, u8, u8)] = &[
+        ("syn", F::SYN | F::ACK, F::SYN),
+        ("SYN", F::SYN | F::ACK, F::SYN),
+        (" syn ", F::SYN | F::ACK, F::SYN),
+        ("syn,ack", F::SYN | F::ACK, F::SYN | F::ACK),
+        ("syn|!ack", F::SYN | F::ACK, F::SYN),
+        ("syn,!ack,!rst", F::SYN | F::ACK | F::RST, F::SYN),
+        ("!syn", F::SYN, 0),
+        ("ack", F::ACK, F::ACK),
+        ("rst", F::RST, F::RST),
+        ("fin | ack", F::FIN | F::ACK, F::FIN | F::ACK),
+        ("fin,syn,rst,psh,ack,urg,ece,cwr", 0xff, 0xff),
+        ("!fin,!syn,!rst,!psh,!ack,!urg,!ece,!cwr", 0xff, 0),
+        ("ece|cwr", F::ECE | F::CWR, F::ECE | F::CWR),
+        ("! urg", F::URG, 0),
+    ];
+    for &(s, mask, value) in cases {
+        let flags = parse_tcp_flags(s).unwrap_or_else(|e| panic!("{s}: {e}"));
+        assert_eq!(flags, TcpFlags { mask, value }, "{s}");
+        // The canonical form parses back to the same flags.
+        assert_eq!(
+            parse_tcp_flags(&flags.to_string()),
+            Ok(flags),
+            "{s} -> {flags}"
+        );
+    }
+    assert_eq!(parse_tcp_flags("syn").unwrap().to_string(), "syn,!ack");
+    let syn = parse_tcp_flags("syn").unwrap();
+    assert_eq!(F::SYN & syn.mask, syn.value, "a bare SYN matches");
+    assert_ne!(
+        (F::SYN | F::ACK) & syn.mask,
+        syn.value,
+        "a SYN-ACK does not"
+    );
+    let errors: &[(&str, &str)] = &[
+        (
+            "",
+            "no flags given; use names fin, syn, rst, psh, ack, urg, ece, cwr",
+        ),
+        ("syn,,ack", "\"syn,,ack\" has an empty flag name"),
+        ("!", "\"!\" has an empty flag name"),
+        (
+            "syn,foo",
+            "unknown TCP flag \"foo\"; use fin, syn, rst, psh, ack, urg, ece or cwr",
+        ),
+        (
+            "syn,!syn",
+            "flag syn is given more than once in \"syn,!syn\"",
+        ),
+        ("ack,ACK", "flag ack is given more than once in \"ack,ACK\""),
+    ];
+    for &(s, msg) in errors {
+        assert_eq!(parse_tcp_flags(s), Err(msg.to_string()), "{s}");
+    }
+}
+
+#[test]
+fn bytes_table() {
+    let cases: &[(&str, u64)] = &[
+        ("0", 0),
+        ("1500", 1500),
+        ("1500B", 1500),
+        ("1500 B", 1500),
+        ("1KB", 1000),
+        ("1kB", 1000),
+        ("1KiB", 1024),
+        ("10MB", 10_000_000),
+        ("10MiB", 10 << 20),
+        ("10 MiB", 10 << 20),
+        ("2GB", 2_000_000_000),
+        ("2GiB", 2 << 30),
+        (" 64KiB ", 64 << 10),
+        ("18446744073709551615", u64::MAX),
+    ];
+    for &(s, n) in cases {
+        assert_eq!(parse_bytes(s), Ok(n), "{s}");
+    }
+    for s in [
+        "", "MiB", "1.5MiB", "10mib", "10 M", "-5", "10TB", "ten", "1_000",
+    ] {
+        let e = parse_bytes(s).unwrap_err();
+        assert_eq!(
+            e,
+            format!(
+                "{s:?} is not a byte size; use a whole number with an optional unit B, KB, KiB, MB, MiB, GB or GiB, e.g. \"10MiB\""
+            )
+        );
+    }
+    assert_eq!(
+        parse_bytes("17179869184GiB"),
+        Err("\"17179869184GiB\" is too large".into())
+    );
+    // In the file: integers or strings.
+    for (value, n) in [("4096", 4096), ("\"4KiB\"", 4096), ("\"4 kB\"", 4000)] {
+        let c = ok(&format!(
+            "[[rule]]\nname = \"r\"\nthreshold = {{ bytes = {value}, interval = \"1s\" }}\n"
+        ));
+        assert_eq!(c.rules[0].threshold.amount, n, "{value}");
+        assert_eq!(c.rules[0].threshold.unit, Unit::Bytes);
+    }
+    let text = "[[rule]]\nname = \"r\"\nthreshold = { bytes = -1, interval = \"1s\" }\n";
+    assert_eq!(
+        error(text),
+        "t.toml:3:23: rule \"r\": threshold.bytes must not be negative"
+    );
+}
+
+#[test]
+fn ports_table() {
+    let cases: &[(&str, (u16, u16))] = &[
+        ("80", (80, 80)),
+        (" 443 ", (443, 443)),
+        ("1", (1, 1)),
+        ("65535", (65535, 65535)),
+        ("8000-8100", (8000, 8100)),
+        ("8000 - 8100", (8000, 8100)),
+        ("22-22", (22, 22)),
+        ("1-65535", (1, 65535)),
+    ];
+    for &(s, r) in cases {
+        assert_eq!(parse_port_range(s), Ok(r), "{s}");
+    }
+    let errors: &[(&str, &str)] = &[
+        ("0", "port 0 is not allowed"),
+        ("0-80", "port 0 is not allowed"),
+        ("65536", "port 65536 is out of range (1-65535)"),
+        (
+            "99999999999999999999",
+            "port 9223372036854775807 is out of range (1-65535)",
+        ),
+        (
+            "8100-8000",
+            "port range 8100-8000 is reversed; did you mean 8000-8100?",
+        ),
+        (
+            "",
+            "\"\" is not a port or port range; write e.g. \"443\" or \"8000-8100\"",
+        ),
+        (
+            "http",
+            "\"http\" is not a port or port range; write e.g. \"443\" or \"8000-8100\"",
+        ),
+        (
+            "80-",
+            "\"80-\" is not a port or port range; write e.g. \"443\" or \"8000-8100\"",
+        ),
+        (
+            "-80",
+            "\"-80\" is not a port or port range; write e.g. \"443\" or \"8000-8100\"",
+        ),
+        (
+            "1-2-3",
+            "\"1-2-3\" is not a port or port range; write e.g. \"443\" or \"8000-8100\"",
+        ),
+        (
+            "+80",
+            "\"+80\" is not a port or port range; write e.g. \"443\" or \"8000-8100\"",
+        ),
+    ];
+    for &(s, msg) in errors {
+        assert_eq!(parse_port_range(s), Err(msg.to_string()), "{s}");
+    }
+    // In the file: integers and strings mixed.
+    let c = ok(&rule(
+        "r",
+        "match = { protocol = \"tcp\", dst_ports = [22, \"80\", \"8000-8100\", 65535] }\n",
+    ));
+    assert_eq!(
+        c.rules[0].matcher.dst_ports,
+        [(22, 22), (80, 80), (8000, 8100), (65535, 65535)]
+    );
+    let text = rule("r", "match = { protocol = \"tcp\", dst_ports = [-1] }\n");
+    assert_eq!(
+        error(&text),
+        at(
+            &text,
+            "-1",
+            0,
+            "rule \"r\": match.dst_ports: port -1 is out of range (1-65535)"
+        )
+    );
+}
+
+#[test]
+fn net_table() {
+    let cases: &[(&str, &str)] = &[
+        ("10.0.0.1", "10.0.0.1/32"),
+        ("10.0.0.0/8", "10.0.0.0/8"),
+        (" 10.0.0.0/8 ", "10.0.0.0/8"),
+        ("0.0.0.0/0", "0.0.0.0/0"),
+        ("2001:db8::1", "2001:db8::1/128"),
+        ("2001:db8::/32", "2001:db8::/32"),
+        ("::/0", "::/0"),
+    ];
+    for &(s, n) in cases {
+        assert_eq!(parse_net(s), Ok(net(n)), "{s}");
+    }
+    let errors: &[(&str, &str)] = &[
+        (
+            "192.168.1.1/24",
+            "192.168.1.1/24 has host bits set; did you mean 192.168.1.0/24?",
+        ),
+        (
+            "2001:db8::1/32",
+            "2001:db8::1/32 has host bits set; did you mean 2001:db8::/32?",
+        ),
+        (
+            "10.0.0.0/33",
+            "10.0.0.0/33: the prefix length must be a number from 0 to 32",
+        ),
+        (
+            "10.0.0.0/",
+            "10.0.0.0/: the prefix length must be a number from 0 to 32",
+        ),
+        (
+            "10.0.0.0/+8",
+            "10.0.0.0/+8: the prefix length must be a number from 0 to 32",
+        ),
+        (
+            "::/129",
+            "::/129: the prefix length must be a number from 0 to 128",
+        ),
+        ("10.0.0", "\"10.0.0\" is not an IP address or CIDR"),
+        (
+            "example.com",
+            "\"example.com\" is not an IP address or CIDR",
+        ),
+        ("", "\"\" is not an IP address or CIDR"),
+    ];
+    for &(s, msg) in errors {
+        assert_eq!(parse_net(s), Err(msg.to_string()), "{s}");
+    }
+}
+
+#[test]
+fn durations_and_thresholds_from_strings() {
+    assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
+    assert_eq!(parse_duration("30s"), Ok(Duration::from_secs(30)));
+    assert_eq!(parse_duration("20m"), Ok(Duration::from_secs(1200)));
+    assert_eq!(parse_duration("1h"), Ok(Duration::from_secs(3600)));
+    assert_eq!(parse_duration("1d"), Ok(Duration::from_secs(86_400)));
+    assert_eq!(parse_duration("1h30m"), Ok(Duration::from_secs(5400)));
+    assert!(parse_duration("soon").is_err());
+    for (d, s) in [
+        (Duration::from_secs(86_400), "1d"),
+        (Duration::from_secs(1200), "20m"),
+        (Duration::from_millis(1500), "1500ms"),
+        (Duration::from_micros(3), "3us"),
+        (Duration::ZERO, "0s"),
+    ] {
+        assert_eq!(format_duration(d), s);
+        assert_eq!(parse_duration(s), Ok(d), "{s}");
+    }
+
+    let t: Threshold = "2000/20m".parse().unwrap();
+    assert_eq!(t, pkts(2000, 1200));
+    assert_eq!(t.to_string(), "2000/20m");
+    let t: Threshold = "10MiB/1s".parse().unwrap();
+    assert_eq!((t.amount, t.unit), (10 << 20, Unit::Bytes));
+    assert_eq!(t.to_string(), "10485760B/1s");
+    assert_eq!(t.to_string().parse::<Threshold>(), Ok(t));
+    assert_eq!(
+        "0/1s".parse::<Threshold>(),
+        Err("the threshold amount must be at least 1".into())
+    );
+    assert_eq!(
+        "5/0s".parse::<Threshold>(),
+        Err("the interval must be greater than 0".into())
+    );
+    assert_eq!(
+        "5/2d".parse::<Threshold>(),
+        Err("the interval must be at most 1d".into())
+    );
+    assert!("5".parse::<Threshold>().is_err());
+}
+
+#[test]
+fn keywords_round_trip() {
+    for m in [XdpMode::Auto, XdpMode::Native, XdpMode::Generic] {
+        assert_eq!(m.as_str().parse::<XdpMode>(), Ok(m));
+    }
+    for k in [KeyKind::All, KeyKind::Ip, KeyKind::Region] {
+        assert_eq!(k.to_string().parse::<KeyKind>(), Ok(k));
+    }
+    for p in [
+        Protocol::Tcp,
+        Protocol::Udp,
+        Protocol::Icmp,
+        Protocol::Icmpv6,
+    ] {
+        assert_eq!(p.as_str().parse::<Protocol>(), Ok(p));
+    }
+    assert_eq!("fixed_window".parse(), Ok(Algorithm::FixedWindow));
+    assert_eq!("rate_based_ban".parse(), Ok(Action::RateBasedBan));
+    assert_eq!("pass".parse(), Ok(ExceedAction::Pass));
+    assert_eq!(
+        "Auto".parse::<XdpMode>(),
+        Err("must be one of \"auto\", \"native\" or \"generic\" (got \"Auto\")".into())
+    );
+    assert_eq!(XdpMode::default(), XdpMode::Auto);
+    assert_eq!(Algorithm::default(), Algorithm::SlidingWindow);
+}

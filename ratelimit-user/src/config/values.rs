@@ -1,0 +1,195 @@
+//! Parsers for single values, shared by the config file and the command line. Errors are
+//! phrased to follow a field name and a colon.
+
+use std::net::IpAddr;
+use std::time::Duration;
+
+use ipnet::IpNet;
+use ratelimit_common::caps;
+
+use super::TcpFlags;
+
+/// `"a", "b" or "c"`.
+pub(super) fn quoted_list(items: &[&str]) -> String {
+    let quoted: Vec<String> = items.iter().map(|s| format!("{s:?}")).collect();
+    match quoted.split_last() {
+        None => String::new(),
+        Some((last, [])) => last.clone(),
+        Some((last, rest)) => format!("{} or {last}", rest.join(", ")),
+    }
+}
+
+/// An IPv4 or IPv6 address, bare (a /32 or /128 network) or in CIDR notation. A CIDR with host
+/// bits set is an error that suggests the network meant.
+pub fn parse_net(s: &str) -> Result<IpNet, String> {
+    let t = s.trim();
+    let not_addr = || format!("{s:?} is not an IP address or CIDR");
+    let Some((addr, len)) = t.split_once('/') else {
+        return t.parse::<IpAddr>().map(IpNet::from).map_err(|_| not_addr());
+    };
+    let addr: IpAddr = addr.parse().map_err(|_| not_addr())?;
+    let max = if addr.is_ipv4() { 32 } else { 128 };
+    let len = Some(len)
+        .filter(|l| !l.is_empty() && l.len() <= 3 && l.bytes().all(|b| b.is_ascii_digit()))
+        .and_then(|l| l.parse::<u8>().ok())
+        .filter(|&l| l <= max)
+        .ok_or_else(|| format!("{t}: the prefix length must be a number from 0 to {max}"))?;
+    let net = IpNet::new(addr, len).map_err(|_| not_addr())?;
+    if net.trunc() != net {
+        return Err(format!(
+            "{t} has host bits set; did you mean {}?",
+            net.trunc()
+        ));
+    }
+    Ok(net)
+}
+
+/// A byte size: digits with an optional unit `B`, `KB`/`kB` (1000), `KiB` (1024), `MB`, `MiB`,
+/// `GB` or `GiB`; a space between number and unit is allowed.
+pub fn parse_bytes(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let bad = || {
+        format!(
+            "{s:?} is not a byte size; use a whole number with an optional unit B, KB, KiB, MB, MiB, GB or GiB, e.g. \"10MiB\""
+        )
+    };
+    let digits = t.bytes().take_while(u8::is_ascii_digit).count();
+    if digits == 0 {
+        return Err(bad());
+    }
+    let (number, unit) = t.split_at(digits);
+    let multiplier: u64 = match unit.trim_start() {
+        "" | "B" => 1,
+        "KB" | "kB" => 1_000,
+        "KiB" => 1 << 10,
+        "MB" => 1_000_000,
+        "MiB" => 1 << 20,
+        "GB" => 1_000_000_000,
+        "GiB" => 1 << 30,
+        _ => return Err(bad()),
+    };
+    number
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(multiplier))
+        .ok_or_else(|| format!("{s:?} is too large"))
+}
+
+/// One port number, 1..=65535.
+pub(super) fn check_port(n: i64) -> Result<u16, String> {
+    match n {
+        0 => Err("port 0 is not allowed".into()),
+        1..=65535 => Ok(n as u16),
+        _ => Err(format!("port {n} is out of range (1-65535)")),
+    }
+}
+
+/// A destination port or inclusive port range: `"80"` or `"8000-8100"`.
+pub fn parse_port_range(s: &str) -> Result<(u16, u16), String> {
+    let port = |p: &str| -> Result<u16, String> {
+        let p = p.trim();
+        if p.is_empty() || !p.bytes().all(|b| b.is_ascii_digit()) {
+            return Err(format!(
+                "{s:?} is not a port or port range; write e.g. \"443\" or \"8000-8100\""
+            ));
+        }
+        check_port(p.parse::<i64>().unwrap_or(i64::MAX))
+    };
+    let (lo, hi) = match s.split_once('-') {
+        Some((lo, hi)) => (port(lo)?, port(hi)?),
+        None => {
+            let p = port(s)?;
+            (p, p)
+        }
+    };
+    if lo > hi {
+        return Err(format!(
+            "port range {lo}-{hi} is reversed; did you mean {hi}-{lo}?"
+        ));
+    }
+    Ok((lo, hi))
+}
+
+/// TCP flags to match: names separated by `,` or `|`, `!name` for a flag that must be clear.
+/// Each named flag goes in the mask; the un-negated ones also in the value. Exactly `"syn"`
+/// alone is shorthand for `"syn,!ack"` (a connection attempt).
+pub fn parse_tcp_flags(s: &str) -> Result<TcpFlags, String> {
+    if s.trim().is_empty() {
+        return Err("no flags given; use names fin, syn, rst, psh, ack, urg, ece, cwr".into());
+    }
+    let mut flags = TcpFlags { mask: 0, value: 0 };
+    let mut count = 0;
+    for token in s.split([',', '|']) {
+        let token = token.trim();
+        let (negated, name) = match token.strip_prefix('!') {
+            Some(name) => (true, name.trim()),
+            None => (false, token),
+        };
+        if name.is_empty() {
+            return Err(format!("{s:?} has an empty flag name"));
+        }
+        let lower = name.to_ascii_lowercase();
+        let Some(&(_, bit)) = TcpFlags::NAMES.iter().find(|(n, _)| *n == lower) else {
+            return Err(format!(
+                "unknown TCP flag {name:?}; use fin, syn, rst, psh, ack, urg, ece or cwr"
+            ));
+        };
+        if flags.mask & bit != 0 {
+            return Err(format!("flag {lower} is given more than once in {s:?}"));
+        }
+        flags.mask |= bit;
+        if !negated {
+            flags.value |= bit;
+        }
+        count += 1;
+    }
+    if count == 1 && flags.value == TcpFlags::SYN {
+        flags.mask |= TcpFlags::ACK;
+    }
+    Ok(flags)
+}
+
+/// A duration: `"500ms"`, `"30s"`, `"20m"`, `"1h"`, `"1d"`, or combinations like `"1h30m"`.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    humantime::parse_duration(s.trim()).map_err(|e| {
+        format!("{s:?} is not a duration ({e}); write e.g. \"500ms\", \"30s\", \"20m\", \"1h\" or \"1d\"")
+    })
+}
+
+/// A threshold interval: greater than zero, at most `caps::MAX_INTERVAL_NS`. Errors follow
+/// "interval ".
+pub(super) fn check_interval(d: Duration) -> Result<(), String> {
+    if d.is_zero() {
+        return Err("must be greater than 0".into());
+    }
+    if d.as_nanos() > u128::from(caps::MAX_INTERVAL_NS) {
+        return Err(format!(
+            "must be at most {}",
+            format_duration(Duration::from_nanos(caps::MAX_INTERVAL_NS))
+        ));
+    }
+    Ok(())
+}
+
+/// A duration in the largest unit that states it exactly: `20m`, `1d`, `1500ms`. Parses back
+/// with [`parse_duration`].
+pub fn format_duration(d: Duration) -> String {
+    const UNITS: [(&str, u128); 7] = [
+        ("d", 86_400_000_000_000),
+        ("h", 3_600_000_000_000),
+        ("m", 60_000_000_000),
+        ("s", 1_000_000_000),
+        ("ms", 1_000_000),
+        ("us", 1_000),
+        ("ns", 1),
+    ];
+    let ns = d.as_nanos();
+    if ns == 0 {
+        return "0s".into();
+    }
+    let (unit, size) = UNITS
+        .into_iter()
+        .find(|(_, size)| ns.is_multiple_of(*size))
+        .unwrap_or(("ns", 1));
+    format!("{}{unit}", ns / size)
+}

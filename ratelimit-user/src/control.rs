@@ -1,0 +1,110 @@
+//! The control API: one JSON request per line on a Unix socket, one JSON response per line.
+//! The socket is created mode 0600 in a root-owned directory, and the server also checks the
+//! peer's credentials (SO_PEERCRED): only root may drive the daemon.
+
+use std::{
+    io::{BufRead as _, BufReader, Write as _},
+    os::unix::{fs::PermissionsExt as _, net::UnixStream},
+    path::Path,
+    time::Duration,
+};
+
+use anyhow::{Context as _, bail};
+use serde::{Deserialize, Serialize};
+
+use crate::cli::{RuleSetArgs, TopBy};
+
+#[derive(Serialize, Deserialize, Debug, Clone)]
+#[serde(tag = "cmd", rename_all = "snake_case")]
+pub enum Request {
+    Status,
+    Stats,
+    Top { n: usize, by: TopBy },
+    Bans,
+    Offenders,
+    BanAdd { bans: Vec<BanSpec> },
+    BanDel { cidrs: Vec<String> },
+    RuleSet { set: RuleSetArgs },
+    Reload,
+}
+
+#[derive(Serialize, Deserialize, Debug, Clone)]
+pub struct BanSpec {
+    pub cidr: String,
+    /// Milliseconds; None = until removed.
+    pub duration_ms: Option<u64>,
+    pub reason: Option<String>,
+}
+
+#[derive(Serialize, Deserialize, Debug)]
+pub struct Response {
+    pub ok: bool,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(default)]
+    pub data: serde_json::Value,
+}
+
+impl Response {
+    pub fn ok(data: impl Serialize) -> Self {
+        Self { ok: true, error: None, data: serde_json::to_value(data).unwrap_or_default() }
+    }
+    pub fn err(e: impl std::fmt::Display) -> Self {
+        Self { ok: false, error: Some(e.to_string()), data: serde_json::Value::Null }
+    }
+}
+
+/// Send one request and wait for its response.
+pub fn call(socket: &Path, req: &Request) -> anyhow::Result<serde_json::Value> {
+    let mut stream = UnixStream::connect(socket).with_context(|| {
+        format!(
+            "cannot reach the daemon at {} (is `ratelimit run` running? pass --socket or --config)",
+            socket.display()
+        )
+    })?;
+    stream.set_read_timeout(Some(Duration::from_secs(60)))?;
+    let mut line = serde_json::to_vec(req)?;
+    line.push(b'\n');
+    stream.write_all(&line)?;
+    let mut reader = BufReader::new(stream);
+    let mut resp = String::new();
+    reader.read_line(&mut resp).context("reading the daemon's response")?;
+    if resp.is_empty() {
+        bail!("the daemon closed the connection without answering");
+    }
+    let resp: Response = serde_json::from_str(&resp).context("malformed response from the daemon")?;
+    if !resp.ok {
+        bail!("{}", resp.error.unwrap_or_else(|| "request failed".into()));
+    }
+    Ok(resp.data)
+}
+
+/// Bind the control socket: parent directory created (0700 if new), stale socket removed,
+/// socket file chmod 0600 before anyone can connect (bound under a restrictive umask).
+pub fn bind(path: &Path) -> anyhow::Result<tokio::net::UnixListener> {
+    if let Some(dir) = path.parent() {
+        if !dir.exists() {
+            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
+        }
+    }
+    if path.exists() {
+        // A live daemon answers; a stale file from a killed one does not.
+        if UnixStream::connect(path).is_ok() {
+            bail!("another daemon is already listening on {}", path.display());
+        }
+        std::fs::remove_file(path).with_context(|| format!("removing stale {}", path.display()))?;
+    }
+    // SAFETY: umask is process-wide but only narrows permissions for the bind below.
+    let old = unsafe { libc::umask(0o177) };
+    let listener = tokio::net::UnixListener::bind(path);
+    unsafe { libc::umask(old) };
+    let listener = listener.with_context(|| format!("binding control socket {}", path.display()))?;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
+    Ok(listener)
+}
+
+/// The peer's uid (SO_PEERCRED).
+pub fn peer_uid(stream: &tokio::net::UnixStream) -> Option<u32> {
+    stream.peer_cred().ok().map(|c| c.uid())
+}

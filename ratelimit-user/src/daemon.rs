@@ -1,0 +1,441 @@
+//! The daemon: loads and attaches the program, applies the config, and runs a few long-lived
+//! tasks over one owned `State`: the control API, the event reader, ban persistence, and
+//! signal handling. SIGTERM and SIGINT leave the program attached and enforcing (its links
+//! are pinned); `ratelimit detach` removes it.
+
+use std::{
+    collections::BTreeMap,
+    path::PathBuf,
+    sync::Arc,
+    time::{Duration, SystemTime},
+};
+
+use anyhow::{Context as _, bail};
+use aya::maps::{MapData, RingBuf, lpm_trie::Key};
+use ipnet::IpNet;
+use ratelimit_common::{event::Event, maps::*};
+use serde::Serialize;
+use tokio::{
+    io::{AsyncBufReadExt as _, AsyncWriteExt as _, BufReader, unix::AsyncFd},
+    sync::Mutex,
+};
+use tracing::{error, info, warn};
+
+use crate::{
+    apply::{self, prefix},
+    bans,
+    cli::{RuleSetArgs, TopBy},
+    config::{self, Config},
+    control::{self, BanSpec, Request, Response},
+    datapath::{Attached, Datapath, Maps},
+    events::{self, Sink},
+    report,
+};
+
+pub struct Options {
+    pub config_path: Option<PathBuf>,
+    pub ifaces: Vec<String>,
+    pub xdp_mode: Option<config::XdpMode>,
+    pub preview: bool,
+}
+
+pub struct State {
+    pub cfg: Config,
+    pub opts_ifaces: Vec<String>,
+    pub config_path: Option<PathBuf>,
+    pub preview_all: bool,
+    pub xdp_mode_override: Option<config::XdpMode>,
+    pub maps: Maps,
+    pub dp: Datapath,
+    pub started: SystemTime,
+    pub ban_reasons: BTreeMap<String, String>,
+    pub sink: Sink,
+}
+
+pub type Shared = Arc<Mutex<State>>;
+
+fn load_config(path: Option<&PathBuf>) -> anyhow::Result<Config> {
+    match path {
+        Some(p) => config::load(p).map_err(|e| anyhow::anyhow!("{e}")),
+        None => Ok(config::parse("<defaults>", "").map_err(|e| anyhow::anyhow!("{e}"))?),
+    }
+}
+
+impl State {
+    pub fn rule_names(&self) -> Vec<String> {
+        self.cfg.rules.iter().map(|r| r.name.clone()).collect()
+    }
+
+    /// Rules as the data plane holds them (live `rule set` changes included).
+    pub fn live_rules(&self) -> Vec<(String, RuleConfig)> {
+        self.cfg
+            .rules
+            .iter()
+            .enumerate()
+            .map(|(i, r)| (r.name.clone(), self.maps.rules.get(&(i as u32), 0).unwrap_or_else(|_| apply::rule_config(r))))
+            .collect()
+    }
+
+    fn ifaces(&self) -> Vec<(u32, String)> {
+        self.dp.attached.iter().map(|a| (a.slot, a.iface.clone())).collect()
+    }
+
+    fn interfaces_wanted(&self) -> Vec<String> {
+        let mut v = self.cfg.daemon.interfaces.clone();
+        for i in &self.opts_ifaces {
+            if !v.contains(i) {
+                v.push(i.clone());
+            }
+        }
+        v
+    }
+
+    pub fn save_bans(&self) {
+        let names = self.rule_names();
+        if let Err(e) = bans::save(&self.cfg.daemon.state_dir, &self.maps, &names, &self.ban_reasons) {
+            warn!("saving bans to {}: {e:#}", self.cfg.daemon.state_dir.display());
+        }
+    }
+
+    pub fn handle(&mut self, req: Request) -> Response {
+        match self.try_handle(req) {
+            Ok(r) => r,
+            Err(e) => Response::err(format!("{e:#}")),
+        }
+    }
+
+    fn try_handle(&mut self, req: Request) -> anyhow::Result<Response> {
+        Ok(match req {
+            Request::Status => Response::ok(self.status()),
+            Request::Stats => Response::ok(report::stats(&self.maps, &self.ifaces(), &self.rule_names())?),
+            Request::Top { n, by } => {
+                let mut c = report::clients(&self.maps, &self.live_rules());
+                c.sort_by_key(|c| std::cmp::Reverse(match by {
+                    TopBy::Packets => c.packets,
+                    TopBy::Bytes => c.bytes,
+                    TopBy::Drops => c.drops,
+                }));
+                c.truncate(n);
+                Response::ok(c)
+            }
+            Request::Bans => Response::ok(report::bans(&self.maps, &self.rule_names(), &self.ban_reasons)),
+            Request::Offenders => {
+                let mut c: Vec<_> = report::clients(&self.maps, &self.live_rules())
+                    .into_iter()
+                    .filter(|c| c.throttled || c.above_soft_limit)
+                    .collect();
+                c.sort_by(|a, b| b.usage.cmp(&a.usage));
+                Response::ok(c)
+            }
+            Request::BanAdd { bans } => Response::ok(self.ban_add(&bans)?),
+            Request::BanDel { cidrs } => Response::ok(self.ban_del(&cidrs)?),
+            Request::RuleSet { set } => Response::ok(self.rule_set(&set)?),
+            Request::Reload => Response::ok(self.reload()?),
+        })
+    }
+
+    fn status(&self) -> serde_json::Value {
+        #[derive(Serialize)]
+        struct Status<'a> {
+            version: &'a str,
+            pid: u32,
+            started: String,
+            config: Option<String>,
+            adopted_pinned_state: bool,
+            bpffs_dir: String,
+            preview_all: bool,
+            interfaces: &'a [Attached],
+            program: Option<serde_json::Value>,
+            rules: Vec<String>,
+            tracked_clients: usize,
+            max_sources: u32,
+            active_bans: usize,
+        }
+        let tracked = self.maps.clients.keys().count();
+        serde_json::to_value(Status {
+            version: env!("CARGO_PKG_VERSION"),
+            pid: std::process::id(),
+            started: report::rfc3339(self.started),
+            config: self.config_path.as_ref().map(|p| p.display().to_string()),
+            adopted_pinned_state: self.dp.adopted,
+            bpffs_dir: self.cfg.daemon.bpffs_dir.display().to_string(),
+            preview_all: self.preview_all,
+            interfaces: &self.dp.attached,
+            program: self
+                .dp
+                .program_info()
+                .map(|(x, v)| serde_json::json!({"xlated_insns": x, "verified_insns": v})),
+            rules: self.rule_names(),
+            tracked_clients: tracked,
+            max_sources: self.cfg.tracking.max_sources,
+            active_bans: report::bans(&self.maps, &[], &BTreeMap::new()).len(),
+        })
+        .unwrap_or_default()
+    }
+
+    fn ban_add(&mut self, specs: &[BanSpec]) -> anyhow::Result<serde_json::Value> {
+        // Validate everything first: a bad line rejects the whole request.
+        let mut parsed = Vec::with_capacity(specs.len());
+        for (n, s) in specs.iter().enumerate() {
+            let net = parse_cidr(&s.cidr).with_context(|| format!("entry {}: {:?}", n + 1, s.cidr))?;
+            parsed.push((net, s));
+        }
+        let now = report::mono_ns();
+        for (net, s) in &parsed {
+            let (plen, key) = prefix(net);
+            let expires = s.duration_ms.map(|ms| now + ms * 1_000_000).unwrap_or(0);
+            let entry = BanEntry {
+                expires_ns: expires,
+                since_ns: now,
+                rule: BAN_RULE_NONE,
+                flags: BAN_MANUAL,
+                prefix_len: plen,
+                _pad: 0,
+                addr: key.addr,
+            };
+            self.maps.bans.insert(&Key::new(plen, key), entry, 0).map_err(|e| {
+                anyhow::anyhow!("adding the ban for {net}: {e} (the ban map holds {} entries)", ratelimit_common::caps::MAX_BANS)
+            })?;
+            match &s.reason {
+                Some(r) => self.ban_reasons.insert(net.to_string(), r.clone()),
+                None => self.ban_reasons.remove(&net.to_string()),
+            };
+        }
+        self.save_bans();
+        Ok(serde_json::json!({ "added": parsed.len() }))
+    }
+
+    fn ban_del(&mut self, cidrs: &[String]) -> anyhow::Result<serde_json::Value> {
+        let mut removed = 0;
+        let mut missing = Vec::new();
+        for c in cidrs {
+            let net = parse_cidr(c)?;
+            let (plen, key) = prefix(&net);
+            match self.maps.bans.remove(&Key::new(plen, key)) {
+                Ok(()) => removed += 1,
+                Err(_) => missing.push(net.to_string()),
+            }
+            self.ban_reasons.remove(&net.to_string());
+        }
+        self.save_bans();
+        if removed == 0 && !missing.is_empty() {
+            bail!("no such ban: {}", missing.join(", "));
+        }
+        Ok(serde_json::json!({ "removed": removed, "not_found": missing }))
+    }
+
+    fn rule_set(&mut self, set: &RuleSetArgs) -> anyhow::Result<serde_json::Value> {
+        let idx = self
+            .cfg
+            .rules
+            .iter()
+            .position(|r| r.name == set.name)
+            .with_context(|| format!("no rule named {:?} (rules: {})", set.name, self.rule_names().join(", ")))?;
+        let mut rule = self.cfg.rules[idx].clone();
+        crate::ruleset::apply_changes(&mut rule, set)?;
+        let rc = apply::rule_config(&rule);
+        // In place: the rule keeps its index, so per-client state and counters carry on.
+        self.maps.rules.set(idx as u32, rc, 0).context("writing the rule")?;
+        // Overrides inherit ban settings from the rule: rewrite them too.
+        let mut cfg = self.cfg.clone();
+        cfg.rules[idx] = rule;
+        let plan = apply::plan(&cfg, self.preview_all);
+        apply::apply(&mut self.maps, &plan)?;
+        self.cfg = cfg;
+        info!(rule = %set.name, "rule changed live");
+        Ok(serde_json::json!({ "rule": set.name, "index": idx }))
+    }
+
+    pub fn reload(&mut self) -> anyhow::Result<serde_json::Value> {
+        let Some(path) = self.config_path.clone() else {
+            bail!("the daemon was started without --config; nothing to reload");
+        };
+        let cfg = config::load(&path).map_err(|e| anyhow::anyhow!("reload rejected, the running config is unchanged:\n{e}"))?;
+        if cfg.tracking.max_sources != self.cfg.tracking.max_sources {
+            warn!("tracking.max_sources changes take effect after `ratelimit detach` and a restart");
+        }
+        let plan = apply::plan(&cfg, self.preview_all);
+        apply::apply(&mut self.maps, &plan).context("applying the new config")?;
+        let old_sink_target = self.cfg.daemon.events.clone();
+        self.cfg = cfg;
+        let wanted = self.interfaces_wanted();
+        let mode = self.xdp_mode_override.unwrap_or(self.cfg.daemon.xdp_mode);
+        for iface in wanted {
+            if !self.dp.attached.iter().any(|a| a.iface == iface) {
+                self.dp.attach(&iface, mode, &mut self.maps)?;
+            }
+        }
+        if old_sink_target != self.cfg.daemon.events {
+            self.sink = Sink::open(self.cfg.daemon.events.as_ref())?;
+        } else {
+            self.sink.reopen().ok();
+        }
+        info!(config = %path.display(), "config reloaded");
+        Ok(serde_json::json!({ "reloaded": path.display().to_string(), "rules": self.rule_names() }))
+    }
+}
+
+pub fn parse_cidr(s: &str) -> anyhow::Result<IpNet> {
+    let s = s.trim();
+    if let Ok(n) = s.parse::<IpNet>() {
+        if n.trunc() != n {
+            bail!("{s} has host bits set; did you mean {}?", n.trunc());
+        }
+        return Ok(n);
+    }
+    let a: std::net::IpAddr = s.parse().with_context(|| format!("{s:?} is neither an address nor a CIDR"))?;
+    Ok(IpNet::from(a))
+}
+
+pub async fn run(opts: Options) -> anyhow::Result<()> {
+    let cfg = load_config(opts.config_path.as_ref())?;
+    let mut ifaces = cfg.daemon.interfaces.clone();
+    for i in &opts.ifaces {
+        if !ifaces.contains(i) {
+            ifaces.push(i.clone());
+        }
+    }
+    if ifaces.is_empty() {
+        bail!("no interface to attach to: pass --iface IF or set daemon.interfaces in the config");
+    }
+    let mode = opts.xdp_mode.unwrap_or(cfg.daemon.xdp_mode);
+    let mut dp = Datapath::load(&cfg.daemon.bpffs_dir, cfg.tracking.max_sources)?;
+    if let Some((x, v)) = dp.program_info() {
+        info!(xlated_insns = x, verified_insns = v, "XDP program loaded");
+    }
+    let mut maps = dp.take_maps()?;
+    // Policy first, then attach: the program never runs against empty policy maps.
+    let plan = apply::plan(&cfg, opts.preview);
+    apply::apply(&mut maps, &plan)?;
+    let restored = bans::restore(&cfg.daemon.state_dir, &mut maps, &cfg.rules.iter().map(|r| r.name.clone()).collect::<Vec<_>>())?;
+    if restored.restored > 0 {
+        info!(restored = restored.restored, "bans restored from {}", cfg.daemon.state_dir.display());
+    }
+    for iface in &ifaces {
+        dp.attach(iface, mode, &mut maps)?;
+    }
+    let listener = control::bind(&cfg.daemon.control_socket)?;
+    let events_map = maps.events.take();
+    let sink = Sink::open(cfg.daemon.events.as_ref())?;
+    let state: Shared = Arc::new(Mutex::new(State {
+        cfg,
+        opts_ifaces: opts.ifaces,
+        config_path: opts.config_path,
+        preview_all: opts.preview,
+        xdp_mode_override: opts.xdp_mode,
+        maps,
+        dp,
+        started: SystemTime::now(),
+        ban_reasons: restored.reasons,
+        sink,
+    }));
+    {
+        let s = state.lock().await;
+        info!(socket = %s.cfg.daemon.control_socket.display(), "control socket ready");
+    }
+    let mut tasks = tokio::task::JoinSet::new();
+    tasks.spawn(serve_control(listener, state.clone()));
+    if let Some(rb) = events_map {
+        tasks.spawn(read_events(rb, state.clone()));
+    }
+    tasks.spawn(persist_bans(state.clone()));
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
+    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
+    loop {
+        tokio::select! {
+            _ = term.recv() => break,
+            _ = int.recv() => break,
+            _ = hup.recv() => {
+                let mut s = state.lock().await;
+                match s.reload() {
+                    Ok(_) => {}
+                    Err(e) => error!("{e:#}"),
+                }
+            }
+            Some(res) = tasks.join_next() => {
+                match res {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => error!("task failed: {e:#}"),
+                    Err(e) => error!("task panicked: {e}"),
+                }
+            }
+        }
+    }
+    let s = state.lock().await;
+    s.save_bans();
+    let _ = std::fs::remove_file(&s.cfg.daemon.control_socket);
+    info!("stopping; the XDP program stays attached and enforcing (`ratelimit detach` removes it)");
+    Ok(())
+}
+
+async fn serve_control(listener: tokio::net::UnixListener, state: Shared) -> anyhow::Result<()> {
+    loop {
+        let (stream, _) = listener.accept().await?;
+        let state = state.clone();
+        tokio::spawn(async move {
+            if control::peer_uid(&stream) != Some(0) {
+                let (_, mut w) = stream.into_split();
+                let mut line = serde_json::to_vec(&Response::err("permission denied: the control socket is for root only")).unwrap_or_default();
+                line.push(b'\n');
+                let _ = w.write_all(&line).await;
+                return;
+            }
+            let (r, mut w) = stream.into_split();
+            let mut lines = BufReader::new(r).lines();
+            while let Ok(Some(line)) = lines.next_line().await {
+                let resp = match serde_json::from_str::<Request>(&line) {
+                    Ok(req) => {
+                        let mut s = state.lock().await;
+                        // Map walks are syscalls: keep them off the async workers' hot path.
+                        tokio::task::block_in_place(|| s.handle(req))
+                    }
+                    Err(e) => Response::err(format!("bad request: {e}")),
+                };
+                let mut out = serde_json::to_vec(&resp).unwrap_or_default();
+                out.push(b'\n');
+                if w.write_all(&out).await.is_err() {
+                    break;
+                }
+            }
+        });
+    }
+}
+
+async fn read_events(rb: RingBuf<MapData>, state: Shared) -> anyhow::Result<()> {
+    let mut fd = AsyncFd::new(rb).context("polling the events ring buffer")?;
+    loop {
+        let mut guard = fd.readable_mut().await?;
+        let rb = guard.get_inner_mut();
+        let mut batch = Vec::new();
+        while let Some(item) = rb.next() {
+            if item.len() >= std::mem::size_of::<Event>() {
+                // SAFETY: the program writes whole `Event`s; read unaligned to be safe.
+                let e: Event = unsafe { std::ptr::read_unaligned(item.as_ptr() as *const Event) };
+                batch.push(e);
+            }
+        }
+        guard.clear_ready();
+        if batch.is_empty() {
+            continue;
+        }
+        let mut s = state.lock().await;
+        let names = s.rule_names();
+        for e in &batch {
+            let line = events::line_of(e, &names);
+            s.sink.write(&line);
+        }
+        if batch.iter().any(|e| e.kind == ratelimit_common::event::EV_BAN || e.kind == ratelimit_common::event::EV_UNBAN) {
+            s.save_bans();
+        }
+    }
+}
+
+async fn persist_bans(state: Shared) -> anyhow::Result<()> {
+    let mut tick = tokio::time::interval(Duration::from_secs(5));
+    loop {
+        tick.tick().await;
+        let s = state.lock().await;
+        s.save_bans();
+    }
+}

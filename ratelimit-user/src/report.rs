@@ -1,0 +1,268 @@
+//! Reading the data plane back: counters, per-client state, bans. Pure functions over the maps
+//! (plus the clock), shared by the control API, the metrics endpoint and the CLI's tables.
+
+use std::{collections::BTreeMap, time::{Duration, SystemTime}};
+
+use ratelimit_common::{
+    addr::IpKey,
+    caps::MAX_IFACES,
+    limiter,
+    maps::*,
+    stats::{self, Counter, global, rule},
+};
+use serde::Serialize;
+
+use crate::{apply::net_of, datapath::Maps};
+
+/// CLOCK_MONOTONIC now, the clock of `bpf_ktime_get_ns`.
+pub fn mono_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: valid out-pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+}
+
+/// Wall-clock time of a CLOCK_MONOTONIC timestamp.
+pub fn wall_of(mono: u64) -> SystemTime {
+    let now_mono = mono_ns();
+    let now = SystemTime::now();
+    if mono >= now_mono {
+        now + Duration::from_nanos(mono - now_mono)
+    } else {
+        now - Duration::from_nanos(now_mono - mono)
+    }
+}
+
+pub fn rfc3339(t: SystemTime) -> String {
+    humantime::format_rfc3339_millis(t).to_string()
+}
+
+#[derive(Serialize, Clone, Copy, Default, Debug, PartialEq, Eq)]
+pub struct Pb {
+    pub packets: u64,
+    pub bytes: u64,
+}
+
+impl std::ops::AddAssign for Pb {
+    fn add_assign(&mut self, o: Self) {
+        self.packets += o.packets;
+        self.bytes += o.bytes;
+    }
+}
+
+#[derive(Serialize, Default, Debug)]
+pub struct Counters {
+    /// Frames seen (the sum of the verdicts).
+    pub total: Pb,
+    pub verdicts: BTreeMap<&'static str, Pb>,
+    pub reasons: BTreeMap<&'static str, Pb>,
+}
+
+#[derive(Serialize, Debug)]
+pub struct RuleCounters {
+    pub name: String,
+    pub counters: BTreeMap<&'static str, Pb>,
+}
+
+#[derive(Serialize, Debug)]
+pub struct IfaceCounters {
+    pub iface: String,
+    pub slot: u32,
+    #[serde(flatten)]
+    pub counters: Counters,
+}
+
+#[derive(Serialize, Debug)]
+pub struct Stats {
+    #[serde(flatten)]
+    pub all: Counters,
+    pub interfaces: Vec<IfaceCounters>,
+    pub rules: Vec<RuleCounters>,
+}
+
+/// Sum over CPUs of every counter: `[slot][index]`.
+fn read_all(maps: &Maps) -> anyhow::Result<Vec<Vec<Pb>>> {
+    let mut out = vec![vec![Pb::default(); stats::PER_IFACE as usize]; MAX_IFACES as usize];
+    for (i, vals) in maps.stats.iter().enumerate() {
+        let vals = vals?;
+        let sum = vals.iter().fold(Pb::default(), |mut a, c: &Counter| {
+            a += Pb { packets: c.packets, bytes: c.bytes };
+            a
+        });
+        let slot = i / stats::PER_IFACE as usize;
+        if slot < out.len() {
+            out[slot][i % stats::PER_IFACE as usize] = sum;
+        }
+    }
+    Ok(out)
+}
+
+fn counters(v: &[Pb]) -> Counters {
+    let mut c = Counters::default();
+    for i in 0..global::COUNT as usize {
+        let name = global::NAMES[i];
+        if (i as u32) < global::VERDICTS {
+            c.total += v[i];
+            c.verdicts.insert(name, v[i]);
+        } else {
+            c.reasons.insert(name, v[i]);
+        }
+    }
+    c
+}
+
+/// Counters by verdict, interface and rule. `ifaces` maps slot → interface name;
+/// `rule_names` are the rules in file order.
+pub fn stats(maps: &Maps, ifaces: &[(u32, String)], rule_names: &[String]) -> anyhow::Result<Stats> {
+    let all = read_all(maps)?;
+    let mut total = vec![Pb::default(); stats::PER_IFACE as usize];
+    for slot in &all {
+        for (t, v) in total.iter_mut().zip(slot) {
+            *t += *v;
+        }
+    }
+    let interfaces = ifaces
+        .iter()
+        .map(|(slot, name)| IfaceCounters { iface: name.clone(), slot: *slot, counters: counters(&all[*slot as usize]) })
+        .collect();
+    let rules = rule_names
+        .iter()
+        .enumerate()
+        .map(|(r, name)| {
+            let base = (global::COUNT + r as u32 * rule::COUNT) as usize;
+            let counters = (0..rule::COUNT as usize).map(|k| (rule::NAMES[k], total[base + k])).collect();
+            RuleCounters { name: name.clone(), counters }
+        })
+        .collect();
+    Ok(Stats { all: counters(&total), interfaces, rules })
+}
+
+/// One tracked client, as reports show it.
+#[derive(Serialize, Debug, Clone)]
+pub struct Client {
+    pub rule: String,
+    pub key: &'static str,
+    /// CIDR for `ip`, country code for `region`, `*` for `all` and `overflow`.
+    pub client: String,
+    pub packets: u64,
+    pub bytes: u64,
+    pub drops: u64,
+    /// Limiter usage now, in threshold units (admitted cost in the sliding interval; spent
+    /// burst for the token bucket).
+    pub usage: u64,
+    /// What `usage` is measured against (threshold or burst).
+    pub limit: u64,
+    /// Admitted rate, per second, over the current sliding interval.
+    pub admitted_per_sec: f64,
+    /// Offered rate (every matched packet), per second, where the rule meters it (bans).
+    pub offered_per_sec: Option<f64>,
+    pub throttled: bool,
+    pub above_soft_limit: bool,
+    pub last_seen: String,
+}
+
+pub fn key_name(kind: u8) -> &'static str {
+    match kind {
+        KEY_ALL => "all",
+        KEY_IP => "ip",
+        KEY_REGION => "region",
+        _ => "overflow",
+    }
+}
+
+pub fn client_label(k: &ClientKey) -> String {
+    match k.kind {
+        KEY_IP => net_of(k.prefix_len, &IpKey { addr: k.addr }).to_string(),
+        KEY_REGION => String::from_utf8_lossy(&k.addr[..2]).into_owned(),
+        _ => "*".to_string(),
+    }
+}
+
+/// Describe one client state against its rule (`None` if the rule no longer exists).
+pub fn describe(k: &ClientKey, s: &ClientState, rules: &[(String, RuleConfig)], now: u64) -> Option<Client> {
+    let (name, rc) = rules.get(k.rule as usize)?;
+    let l = &rc.limit;
+    let interval = l.interval_ns.max(1);
+    let (usage, limit) = if rc.algorithm == ALG_TOKEN_BUCKET {
+        let debt = s.stamp.saturating_sub(now);
+        let per = (interval / l.threshold.max(1)).max(1);
+        (debt / per, l.burst)
+    } else {
+        let w = limiter::window_of(now, interval);
+        let (cur, prev) = limiter::rotate(s.stamp, w, s.cur, s.prev);
+        let weight = if rc.algorithm == ALG_FIXED_WINDOW { 0 } else { limiter::prev_weight(now, interval) };
+        (limiter::sliding_estimate(prev, cur, weight), l.threshold)
+    };
+    let secs = interval as f64 / 1e9;
+    let offered = (rc.action == ACTION_BAN && l.ban_interval_ns > 0).then(|| {
+        let bi = l.ban_interval_ns;
+        let w = limiter::window_of(now, bi);
+        let (cur, prev) = limiter::rotate(s.ban_stamp, w, s.seen_cur, s.seen_prev);
+        limiter::sliding_estimate(prev, cur, limiter::prev_weight(now, bi)) as f64 / (bi as f64 / 1e9)
+    });
+    let throttled = s.flags & STATE_THROTTLING != 0 && now.saturating_sub(s.last_exceed_ns) < interval;
+    Some(Client {
+        rule: name.clone(),
+        key: key_name(k.kind),
+        client: client_label(k),
+        packets: s.packets,
+        bytes: s.bytes,
+        drops: s.drops,
+        usage,
+        limit,
+        admitted_per_sec: if rc.algorithm == ALG_TOKEN_BUCKET { 0.0 } else { usage as f64 / secs },
+        offered_per_sec: offered,
+        throttled,
+        above_soft_limit: limiter::above_share(usage, limit, rc.soft_limit_permille),
+        last_seen: rfc3339(wall_of(s.last_ns)),
+    })
+}
+
+/// Every tracked client (one pass over the map).
+pub fn clients(maps: &Maps, rules: &[(String, RuleConfig)]) -> Vec<Client> {
+    let now = mono_ns();
+    maps.clients
+        .iter()
+        .filter_map(|r| r.ok())
+        .filter_map(|(k, s)| describe(&k, &s, rules, now))
+        .collect()
+}
+
+#[derive(Serialize, Debug, Clone)]
+pub struct Ban {
+    pub cidr: String,
+    /// Rule that issued it, or null for an operator's ban.
+    pub rule: Option<String>,
+    pub manual: bool,
+    pub preview: bool,
+    pub since: String,
+    /// RFC 3339, or null: until removed.
+    pub expires: Option<String>,
+    pub remaining_secs: Option<f64>,
+    pub reason: Option<String>,
+}
+
+pub fn bans(maps: &Maps, rule_names: &[String], reasons: &BTreeMap<String, String>) -> Vec<Ban> {
+    let now = mono_ns();
+    let mut out: Vec<Ban> = maps
+        .bans
+        .iter()
+        .filter_map(|r| r.ok())
+        .filter(|(_, b)| limiter::ban_active(b.expires_ns, now))
+        .map(|(k, b)| {
+            let cidr = net_of(k.prefix_len(), &k.data()).to_string();
+            Ban {
+                rule: if b.rule == BAN_RULE_NONE { None } else { rule_names.get(b.rule as usize).cloned() },
+                manual: b.flags & BAN_MANUAL != 0,
+                preview: b.flags & BAN_PREVIEW != 0,
+                since: rfc3339(wall_of(b.since_ns)),
+                expires: (b.expires_ns != 0).then(|| rfc3339(wall_of(b.expires_ns))),
+                remaining_secs: (b.expires_ns != 0).then(|| (b.expires_ns - now) as f64 / 1e9),
+                reason: reasons.get(&cidr).cloned(),
+                cidr,
+            }
+        })
+        .collect();
+    out.sort_by(|a, b| a.cidr.cmp(&b.cidr));
+    out
+}
