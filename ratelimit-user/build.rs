@@ -12,11 +12,19 @@ fn main() -> anyhow::Result<()> {
         .into_iter()
         .find(|cargo_metadata::Package { name, .. }| name.as_str() == "ratelimit-ebpf")
         .ok_or_else(|| anyhow!("ratelimit-ebpf package not found"))?;
-    let cargo_metadata::Package { name, manifest_path, .. } = ebpf_package;
+    let cargo_metadata::Package {
+        name,
+        manifest_path,
+        ..
+    } = ebpf_package;
     let root_dir = manifest_path
         .parent()
         .ok_or_else(|| anyhow!("no parent for {manifest_path}"))?
         .as_str();
-    let ebpf_package = aya_build::Package { name: name.as_str(), root_dir, ..Default::default() };
+    let ebpf_package = aya_build::Package {
+        name: name.as_str(),
+        root_dir,
+        ..Default::default()
+    };
     aya_build::build_ebpf([ebpf_package], Toolchain::default())
 }

@@ -65,7 +65,9 @@ mod tests {
         assert_eq!(&k.masked(96 + 20).addr[12..], &[192, 168, 0, 0]);
         assert_eq!(k.masked(128), k);
         assert_eq!(k.masked(0), IpKey::default());
-        let v6 = IpKey::from_v6([0x20, 0x01, 0x0d, 0xb8, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12]);
+        let v6 = IpKey::from_v6([
+            0x20, 0x01, 0x0d, 0xb8, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12,
+        ]);
         assert!(!v6.is_v4());
         let m = v6.masked(64);
         assert_eq!(&m.addr[..8], &[0x20, 0x01, 0x0d, 0xb8, 1, 2, 3, 4]);

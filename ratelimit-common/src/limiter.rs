@@ -39,13 +39,17 @@ pub fn window_of(now_ns: u64, interval_ns: u64) -> u64 {
 #[inline(always)]
 pub fn prev_weight(now_ns: u64, interval_ns: u64) -> u64 {
     let elapsed = now_ns % interval_ns;
-    (((interval_ns - elapsed) << WEIGHT_BITS) + interval_ns - 1) / interval_ns
+    ((interval_ns - elapsed) << WEIGHT_BITS).div_ceil(interval_ns)
 }
 
 /// Sliding-window estimate of the cost in the interval ending now (rounded up).
 #[inline(always)]
 pub fn sliding_estimate(prev: u64, cur: u64, weight: u64) -> u64 {
-    let prev = if prev > COUNT_CLAMP { COUNT_CLAMP } else { prev };
+    let prev = if prev > COUNT_CLAMP {
+        COUNT_CLAMP
+    } else {
+        prev
+    };
     ((prev * weight + (WEIGHT_ONE - 1)) >> WEIGHT_BITS).saturating_add(cur)
 }
 
@@ -74,8 +78,6 @@ pub fn gcra_increment(cost: u64, threshold: u64, interval_ns: u64) -> u64 {
     let cost = if cost > 0xffff { 0xffff } else { cost };
     cost * interval_ns / threshold
 }
-
-
 
 /// Burst tolerance in ns for a bucket of `burst` units; computed once by the daemon in
 /// 128 bits and stored in the rule (`Limit::burst` holds units, the program gets this value

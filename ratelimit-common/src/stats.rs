@@ -119,8 +119,15 @@ pub mod rule {
     pub const COUNT: u32 = 7;
 
     /// Names used in reports and metric labels, by index.
-    pub const NAMES: [&str; COUNT as usize] =
-        ["matched", "admitted", "dropped", "would_drop", "exceed_passed", "bans", "banned_dropped"];
+    pub const NAMES: [&str; COUNT as usize] = [
+        "matched",
+        "admitted",
+        "dropped",
+        "would_drop",
+        "exceed_passed",
+        "bans",
+        "banned_dropped",
+    ];
 }
 
 /// Counters per interface slot.

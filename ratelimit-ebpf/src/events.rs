@@ -11,7 +11,15 @@ static EVENTS: RingBuf = RingBuf::pinned(EVENTS_RING_BYTES, 0);
 
 #[inline(always)]
 #[allow(clippy::too_many_arguments)]
-pub fn emit(slot: Slot, kind: u32, key: &ClientKey, now: u64, count: u64, threshold: u64, expires_ns: u64) {
+pub fn emit(
+    slot: Slot,
+    kind: u32,
+    key: &ClientKey,
+    now: u64,
+    count: u64,
+    threshold: u64,
+    expires_ns: u64,
+) {
     match EVENTS.reserve::<Event>(0) {
         Some(mut entry) => {
             // Field by field with volatile stores: a struct literal with zero fields would be

@@ -30,8 +30,7 @@ use ratelimit_common::{
 };
 
 use crate::{
-    atomic,
-    events,
+    atomic, events,
     parse::Parsed,
     policy,
     stats::{self, Slot},
@@ -62,7 +61,6 @@ pub enum RuleVerdict {
 
 /// Bounded retries of a compare-and-swap before giving up.
 const CAS_RETRIES: u32 = 3;
-
 
 /// `-EEXIST` from a map update with `BPF_NOEXIST`.
 const EEXIST: i32 = -17;
@@ -130,17 +128,26 @@ pub struct RuleLoop {
 }
 
 #[map(name = "RL_SCRATCH")]
-static SCRATCH: aya_ebpf::maps::PerCpuArray<RuleLoop> = aya_ebpf::maps::PerCpuArray::with_max_entries(1, 0);
+static SCRATCH: aya_ebpf::maps::PerCpuArray<RuleLoop> =
+    aya_ebpf::maps::PerCpuArray::with_max_entries(1, 0);
 
 /// Evaluate the rules in file order. Each rule is one call of the global function `rl_rule`,
 /// which the verifier checks once on its own, so this loop costs it a call per rule.
 #[inline(always)]
-pub fn evaluate_rules(slot: Slot, pkt: Parsed, len: u64, now: u64, g: &GlobalConfig) -> RuleVerdict {
+pub fn evaluate_rules(
+    slot: Slot,
+    pkt: Parsed,
+    len: u64,
+    now: u64,
+    g: &GlobalConfig,
+) -> RuleVerdict {
     let n = g.rule_count;
     if n == 0 {
         return RuleVerdict::Pass;
     }
-    let Some(rl) = SCRATCH.get_ptr_mut(0) else { return RuleVerdict::Pass };
+    let Some(rl) = SCRATCH.get_ptr_mut(0) else {
+        return RuleVerdict::Pass;
+    };
     // SAFETY: this CPU's scratch record, used only during this packet.
     unsafe {
         (*rl).env = Env {
@@ -175,7 +182,9 @@ pub extern "C" fn rl_rule(index: u64, rl: *mut RuleLoop) -> u64 {
     // SAFETY: non-null pointer to this CPU's scratch record.
     let rl = unsafe { &mut *rl };
     let i = index as u32;
-    let Some(rule) = policy::rule(i) else { return 0 };
+    let Some(rule) = policy::rule(i) else {
+        return 0;
+    };
     if !matches(rule, &rl.pkt) {
         return 0;
     }
@@ -204,7 +213,9 @@ fn matches(rule: &RuleConfig, pkt: &Parsed) -> bool {
         return false;
     }
     if rule.flags & RULE_TCP_FLAGS != 0
-        && (pkt.proto != PROTO_TCP || !pkt.l4 || pkt.tcp_flags & rule.tcp_flags_mask != rule.tcp_flags_value)
+        && (pkt.proto != PROTO_TCP
+            || !pkt.l4
+            || pkt.tcp_flags & rule.tcp_flags_mask != rule.tcp_flags_value)
     {
         return false;
     }
@@ -240,7 +251,9 @@ pub extern "C" fn rl_admit(now: u64, rate: u64, burst: u64) -> u64 {
     if rate == 0 {
         return 1;
     }
-    let Some(a) = ADMISSION.get_ptr_mut(0) else { return 1 };
+    let Some(a) = ADMISSION.get_ptr_mut(0) else {
+        return 1;
+    };
     let tat = unsafe { &raw mut (*a).tat_ns };
     let inc = limiter::gcra_increment(1, rate, 1_000_000_000);
     let burst_ns = limiter::gcra_burst_ns(if burst == 0 { 1 } else { burst }, rate, 1_000_000_000);
@@ -340,8 +353,20 @@ fn mask_addr(addr: &mut [u8; 16], prefix_len: u32) {
     unsafe {
         let hi = u64::from_be_bytes(core::ptr::read_unaligned(p));
         let lo = u64::from_be_bytes(core::ptr::read_unaligned(p.add(1)));
-        let keep_hi = if prefix_len >= 64 { u64::MAX } else if prefix_len == 0 { 0 } else { u64::MAX << (64 - prefix_len) };
-        let keep_lo = if prefix_len >= 128 { u64::MAX } else if prefix_len <= 64 { 0 } else { u64::MAX << (128 - prefix_len) };
+        let keep_hi = if prefix_len >= 64 {
+            u64::MAX
+        } else if prefix_len == 0 {
+            0
+        } else {
+            u64::MAX << (64 - prefix_len)
+        };
+        let keep_lo = if prefix_len >= 128 {
+            u64::MAX
+        } else if prefix_len <= 64 {
+            0
+        } else {
+            u64::MAX << (128 - prefix_len)
+        };
         core::ptr::write_unaligned(p, (hi & keep_hi).to_be_bytes());
         core::ptr::write_unaligned(p.add(1), (lo & keep_lo).to_be_bytes());
     }
@@ -390,7 +415,11 @@ pub struct Judge {
 fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
     let env = &rl.env;
     let pkt = &rl.pkt;
-    let cost = if rule.flags & RULE_BYTES != 0 { env.len } else { 1 };
+    let cost = if rule.flags & RULE_BYTES != 0 {
+        env.len
+    } else {
+        1
+    };
     let key = &mut rl.key;
     key.rule = i as u8;
     key.kind = rule.key;
@@ -399,7 +428,11 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
     zero_addr(&mut key.addr);
     let mut limit = &rule.limit;
     if rule.key == KEY_IP {
-        let plen = if pkt.v4 { V4_MAPPED_PREFIX + rule.v4_prefix as u32 } else { rule.v6_prefix as u32 };
+        let plen = if pkt.v4 {
+            V4_MAPPED_PREFIX + rule.v4_prefix as u32
+        } else {
+            rule.v6_prefix as u32
+        };
         key.prefix_len = plen;
         key.addr = pkt.src.addr;
         mask_addr(&mut key.addr, plen);
@@ -431,7 +464,8 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
     j.rule = i;
     j.algorithm = rule.algorithm as u32;
     j.soft_permille = rule.soft_limit_permille;
-    j.ban_flags = if preview { BAN_PREVIEW } else { 0 } | if exceed_pass { BAN_EXCEED_PASS } else { 0 };
+    j.ban_flags =
+        if preview { BAN_PREVIEW } else { 0 } | if exceed_pass { BAN_EXCEED_PASS } else { 0 };
     // SAFETY: `st` is a live map value; fields are touched through atomics or plain stores of
     // values only reports read.
     unsafe {
@@ -463,7 +497,11 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
 /// expired one and reports the unban.
 #[unsafe(no_mangle)]
 #[inline(never)]
-pub extern "C" fn rl_aggregate_ban(st: *mut ClientState, key: *const ClientKey, j: *mut Judge) -> u64 {
+pub extern "C" fn rl_aggregate_ban(
+    st: *mut ClientState,
+    key: *const ClientKey,
+    j: *mut Judge,
+) -> u64 {
     if st.is_null() || key.is_null() || j.is_null() {
         return 0;
     }
@@ -499,7 +537,14 @@ pub extern "C" fn rl_ban_meter(st: *mut ClientState, lim: *const Limit, j: *mut 
         if interval == 0 {
             return 0;
         }
-        let seen = meter(&raw mut (*st).ban_stamp, &raw mut (*st).seen_cur, &raw mut (*st).seen_prev, (*j).now, interval, (*j).cost);
+        let seen = meter(
+            &raw mut (*st).ban_stamp,
+            &raw mut (*st).seen_cur,
+            &raw mut (*st).seen_prev,
+            (*j).now,
+            interval,
+            (*j).cost,
+        );
         (*j).seen = seen;
         (seen > (*lim).ban_threshold) as u64
     }
@@ -514,7 +559,8 @@ pub extern "C" fn rl_limit(st: *mut ClientState, lim: *const Limit, j: *mut Judg
     }
     // SAFETY: non-null pointers to live map values and the caller's stack.
     unsafe {
-        let (admitted, usage, capacity) = limit_check(st, (*j).algorithm as u8, &*lim, (*j).now, (*j).cost);
+        let (admitted, usage, capacity) =
+            limit_check(st, (*j).algorithm as u8, &*lim, (*j).now, (*j).cost);
         (*j).usage = usage;
         (*j).capacity = capacity;
         if !admitted {
@@ -528,7 +574,13 @@ pub extern "C" fn rl_limit(st: *mut ClientState, lim: *const Limit, j: *mut Judg
 /// Throttle and soft-limit episodes: flags in the state, one event at each edge.
 #[unsafe(no_mangle)]
 #[inline(never)]
-pub extern "C" fn rl_after(st: *mut ClientState, lim: *const Limit, key: *const ClientKey, j: *mut Judge, admitted: u64) -> u64 {
+pub extern "C" fn rl_after(
+    st: *mut ClientState,
+    lim: *const Limit,
+    key: *const ClientKey,
+    j: *mut Judge,
+    admitted: u64,
+) -> u64 {
     if st.is_null() || lim.is_null() || key.is_null() || j.is_null() {
         return 0;
     }
@@ -541,9 +593,19 @@ pub extern "C" fn rl_after(st: *mut ClientState, lim: *const Limit, key: *const 
         let f = atomic::load(flags);
         if admitted == 0 {
             if f & STATE_THROTTLING == 0
-                && atomic::fetch_or(flags, STATE_THROTTLING | STATE_SOFT_REPORTED) & STATE_THROTTLING == 0
+                && atomic::fetch_or(flags, STATE_THROTTLING | STATE_SOFT_REPORTED)
+                    & STATE_THROTTLING
+                    == 0
             {
-                events::emit(j.slot, EV_THROTTLE_START, key, j.now, j.usage, lim.threshold, 0);
+                events::emit(
+                    j.slot,
+                    EV_THROTTLE_START,
+                    key,
+                    j.now,
+                    j.usage,
+                    lim.threshold,
+                    0,
+                );
             }
             return 0;
         }
@@ -551,7 +613,15 @@ pub extern "C" fn rl_after(st: *mut ClientState, lim: *const Limit, key: *const 
             && j.now.saturating_sub((*st).last_exceed_ns) >= lim.interval_ns
             && atomic::fetch_and(flags, !STATE_THROTTLING) & STATE_THROTTLING != 0
         {
-            events::emit(j.slot, EV_THROTTLE_END, key, j.now, j.usage, lim.threshold, 0);
+            events::emit(
+                j.slot,
+                EV_THROTTLE_END,
+                key,
+                j.now,
+                j.usage,
+                lim.threshold,
+                0,
+            );
         }
         if limiter::above_share(j.usage, j.capacity, j.soft_permille) {
             if f & STATE_SOFT_REPORTED == 0
@@ -598,22 +668,45 @@ unsafe fn rotate(stamp: *mut u64, cur: *mut u64, prev: *mut u64, now: u64, inter
 
 /// Count `cost` into a sliding-window meter and return its estimate.
 #[inline(always)]
-unsafe fn meter(stamp: *mut u64, cur: *mut u64, prev: *mut u64, now: u64, interval: u64, cost: u64) -> u64 {
+unsafe fn meter(
+    stamp: *mut u64,
+    cur: *mut u64,
+    prev: *mut u64,
+    now: u64,
+    interval: u64,
+    cost: u64,
+) -> u64 {
     unsafe { rotate(stamp, cur, prev, now, interval) };
     let c = unsafe { atomic::fetch_add(cur, cost) } + cost;
-    limiter::sliding_estimate(unsafe { atomic::load(prev) }, c, limiter::prev_weight(now, interval))
+    limiter::sliding_estimate(
+        unsafe { atomic::load(prev) },
+        c,
+        limiter::prev_weight(now, interval),
+    )
 }
 
 /// The rule's algorithm: (admitted, usage after this packet, the capacity usage is measured
 /// against: the threshold for windows, the burst for the token bucket).
 #[inline(always)]
-unsafe fn limit_check(st: *mut ClientState, algorithm: u8, limit: &Limit, now: u64, cost: u64) -> (bool, u64, u64) {
+unsafe fn limit_check(
+    st: *mut ClientState,
+    algorithm: u8,
+    limit: &Limit,
+    now: u64,
+    cost: u64,
+) -> (bool, u64, u64) {
     let interval = limit.interval_ns;
     let threshold = limit.threshold;
     if interval == 0 || threshold == 0 {
         return (true, 0, threshold);
     }
-    let (stamp, cur, prev) = unsafe { (&raw mut (*st).stamp, &raw mut (*st).cur, &raw mut (*st).prev) };
+    let (stamp, cur, prev) = unsafe {
+        (
+            &raw mut (*st).stamp,
+            &raw mut (*st).cur,
+            &raw mut (*st).prev,
+        )
+    };
     if algorithm == ALG_TOKEN_BUCKET {
         let inc = limiter::gcra_increment(cost, threshold, interval);
         let burst_ns = limiter::gcra_burst_ns(limit.burst, threshold, interval);
@@ -634,7 +727,11 @@ unsafe fn limit_check(st: *mut ClientState, algorithm: u8, limit: &Limit, now: u
         return (false, limit.burst, limit.burst);
     }
     unsafe { rotate(stamp, cur, prev, now, interval) };
-    let weight = if algorithm == ALG_FIXED_WINDOW { 0 } else { limiter::prev_weight(now, interval) };
+    let weight = if algorithm == ALG_FIXED_WINDOW {
+        0
+    } else {
+        limiter::prev_weight(now, interval)
+    };
     let before = unsafe { atomic::fetch_add(cur, cost) };
     let est = limiter::sliding_estimate(unsafe { atomic::load(prev) }, before, weight);
     if limiter::sliding_admits(est, cost, threshold) {
@@ -648,7 +745,12 @@ unsafe fn limit_check(st: *mut ClientState, algorithm: u8, limit: &Limit, now: u
 /// Issue a ban for `key` (rate_based_ban crossed `ban_threshold`): 1 if this call issued it.
 #[unsafe(no_mangle)]
 #[inline(never)]
-pub extern "C" fn rl_ban(st: *mut ClientState, lim: *const Limit, key: *const ClientKey, j: *mut Judge) -> u64 {
+pub extern "C" fn rl_ban(
+    st: *mut ClientState,
+    lim: *const Limit,
+    key: *const ClientKey,
+    j: *mut Judge,
+) -> u64 {
     if st.is_null() || lim.is_null() || key.is_null() || j.is_null() {
         return 0;
     }
@@ -668,7 +770,11 @@ pub extern "C" fn rl_ban(st: *mut ClientState, lim: *const Limit, key: *const Cl
                 _pad: 0,
                 addr: key.addr,
             };
-            match BANS.insert(Key::new(key.prefix_len, IpKey { addr: key.addr }), &entry, BPF_NOEXIST as u64) {
+            match BANS.insert(
+                Key::new(key.prefix_len, IpKey { addr: key.addr }),
+                &entry,
+                BPF_NOEXIST as u64,
+            ) {
                 Ok(()) => true,
                 Err(EEXIST) => false,
                 Err(_) => {
@@ -677,7 +783,11 @@ pub extern "C" fn rl_ban(st: *mut ClientState, lim: *const Limit, key: *const Cl
                 }
             }
         } else {
-            atomic::cas(&raw mut (*st).banned_until_ns, 0, if expires == 0 { u64::MAX } else { expires })
+            atomic::cas(
+                &raw mut (*st).banned_until_ns,
+                0,
+                if expires == 0 { u64::MAX } else { expires },
+            )
         };
         if !issued {
             return 0;
@@ -693,7 +803,15 @@ pub extern "C" fn rl_ban(st: *mut ClientState, lim: *const Limit, key: *const Cl
         atomic::add(&raw mut (*st).drops, 1);
         stats::add(j.slot, global::BANS_ISSUED, 0);
         stats::add_rule(j.slot, j.rule, rc::BANS, 0);
-        events::emit(j.slot, EV_BAN, key, now, j.seen, (*lim).ban_threshold, expires);
+        events::emit(
+            j.slot,
+            EV_BAN,
+            key,
+            now,
+            j.seen,
+            (*lim).ban_threshold,
+            expires,
+        );
     }
     1
 }

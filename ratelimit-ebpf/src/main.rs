@@ -6,7 +6,10 @@
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
 #![cfg_attr(target_arch = "bpf", feature(core_intrinsics, asm_experimental_arch))]
-#![cfg_attr(target_arch = "bpf", expect(internal_features, reason = "BPF atomics, see atomic.rs"))]
+#![cfg_attr(
+    target_arch = "bpf",
+    expect(internal_features, reason = "BPF atomics, see atomic.rs")
+)]
 
 #[cfg(target_arch = "bpf")]
 mod atomic;
@@ -23,7 +26,9 @@ mod stats;
 
 #[cfg(target_arch = "bpf")]
 mod program {
-    use aya_ebpf::{bindings::xdp_action, helpers::bpf_ktime_get_ns, macros::xdp, programs::XdpContext};
+    use aya_ebpf::{
+        bindings::xdp_action, helpers::bpf_ktime_get_ns, macros::xdp, programs::XdpContext,
+    };
     use ratelimit_common::{
         maps::{BAN_EXCEED_PASS, BAN_PREVIEW},
         stats::global,
@@ -68,7 +73,8 @@ mod program {
         let now = unsafe { bpf_ktime_get_ns() };
         let global_cfg = policy::global();
         if let Some(ban_flags) = limit::active_ban(slot, src, now) {
-            let passes = global_cfg.preview_all != 0 || ban_flags & (BAN_PREVIEW | BAN_EXCEED_PASS) != 0;
+            let passes =
+                global_cfg.preview_all != 0 || ban_flags & (BAN_PREVIEW | BAN_EXCEED_PASS) != 0;
             if !passes {
                 return finish(slot, global::DROP_BAN, len);
             }

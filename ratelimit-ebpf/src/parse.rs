@@ -3,7 +3,13 @@
 //! must not buy more work than a fixed budget).
 
 use aya_ebpf::programs::XdpContext;
-use network_types::{eth::EthHdr, ip::{Ipv4Hdr, Ipv6Hdr}, tcp::TcpHdr, udp::UdpHdr, vlan::VlanHdr};
+use network_types::{
+    eth::EthHdr,
+    ip::{Ipv4Hdr, Ipv6Hdr},
+    tcp::TcpHdr,
+    udp::UdpHdr,
+    vlan::VlanHdr,
+};
 use ratelimit_common::{
     addr::IpKey,
     caps::{MAX_IPV6_EXT_HEADERS, MAX_VLAN_DEPTH},
@@ -200,7 +206,10 @@ fn parse_ipv6(ctx: &XdpContext, off: usize) -> Result<Parsed, Reason> {
 
 #[inline(always)]
 fn is_ipv6_ext(proto: u8) -> bool {
-    matches!(proto, IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS | IPPROTO_AH | IPPROTO_FRAGMENT)
+    matches!(
+        proto,
+        IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS | IPPROTO_AH | IPPROTO_FRAGMENT
+    )
 }
 
 #[inline(always)]

@@ -2,7 +2,10 @@
 //! deny lists, rule source lists, overrides and the GeoIP region map. The daemon replaces
 //! entries in place, so a live rule change never touches per-client counters.
 
-use aya_ebpf::{macros::map, maps::{Array, HashMap, LpmTrie, lpm_trie::Key}};
+use aya_ebpf::{
+    macros::map,
+    maps::{Array, HashMap, LpmTrie, lpm_trie::Key},
+};
 use ratelimit_common::{
     addr::IpKey,
     caps::{
@@ -10,8 +13,8 @@ use ratelimit_common::{
         MAX_RULE_SRC_ENTRIES, MAX_RULES,
     },
     maps::{
-        GlobalConfig, ListValue, OVERRIDE_RULE_BITS, OverrideKey, OverrideValue,
-        REGION_UNKNOWN, RegionOverrideKey, RuleConfig,
+        GlobalConfig, ListValue, OVERRIDE_RULE_BITS, OverrideKey, OverrideValue, REGION_UNKNOWN,
+        RegionOverrideKey, RuleConfig,
     },
 };
 
@@ -49,7 +52,12 @@ static REGION_OVERRIDES: HashMap<RegionOverrideKey, OverrideValue> =
 #[map(name = "RL_REGIONS")]
 static REGIONS: LpmTrie<IpKey, [u8; 4]> = LpmTrie::pinned(MAX_REGION_PREFIXES, 0);
 
-const EMPTY: GlobalConfig = GlobalConfig { rule_count: 0, preview_all: 0, admission_rate: 0, admission_burst: 0 };
+const EMPTY: GlobalConfig = GlobalConfig {
+    rule_count: 0,
+    preview_all: 0,
+    admission_rate: 0,
+    admission_burst: 0,
+};
 
 #[inline(always)]
 pub fn global() -> &'static GlobalConfig {
@@ -79,12 +87,21 @@ pub fn denied(src: &IpKey) -> bool {
 /// Bitmask of rules whose source list contains `src`.
 #[inline(always)]
 pub fn rule_src_mask(src: &IpKey) -> u32 {
-    RULE_SRC.get(full(src)).map(|v| v.rule_src_mask).unwrap_or(0)
+    RULE_SRC
+        .get(full(src))
+        .map(|v| v.rule_src_mask)
+        .unwrap_or(0)
 }
 
 #[inline(always)]
 pub fn cidr_override(rule: u32, src: &IpKey) -> Option<&'static OverrideValue> {
-    let key = Key::new(OVERRIDE_RULE_BITS + 128, OverrideKey { rule_be: rule.to_be(), addr: src.addr });
+    let key = Key::new(
+        OVERRIDE_RULE_BITS + 128,
+        OverrideKey {
+            rule_be: rule.to_be(),
+            addr: src.addr,
+        },
+    );
     OVERRIDES.get(key)
 }
 
@@ -98,6 +115,10 @@ pub fn region_of(src: &IpKey) -> [u8; 2] {
 
 #[inline(always)]
 pub fn region_override(rule: u32, region: [u8; 2]) -> Option<&'static OverrideValue> {
-    let key = RegionOverrideKey { rule, region, _pad: [0; 2] };
+    let key = RegionOverrideKey {
+        rule,
+        region,
+        _pad: [0; 2],
+    };
     unsafe { REGION_OVERRIDES.get(&key) }
 }

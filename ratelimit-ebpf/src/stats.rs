@@ -4,7 +4,10 @@
 //! Per-CPU on purpose: counters are the one place where every packet writes, and per-CPU
 //! values need no atomics and never bounce a cache line between cores. The daemon sums CPUs.
 
-use aya_ebpf::{macros::map, maps::{HashMap, PerCpuArray}};
+use aya_ebpf::{
+    macros::map,
+    maps::{HashMap, PerCpuArray},
+};
 use ratelimit_common::{
     caps::MAX_IFACES,
     stats::{Counter, STATS_LEN, global_index, rule_index},

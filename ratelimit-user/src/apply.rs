@@ -18,7 +18,10 @@ use ratelimit_common::{
 };
 
 use crate::{
-    config::{Action, Algorithm, Config, ExceedAction, KeyKind, OverrideTarget, Protocol, Rule, Threshold, Unit},
+    config::{
+        Action, Algorithm, Config, ExceedAction, KeyKind, OverrideTarget, Protocol, Rule,
+        Threshold, Unit,
+    },
     datapath::Maps,
 };
 
@@ -27,7 +30,10 @@ pub type Prefix = (u32, IpKey);
 
 pub fn prefix(net: &IpNet) -> Prefix {
     match net {
-        IpNet::V4(n) => (V4_MAPPED_PREFIX + n.prefix_len() as u32, IpKey::from_v4(n.network().octets())),
+        IpNet::V4(n) => (
+            V4_MAPPED_PREFIX + n.prefix_len() as u32,
+            IpKey::from_v4(n.network().octets()),
+        ),
         IpNet::V6(n) => (n.prefix_len() as u32, IpKey::from_v6(n.network().octets())),
     }
 }
@@ -38,7 +44,13 @@ pub fn net_of(prefix_len: u32, key: &IpKey) -> IpNet {
         let a = std::net::Ipv4Addr::new(key.addr[12], key.addr[13], key.addr[14], key.addr[15]);
         IpNet::V4(ipnet::Ipv4Net::new(a, (prefix_len - V4_MAPPED_PREFIX) as u8).expect("valid"))
     } else {
-        IpNet::V6(ipnet::Ipv6Net::new(std::net::Ipv6Addr::from(key.addr), prefix_len.min(128) as u8).expect("valid"))
+        IpNet::V6(
+            ipnet::Ipv6Net::new(
+                std::net::Ipv6Addr::from(key.addr),
+                prefix_len.min(128) as u8,
+            )
+            .expect("valid"),
+        )
     }
 }
 
@@ -54,7 +66,12 @@ pub struct Plan {
     pub region_overrides: BTreeMap<(u32, [u8; 2]), OverrideValue>,
 }
 
-pub fn limit_of(t: &Threshold, burst: Option<u64>, ban: Option<&Threshold>, ban_duration: Option<std::time::Duration>) -> Limit {
+pub fn limit_of(
+    t: &Threshold,
+    burst: Option<u64>,
+    ban: Option<&Threshold>,
+    ban_duration: Option<std::time::Duration>,
+) -> Limit {
     let interval_ns = t.interval.as_nanos() as u64;
     let burst = burst.unwrap_or(t.amount);
     let ban = ban.unwrap_or(t);
@@ -149,7 +166,10 @@ pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
     }
     let mut rule_src = BTreeMap::new();
     for (p, _) in &listed {
-        let mask = listed.iter().filter(|(q, _)| q.contains(p)).fold(0, |m, (_, b)| m | b);
+        let mask = listed
+            .iter()
+            .filter(|(q, _)| q.contains(p))
+            .fold(0, |m, (_, b)| m | b);
         rule_src.insert(prefix(p), mask);
     }
     let mut overrides = BTreeMap::new();
@@ -157,8 +177,16 @@ pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
     for (i, r) in cfg.rules.iter().enumerate() {
         let is_ban = r.action == Action::RateBasedBan;
         for o in &r.overrides {
-            let ban = o.ban_threshold.as_ref().or(if is_ban { Some(&r.ban_threshold) } else { None });
-            let limit = limit_of(&o.threshold, Some(o.burst.unwrap_or(o.threshold.amount)), ban, if is_ban { Some(r.ban_duration) } else { None });
+            let ban =
+                o.ban_threshold
+                    .as_ref()
+                    .or(if is_ban { Some(&r.ban_threshold) } else { None });
+            let limit = limit_of(
+                &o.threshold,
+                Some(o.burst.unwrap_or(o.threshold.amount)),
+                ban,
+                if is_ban { Some(r.ban_duration) } else { None },
+            );
             let v = OverrideValue { limit };
             match &o.target {
                 OverrideTarget::Cidr(n) => {
@@ -181,15 +209,31 @@ pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
     }
 }
 
-fn sync_list(trie: &mut aya::maps::LpmTrie<aya::maps::MapData, IpKey, ListValue>, want: &BTreeMap<Prefix, u32>, what: &str) -> anyhow::Result<()> {
-    let have: Vec<Prefix> = trie.keys().filter_map(|k| k.ok()).map(|k| (k.prefix_len(), k.data())).collect();
+fn sync_list(
+    trie: &mut aya::maps::LpmTrie<aya::maps::MapData, IpKey, ListValue>,
+    want: &BTreeMap<Prefix, u32>,
+    what: &str,
+) -> anyhow::Result<()> {
+    let have: Vec<Prefix> = trie
+        .keys()
+        .filter_map(|k| k.ok())
+        .map(|k| (k.prefix_len(), k.data()))
+        .collect();
     for (p, mask) in want {
-        trie.insert(&Key::new(p.0, p.1), ListValue { rule_src_mask: *mask, _pad: 0 }, 0)
-            .with_context(|| format!("writing the {what} map"))?;
+        trie.insert(
+            &Key::new(p.0, p.1),
+            ListValue {
+                rule_src_mask: *mask,
+                _pad: 0,
+            },
+            0,
+        )
+        .with_context(|| format!("writing the {what} map"))?;
     }
     for p in have {
         if !want.contains_key(&p) {
-            trie.remove(&Key::new(p.0, p.1)).with_context(|| format!("pruning the {what} map"))?;
+            trie.remove(&Key::new(p.0, p.1))
+                .with_context(|| format!("pruning the {what} map"))?;
         }
     }
     Ok(())
@@ -208,40 +252,75 @@ pub fn apply(maps: &mut Maps, plan: &Plan) -> anyhow::Result<()> {
         .filter_map(|k| k.ok())
         .map(|k| {
             let d = k.data();
-            (u32::from_be(d.rule_be), (k.prefix_len() - OVERRIDE_RULE_BITS, IpKey { addr: d.addr }))
+            (
+                u32::from_be(d.rule_be),
+                (k.prefix_len() - OVERRIDE_RULE_BITS, IpKey { addr: d.addr }),
+            )
         })
         .collect();
     for ((rule, p), v) in &plan.overrides {
-        let key = Key::new(OVERRIDE_RULE_BITS + p.0, OverrideKey { rule_be: rule.to_be(), addr: p.1.addr });
-        maps.overrides.insert(&key, *v, 0).context("writing the override map")?;
+        let key = Key::new(
+            OVERRIDE_RULE_BITS + p.0,
+            OverrideKey {
+                rule_be: rule.to_be(),
+                addr: p.1.addr,
+            },
+        );
+        maps.overrides
+            .insert(&key, *v, 0)
+            .context("writing the override map")?;
     }
     for (rule, p) in have {
         if !plan.overrides.contains_key(&(rule, p)) {
-            let key = Key::new(OVERRIDE_RULE_BITS + p.0, OverrideKey { rule_be: rule.to_be(), addr: p.1.addr });
-            maps.overrides.remove(&key).context("pruning the override map")?;
+            let key = Key::new(
+                OVERRIDE_RULE_BITS + p.0,
+                OverrideKey {
+                    rule_be: rule.to_be(),
+                    addr: p.1.addr,
+                },
+            );
+            maps.overrides
+                .remove(&key)
+                .context("pruning the override map")?;
         }
     }
-    let have: Vec<RegionOverrideKey> = maps.region_overrides.keys().filter_map(|k| k.ok()).collect();
+    let have: Vec<RegionOverrideKey> = maps
+        .region_overrides
+        .keys()
+        .filter_map(|k| k.ok())
+        .collect();
     for ((rule, region), v) in &plan.region_overrides {
-        let key = RegionOverrideKey { rule: *rule, region: *region, _pad: [0; 2] };
-        maps.region_overrides.insert(key, *v, 0).context("writing the region override map")?;
+        let key = RegionOverrideKey {
+            rule: *rule,
+            region: *region,
+            _pad: [0; 2],
+        };
+        maps.region_overrides
+            .insert(key, *v, 0)
+            .context("writing the region override map")?;
     }
     for k in have {
         if !plan.region_overrides.contains_key(&(k.rule, k.region)) {
-            maps.region_overrides.remove(&k).context("pruning the region override map")?;
+            maps.region_overrides
+                .remove(&k)
+                .context("pruning the region override map")?;
         }
     }
 
     let old = maps.global.get(&0, 0).unwrap_or_default();
     let shrinking = plan.global.rule_count < old.rule_count;
     if shrinking {
-        maps.global.set(0, plan.global, 0).context("writing the global settings")?;
+        maps.global
+            .set(0, plan.global, 0)
+            .context("writing the global settings")?;
     }
     for (i, r) in plan.rules.iter().enumerate() {
         maps.rules.set(i as u32, *r, 0).context("writing a rule")?;
     }
     if !shrinking {
-        maps.global.set(0, plan.global, 0).context("writing the global settings")?;
+        maps.global
+            .set(0, plan.global, 0)
+            .context("writing the global settings")?;
     }
     Ok(())
 }

@@ -3,7 +3,12 @@
 //! so bans survive a reboot, when the pinned maps are gone. On start, bans missing from the
 //! map are restored with their remaining time; expired ones are dropped.
 
-use std::{collections::BTreeMap, io::Write as _, path::Path, time::{Duration, SystemTime, UNIX_EPOCH}};
+use std::{
+    collections::BTreeMap,
+    io::Write as _,
+    path::Path,
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
 
 use anyhow::Context as _;
 use aya::maps::lpm_trie::Key;
@@ -35,7 +40,12 @@ fn unix_ms(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64
 }
 
-pub fn save(dir: &Path, maps: &Maps, rule_names: &[String], reasons: &BTreeMap<String, String>) -> anyhow::Result<()> {
+pub fn save(
+    dir: &Path,
+    maps: &Maps,
+    rule_names: &[String],
+    reasons: &BTreeMap<String, String>,
+) -> anyhow::Result<()> {
     let now = mono_ns();
     let list: Vec<SavedBan> = maps
         .bans
@@ -46,7 +56,9 @@ pub fn save(dir: &Path, maps: &Maps, rule_names: &[String], reasons: &BTreeMap<S
             let cidr = net_of(k.prefix_len(), &k.data()).to_string();
             SavedBan {
                 expires_unix_ms: (b.expires_ns != 0).then(|| unix_ms(wall_of(b.expires_ns))),
-                rule: (b.rule != BAN_RULE_NONE).then(|| rule_names.get(b.rule as usize).cloned()).flatten(),
+                rule: (b.rule != BAN_RULE_NONE)
+                    .then(|| rule_names.get(b.rule as usize).cloned())
+                    .flatten(),
                 manual: b.flags & BAN_MANUAL != 0,
                 preview: b.flags & BAN_PREVIEW != 0,
                 reason: reasons.get(&cidr).cloned(),
@@ -70,7 +82,10 @@ pub struct Restored {
 
 pub fn restore(dir: &Path, maps: &mut Maps, rule_names: &[String]) -> anyhow::Result<Restored> {
     let path = dir.join(FILE);
-    let mut out = Restored { restored: 0, reasons: BTreeMap::new() };
+    let mut out = Restored {
+        restored: 0,
+        reasons: BTreeMap::new(),
+    };
     let text = match std::fs::read(&path) {
         Ok(t) => t,
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Ok(out),
@@ -86,7 +101,9 @@ pub fn restore(dir: &Path, maps: &mut Maps, rule_names: &[String]) -> anyhow::Re
     let now_wall = unix_ms(SystemTime::now());
     let now = mono_ns();
     for b in list {
-        let Ok(net) = b.cidr.parse::<ipnet::IpNet>() else { continue };
+        let Ok(net) = b.cidr.parse::<ipnet::IpNet>() else {
+            continue;
+        };
         if let Some(r) = &b.reason {
             out.reasons.insert(b.cidr.clone(), r.clone());
         }
@@ -99,7 +116,12 @@ pub fn restore(dir: &Path, maps: &mut Maps, rule_names: &[String]) -> anyhow::Re
         if maps.bans.get(&Key::new(plen, key), 0).is_ok() {
             continue; // still pinned: the kernel's copy is authoritative
         }
-        let rule = b.rule.as_ref().and_then(|n| rule_names.iter().position(|r| r == n)).map(|i| i as u32).unwrap_or(BAN_RULE_NONE);
+        let rule = b
+            .rule
+            .as_ref()
+            .and_then(|n| rule_names.iter().position(|r| r == n))
+            .map(|i| i as u32)
+            .unwrap_or(BAN_RULE_NONE);
         let mut flags = 0;
         if b.manual {
             flags |= BAN_MANUAL;
@@ -107,8 +129,18 @@ pub fn restore(dir: &Path, maps: &mut Maps, rule_names: &[String]) -> anyhow::Re
         if b.preview {
             flags |= BAN_PREVIEW;
         }
-        let entry = BanEntry { expires_ns, since_ns: now, rule, flags, prefix_len: plen, _pad: 0, addr: key.addr };
-        maps.bans.insert(&Key::new(plen, key), entry, 0).with_context(|| format!("restoring ban {net}"))?;
+        let entry = BanEntry {
+            expires_ns,
+            since_ns: now,
+            rule,
+            flags,
+            prefix_len: plen,
+            _pad: 0,
+            addr: key.addr,
+        };
+        maps.bans
+            .insert(&Key::new(plen, key), entry, 0)
+            .with_context(|| format!("restoring ban {net}"))?;
         out.restored += 1;
     }
     Ok(out)

@@ -6,7 +6,11 @@ use std::path::PathBuf;
 use clap::{Args, Parser, Subcommand, ValueEnum};
 
 #[derive(Parser, Debug)]
-#[command(name = "ratelimit", version, about = "XDP rate limiter for edge hosts: throttles and bans floods before the kernel allocates an skb")]
+#[command(
+    name = "ratelimit",
+    version,
+    about = "XDP rate limiter for edge hosts: throttles and bans floods before the kernel allocates an skb"
+)]
 pub struct Cli {
     /// Control socket of the running daemon (default: the config's `control_socket`, else
     /// /run/ratelimit/control.sock).
@@ -24,9 +28,7 @@ pub enum Command {
     /// Load and attach the XDP program and run the daemon.
     Run(RunArgs),
     /// Validate a config file: exit 0, or exit 1 with `file:line:col: message` lines.
-    CheckConfig {
-        file: PathBuf,
-    },
+    CheckConfig { file: PathBuf },
     /// Daemon, program and interface status.
     Status(JsonArg),
     /// Packet and byte counters by verdict, reason, interface and rule.
@@ -80,7 +82,9 @@ pub enum XdpModeArg {
     Generic,
 }
 
-#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize, Default)]
+#[derive(
+    ValueEnum, Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize, Default,
+)]
 #[serde(rename_all = "snake_case")]
 pub enum TopBy {
     #[default]

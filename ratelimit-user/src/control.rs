@@ -47,10 +47,18 @@ pub struct Response {
 
 impl Response {
     pub fn ok(data: impl Serialize) -> Self {
-        Self { ok: true, error: None, data: serde_json::to_value(data).unwrap_or_default() }
+        Self {
+            ok: true,
+            error: None,
+            data: serde_json::to_value(data).unwrap_or_default(),
+        }
     }
     pub fn err(e: impl std::fmt::Display) -> Self {
-        Self { ok: false, error: Some(e.to_string()), data: serde_json::Value::Null }
+        Self {
+            ok: false,
+            error: Some(e.to_string()),
+            data: serde_json::Value::Null,
+        }
     }
 }
 
@@ -68,11 +76,14 @@ pub fn call(socket: &Path, req: &Request) -> anyhow::Result<serde_json::Value> {
     stream.write_all(&line)?;
     let mut reader = BufReader::new(stream);
     let mut resp = String::new();
-    reader.read_line(&mut resp).context("reading the daemon's response")?;
+    reader
+        .read_line(&mut resp)
+        .context("reading the daemon's response")?;
     if resp.is_empty() {
         bail!("the daemon closed the connection without answering");
     }
-    let resp: Response = serde_json::from_str(&resp).context("malformed response from the daemon")?;
+    let resp: Response =
+        serde_json::from_str(&resp).context("malformed response from the daemon")?;
     if !resp.ok {
         bail!("{}", resp.error.unwrap_or_else(|| "request failed".into()));
     }
@@ -82,11 +93,11 @@ pub fn call(socket: &Path, req: &Request) -> anyhow::Result<serde_json::Value> {
 /// Bind the control socket: parent directory created (0700 if new), stale socket removed,
 /// socket file chmod 0600 before anyone can connect (bound under a restrictive umask).
 pub fn bind(path: &Path) -> anyhow::Result<tokio::net::UnixListener> {
-    if let Some(dir) = path.parent() {
-        if !dir.exists() {
-            std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-            std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
-        }
+    if let Some(dir) = path.parent()
+        && !dir.exists()
+    {
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o700))?;
     }
     if path.exists() {
         // A live daemon answers; a stale file from a killed one does not.
@@ -99,7 +110,8 @@ pub fn bind(path: &Path) -> anyhow::Result<tokio::net::UnixListener> {
     let old = unsafe { libc::umask(0o177) };
     let listener = tokio::net::UnixListener::bind(path);
     unsafe { libc::umask(old) };
-    let listener = listener.with_context(|| format!("binding control socket {}", path.display()))?;
+    let listener =
+        listener.with_context(|| format!("binding control socket {}", path.display()))?;
     std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600))?;
     Ok(listener)
 }

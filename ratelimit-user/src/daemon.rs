@@ -72,12 +72,24 @@ impl State {
             .rules
             .iter()
             .enumerate()
-            .map(|(i, r)| (r.name.clone(), self.maps.rules.get(&(i as u32), 0).unwrap_or_else(|_| apply::rule_config(r))))
+            .map(|(i, r)| {
+                (
+                    r.name.clone(),
+                    self.maps
+                        .rules
+                        .get(&(i as u32), 0)
+                        .unwrap_or_else(|_| apply::rule_config(r)),
+                )
+            })
             .collect()
     }
 
     fn ifaces(&self) -> Vec<(u32, String)> {
-        self.dp.attached.iter().map(|a| (a.slot, a.iface.clone())).collect()
+        self.dp
+            .attached
+            .iter()
+            .map(|a| (a.slot, a.iface.clone()))
+            .collect()
     }
 
     fn interfaces_wanted(&self) -> Vec<String> {
@@ -92,8 +104,16 @@ impl State {
 
     pub fn save_bans(&self) {
         let names = self.rule_names();
-        if let Err(e) = bans::save(&self.cfg.daemon.state_dir, &self.maps, &names, &self.ban_reasons) {
-            warn!("saving bans to {}: {e:#}", self.cfg.daemon.state_dir.display());
+        if let Err(e) = bans::save(
+            &self.cfg.daemon.state_dir,
+            &self.maps,
+            &names,
+            &self.ban_reasons,
+        ) {
+            warn!(
+                "saving bans to {}: {e:#}",
+                self.cfg.daemon.state_dir.display()
+            );
         }
     }
 
@@ -107,24 +127,34 @@ impl State {
     fn try_handle(&mut self, req: Request) -> anyhow::Result<Response> {
         Ok(match req {
             Request::Status => Response::ok(self.status()),
-            Request::Stats => Response::ok(report::stats(&self.maps, &self.ifaces(), &self.rule_names())?),
+            Request::Stats => Response::ok(report::stats(
+                &self.maps,
+                &self.ifaces(),
+                &self.rule_names(),
+            )?),
             Request::Top { n, by } => {
                 let mut c = report::clients(&self.maps, &self.live_rules());
-                c.sort_by_key(|c| std::cmp::Reverse(match by {
-                    TopBy::Packets => c.packets,
-                    TopBy::Bytes => c.bytes,
-                    TopBy::Drops => c.drops,
-                }));
+                c.sort_by_key(|c| {
+                    std::cmp::Reverse(match by {
+                        TopBy::Packets => c.packets,
+                        TopBy::Bytes => c.bytes,
+                        TopBy::Drops => c.drops,
+                    })
+                });
                 c.truncate(n);
                 Response::ok(c)
             }
-            Request::Bans => Response::ok(report::bans(&self.maps, &self.rule_names(), &self.ban_reasons)),
+            Request::Bans => Response::ok(report::bans(
+                &self.maps,
+                &self.rule_names(),
+                &self.ban_reasons,
+            )),
             Request::Offenders => {
                 let mut c: Vec<_> = report::clients(&self.maps, &self.live_rules())
                     .into_iter()
                     .filter(|c| c.throttled || c.above_soft_limit)
                     .collect();
-                c.sort_by(|a, b| b.usage.cmp(&a.usage));
+                c.sort_by_key(|c| std::cmp::Reverse(c.usage));
                 Response::ok(c)
             }
             Request::BanAdd { bans } => Response::ok(self.ban_add(&bans)?),
@@ -177,7 +207,8 @@ impl State {
         // Validate everything first: a bad line rejects the whole request.
         let mut parsed = Vec::with_capacity(specs.len());
         for (n, s) in specs.iter().enumerate() {
-            let net = parse_cidr(&s.cidr).with_context(|| format!("entry {}: {:?}", n + 1, s.cidr))?;
+            let net =
+                parse_cidr(&s.cidr).with_context(|| format!("entry {}: {:?}", n + 1, s.cidr))?;
             parsed.push((net, s));
         }
         let now = report::mono_ns();
@@ -193,9 +224,15 @@ impl State {
                 _pad: 0,
                 addr: key.addr,
             };
-            self.maps.bans.insert(&Key::new(plen, key), entry, 0).map_err(|e| {
-                anyhow::anyhow!("adding the ban for {net}: {e} (the ban map holds {} entries)", ratelimit_common::caps::MAX_BANS)
-            })?;
+            self.maps
+                .bans
+                .insert(&Key::new(plen, key), entry, 0)
+                .map_err(|e| {
+                    anyhow::anyhow!(
+                        "adding the ban for {net}: {e} (the ban map holds {} entries)",
+                        ratelimit_common::caps::MAX_BANS
+                    )
+                })?;
             match &s.reason {
                 Some(r) => self.ban_reasons.insert(net.to_string(), r.clone()),
                 None => self.ban_reasons.remove(&net.to_string()),
@@ -230,12 +267,21 @@ impl State {
             .rules
             .iter()
             .position(|r| r.name == set.name)
-            .with_context(|| format!("no rule named {:?} (rules: {})", set.name, self.rule_names().join(", ")))?;
+            .with_context(|| {
+                format!(
+                    "no rule named {:?} (rules: {})",
+                    set.name,
+                    self.rule_names().join(", ")
+                )
+            })?;
         let mut rule = self.cfg.rules[idx].clone();
         crate::ruleset::apply_changes(&mut rule, set)?;
         let rc = apply::rule_config(&rule);
         // In place: the rule keeps its index, so per-client state and counters carry on.
-        self.maps.rules.set(idx as u32, rc, 0).context("writing the rule")?;
+        self.maps
+            .rules
+            .set(idx as u32, rc, 0)
+            .context("writing the rule")?;
         // Overrides inherit ban settings from the rule: rewrite them too.
         let mut cfg = self.cfg.clone();
         cfg.rules[idx] = rule;
@@ -250,9 +296,13 @@ impl State {
         let Some(path) = self.config_path.clone() else {
             bail!("the daemon was started without --config; nothing to reload");
         };
-        let cfg = config::load(&path).map_err(|e| anyhow::anyhow!("reload rejected, the running config is unchanged:\n{e}"))?;
+        let cfg = config::load(&path).map_err(|e| {
+            anyhow::anyhow!("reload rejected, the running config is unchanged:\n{e}")
+        })?;
         if cfg.tracking.max_sources != self.cfg.tracking.max_sources {
-            warn!("tracking.max_sources changes take effect after `ratelimit detach` and a restart");
+            warn!(
+                "tracking.max_sources changes take effect after `ratelimit detach` and a restart"
+            );
         }
         let plan = apply::plan(&cfg, self.preview_all);
         apply::apply(&mut self.maps, &plan).context("applying the new config")?;
@@ -271,7 +321,9 @@ impl State {
             self.sink.reopen().ok();
         }
         info!(config = %path.display(), "config reloaded");
-        Ok(serde_json::json!({ "reloaded": path.display().to_string(), "rules": self.rule_names() }))
+        Ok(
+            serde_json::json!({ "reloaded": path.display().to_string(), "rules": self.rule_names() }),
+        )
     }
 }
 
@@ -283,7 +335,9 @@ pub fn parse_cidr(s: &str) -> anyhow::Result<IpNet> {
         }
         return Ok(n);
     }
-    let a: std::net::IpAddr = s.parse().with_context(|| format!("{s:?} is neither an address nor a CIDR"))?;
+    let a: std::net::IpAddr = s
+        .parse()
+        .with_context(|| format!("{s:?} is neither an address nor a CIDR"))?;
     Ok(IpNet::from(a))
 }
 
@@ -307,9 +361,17 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     // Policy first, then attach: the program never runs against empty policy maps.
     let plan = apply::plan(&cfg, opts.preview);
     apply::apply(&mut maps, &plan)?;
-    let restored = bans::restore(&cfg.daemon.state_dir, &mut maps, &cfg.rules.iter().map(|r| r.name.clone()).collect::<Vec<_>>())?;
+    let restored = bans::restore(
+        &cfg.daemon.state_dir,
+        &mut maps,
+        &cfg.rules.iter().map(|r| r.name.clone()).collect::<Vec<_>>(),
+    )?;
     if restored.restored > 0 {
-        info!(restored = restored.restored, "bans restored from {}", cfg.daemon.state_dir.display());
+        info!(
+            restored = restored.restored,
+            "bans restored from {}",
+            cfg.daemon.state_dir.display()
+        );
     }
     for iface in &ifaces {
         dp.attach(iface, mode, &mut maps)?;
@@ -376,7 +438,10 @@ async fn serve_control(listener: tokio::net::UnixListener, state: Shared) -> any
         tokio::spawn(async move {
             if control::peer_uid(&stream) != Some(0) {
                 let (_, mut w) = stream.into_split();
-                let mut line = serde_json::to_vec(&Response::err("permission denied: the control socket is for root only")).unwrap_or_default();
+                let mut line = serde_json::to_vec(&Response::err(
+                    "permission denied: the control socket is for root only",
+                ))
+                .unwrap_or_default();
                 line.push(b'\n');
                 let _ = w.write_all(&line).await;
                 return;
@@ -403,7 +468,9 @@ async fn serve_control(listener: tokio::net::UnixListener, state: Shared) -> any
 }
 
 async fn read_events(rb: RingBuf<MapData>, state: Shared) -> anyhow::Result<()> {
-    let mut fd = AsyncFd::new(rb).context("polling the events ring buffer")?;
+    // SAFETY: the ring buffer owns its fd and keeps it open for as long as the AsyncFd lives.
+    let mut fd = unsafe { AsyncFd::register(rb) }
+        .map_err(|e| anyhow::anyhow!("polling the events ring buffer: {e}"))?;
     loop {
         let mut guard = fd.readable_mut().await?;
         let rb = guard.get_inner_mut();
@@ -425,7 +492,9 @@ async fn read_events(rb: RingBuf<MapData>, state: Shared) -> anyhow::Result<()> 
             let line = events::line_of(e, &names);
             s.sink.write(&line);
         }
-        if batch.iter().any(|e| e.kind == ratelimit_common::event::EV_BAN || e.kind == ratelimit_common::event::EV_UNBAN) {
+        if batch.iter().any(|e| {
+            e.kind == ratelimit_common::event::EV_BAN || e.kind == ratelimit_common::event::EV_UNBAN
+        }) {
             s.save_bans();
         }
     }

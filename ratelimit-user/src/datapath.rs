@@ -54,7 +54,6 @@ pub struct Maps {
     pub regions: LpmTrie<MapData, IpKey, [u8; 4]>,
     pub clients: HashMap<MapData, ClientKey, ClientState>,
     pub bans: LpmTrie<MapData, IpKey, BanEntry>,
-    pub admission: Array<MapData, ratelimit_common::maps::Admission>,
     pub stats: PerCpuArray<MapData, Counter>,
     pub ifaces: HashMap<MapData, u32, u32>,
     pub events: Option<RingBuf<MapData>>,
@@ -89,7 +88,15 @@ fn ensure_bpffs(dir: &Path) -> anyhow::Result<()> {
         let src = CString::new("bpf")?;
         let target = CString::new("/sys/fs/bpf")?;
         // SAFETY: plain mount(2) with valid C strings.
-        let rc = unsafe { libc::mount(src.as_ptr(), target.as_ptr(), src.as_ptr(), 0, std::ptr::null()) };
+        let rc = unsafe {
+            libc::mount(
+                src.as_ptr(),
+                target.as_ptr(),
+                src.as_ptr(),
+                0,
+                std::ptr::null(),
+            )
+        };
         if rc != 0 {
             bail!(
                 "/sys/fs/bpf is not a bpffs and mounting one failed ({}); mount it with `mount -t bpf bpf /sys/fs/bpf`",
@@ -130,7 +137,9 @@ impl Datapath {
     /// Load the program against the pinned maps in `pin_dir` (created if absent).
     pub fn load(pin_dir: &Path, max_sources: u32) -> anyhow::Result<Self> {
         if let Err(e) = raise_memlock() {
-            debug!("raising RLIMIT_MEMLOCK failed ({e}); not needed on kernels with memcg accounting");
+            debug!(
+                "raising RLIMIT_MEMLOCK failed ({e}); not needed on kernels with memcg accounting"
+            );
         }
         ensure_bpffs(pin_dir)?;
         let adopted = pin_dir.join("RL_STATS").exists();
@@ -139,13 +148,19 @@ impl Datapath {
             .map_max_entries("RL_CLIENTS", max_sources)
             .load(PROGRAM)
             .context("loading the XDP program and its maps")?;
-        let mut dp = Self { ebpf, pin_dir: pin_dir.to_owned(), attached: Vec::new(), adopted };
+        let mut dp = Self {
+            ebpf,
+            pin_dir: pin_dir.to_owned(),
+            attached: Vec::new(),
+            adopted,
+        };
         let prog: &mut Xdp = dp
             .ebpf
             .program_mut(PROGRAM_NAME)
             .ok_or_else(|| anyhow!("program {PROGRAM_NAME} missing from the object"))?
             .try_into()?;
-        prog.load().map_err(|e| anyhow!("the kernel verifier rejected the XDP program: {e:#}"))?;
+        prog.load()
+            .map_err(|e| anyhow!("the kernel verifier rejected the XDP program: {e:#}"))?;
         if adopted {
             info!(dir = %pin_dir.display(), "adopted pinned maps: counters and bans carried over");
         }
@@ -156,16 +171,29 @@ impl Datapath {
     pub fn program_info(&self) -> Option<(u32, u32)> {
         let prog: &Xdp = self.ebpf.program(PROGRAM_NAME)?.try_into().ok()?;
         let info = prog.info().ok()?;
-        Some((info.size_translated().unwrap_or(0) as u32 / 8, info.verified_instruction_count().unwrap_or(0)))
+        Some((
+            info.size_translated().unwrap_or(0) / 8,
+            info.verified_instruction_count().unwrap_or(0),
+        ))
     }
 
     /// Attach to `iface` (or take over its pinned link from an earlier daemon).
-    pub fn attach(&mut self, iface: &str, mode: config::XdpMode, maps: &mut Maps) -> anyhow::Result<Attached> {
+    pub fn attach(
+        &mut self,
+        iface: &str,
+        mode: config::XdpMode,
+        maps: &mut Maps,
+    ) -> anyhow::Result<Attached> {
         let idx = ifindex(iface)?;
         let pin = link_pin(&self.pin_dir, iface);
-        let prog: &mut Xdp = self.ebpf.program_mut(PROGRAM_NAME).expect("loaded").try_into()?;
+        let prog: &mut Xdp = self
+            .ebpf
+            .program_mut(PROGRAM_NAME)
+            .expect("loaded")
+            .try_into()?;
         let (link_id, mode_used) = if pin.exists() {
-            let pinned = PinnedLink::from_pin(&pin).with_context(|| format!("opening {}", pin.display()))?;
+            let pinned =
+                PinnedLink::from_pin(&pin).with_context(|| format!("opening {}", pin.display()))?;
             let fd_link = FdLink::from(pinned);
             let mode_used = fd_link
                 .info()
@@ -205,24 +233,35 @@ impl Datapath {
             }
         };
         let link = prog.take_link(link_id)?;
-        let fd_link: FdLink = link.try_into().context("XDP attach did not produce a bpf_link")?;
+        let fd_link: FdLink = link
+            .try_into()
+            .context("XDP attach did not produce a bpf_link")?;
         if pin.exists() {
             fs::remove_file(&pin).with_context(|| format!("replacing {}", pin.display()))?;
         }
-        let pinned = fd_link.pin(&pin).with_context(|| format!("pinning {}", pin.display()))?;
+        let pinned = fd_link
+            .pin(&pin)
+            .with_context(|| format!("pinning {}", pin.display()))?;
         drop(pinned); // the pin keeps the link (and the program) attached
         let slot = assign_slot(&mut maps.ifaces, idx)?;
-        let a = Attached { iface: iface.to_string(), ifindex: idx, mode: mode_used, slot };
+        let a = Attached {
+            iface: iface.to_string(),
+            ifindex: idx,
+            mode: mode_used,
+            slot,
+        };
         info!(iface, mode = %a.mode, slot, "XDP program attached");
         self.attached.push(a.clone());
         Ok(a)
     }
 
-
     /// Take typed handles on every map (once).
     pub fn take_maps(&mut self) -> anyhow::Result<Maps> {
         let e = &mut self.ebpf;
-        let mut take = |name: &str| e.take_map(name).ok_or_else(|| anyhow!("map {name} missing"));
+        let mut take = |name: &str| {
+            e.take_map(name)
+                .ok_or_else(|| anyhow!("map {name} missing"))
+        };
         Ok(Maps {
             global: Array::try_from(take("RL_GLOBAL")?)?,
             rules: Array::try_from(take("RL_RULES")?)?,
@@ -234,7 +273,6 @@ impl Datapath {
             regions: LpmTrie::try_from(take("RL_REGIONS")?)?,
             clients: HashMap::try_from(take("RL_CLIENTS")?)?,
             bans: LpmTrie::try_from(take("RL_BANS")?)?,
-            admission: Array::try_from(take("RL_ADMISSION")?)?,
             stats: PerCpuArray::try_from(take("RL_STATS")?)?,
             ifaces: HashMap::try_from(take("RL_IFACES")?)?,
             events: Some(RingBuf::try_from(take("RL_EVENTS")?)?),
@@ -248,7 +286,10 @@ fn assign_slot(ifaces: &mut HashMap<MapData, u32, u32>, ifindex: u32) -> anyhow:
     if let Ok(s) = ifaces.get(&ifindex, 0) {
         return Ok(s);
     }
-    let used: Vec<u32> = ifaces.iter().filter_map(|r| r.ok().map(|(_, v)| v)).collect();
+    let used: Vec<u32> = ifaces
+        .iter()
+        .filter_map(|r| r.ok().map(|(_, v)| v))
+        .collect();
     let slot = (1..MAX_IFACES).find(|s| !used.contains(s)).unwrap_or(0);
     ifaces.insert(ifindex, slot, 0)?;
     Ok(slot)
@@ -289,7 +330,10 @@ pub fn detach(pin_dir: &Path, only: &[String]) -> anyhow::Result<Vec<String>> {
 }
 
 fn raise_memlock() -> std::io::Result<()> {
-    let rlim = libc::rlimit { rlim_cur: libc::RLIM_INFINITY, rlim_max: libc::RLIM_INFINITY };
+    let rlim = libc::rlimit {
+        rlim_cur: libc::RLIM_INFINITY,
+        rlim_max: libc::RLIM_INFINITY,
+    };
     // SAFETY: valid rlimit struct.
     if unsafe { libc::setrlimit(libc::RLIMIT_MEMLOCK, &rlim) } != 0 {
         return Err(std::io::Error::last_os_error());

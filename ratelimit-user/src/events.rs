@@ -38,16 +38,26 @@ pub fn kind_name(kind: u32) -> &'static str {
 }
 
 pub fn line_of(e: &Event, rule_names: &[String]) -> EventLine {
-    let key = ClientKey { rule: e.rule as u8, kind: e.key_kind as u8, _pad: [0; 2], prefix_len: e.prefix_len, addr: e.addr };
+    let key = ClientKey {
+        rule: e.rule as u8,
+        kind: e.key_kind as u8,
+        _pad: [0; 2],
+        prefix_len: e.prefix_len,
+        addr: e.addr,
+    };
     EventLine {
         time: rfc3339(wall_of(e.ts_ns)),
         event: kind_name(e.kind),
-        rule: rule_names.get(e.rule as usize).cloned().unwrap_or_else(|| format!("#{}", e.rule)),
+        rule: rule_names
+            .get(e.rule as usize)
+            .cloned()
+            .unwrap_or_else(|| format!("#{}", e.rule)),
         key: key_name(key.kind),
         client: client_label(&key),
         count: e.count,
         threshold: e.threshold,
-        ban_expires: (e.kind == EV_BAN && e.expires_ns != 0).then(|| rfc3339(wall_of(e.expires_ns))),
+        ban_expires: (e.kind == EV_BAN && e.expires_ns != 0)
+            .then(|| rfc3339(wall_of(e.expires_ns))),
     }
 }
 
@@ -73,7 +83,10 @@ impl Sink {
                     .append(true)
                     .open(path)
                     .with_context(|| format!("opening events file {}", path.display()))?;
-                Sink::File { path: path.clone(), file }
+                Sink::File {
+                    path: path.clone(),
+                    file,
+                }
             }
         })
     }
@@ -87,7 +100,9 @@ impl Sink {
     }
 
     pub fn write(&mut self, line: &EventLine) {
-        let Ok(mut s) = serde_json::to_string(line) else { return };
+        let Ok(mut s) = serde_json::to_string(line) else {
+            return;
+        };
         s.push('\n');
         match self {
             Sink::None => {}

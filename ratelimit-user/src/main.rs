@@ -1,15 +1,5 @@
 //! `ratelimit`: the daemon (`ratelimit run`) and its command-line client.
 
-mod apply;
-mod bans;
-mod cli;
-mod config;
-mod control;
-mod daemon;
-mod datapath;
-mod events;
-mod report;
-mod ruleset;
 
 use std::{
     io::Read as _,
@@ -20,9 +10,11 @@ use std::{
 use anyhow::Context as _;
 use clap::Parser as _;
 
-use crate::{
+use ratelimit_user::{
     cli::{BanCommand, Cli, Command, RuleCommand, XdpModeArg},
-    control::{BanSpec, Request},
+    config,
+    control::{self, BanSpec, Request},
+    daemon, datapath,
 };
 
 const DEFAULT_SOCKET: &str = "/run/ratelimit/control.sock";
@@ -68,7 +60,10 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
                 }),
                 preview: args.preview,
             };
-            let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
+            let rt = tokio::runtime::Builder::new_multi_thread()
+                .worker_threads(2)
+                .enable_all()
+                .build()?;
             rt.block_on(daemon::run(opts))?;
             return Ok(ExitCode::SUCCESS);
         }
@@ -87,7 +82,12 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Detach(args) => {
             let dir = match (&args.bpffs_dir, &cli.config) {
                 (Some(d), _) => d.clone(),
-                (None, Some(c)) => config::load(c).map_err(|e| anyhow::anyhow!("{e}"))?.daemon.bpffs_dir,
+                (None, Some(c)) => {
+                    config::load(c)
+                        .map_err(|e| anyhow::anyhow!("{e}"))?
+                        .daemon
+                        .bpffs_dir
+                }
                 (None, None) => config::Daemon::default().bpffs_dir,
             };
             let done = datapath::detach(&dir, &args.ifaces)?;
@@ -104,27 +104,58 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Bans(_) => Request::Bans,
         Command::Offenders(_) => Request::Offenders,
         Command::Reload(_) => Request::Reload,
-        Command::Ban { action: BanCommand::Add { cidr, duration, reason, file, .. } } => {
+        Command::Ban {
+            action:
+                BanCommand::Add {
+                    cidr,
+                    duration,
+                    reason,
+                    file,
+                    ..
+                },
+        } => {
             let duration_ms = duration
                 .as_deref()
-                .map(|d| humantime::parse_duration(d).with_context(|| format!("--for {d:?}: expected e.g. 30s, 20m, 1h, 1d")))
+                .map(|d| {
+                    humantime::parse_duration(d)
+                        .with_context(|| format!("--for {d:?}: expected e.g. 30s, 20m, 1h, 1d"))
+                })
                 .transpose()?
                 .map(|d| d.as_millis() as u64);
             let cidrs = cidr_list(cidr.as_deref(), file.as_deref())?;
             Request::BanAdd {
-                bans: cidrs.into_iter().map(|c| BanSpec { cidr: c, duration_ms, reason: reason.clone() }).collect(),
+                bans: cidrs
+                    .into_iter()
+                    .map(|c| BanSpec {
+                        cidr: c,
+                        duration_ms,
+                        reason: reason.clone(),
+                    })
+                    .collect(),
             }
         }
-        Command::Ban { action: BanCommand::Del { cidr, file, .. } } => {
-            Request::BanDel { cidrs: cidr_list(cidr.as_deref(), file.as_deref())? }
-        }
-        Command::Rule { action: RuleCommand::Set(set) } => Request::RuleSet { set: set.clone() },
+        Command::Ban {
+            action: BanCommand::Del { cidr, file, .. },
+        } => Request::BanDel {
+            cidrs: cidr_list(cidr.as_deref(), file.as_deref())?,
+        },
+        Command::Rule {
+            action: RuleCommand::Set(set),
+        } => Request::RuleSet { set: set.clone() },
     };
     let json = match &cli.command {
-        Command::Status(j) | Command::Stats(j) | Command::Bans(j) | Command::Offenders(j) | Command::Reload(j) => j.json,
+        Command::Status(j)
+        | Command::Stats(j)
+        | Command::Bans(j)
+        | Command::Offenders(j)
+        | Command::Reload(j) => j.json,
         Command::Top(t) => t.json,
-        Command::Ban { action: BanCommand::Add { json, .. } | BanCommand::Del { json, .. } } => *json,
-        Command::Rule { action: RuleCommand::Set(s) } => s.json,
+        Command::Ban {
+            action: BanCommand::Add { json, .. } | BanCommand::Del { json, .. },
+        } => *json,
+        Command::Rule {
+            action: RuleCommand::Set(s),
+        } => s.json,
         _ => false,
     };
     let data = control::call(&socket_path(&cli)?, &req)?;
@@ -145,7 +176,8 @@ fn cidr_list(one: Option<&str>, file: Option<&Path>) -> anyhow::Result<Vec<Strin
             if f == Path::new("-") {
                 std::io::stdin().read_to_string(&mut text)?;
             } else {
-                text = std::fs::read_to_string(f).with_context(|| format!("reading {}", f.display()))?;
+                text = std::fs::read_to_string(f)
+                    .with_context(|| format!("reading {}", f.display()))?;
             }
             Ok(text
                 .lines()
@@ -166,11 +198,21 @@ fn print_human(req: &Request, data: &serde_json::Value) {
             println!("{:<22} {:>14} {:>16}", "verdict", "packets", "bytes");
             if let Some(Value::Object(v)) = data.get("verdicts") {
                 for (k, c) in v {
-                    println!("{:<22} {:>14} {:>16}", k, num(c, "packets"), num(c, "bytes"));
+                    println!(
+                        "{:<22} {:>14} {:>16}",
+                        k,
+                        num(c, "packets"),
+                        num(c, "bytes")
+                    );
                 }
             }
             if let Some(t) = data.get("total") {
-                println!("{:<22} {:>14} {:>16}", "total", num(t, "packets"), num(t, "bytes"));
+                println!(
+                    "{:<22} {:>14} {:>16}",
+                    "total",
+                    num(t, "packets"),
+                    num(t, "bytes")
+                );
             }
             if let Some(Value::Array(rules)) = data.get("rules") {
                 for r in rules {
@@ -207,12 +249,18 @@ fn print_human(req: &Request, data: &serde_json::Value) {
             }
         }
         Request::Bans => {
-            println!("{:<40} {:<20} {:<26} {}", "cidr", "rule", "expires", "reason");
+            println!("{:<40} {:<20} {:<26} reason", "cidr", "rule", "expires");
             for b in data.as_array().into_iter().flatten() {
                 println!(
                     "{:<40} {:<20} {:<26} {}",
                     b["cidr"].as_str().unwrap_or(""),
-                    b["rule"].as_str().unwrap_or(if b["manual"].as_bool() == Some(true) { "(manual)" } else { "" }),
+                    b["rule"]
+                        .as_str()
+                        .unwrap_or(if b["manual"].as_bool() == Some(true) {
+                            "(manual)"
+                        } else {
+                            ""
+                        }),
                     b["expires"].as_str().unwrap_or("never"),
                     b["reason"].as_str().unwrap_or(""),
                 );

@@ -1,7 +1,10 @@
 //! Reading the data plane back: counters, per-client state, bans. Pure functions over the maps
 //! (plus the clock), shared by the control API, the metrics endpoint and the CLI's tables.
 
-use std::{collections::BTreeMap, time::{Duration, SystemTime}};
+use std::{
+    collections::BTreeMap,
+    time::{Duration, SystemTime},
+};
 
 use ratelimit_common::{
     addr::IpKey,
@@ -16,7 +19,10 @@ use crate::{apply::net_of, datapath::Maps};
 
 /// CLOCK_MONOTONIC now, the clock of `bpf_ktime_get_ns`.
 pub fn mono_ns() -> u64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: valid out-pointer.
     unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
@@ -86,7 +92,10 @@ fn read_all(maps: &Maps) -> anyhow::Result<Vec<Vec<Pb>>> {
     for (i, vals) in maps.stats.iter().enumerate() {
         let vals = vals?;
         let sum = vals.iter().fold(Pb::default(), |mut a, c: &Counter| {
-            a += Pb { packets: c.packets, bytes: c.bytes };
+            a += Pb {
+                packets: c.packets,
+                bytes: c.bytes,
+            };
             a
         });
         let slot = i / stats::PER_IFACE as usize;
@@ -99,13 +108,12 @@ fn read_all(maps: &Maps) -> anyhow::Result<Vec<Vec<Pb>>> {
 
 fn counters(v: &[Pb]) -> Counters {
     let mut c = Counters::default();
-    for i in 0..global::COUNT as usize {
-        let name = global::NAMES[i];
+    for (i, (name, value)) in global::NAMES.iter().zip(v).enumerate() {
         if (i as u32) < global::VERDICTS {
-            c.total += v[i];
-            c.verdicts.insert(name, v[i]);
+            c.total += *value;
+            c.verdicts.insert(name, *value);
         } else {
-            c.reasons.insert(name, v[i]);
+            c.reasons.insert(name, *value);
         }
     }
     c
@@ -113,7 +121,11 @@ fn counters(v: &[Pb]) -> Counters {
 
 /// Counters by verdict, interface and rule. `ifaces` maps slot → interface name;
 /// `rule_names` are the rules in file order.
-pub fn stats(maps: &Maps, ifaces: &[(u32, String)], rule_names: &[String]) -> anyhow::Result<Stats> {
+pub fn stats(
+    maps: &Maps,
+    ifaces: &[(u32, String)],
+    rule_names: &[String],
+) -> anyhow::Result<Stats> {
     let all = read_all(maps)?;
     let mut total = vec![Pb::default(); stats::PER_IFACE as usize];
     for slot in &all {
@@ -123,18 +135,31 @@ pub fn stats(maps: &Maps, ifaces: &[(u32, String)], rule_names: &[String]) -> an
     }
     let interfaces = ifaces
         .iter()
-        .map(|(slot, name)| IfaceCounters { iface: name.clone(), slot: *slot, counters: counters(&all[*slot as usize]) })
+        .map(|(slot, name)| IfaceCounters {
+            iface: name.clone(),
+            slot: *slot,
+            counters: counters(&all[*slot as usize]),
+        })
         .collect();
     let rules = rule_names
         .iter()
         .enumerate()
         .map(|(r, name)| {
             let base = (global::COUNT + r as u32 * rule::COUNT) as usize;
-            let counters = (0..rule::COUNT as usize).map(|k| (rule::NAMES[k], total[base + k])).collect();
-            RuleCounters { name: name.clone(), counters }
+            let counters = (0..rule::COUNT as usize)
+                .map(|k| (rule::NAMES[k], total[base + k]))
+                .collect();
+            RuleCounters {
+                name: name.clone(),
+                counters,
+            }
         })
         .collect();
-    Ok(Stats { all: counters(&total), interfaces, rules })
+    Ok(Stats {
+        all: counters(&total),
+        interfaces,
+        rules,
+    })
 }
 
 /// One tracked client, as reports show it.
@@ -179,7 +204,12 @@ pub fn client_label(k: &ClientKey) -> String {
 }
 
 /// Describe one client state against its rule (`None` if the rule no longer exists).
-pub fn describe(k: &ClientKey, s: &ClientState, rules: &[(String, RuleConfig)], now: u64) -> Option<Client> {
+pub fn describe(
+    k: &ClientKey,
+    s: &ClientState,
+    rules: &[(String, RuleConfig)],
+    now: u64,
+) -> Option<Client> {
     let (name, rc) = rules.get(k.rule as usize)?;
     let l = &rc.limit;
     let interval = l.interval_ns.max(1);
@@ -190,7 +220,11 @@ pub fn describe(k: &ClientKey, s: &ClientState, rules: &[(String, RuleConfig)], 
     } else {
         let w = limiter::window_of(now, interval);
         let (cur, prev) = limiter::rotate(s.stamp, w, s.cur, s.prev);
-        let weight = if rc.algorithm == ALG_FIXED_WINDOW { 0 } else { limiter::prev_weight(now, interval) };
+        let weight = if rc.algorithm == ALG_FIXED_WINDOW {
+            0
+        } else {
+            limiter::prev_weight(now, interval)
+        };
         (limiter::sliding_estimate(prev, cur, weight), l.threshold)
     };
     let secs = interval as f64 / 1e9;
@@ -198,9 +232,11 @@ pub fn describe(k: &ClientKey, s: &ClientState, rules: &[(String, RuleConfig)], 
         let bi = l.ban_interval_ns;
         let w = limiter::window_of(now, bi);
         let (cur, prev) = limiter::rotate(s.ban_stamp, w, s.seen_cur, s.seen_prev);
-        limiter::sliding_estimate(prev, cur, limiter::prev_weight(now, bi)) as f64 / (bi as f64 / 1e9)
+        limiter::sliding_estimate(prev, cur, limiter::prev_weight(now, bi)) as f64
+            / (bi as f64 / 1e9)
     });
-    let throttled = s.flags & STATE_THROTTLING != 0 && now.saturating_sub(s.last_exceed_ns) < interval;
+    let throttled =
+        s.flags & STATE_THROTTLING != 0 && now.saturating_sub(s.last_exceed_ns) < interval;
     Some(Client {
         rule: name.clone(),
         key: key_name(k.kind),
@@ -210,7 +246,11 @@ pub fn describe(k: &ClientKey, s: &ClientState, rules: &[(String, RuleConfig)], 
         drops: s.drops,
         usage,
         limit,
-        admitted_per_sec: if rc.algorithm == ALG_TOKEN_BUCKET { 0.0 } else { usage as f64 / secs },
+        admitted_per_sec: if rc.algorithm == ALG_TOKEN_BUCKET {
+            0.0
+        } else {
+            usage as f64 / secs
+        },
         offered_per_sec: offered,
         throttled,
         above_soft_limit: limiter::above_share(usage, limit, rc.soft_limit_permille),
@@ -252,7 +292,11 @@ pub fn bans(maps: &Maps, rule_names: &[String], reasons: &BTreeMap<String, Strin
         .map(|(k, b)| {
             let cidr = net_of(k.prefix_len(), &k.data()).to_string();
             Ban {
-                rule: if b.rule == BAN_RULE_NONE { None } else { rule_names.get(b.rule as usize).cloned() },
+                rule: if b.rule == BAN_RULE_NONE {
+                    None
+                } else {
+                    rule_names.get(b.rule as usize).cloned()
+                },
                 manual: b.flags & BAN_MANUAL != 0,
                 preview: b.flags & BAN_PREVIEW != 0,
                 since: rfc3339(wall_of(b.since_ns)),

@@ -9,8 +9,12 @@ use crate::{
 
 /// `COUNT/INTERVAL` (e.g. `2000/20m`) or `BYTES/INTERVAL` with a unit (e.g. `10MiB/1s`).
 pub fn parse_threshold(s: &str) -> anyhow::Result<Threshold> {
-    let (amount, interval) = s.split_once('/').with_context(|| format!("{s:?}: expected COUNT/INTERVAL, e.g. 2000/20m"))?;
-    let interval = humantime::parse_duration(interval.trim()).with_context(|| format!("{interval:?} is not a duration (e.g. 500ms, 30s, 20m, 1h, 1d)"))?;
+    let (amount, interval) = s
+        .split_once('/')
+        .with_context(|| format!("{s:?}: expected COUNT/INTERVAL, e.g. 2000/20m"))?;
+    let interval = humantime::parse_duration(interval.trim()).with_context(|| {
+        format!("{interval:?} is not a duration (e.g. 500ms, 30s, 20m, 1h, 1d)")
+    })?;
     if interval.is_zero() {
         bail!("the interval must be greater than 0");
     }
@@ -25,7 +29,11 @@ pub fn parse_threshold(s: &str) -> anyhow::Result<Threshold> {
     if amount == 0 {
         bail!("the threshold must be at least 1");
     }
-    Ok(Threshold { amount, unit, interval })
+    Ok(Threshold {
+        amount,
+        unit,
+        interval,
+    })
 }
 
 /// `10MiB`, `500KB`, `1500B`.
@@ -33,7 +41,9 @@ pub fn parse_bytes(s: &str) -> anyhow::Result<u64> {
     let s = s.trim();
     let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
     let (num, unit) = s.split_at(split);
-    let n: u64 = num.parse().with_context(|| format!("{s:?} is not a count or a byte size"))?;
+    let n: u64 = num
+        .parse()
+        .with_context(|| format!("{s:?} is not a count or a byte size"))?;
     let mult: u64 = match unit.trim() {
         "B" => 1,
         "KB" => 1_000,
@@ -52,12 +62,15 @@ pub fn apply_changes(rule: &mut Rule, set: &RuleSetArgs) -> anyhow::Result<()> {
     if let Some(t) = &set.threshold {
         rule.threshold = parse_threshold(t).context("--threshold")?;
         if was_default_ban && set.ban_threshold.is_none() {
-            rule.ban_threshold = rule.threshold.clone();
+            rule.ban_threshold = rule.threshold;
         }
     }
     if let Some(t) = &set.ban_threshold {
         if rule.action != Action::RateBasedBan {
-            bail!("--ban-threshold needs a rate_based_ban rule; {:?} is a throttle", rule.name);
+            bail!(
+                "--ban-threshold needs a rate_based_ban rule; {:?} is a throttle",
+                rule.name
+            );
         }
         rule.ban_threshold = parse_threshold(t).context("--ban-threshold")?;
     }
@@ -106,7 +119,10 @@ mod tests {
     #[test]
     fn thresholds() {
         let t = parse_threshold("2000/20m").unwrap();
-        assert_eq!((t.amount, t.unit, t.interval.as_secs()), (2000, Unit::Packets, 1200));
+        assert_eq!(
+            (t.amount, t.unit, t.interval.as_secs()),
+            (2000, Unit::Packets, 1200)
+        );
         let t = parse_threshold("10MiB/1s").unwrap();
         assert_eq!((t.amount, t.unit), (10 << 20, Unit::Bytes));
         assert!(parse_threshold("0/1s").is_err());

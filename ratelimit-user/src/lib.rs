@@ -1,0 +1,14 @@
+//! The ratelimit daemon and its control client, as a library: the `ratelimit` binary is a thin
+//! `main` over it, and the end-to-end tests load the same program object and read the same
+//! map layouts through it.
+
+pub mod apply;
+pub mod bans;
+pub mod cli;
+pub mod config;
+pub mod control;
+pub mod daemon;
+pub mod datapath;
+pub mod events;
+pub mod report;
+pub mod ruleset;
