@@ -187,6 +187,8 @@ fn parse_ipv6(ctx: &XdpContext, off: usize) -> Result<Parsed, Reason> {
         if done {
             break;
         }
+        // The whole extension header must be there, not just its first bytes.
+        hdr(ctx, off, ext_len, R)?;
         off += ext_len;
         if off > MAX_L4_OFFSET {
             return Err(R);

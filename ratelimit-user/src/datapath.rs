@@ -179,9 +179,17 @@ impl Datapath {
 
     /// Run the program on one frame with BPF_PROG_TEST_RUN, `repeat` times: (XDP action of the
     /// last run, mean time per run). Maps are the real ones, so counters and state change.
-    pub fn test_run(&self, frame: &[u8], repeat: u32) -> anyhow::Result<(u32, std::time::Duration)> {
+    pub fn test_run(
+        &self,
+        frame: &[u8],
+        repeat: u32,
+    ) -> anyhow::Result<(u32, std::time::Duration)> {
         use aya::programs::{TestRun as _, TestRunOptions};
-        let prog: &Xdp = self.ebpf.program(PROGRAM_NAME).expect("loaded").try_into()?;
+        let prog: &Xdp = self
+            .ebpf
+            .program(PROGRAM_NAME)
+            .expect("loaded")
+            .try_into()?;
         let mut opts = TestRunOptions::new();
         opts.data_in = Some(frame);
         opts.repeat = repeat.max(1);

@@ -1,6 +1,5 @@
 //! `ratelimit`: the daemon (`ratelimit run`) and its command-line client.
 
-
 use std::{
     io::Read as _,
     path::{Path, PathBuf},

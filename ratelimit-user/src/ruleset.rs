@@ -4,61 +4,19 @@ use anyhow::{Context as _, bail};
 
 use crate::{
     cli::RuleSetArgs,
-    config::{Action, ExceedAction, Rule, Threshold, Unit},
+    config::{Action, ExceedAction, Rule, Threshold},
 };
 
-/// `COUNT/INTERVAL` (e.g. `2000/20m`) or `BYTES/INTERVAL` with a unit (e.g. `10MiB/1s`).
+/// `COUNT/INTERVAL` (e.g. `2000/20m`) or `BYTES/INTERVAL` with a unit (e.g. `10MiB/1s`), with
+/// the config file's rules (the same parser).
 pub fn parse_threshold(s: &str) -> anyhow::Result<Threshold> {
-    let (amount, interval) = s
-        .split_once('/')
-        .with_context(|| format!("{s:?}: expected COUNT/INTERVAL, e.g. 2000/20m"))?;
-    let interval = humantime::parse_duration(interval.trim()).with_context(|| {
-        format!("{interval:?} is not a duration (e.g. 500ms, 30s, 20m, 1h, 1d)")
-    })?;
-    if interval.is_zero() {
-        bail!("the interval must be greater than 0");
-    }
-    if interval.as_nanos() > ratelimit_common::caps::MAX_INTERVAL_NS as u128 {
-        bail!("the interval must be at most 1d");
-    }
-    let amount = amount.trim();
-    let (amount, unit) = match amount.parse::<u64>() {
-        Ok(n) => (n, Unit::Packets),
-        Err(_) => (parse_bytes(amount)?, Unit::Bytes),
-    };
-    if amount == 0 {
-        bail!("the threshold must be at least 1");
-    }
-    Ok(Threshold {
-        amount,
-        unit,
-        interval,
-    })
-}
-
-/// `10MiB`, `500KB`, `1500B`.
-pub fn parse_bytes(s: &str) -> anyhow::Result<u64> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: u64 = num
-        .parse()
-        .with_context(|| format!("{s:?} is not a count or a byte size"))?;
-    let mult: u64 = match unit.trim() {
-        "B" => 1,
-        "KB" => 1_000,
-        "KiB" => 1 << 10,
-        "MB" => 1_000_000,
-        "MiB" => 1 << 20,
-        "GB" => 1_000_000_000,
-        "GiB" => 1 << 30,
-        other => bail!("unknown byte unit {other:?} (B, KB, KiB, MB, MiB, GB, GiB)"),
-    };
-    n.checked_mul(mult).context("byte size overflows")
+    s.parse::<Threshold>()
+        .map_err(|e| anyhow::anyhow!("{s:?}: {e}"))
 }
 
 pub fn apply_changes(rule: &mut Rule, set: &RuleSetArgs) -> anyhow::Result<()> {
     let was_default_ban = rule.ban_threshold == rule.threshold;
+    let burst_was_default = rule.burst == rule.threshold.amount;
     if let Some(t) = &set.threshold {
         rule.threshold = parse_threshold(t).context("--threshold")?;
         if was_default_ban && set.ban_threshold.is_none() {
@@ -91,7 +49,22 @@ pub fn apply_changes(rule: &mut Rule, set: &RuleSetArgs) -> anyhow::Result<()> {
         if b == 0 {
             bail!("--burst must be at least 1");
         }
+        if rule.algorithm != crate::config::Algorithm::TokenBucket {
+            bail!("--burst applies to token_bucket rules only");
+        }
         rule.burst = b;
+    } else if burst_was_default && set.threshold.is_some() {
+        rule.burst = rule.threshold.amount;
+    }
+    for o in &rule.overrides {
+        if o.threshold.unit != rule.threshold.unit {
+            bail!(
+                "override {} counts {}, the new threshold counts {}",
+                o.target,
+                o.threshold.unit,
+                rule.threshold.unit
+            );
+        }
     }
     if let Some(a) = &set.exceed_action {
         rule.exceed_action = match a.as_str() {
@@ -115,6 +88,7 @@ pub fn apply_changes(rule: &mut Rule, set: &RuleSetArgs) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::config::Unit;
 
     #[test]
     fn thresholds() {
@@ -130,5 +104,6 @@ mod tests {
         assert!(parse_threshold("10").is_err());
         assert!(parse_threshold("10/2d").is_err());
         assert!(parse_threshold("10 parsecs/1s").is_err());
+        assert_eq!(parse_threshold("5kB/1s").unwrap().amount, 5000);
     }
 }

@@ -105,7 +105,10 @@ pub fn ratelimit_bin() -> PathBuf {
     let (bin, source) = match std::env::var_os(BIN_ENV) {
         Some(p) if !p.is_empty() => (PathBuf::from(p), format!("${BIN_ENV}")),
         _ => (
-            workspace_root().join("target").join("debug").join("ratelimit"),
+            workspace_root()
+                .join("target")
+                .join("debug")
+                .join("ratelimit"),
             "the default location".to_string(),
         ),
     };

@@ -1,0 +1,28 @@
+//! The lab: everything end-to-end tests need to run the real rate limiter
+//! against real traffic without leaving the machine.
+//!
+//! A test builds two network namespaces joined by a veth pair ([`netns`],
+//! [`link`]), starts the daemon on the protected side ([`daemon`]), sends
+//! crafted frames ([`packet`]) from the client side ([`sender`]) and counts
+//! what arrived with receivers that do not trust the daemon ([`receiver`]).
+//! Every resource is a guard that cleans up on drop, also when a test panics.
+//! Kernel tests start with [`kernel_test!`] ([`env`]), which skips them
+//! outside `cargo xtask test`.
+//!
+//! Use it as `use ratelimit_tests as lab;`.
+
+pub mod daemon;
+pub mod env;
+pub mod link;
+pub mod netns;
+pub mod packet;
+pub mod receiver;
+pub mod sender;
+
+pub use daemon::Daemon;
+pub use env::{ratelimit_bin, require_kernel_tests, skip_unless_kernel};
+pub use link::{VethEnd, VethPair, disable_rp_filter};
+pub use netns::NetNs;
+pub use packet::Frame;
+pub use receiver::{Counts, Tap, UdpSink};
+pub use sender::{PacketSocket, SendStats};

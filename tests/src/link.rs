@@ -125,7 +125,15 @@ impl VethPair {
         let mut cmd = Command::new("ip");
         cmd.args(["link", "add", &name_a, "netns", ns_a.name()])
             .args(&q)
-            .args(["type", "veth", "peer", "name", &name_b, "netns", ns_b.name()])
+            .args([
+                "type",
+                "veth",
+                "peer",
+                "name",
+                &name_b,
+                "netns",
+                ns_b.name(),
+            ])
             .args(&q);
         crate::netns::run_checked(&mut cmd);
 
@@ -148,13 +156,7 @@ impl VethPair {
             index,
         };
         for (end, ns) in [(&mut pair.a, ns_a), (&mut pair.b, ns_b)] {
-            ns.ip(&[
-                "addr",
-                "add",
-                &format!("{}/24", end.ipv4),
-                "dev",
-                &end.name,
-            ]);
+            ns.ip(&["addr", "add", &format!("{}/24", end.ipv4), "dev", &end.name]);
             ns.ip(&[
                 "-6",
                 "addr",

@@ -56,10 +56,8 @@ impl NetNs {
         // Build the guard before anything else can fail, so it is cleaned up.
         let mut ns = NetNs { name, file: None };
         let path = netns_path(&ns.name);
-        ns.file = Some(
-            File::open(&path)
-                .unwrap_or_else(|e| panic!("opening {}: {e}", path.display())),
-        );
+        ns.file =
+            Some(File::open(&path).unwrap_or_else(|e| panic!("opening {}: {e}", path.display())));
         ns.exec(&["ip", "link", "set", "lo", "up"]);
         ns
     }
@@ -88,7 +86,9 @@ impl NetNs {
     }
 
     fn file(&self) -> &File {
-        self.file.as_ref().expect("namespace file is open until drop")
+        self.file
+            .as_ref()
+            .expect("namespace file is open until drop")
     }
 
     /// Runs `ip netns exec NAME args...` and returns its output whatever the

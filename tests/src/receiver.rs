@@ -216,8 +216,8 @@ impl Tap {
     }
 
     /// Stops the reader and returns the final counts.
-    pub fn stop(self) -> Counts {
-        finish(&self.shared, self.threads)
+    pub fn stop(mut self) -> Counts {
+        finish(&self.shared, std::mem::take(&mut self.threads))
     }
 }
 
@@ -284,7 +284,10 @@ impl UdpSink {
     ///
     /// If either bind fails (e.g. the port is taken), or `port` is 0.
     pub fn new(ns: &NetNs, port: u16) -> UdpSink {
-        assert!(port != 0, "UdpSink needs a fixed port shared by both families");
+        assert!(
+            port != 0,
+            "UdpSink needs a fixed port shared by both families"
+        );
         let sockets = ns
             .enter(|| -> io::Result<[UdpSocket; 2]> {
                 let v4 = UdpSocket::bind(SocketAddr::from((Ipv4Addr::UNSPECIFIED, port)))?;
@@ -303,7 +306,10 @@ impl UdpSink {
             .map(|(i, sock)| {
                 let s = Arc::clone(&shared);
                 std::thread::Builder::new()
-                    .name(format!("udp-sink-{port}-{}", if i == 0 { "v4" } else { "v6" }))
+                    .name(format!(
+                        "udp-sink-{port}-{}",
+                        if i == 0 { "v4" } else { "v6" }
+                    ))
                     .spawn(move || udp_loop(&sock, &s))
                     .expect("spawning a UDP sink thread")
             })
@@ -340,8 +346,8 @@ impl UdpSink {
     }
 
     /// Stops the readers and returns the final counts.
-    pub fn stop(self) -> Counts {
-        finish(&self.shared, self.threads)
+    pub fn stop(mut self) -> Counts {
+        finish(&self.shared, std::mem::take(&mut self.threads))
     }
 }
 
@@ -366,7 +372,9 @@ fn udp_loop(sock: &UdpSocket, shared: &Shared) -> io::Result<u64> {
             Err(e)
                 if matches!(
                     e.kind(),
-                    io::ErrorKind::WouldBlock | io::ErrorKind::TimedOut | io::ErrorKind::Interrupted
+                    io::ErrorKind::WouldBlock
+                        | io::ErrorKind::TimedOut
+                        | io::ErrorKind::Interrupted
                 ) => {}
             Err(e) => return Err(e),
         }
@@ -377,9 +385,7 @@ fn udp_loop(sock: &UdpSocket, shared: &Shared) -> io::Result<u64> {
 /// IPv4-mapped IPv6 sources count under their IPv4 address.
 fn canonical(ip: IpAddr) -> IpAddr {
     match ip {
-        IpAddr::V6(v6) => v6
-            .to_ipv4_mapped()
-            .map_or(IpAddr::V6(v6), IpAddr::V4),
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
         v4 => v4,
     }
 }
@@ -387,13 +393,7 @@ fn canonical(ip: IpAddr) -> IpAddr {
 fn bind_v6_only(port: u16) -> io::Result<UdpSocket> {
     // std cannot set IPV6_V6ONLY before bind, so build the socket by hand.
     // SAFETY: plain socket(2); owned right after the check.
-    let raw = unsafe {
-        libc::socket(
-            libc::AF_INET6,
-            libc::SOCK_DGRAM | libc::SOCK_CLOEXEC,
-            0,
-        )
-    };
+    let raw = unsafe { libc::socket(libc::AF_INET6, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
     if raw < 0 {
         return Err(io::Error::last_os_error());
     }

@@ -50,9 +50,12 @@ impl PacketSocket {
     ///
     /// If the socket cannot be created or bound.
     pub fn new(ns: &NetNs, ifindex: u32) -> PacketSocket {
-        let fd = ns
-            .enter(|| open_bound(ifindex))
-            .unwrap_or_else(|e| panic!("AF_PACKET socket on ifindex {ifindex} in {}: {e}", ns.name()));
+        let fd = ns.enter(|| open_bound(ifindex)).unwrap_or_else(|e| {
+            panic!(
+                "AF_PACKET socket on ifindex {ifindex} in {}: {e}",
+                ns.name()
+            )
+        });
         PacketSocket {
             fd,
             ifindex,
@@ -84,14 +87,8 @@ impl PacketSocket {
         let mut spins = 0u32;
         loop {
             // SAFETY: the buffer is valid for frame.len() bytes; the socket is bound.
-            let n = unsafe {
-                libc::send(
-                    self.fd.as_raw_fd(),
-                    frame.as_ptr().cast(),
-                    frame.len(),
-                    0,
-                )
-            };
+            let n =
+                unsafe { libc::send(self.fd.as_raw_fd(), frame.as_ptr().cast(), frame.len(), 0) };
             if n >= 0 {
                 let n = usize::try_from(n).expect("non-negative");
                 if n != frame.len() {
@@ -184,9 +181,11 @@ impl PacketSocket {
         let end = start + duration;
         let (sent0, retries0) = (self.sent, self.retries);
         for i in 0..target {
-            let due = start + Duration::from_nanos(
-                u64::try_from(u128::from(i) * 1_000_000_000 / u128::from(pps)).unwrap_or(u64::MAX),
-            );
+            let due = start
+                + Duration::from_nanos(
+                    u64::try_from(u128::from(i) * 1_000_000_000 / u128::from(pps))
+                        .unwrap_or(u64::MAX),
+                );
             wait_until(due);
             if Instant::now() >= end {
                 break;
@@ -232,13 +231,7 @@ pub fn online_cpus() -> usize {
 
 fn open_bound(ifindex: u32) -> io::Result<OwnedFd> {
     // SAFETY: plain socket(2); the fd is owned right after the check.
-    let raw = unsafe {
-        libc::socket(
-            libc::AF_PACKET,
-            libc::SOCK_RAW | libc::SOCK_CLOEXEC,
-            0,
-        )
-    };
+    let raw = unsafe { libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_CLOEXEC, 0) };
     if raw < 0 {
         return Err(io::Error::last_os_error());
     }

@@ -1,0 +1,478 @@
+//! The real `ratelimit` daemon, run inside a lab namespace.
+//!
+//! End-to-end tests exercise the shipped binary, not a library call, so
+//! config parsing, attach, the control socket and shutdown are all covered.
+//! The guard owns everything the daemon creates: a private temp dir for the
+//! config, logs and (if the config puts it there) the control socket; on drop
+//! it stops the daemon, runs `ratelimit detach` so no XDP program or bpffs
+//! pin outlives the test, and prints the daemon's log if the test is
+//! panicking, because a failed end-to-end test is only debuggable with it.
+//!
+//! The daemon is started with [`command_in_fd`] (setns in `pre_exec`), not
+//! `ip netns exec`, which would remount `/sys` and hide `/sys/fs/bpf`.
+
+use std::fs::{File, OpenOptions};
+use std::io::{self, Read};
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::time::{Duration, Instant};
+
+use crate::netns::{NetNs, command_in_fd, describe};
+
+static DIRS: AtomicU32 = AtomicU32::new(0);
+
+/// How long [`Daemon::start`] waits for the control socket to answer.
+pub const READY_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a stop waits after SIGTERM before SIGKILL.
+pub const STOP_TIMEOUT: Duration = Duration::from_secs(5);
+/// Upper bound on any one CLI call, so a hung daemon fails the test instead
+/// of hanging it.
+pub const CLI_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// A running `ratelimit run` in a namespace, with its own temp dir.
+#[derive(Debug)]
+pub struct Daemon {
+    child: Option<Child>,
+    dir: PathBuf,
+    config: PathBuf,
+    socket: PathBuf,
+    ns_fd: OwnedFd,
+    ns_name: String,
+    bin: PathBuf,
+}
+
+impl Daemon {
+    /// Writes `config_toml` (used verbatim; it must set
+    /// `[daemon] control_socket`) to a fresh temp dir, starts the daemon in
+    /// `ns` and waits until `ratelimit status` answers on the control socket.
+    ///
+    /// # Panics
+    ///
+    /// If the binary is missing, the config has no control socket, or the
+    /// daemon exits or does not answer within [`READY_TIMEOUT`] (the panic
+    /// message includes its log).
+    pub fn start(ns: &NetNs, config_toml: &str) -> Daemon {
+        Daemon::start_in(ns, |_| config_toml.to_string())
+    }
+
+    /// Like [`Daemon::start`], but the config is made by `make_config` from
+    /// the daemon's fresh temp dir, so it can put the control socket, state
+    /// dir and events file inside it (cleaned up with the guard).
+    pub fn start_in(ns: &NetNs, make_config: impl FnOnce(&Path) -> String) -> Daemon {
+        let mut d = Daemon::spawn_in(ns, make_config);
+        if let Err(e) = d.wait_ready(READY_TIMEOUT) {
+            panic!("daemon did not become ready: {e}\n{}", d.logs());
+        }
+        d
+    }
+
+    /// Starts the daemon without waiting for it, for tests that expect it to
+    /// fail (bad config, missing interface); see [`Daemon::wait_ready`] and
+    /// [`Daemon::wait_exit`].
+    pub fn spawn(ns: &NetNs, config_toml: &str) -> Daemon {
+        Daemon::spawn_in(ns, |_| config_toml.to_string())
+    }
+
+    /// [`Daemon::spawn`] with the config made from the temp dir.
+    pub fn spawn_in(ns: &NetNs, make_config: impl FnOnce(&Path) -> String) -> Daemon {
+        let bin = crate::env::ratelimit_bin();
+        let dir = make_temp_dir();
+        let toml = make_config(&dir);
+        let config = dir.join("ratelimit.toml");
+        // From here on the guard exists, so the dir is removed even on panic.
+        let mut d = Daemon {
+            child: None,
+            socket: PathBuf::new(),
+            dir,
+            config,
+            ns_fd: ns.dup_fd(),
+            ns_name: ns.name().to_string(),
+            bin,
+        };
+        d.write_config(&toml);
+        d.launch();
+        d
+    }
+
+    fn launch(&mut self) {
+        assert!(self.child.is_none(), "daemon already running");
+        let log = |name: &str| -> File {
+            let path = self.dir.join(name);
+            OpenOptions::new()
+                .create(true)
+                .append(true)
+                .open(&path)
+                .unwrap_or_else(|e| panic!("opening {}: {e}", path.display()))
+        };
+        let (stdout, stderr) = (log("daemon.stdout"), log("daemon.stderr"));
+        let mut cmd = self.command();
+        cmd.arg("run")
+            .arg("--config")
+            .arg(&self.config)
+            .current_dir(&self.dir)
+            .env("RUST_BACKTRACE", "1")
+            .stdin(Stdio::null())
+            .stdout(stdout)
+            .stderr(stderr);
+        let child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("starting `{}`: {e}", describe(&cmd)));
+        self.child = Some(child);
+    }
+
+    /// The binary as a command whose child runs in the daemon's namespace.
+    fn command(&self) -> Command {
+        let fd = self
+            .ns_fd
+            .try_clone()
+            .unwrap_or_else(|e| panic!("duplicating the fd of netns {}: {e}", self.ns_name));
+        command_in_fd(fd, &self.bin)
+    }
+
+    /// Polls until `ratelimit status` succeeds on the control socket.
+    /// Err (with the reason) if the daemon exits first or `timeout` passes.
+    pub fn wait_ready(&mut self, timeout: Duration) -> Result<(), String> {
+        let give_up = Instant::now() + timeout;
+        let mut last = String::from("control socket does not exist yet");
+        loop {
+            if let Some(status) = self.try_wait() {
+                return Err(format!("daemon exited during startup ({status})"));
+            }
+            if self.socket.exists() {
+                let mut cmd = Command::new(&self.bin);
+                cmd.arg("status").arg("--socket").arg(&self.socket);
+                match run_with_timeout(&mut cmd, Duration::from_secs(2)) {
+                    Ok(out) if out.status.success() => return Ok(()),
+                    Ok(out) => {
+                        last = format!(
+                            "`ratelimit status` failed ({}): {}",
+                            out.status,
+                            String::from_utf8_lossy(&out.stderr).trim()
+                        );
+                    }
+                    Err(e) => last = e,
+                }
+            }
+            if Instant::now() >= give_up {
+                return Err(format!(
+                    "not ready after {timeout:?} (socket {}): {last}",
+                    self.socket.display()
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Waits up to `timeout` for the daemon to exit on its own.
+    pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
+        let give_up = Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.try_wait() {
+                return Some(s);
+            }
+            if Instant::now() >= give_up {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The exit status if the daemon has exited (None while running or if
+    /// it was already reaped by a stop).
+    pub fn try_wait(&mut self) -> Option<ExitStatus> {
+        let child = self.child.as_mut()?;
+        match child.try_wait() {
+            Ok(Some(s)) => {
+                self.child = None;
+                Some(s)
+            }
+            Ok(None) => None,
+            Err(e) => panic!("waiting for the daemon: {e}"),
+        }
+    }
+
+    /// True while the daemon process is alive.
+    pub fn is_running(&mut self) -> bool {
+        self.try_wait();
+        self.child.is_some()
+    }
+
+    /// The daemon's pid while it runs.
+    pub fn pid(&self) -> Option<u32> {
+        self.child.as_ref().map(Child::id)
+    }
+
+    /// Sends `signal` (e.g. `libc::SIGHUP` to reload).
+    ///
+    /// # Panics
+    ///
+    /// If the daemon is not running or kill(2) fails.
+    pub fn signal(&self, signal: i32) {
+        if let Err(e) = self.try_signal(signal) {
+            panic!("sending signal {signal} to the daemon: {e}");
+        }
+    }
+
+    fn try_signal(&self, signal: i32) -> io::Result<()> {
+        let pid = self
+            .pid()
+            .ok_or_else(|| io::Error::other("daemon is not running"))?;
+        let pid = libc::pid_t::try_from(pid).map_err(io::Error::other)?;
+        // SAFETY: kill(2) on our own unreaped child's pid, which cannot be reused.
+        if unsafe { libc::kill(pid, signal) } != 0 {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(())
+    }
+
+    /// SIGTERM, then SIGKILL after [`STOP_TIMEOUT`]; returns the exit status
+    /// (None if it was not running).
+    pub fn stop(&mut self) -> Option<ExitStatus> {
+        self.try_wait();
+        self.child.as_ref()?;
+        // Never panics: this runs from Drop, possibly while unwinding.
+        if self.try_signal(libc::SIGTERM).is_ok()
+            && let Some(s) = self.wait_exit(STOP_TIMEOUT)
+        {
+            return Some(s);
+        }
+        eprintln!("daemon ignored SIGTERM for {STOP_TIMEOUT:?}: SIGKILL");
+        self.kill9()
+    }
+
+    /// SIGKILL (a crash, for recovery tests: pins and attachments stay).
+    /// Returns the exit status (None if it was not running).
+    pub fn kill9(&mut self) -> Option<ExitStatus> {
+        let mut child = self.child.take()?;
+        let _ = child.kill();
+        Some(
+            child
+                .wait()
+                .unwrap_or_else(|e| panic!("waiting for the killed daemon: {e}")),
+        )
+    }
+
+    /// Stops the daemon if it runs, starts it again with the same config
+    /// file (logs are appended) and waits until it answers.
+    ///
+    /// # Panics
+    ///
+    /// If it does not become ready within [`READY_TIMEOUT`].
+    pub fn restart(&mut self) {
+        self.stop();
+        self.launch();
+        if let Err(e) = self.wait_ready(READY_TIMEOUT) {
+            panic!(
+                "daemon did not become ready after restart: {e}\n{}",
+                self.logs()
+            );
+        }
+    }
+
+    /// Replaces the config file (e.g. before `reload` or SIGHUP) and
+    /// re-reads the control socket path from it.
+    ///
+    /// # Panics
+    ///
+    /// If the TOML does not parse or has no `[daemon] control_socket`.
+    pub fn write_config(&mut self, config_toml: &str) {
+        self.socket = control_socket(config_toml, &self.dir);
+        std::fs::write(&self.config, config_toml)
+            .unwrap_or_else(|e| panic!("writing {}: {e}", self.config.display()));
+    }
+
+    /// The daemon's private temp dir (removed on drop).
+    pub fn config_dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The config file the daemon runs with.
+    pub fn config_path(&self) -> &Path {
+        &self.config
+    }
+
+    /// The control socket from the config (relative paths are taken
+    /// relative to [`Daemon::config_dir`], the daemon's working directory).
+    pub fn socket_path(&self) -> &Path {
+        &self.socket
+    }
+
+    /// The namespace the daemon runs in.
+    pub fn netns(&self) -> &str {
+        &self.ns_name
+    }
+
+    /// Runs `ratelimit ARGS --socket PATH` (from the test's namespace: the
+    /// socket is a filesystem object) and returns its output whatever the
+    /// exit status.
+    ///
+    /// # Panics
+    ///
+    /// If it cannot be started or runs longer than [`CLI_TIMEOUT`].
+    pub fn cli(&self, args: &[&str]) -> Output {
+        let mut cmd = Command::new(&self.bin);
+        cmd.args(args).arg("--socket").arg(&self.socket);
+        run_with_timeout(&mut cmd, CLI_TIMEOUT).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`Daemon::cli`], panicking with stderr unless it exits 0; returns stdout.
+    pub fn cli_ok(&self, args: &[&str]) -> String {
+        let out = self.cli(args);
+        if !out.status.success() {
+            panic!(
+                "`ratelimit {}` failed ({}): {}{}",
+                args.join(" "),
+                out.status,
+                String::from_utf8_lossy(&out.stderr),
+                String::from_utf8_lossy(&out.stdout)
+            );
+        }
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    }
+
+    /// Runs `ratelimit ARGS --json --socket PATH` and parses stdout.
+    ///
+    /// # Panics
+    ///
+    /// Unless it exits 0 with JSON on stdout.
+    pub fn cli_json(&self, args: &[&str]) -> serde_json::Value {
+        let mut all = args.to_vec();
+        all.push("--json");
+        let stdout = self.cli_ok(&all);
+        serde_json::from_str(&stdout).unwrap_or_else(|e| {
+            panic!(
+                "`ratelimit {}` printed no JSON ({e}):\n{stdout}",
+                all.join(" ")
+            )
+        })
+    }
+
+    /// Runs `ratelimit detach --config FILE` inside the namespace.
+    pub fn detach(&self) -> Output {
+        let mut cmd = self.command();
+        cmd.arg("detach").arg("--config").arg(&self.config);
+        run_with_timeout(&mut cmd, CLI_TIMEOUT).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// The daemon's stdout then stderr (all runs, for restarts).
+    pub fn logs(&self) -> String {
+        let read = |name: &str| {
+            std::fs::read_to_string(self.dir.join(name)).unwrap_or_else(|e| format!("({e})"))
+        };
+        format!(
+            "----- daemon stdout ({}) -----\n{}\n----- daemon stderr -----\n{}\n----- end of daemon log -----",
+            self.dir.display(),
+            read("daemon.stdout"),
+            read("daemon.stderr")
+        )
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let status = self.stop();
+        // Remove the program and pins even if the daemon crashed or ignored
+        // SIGTERM; a failure here is reported but must not mask the test's.
+        if self.config.exists() && self.bin.exists() {
+            let mut cmd = self.command();
+            cmd.arg("detach").arg("--config").arg(&self.config);
+            match run_with_timeout(&mut cmd, CLI_TIMEOUT) {
+                Ok(out) if out.status.success() => {}
+                Ok(out) => eprintln!(
+                    "warning: `ratelimit detach` after the test failed ({}): {}",
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr).trim()
+                ),
+                Err(e) => eprintln!("warning: {e}"),
+            }
+        }
+        if std::thread::panicking() {
+            eprintln!("daemon exit status: {status:?}\n{}", self.logs());
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// `[daemon] control_socket` from a config, relative paths taken from `dir`.
+fn control_socket(config_toml: &str, dir: &Path) -> PathBuf {
+    let table: toml::Table = toml::from_str(config_toml)
+        .unwrap_or_else(|e| panic!("the daemon config is not valid TOML: {e}\n{config_toml}"));
+    let path = table
+        .get("daemon")
+        .and_then(|d| d.get("control_socket"))
+        .and_then(toml::Value::as_str)
+        .unwrap_or_else(|| {
+            panic!(
+                "the daemon config must set [daemon] control_socket (the lab reaches the daemon \
+                 there; put it in the temp dir with Daemon::start_in):\n{config_toml}"
+            )
+        });
+    dir.join(path)
+}
+
+/// A fresh, private `/tmp/ratelimit-lab-PID-N`.
+fn make_temp_dir() -> PathBuf {
+    use std::os::unix::fs::DirBuilderExt;
+    let pid = std::process::id();
+    loop {
+        let n = DIRS.fetch_add(1, Ordering::Relaxed);
+        let dir = std::env::temp_dir().join(format!("ratelimit-lab-{pid}-{n}"));
+        match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
+            Ok(()) => return dir,
+            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
+            Err(e) => panic!("creating {}: {e}", dir.display()),
+        }
+    }
+}
+
+/// Runs `cmd` to completion with piped output, killing it after `timeout`.
+pub fn run_with_timeout(cmd: &mut Command, timeout: Duration) -> Result<Output, String> {
+    let what = describe(cmd);
+    let mut child = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .map_err(|e| format!("starting `{what}`: {e}"))?;
+    let drain = |r: Option<Box<dyn Read + Send>>| {
+        std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            if let Some(mut r) = r {
+                let _ = r.read_to_end(&mut buf);
+            }
+            buf
+        })
+    };
+    let out_t = drain(
+        child
+            .stdout
+            .take()
+            .map(|r| Box::new(r) as Box<dyn Read + Send>),
+    );
+    let err_t = drain(
+        child
+            .stderr
+            .take()
+            .map(|r| Box::new(r) as Box<dyn Read + Send>),
+    );
+    let give_up = Instant::now() + timeout;
+    let status = loop {
+        match child.try_wait() {
+            Ok(Some(s)) => break s,
+            Ok(None) if Instant::now() >= give_up => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Err(format!("`{what}` did not finish within {timeout:?}"));
+            }
+            Ok(None) => std::thread::sleep(Duration::from_millis(10)),
+            Err(e) => return Err(format!("waiting for `{what}`: {e}")),
+        }
+    };
+    Ok(Output {
+        status,
+        stdout: out_t.join().unwrap_or_default(),
+        stderr: err_t.join().unwrap_or_default(),
+    })
+}
