@@ -94,6 +94,7 @@ pub fn call(socket: &Path, req: &Request) -> anyhow::Result<serde_json::Value> {
 /// socket file chmod 0600 before anyone can connect (bound under a restrictive umask).
 pub fn bind(path: &Path) -> anyhow::Result<tokio::net::UnixListener> {
     if let Some(dir) = path.parent()
+        && !dir.as_os_str().is_empty()
         && !dir.exists()
     {
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;

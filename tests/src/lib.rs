@@ -17,6 +17,7 @@ pub mod link;
 pub mod netns;
 pub mod packet;
 pub mod receiver;
+pub mod scenario;
 pub mod sender;
 
 pub use daemon::Daemon;
@@ -25,4 +26,5 @@ pub use link::{VethEnd, VethPair, disable_rp_filter};
 pub use netns::NetNs;
 pub use packet::Frame;
 pub use receiver::{Counts, Tap, UdpSink};
+pub use scenario::Scenario;
 pub use sender::{PacketSocket, SendStats};
