@@ -1,0 +1,732 @@
+//! The read-only HTTP listener (`daemon.http_listen`): `GET /metrics` for Prometheus (OpenMetrics
+//! text format) and the control API's reports as JSON under `/v1/`. Nothing here changes the
+//! daemon's state: bans, rules and reloads stay on the root-only control socket.
+//!
+//! Every value is read from the maps when it is asked for: `/metrics` builds a fresh registry
+//! per scrape from one pass over the counters, and `/v1/...` answers exactly what the control
+//! API answers for the same request.
+
+use std::{collections::BTreeMap, future::Future, io::ErrorKind, net::SocketAddr};
+
+use anyhow::{Context as _, anyhow};
+use axum::{
+    Json, Router,
+    extract::{Query, State},
+    http::{Method, StatusCode, Uri, header},
+    response::{IntoResponse, Response},
+    routing::get,
+};
+use prometheus_client::{
+    collector::Collector,
+    encoding::{DescriptorEncoder, EncodeMetric as _},
+    metrics::{MetricType, counter::ConstCounter, gauge::ConstGauge},
+    registry::Registry,
+};
+use serde::Deserialize;
+use tokio::net::TcpListener;
+use tracing::{info, warn};
+
+use crate::{
+    cli::TopBy,
+    control::{self, Request},
+    daemon::{self, Shared},
+    report::{self, Pb, Stats},
+};
+
+/// Content type of `/metrics`: the OpenMetrics text format, which Prometheus negotiates by
+/// default (and which reads as plain text with `curl`).
+pub const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// Default `n` of `/v1/top`, as for `ratelimit top`.
+const DEFAULT_TOP_N: usize = 10;
+
+const ENDPOINTS: &str = "/metrics, /v1/status, /v1/stats, /v1/top?n=N&by=packets|bytes|drops, /v1/bans, /v1/offenders";
+
+/// Bind `daemon.http_listen`, with an error an operator can act on.
+pub async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
+    TcpListener::bind(addr).await.map_err(|e| match e.kind() {
+        ErrorKind::AddrInUse => anyhow!(
+            "http_listen {addr}: address in use; set [daemon] http_listen to another address or \"off\""
+        ),
+        ErrorKind::AddrNotAvailable => anyhow!(
+            "http_listen {addr}: no local interface has this address; set [daemon] http_listen to another address or \"off\""
+        ),
+        ErrorKind::PermissionDenied => anyhow!(
+            "http_listen {addr}: permission denied (ports below 1024 need root or CAP_NET_BIND_SERVICE)"
+        ),
+        _ => anyhow!("http_listen {addr}: {e}"),
+    })
+}
+
+/// Serve the listener until the task is dropped.
+pub async fn serve(listener: TcpListener, state: Shared) -> anyhow::Result<()> {
+    serve_with(listener, state).await
+}
+
+async fn serve_with<B: Backend>(listener: TcpListener, backend: B) -> anyhow::Result<()> {
+    if let Ok(addr) = listener.local_addr() {
+        info!(%addr, "HTTP listener ready (GET /metrics, /v1/...)");
+    }
+    axum::serve(listener, router(backend))
+        .await
+        .context("serving http_listen")
+}
+
+/// What the routes need from the daemon. A trait so the routing can be tested without maps.
+trait Backend: Clone + Send + Sync + 'static {
+    /// The control API's answer to a (read-only) request.
+    fn request(&self, req: Request) -> impl Future<Output = control::Response> + Send;
+    /// The `/metrics` exposition, read from the maps now.
+    fn metrics(&self) -> impl Future<Output = anyhow::Result<String>> + Send;
+}
+
+impl Backend for Shared {
+    async fn request(&self, req: Request) -> control::Response {
+        let mut s = self.lock().await;
+        // Map walks are syscalls: keep them off the async workers' hot path.
+        tokio::task::block_in_place(|| s.handle(req))
+    }
+
+    async fn metrics(&self) -> anyhow::Result<String> {
+        let s = self.lock().await;
+        let (stats, gauges) = tokio::task::block_in_place(|| snapshot(&s))?;
+        drop(s);
+        Ok(render_metrics(&stats, &gauges))
+    }
+}
+
+/// Read everything `/metrics` shows, in one go, under the state lock.
+fn snapshot(s: &daemon::State) -> anyhow::Result<(Stats, Gauges)> {
+    let ifaces: Vec<(u32, String)> = s
+        .dp
+        .attached
+        .iter()
+        .map(|a| (a.slot, a.iface.clone()))
+        .collect();
+    let stats = report::stats(&s.maps, &ifaces, &s.rule_names()).context("reading counters")?;
+    let mut tracked = 0u64;
+    for k in s.maps.clients.keys() {
+        k.context("walking the per-client state map")?;
+        tracked += 1;
+    }
+    let gauges = Gauges {
+        active_bans: report::bans(&s.maps, &[], &BTreeMap::new()).len() as u64,
+        tracked_clients: tracked,
+        tracked_clients_capacity: u64::from(s.cfg.tracking.max_sources),
+    };
+    Ok((stats, gauges))
+}
+
+/// The values of `/metrics` that are not counters of the `STATS` array.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Gauges {
+    /// Bans in force now (`report::bans`).
+    pub active_bans: u64,
+    /// Entries in the per-client state map.
+    pub tracked_clients: u64,
+    /// `tracking.max_sources`.
+    pub tracked_clients_capacity: u64,
+}
+
+#[derive(Debug)]
+enum Value {
+    Counter(u64),
+    Gauge(u64),
+    Ratio(f64),
+    /// An OpenMetrics info metric: value 1, the labels carry the information.
+    Info,
+}
+
+type Labels = Vec<(&'static str, String)>;
+
+/// One metric family, with its series in the order they are exposed.
+#[derive(Debug)]
+struct Family {
+    /// Without the `_total` (counter) or `_info` (info) suffix the encoder adds.
+    name: &'static str,
+    help: &'static str,
+    kind: MetricType,
+    series: Vec<(Labels, Value)>,
+}
+
+impl Family {
+    fn new(name: &'static str, kind: MetricType, help: &'static str) -> Self {
+        Self {
+            name,
+            help,
+            kind,
+            series: Vec::new(),
+        }
+    }
+
+    fn with(mut self, labels: Labels, value: Value) -> Self {
+        self.series.push((labels, value));
+        self
+    }
+}
+
+/// A snapshot of every family, encoded by the official client's OpenMetrics text encoder.
+#[derive(Debug)]
+struct Snapshot(Vec<Family>);
+
+impl Collector for Snapshot {
+    fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
+        for f in &self.0 {
+            let mut metric = encoder.encode_descriptor(f.name, f.help, None, f.kind)?;
+            for (labels, value) in &f.series {
+                let series = metric.encode_family(labels)?;
+                match value {
+                    Value::Counter(v) => ConstCounter::new(*v).encode(series)?,
+                    Value::Gauge(v) => ConstGauge::new(*v).encode(series)?,
+                    Value::Ratio(v) => ConstGauge::new(*v).encode(series)?,
+                    Value::Info => {
+                        // The labels are the info's own; nothing more on the series.
+                        let mut series = series;
+                        series.encode_info(&Vec::<(&str, String)>::new())?
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+fn reason(stats: &Stats, name: &str) -> u64 {
+    stats.all.reasons.get(name).map_or(0, |pb| pb.packets)
+}
+
+/// The `/metrics` exposition (OpenMetrics text, `# EOF` included) of one reading of the maps.
+pub fn render_metrics(stats: &Stats, gauges: &Gauges) -> String {
+    use MetricType::{Counter, Gauge, Info};
+
+    let mut packets = Family::new(
+        "ratelimit_packets",
+        Counter,
+        "Frames seen by the XDP program, by verdict and interface (interface=\"all\": every interface); each frame has exactly one verdict",
+    );
+    let mut bytes = Family::new(
+        "ratelimit_bytes",
+        Counter,
+        "Bytes of the frames seen by the XDP program, by verdict and interface (interface=\"all\": every interface)",
+    );
+    let by_iface = stats
+        .interfaces
+        .iter()
+        .map(|i| (i.iface.as_str(), &i.counters))
+        .chain([("all", &stats.all)]);
+    for (iface, counters) in by_iface {
+        for (verdict, pb) in &counters.verdicts {
+            let labels = || vec![("verdict", verdict.to_string()), ("interface", iface.into())];
+            packets = packets.with(labels(), Value::Counter(pb.packets));
+            bytes = bytes.with(labels(), Value::Counter(pb.bytes));
+        }
+    }
+
+    let mut reasons = Family::new(
+        "ratelimit_reason_packets",
+        Counter,
+        "Detail counters beside the verdicts, by reason (a frame may be in several or none)",
+    );
+    for (name, pb) in &stats.all.reasons {
+        reasons = reasons.with(vec![("reason", name.to_string())], Value::Counter(pb.packets));
+    }
+
+    let mut rule_packets = Family::new(
+        "ratelimit_rule_packets",
+        Counter,
+        "Packets counted by each rule, by counter (matched = admitted + dropped + would_drop + exceed_passed; bans = bans issued)",
+    );
+    let mut rule_bytes = Family::new(
+        "ratelimit_rule_bytes",
+        Counter,
+        "Bytes counted by each rule, by counter",
+    );
+    for r in &stats.rules {
+        for (counter, Pb { packets, bytes }) in &r.counters {
+            let labels = || vec![("rule", r.name.clone()), ("counter", counter.to_string())];
+            rule_packets = rule_packets.with(labels(), Value::Counter(*packets));
+            rule_bytes = rule_bytes.with(labels(), Value::Counter(*bytes));
+        }
+    }
+
+    let tracked = gauges.tracked_clients;
+    let capacity = gauges.tracked_clients_capacity;
+    let fill = if capacity == 0 {
+        0.0
+    } else {
+        tracked as f64 / capacity as f64
+    };
+    // The kernel counts no evictions for LRU hash maps. Every per-client state the program
+    // creates is counted (`state_created`) and stays in the map until the LRU evicts it (the
+    // daemon deletes none), so what was created and is no longer there was evicted. Clamped
+    // at 0: the counters and the map walk are not one atomic reading, and the per-rule
+    // overflow entries are not counted as created.
+    let evictions = reason(stats, "state_created").saturating_sub(tracked);
+
+    let families = vec![
+        packets,
+        bytes,
+        reasons,
+        rule_packets,
+        rule_bytes,
+        Family::new(
+            "ratelimit_active_bans",
+            Gauge,
+            "Bans in force now (operator- and rule-issued)",
+        )
+        .with(vec![], Value::Gauge(gauges.active_bans)),
+        Family::new(
+            "ratelimit_bans_issued",
+            Counter,
+            "Bans issued by rate_based_ban rules",
+        )
+        .with(vec![], Value::Counter(reason(stats, "bans_issued"))),
+        Family::new(
+            "ratelimit_tracked_clients",
+            Gauge,
+            "Entries in the per-client state map",
+        )
+        .with(vec![], Value::Gauge(tracked)),
+        Family::new(
+            "ratelimit_tracked_clients_capacity",
+            Gauge,
+            "Capacity of the per-client state map (tracking.max_sources)",
+        )
+        .with(vec![], Value::Gauge(capacity)),
+        Family::new(
+            "ratelimit_map_fill_ratio",
+            Gauge,
+            "Share of a bounded map in use (0 to 1)",
+        )
+        .with(vec![("map", "clients".into())], Value::Ratio(fill)),
+        Family::new(
+            "ratelimit_evictions",
+            Counter,
+            "Per-client states evicted from the full map (LRU), computed as states created minus states tracked now, clamped at 0; the kernel does not count LRU evictions",
+        )
+        .with(vec![], Value::Counter(evictions)),
+        Family::new(
+            "ratelimit_admission_refused",
+            Counter,
+            "Packets from new sources refused per-client state by the admission budget (tracking.new_sources_per_sec); they are limited in aggregate",
+        )
+        .with(vec![], Value::Counter(reason(stats, "admission_refused"))),
+        Family::new(
+            "ratelimit_events_lost",
+            Counter,
+            "Events dropped because the ring buffer was full",
+        )
+        .with(vec![], Value::Counter(reason(stats, "events_lost"))),
+        Family::new("ratelimit_up", Gauge, "1 while the daemon answers")
+            .with(vec![], Value::Gauge(1)),
+        Family::new("ratelimit_build", Info, "The daemon's version").with(
+            vec![("version", env!("CARGO_PKG_VERSION").into())],
+            Value::Info,
+        ),
+    ];
+
+    let mut registry = Registry::default();
+    registry.register_collector(Box::new(Snapshot(families)));
+    let mut out = String::new();
+    prometheus_client::encoding::text::encode(&mut out, &registry)
+        .expect("writing to a String does not fail");
+    out
+}
+
+/// Query of `/v1/top`.
+#[derive(Deserialize, Debug, Default)]
+#[serde(deny_unknown_fields)]
+struct TopQuery {
+    n: Option<usize>,
+    by: Option<TopBy>,
+}
+
+/// The control request for `/v1/top?n=N&by=packets|bytes|drops` (both optional), or the
+/// message of a 400.
+fn parse_top(uri: &Uri) -> Result<Request, String> {
+    let Query(q) = Query::<TopQuery>::try_from_uri(uri).map_err(|e| {
+        format!("{}; expected /v1/top?n=N&by=packets|bytes|drops", e.body_text())
+    })?;
+    Ok(Request::Top {
+        n: q.n.unwrap_or(DEFAULT_TOP_N),
+        by: q.by.unwrap_or_default(),
+    })
+}
+
+fn error(status: StatusCode, msg: impl Into<String>) -> Response {
+    (status, Json(serde_json::json!({ "error": msg.into() }))).into_response()
+}
+
+async fn answer<B: Backend>(backend: &B, req: Request) -> Response {
+    let resp = backend.request(req).await;
+    if resp.ok {
+        (StatusCode::OK, Json(resp.data)).into_response()
+    } else {
+        let msg = resp.error.unwrap_or_else(|| "request failed".into());
+        warn!("HTTP read-only request failed: {msg}");
+        error(StatusCode::INTERNAL_SERVER_ERROR, msg)
+    }
+}
+
+async fn metrics<B: Backend>(State(b): State<B>) -> Response {
+    match b.metrics().await {
+        Ok(text) => ([(header::CONTENT_TYPE, METRICS_CONTENT_TYPE)], text).into_response(),
+        Err(e) => {
+            warn!("/metrics: {e:#}");
+            (
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("reading the maps failed: {e:#}\n"),
+            )
+                .into_response()
+        }
+    }
+}
+
+async fn top<B: Backend>(State(b): State<B>, uri: Uri) -> Response {
+    match parse_top(&uri) {
+        Ok(req) => answer(&b, req).await,
+        Err(msg) => error(StatusCode::BAD_REQUEST, msg),
+    }
+}
+
+async fn not_found(method: Method, uri: Uri) -> Response {
+    error(
+        StatusCode::NOT_FOUND,
+        format!(
+            "no such endpoint: {method} {}; endpoints: {ENDPOINTS}",
+            uri.path()
+        ),
+    )
+}
+
+async fn method_not_allowed(method: Method) -> Response {
+    error(
+        StatusCode::METHOD_NOT_ALLOWED,
+        format!("{method} is not allowed: this listener is read-only (GET)"),
+    )
+}
+
+fn router<B: Backend>(backend: B) -> Router {
+    let report = |req: Request| {
+        get(move |State(b): State<B>| {
+            let req = req.clone();
+            async move { answer(&b, req).await }
+        })
+    };
+    Router::new()
+        .route("/metrics", get(metrics::<B>))
+        .route("/v1/status", report(Request::Status))
+        .route("/v1/stats", report(Request::Stats))
+        .route("/v1/top", get(top::<B>))
+        .route("/v1/bans", report(Request::Bans))
+        .route("/v1/offenders", report(Request::Offenders))
+        .fallback(not_found)
+        // After the routes: it applies to those registered before it.
+        .method_not_allowed_fallback(method_not_allowed)
+        .with_state(backend)
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+
+    use super::*;
+    use crate::report::{Counters, IfaceCounters, RuleCounters};
+
+    fn pb(packets: u64, bytes: u64) -> Pb {
+        Pb { packets, bytes }
+    }
+
+    fn counters(pass: Pb, drop_rule: Pb) -> Counters {
+        let mut c = Counters::default();
+        c.verdicts.insert("pass", pass);
+        c.verdicts.insert("drop_rule", drop_rule);
+        c.total = pass;
+        c.total += drop_rule;
+        c
+    }
+
+    fn synthetic() -> Stats {
+        let mut all = counters(pb(30, 3000), pb(7, 700));
+        all.reasons.insert("state_created", pb(12, 0));
+        all.reasons.insert("bans_issued", pb(2, 0));
+        all.reasons.insert("admission_refused", pb(4, 240));
+        all.reasons.insert("events_lost", pb(1, 0));
+        Stats {
+            all,
+            interfaces: vec![
+                IfaceCounters {
+                    iface: "eth0".into(),
+                    slot: 1,
+                    counters: counters(pb(20, 2000), pb(7, 700)),
+                },
+                IfaceCounters {
+                    iface: "eth1".into(),
+                    slot: 2,
+                    counters: counters(pb(10, 1000), pb(0, 0)),
+                },
+            ],
+            rules: vec![RuleCounters {
+                name: "syn-per-client".into(),
+                counters: [
+                    ("matched", pb(9, 900)),
+                    ("admitted", pb(2, 200)),
+                    ("dropped", pb(7, 700)),
+                    ("bans", pb(2, 0)),
+                ]
+                .into_iter()
+                .collect(),
+            }],
+        }
+    }
+
+    const GAUGES: Gauges = Gauges {
+        active_bans: 3,
+        tracked_clients: 5,
+        tracked_clients_capacity: 20,
+    };
+
+    fn lines(text: &str) -> Vec<&str> {
+        text.lines().collect()
+    }
+
+    #[test]
+    fn http_metrics_render_exact_series() {
+        let text = render_metrics(&synthetic(), &GAUGES);
+        let l = lines(&text);
+        for want in [
+            "# HELP ratelimit_packets Frames seen by the XDP program, by verdict and interface (interface=\"all\": every interface); each frame has exactly one verdict",
+            "# TYPE ratelimit_packets counter",
+            "ratelimit_packets_total{verdict=\"drop_rule\",interface=\"eth0\"} 7",
+            "ratelimit_packets_total{verdict=\"pass\",interface=\"eth1\"} 10",
+            "ratelimit_packets_total{verdict=\"pass\",interface=\"all\"} 30",
+            "ratelimit_bytes_total{verdict=\"drop_rule\",interface=\"all\"} 700",
+            "ratelimit_reason_packets_total{reason=\"admission_refused\"} 4",
+            "ratelimit_rule_packets_total{rule=\"syn-per-client\",counter=\"dropped\"} 7",
+            "ratelimit_rule_bytes_total{rule=\"syn-per-client\",counter=\"matched\"} 900",
+            "# TYPE ratelimit_active_bans gauge",
+            "ratelimit_active_bans 3",
+            "ratelimit_bans_issued_total 2",
+            "ratelimit_tracked_clients 5",
+            "ratelimit_tracked_clients_capacity 20",
+            "ratelimit_map_fill_ratio{map=\"clients\"} 0.25",
+            "ratelimit_evictions_total 7",
+            "ratelimit_admission_refused_total 4",
+            "ratelimit_events_lost_total 1",
+            "ratelimit_up 1",
+            "# TYPE ratelimit_build info",
+            &format!(
+                "ratelimit_build_info{{version=\"{}\"}} 1",
+                env!("CARGO_PKG_VERSION")
+            ),
+        ] {
+            assert!(l.contains(&want), "missing {want:?} in:\n{text}");
+        }
+        assert!(text.ends_with("\n# EOF\n"), "{text}");
+        // Series in a stable order: per interface, then all; verdicts sorted by name.
+        let packets: Vec<_> = l
+            .iter()
+            .filter(|s| s.starts_with("ratelimit_packets_total"))
+            .collect();
+        assert_eq!(
+            packets,
+            [
+                &"ratelimit_packets_total{verdict=\"drop_rule\",interface=\"eth0\"} 7",
+                &"ratelimit_packets_total{verdict=\"pass\",interface=\"eth0\"} 20",
+                &"ratelimit_packets_total{verdict=\"drop_rule\",interface=\"eth1\"} 0",
+                &"ratelimit_packets_total{verdict=\"pass\",interface=\"eth1\"} 10",
+                &"ratelimit_packets_total{verdict=\"drop_rule\",interface=\"all\"} 7",
+                &"ratelimit_packets_total{verdict=\"pass\",interface=\"all\"} 30",
+            ]
+        );
+        // Every family has one HELP and one TYPE line.
+        for f in [
+            "ratelimit_packets ",
+            "ratelimit_evictions ",
+            "ratelimit_map_fill_ratio ",
+        ] {
+            assert_eq!(
+                l.iter()
+                    .filter(|s| s.starts_with(&format!("# TYPE {f}")))
+                    .count(),
+                1
+            );
+        }
+    }
+
+    #[test]
+    fn http_metrics_evictions_clamp_and_empty_map() {
+        let mut stats = synthetic();
+        stats.all.reasons.insert("state_created", pb(3, 0));
+        let text = render_metrics(
+            &stats,
+            &Gauges {
+                tracked_clients: 5,
+                tracked_clients_capacity: 0,
+                ..GAUGES
+            },
+        );
+        let l = lines(&text);
+        assert!(l.contains(&"ratelimit_evictions_total 0"), "{text}");
+        assert!(l.contains(&"ratelimit_map_fill_ratio{map=\"clients\"} 0.0"), "{text}");
+    }
+
+    #[test]
+    fn http_metrics_escape_label_values() {
+        let mut stats = synthetic();
+        stats.rules[0].name = "a\"b\\c".into();
+        let text = render_metrics(&stats, &GAUGES);
+        assert!(
+            text.contains("ratelimit_rule_packets_total{rule=\"a\\\"b\\\\c\",counter=\"bans\"} 2"),
+            "{text}"
+        );
+    }
+
+    fn top(q: &str) -> Result<serde_json::Value, String> {
+        let uri: Uri = format!("/v1/top{q}").parse().unwrap();
+        parse_top(&uri).map(|r| serde_json::to_value(r).unwrap())
+    }
+
+    #[test]
+    fn http_top_query_parsing() {
+        let want = |n: usize, by: &str| serde_json::json!({"cmd": "top", "n": n, "by": by});
+        assert_eq!(top(""), Ok(want(10, "packets")));
+        assert_eq!(top("?"), Ok(want(10, "packets")));
+        assert_eq!(top("?n=5"), Ok(want(5, "packets")));
+        assert_eq!(top("?by=drops"), Ok(want(10, "drops")));
+        assert_eq!(top("?n=3&by=bytes"), Ok(want(3, "bytes")));
+        assert_eq!(top("?by=packets&n=0"), Ok(want(0, "packets")));
+        for bad in [
+            "?n=-1",
+            "?n=x",
+            "?n=",
+            "?by=rate",
+            "?by=Bytes",
+            "?limit=3",
+            "?n=1&n=2",
+        ] {
+            let e = top(bad).expect_err(bad);
+            assert!(e.contains("expected /v1/top?n=N&by=packets|bytes|drops"), "{e}");
+        }
+        assert!(top("?by=rate").unwrap_err().contains("rate"));
+    }
+
+    /// A daemon stand-in: records the requests, answers with canned data.
+    #[derive(Clone, Default)]
+    struct Fake(Arc<Mutex<Vec<serde_json::Value>>>);
+
+    impl Backend for Fake {
+        async fn request(&self, req: Request) -> control::Response {
+            let v = serde_json::to_value(&req).unwrap();
+            self.0.lock().unwrap().push(v.clone());
+            if matches!(req, Request::Bans) {
+                control::Response::err("reading bans: boom")
+            } else {
+                control::Response::ok(serde_json::json!({ "echo": v }))
+            }
+        }
+        async fn metrics(&self) -> anyhow::Result<String> {
+            Ok(render_metrics(&synthetic(), &GAUGES))
+        }
+    }
+
+    /// One HTTP/1.1 exchange: (status, head, body).
+    async fn exchange(addr: SocketAddr, method: &str, target: &str) -> (u16, String, String) {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        let req = format!(
+            "{method} {target} HTTP/1.1\r\nHost: test\r\nConnection: close\r\nContent-Length: 0\r\n\r\n"
+        );
+        s.write_all(req.as_bytes()).await.unwrap();
+        let mut raw = String::new();
+        s.read_to_string(&mut raw).await.unwrap();
+        let (head, body) = raw.split_once("\r\n\r\n").unwrap();
+        let status = head.split(' ').nth(1).unwrap().parse().unwrap();
+        (status, head.to_ascii_lowercase(), body.to_string())
+    }
+
+    #[tokio::test]
+    async fn http_routes_status_codes_and_bodies() {
+        let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let fake = Fake::default();
+        let server = tokio::spawn(serve_with(listener, fake.clone()));
+
+        let (st, head, body) = exchange(addr, "GET", "/metrics").await;
+        assert_eq!(st, 200);
+        assert!(
+            head.contains("content-type: application/openmetrics-text; version=1.0.0"),
+            "{head}"
+        );
+        assert!(body.contains("ratelimit_up 1\n") && body.ends_with("# EOF\n"));
+
+        for (path, cmd) in [
+            ("/v1/status", "status"),
+            ("/v1/stats", "stats"),
+            ("/v1/offenders", "offenders"),
+        ] {
+            let (st, head, body) = exchange(addr, "GET", path).await;
+            assert_eq!(st, 200, "{path}: {body}");
+            assert!(head.contains("content-type: application/json"), "{head}");
+            let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+            assert_eq!(v, serde_json::json!({"echo": {"cmd": cmd}}));
+        }
+
+        let (st, _, body) = exchange(addr, "GET", "/v1/top?n=3&by=drops").await;
+        assert_eq!(st, 200);
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({"echo": {"cmd": "top", "n": 3, "by": "drops"}})
+        );
+
+        let (st, _, body) = exchange(addr, "GET", "/v1/top?by=rate").await;
+        assert_eq!(st, 400);
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert!(v["error"].as_str().unwrap().contains("rate"), "{body}");
+
+        let (st, _, body) = exchange(addr, "GET", "/v1/bans").await;
+        assert_eq!(st, 500);
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v, serde_json::json!({"error": "reading bans: boom"}));
+
+        let (st, _, body) = exchange(addr, "GET", "/v1/nope").await;
+        assert_eq!(st, 404);
+        assert!(body.contains("/v1/offenders"), "{body}");
+        let (st, _, _) = exchange(addr, "GET", "/v1/stats/").await;
+        assert_eq!(st, 404);
+
+        for (method, path) in [
+            ("POST", "/v1/bans"),
+            ("DELETE", "/v1/bans"),
+            ("PUT", "/metrics"),
+        ] {
+            let (st, head, body) = exchange(addr, method, path).await;
+            assert_eq!(st, 405, "{method} {path}");
+            assert!(head.contains("allow: get,head"), "{head}");
+            assert!(body.contains("read-only"), "{body}");
+        }
+
+        // Only the GETs above reached the daemon: no 400/404/405 did.
+        let seen: Vec<_> = fake.0.lock().unwrap().iter().map(|v| v["cmd"].clone()).collect();
+        assert_eq!(
+            seen,
+            ["status", "stats", "offenders", "top", "bans"].map(serde_json::Value::from)
+        );
+        server.abort();
+    }
+
+    #[tokio::test]
+    async fn http_bind_address_in_use_is_explained() {
+        let first = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = first.local_addr().unwrap();
+        let e = bind(addr).await.unwrap_err().to_string();
+        assert_eq!(
+            e,
+            format!(
+                "http_listen {addr}: address in use; set [daemon] http_listen to another address or \"off\""
+            )
+        );
+    }
+}
