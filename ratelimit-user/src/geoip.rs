@@ -433,43 +433,42 @@ mod tests {
 
     #[test]
     fn geoip_country_fallbacks_and_unknown() {
-        let map = w::Value::map;
-        let iso = |c: &str| map([("iso_code", w::Value::str(c))]);
+        let iso = |c: &str| w::Value::map([("iso_code", w::Value::str(c))]);
         let entries = [
             ("1.0.0.0/24", w::country_record("de")),
             (
                 "1.0.1.0/24",
-                map([
-                    ("continent", map([("code", w::Value::str("EU"))])),
+                w::Value::map([
+                    ("continent", w::Value::map([("code", w::Value::str("EU"))])),
                     ("registered_country", iso("FR")),
                 ]),
             ),
             (
                 "1.0.2.0/24",
-                map([
+                w::Value::map([
                     ("represented_country", iso("US")),
-                    ("traits", map([("is_anycast", w::Value::Bool(true))])),
+                    ("traits", w::Value::map([("is_anycast", w::Value::Bool(true))])),
                 ]),
             ),
             (
                 "1.0.3.0/24",
-                map([("country", iso("IT")), ("registered_country", iso("FR"))]),
+                w::Value::map([("country", iso("IT")), ("registered_country", iso("FR"))]),
             ),
             // No code at all: unknown, left out of the table.
             (
                 "1.0.4.0/24",
-                map([("continent", map([("code", w::Value::str("AS"))]))]),
+                w::Value::map([("continent", w::Value::map([("code", w::Value::str("AS"))]))]),
             ),
             (
                 "2001:db8::/32",
-                map([
+                w::Value::map([
                     (
                         "country",
-                        map([
+                        w::Value::map([
                             ("geoname_id", w::Value::U32(2_921_044)),
                             ("is_in_european_union", w::Value::Bool(true)),
                             ("iso_code", w::Value::str("DE")),
-                            ("names", map([("en", w::Value::str("Germany"))])),
+                            ("names", w::Value::map([("en", w::Value::str("Germany"))])),
                         ]),
                     ),
                     ("registered_country", iso("AT")),

@@ -187,3 +187,19 @@ pub fn passed(stats: &serde_json::Value) -> u64 {
         .map(|v| verdict(stats, v))
         .sum()
 }
+
+/// Sleep until just after the next multiple of `interval` on CLOCK_MONOTONIC, the clock the
+/// XDP program's windows use, so a test's traffic starts at a window boundary and measures the
+/// algorithm rather than the phase it happened to start in.
+pub fn align_to_window(interval: Duration) {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid out-pointer.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    let now = ts.tv_sec as u128 * 1_000_000_000 + ts.tv_nsec as u128;
+    let iv = interval.as_nanos();
+    let wait = iv - now % iv + 2_000_000;
+    std::thread::sleep(Duration::from_nanos(wait as u64));
+}

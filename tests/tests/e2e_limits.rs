@@ -40,6 +40,7 @@ threshold = { count = 1000, interval = "1s" }
     let sink = s.sink(PORT);
     let (heavy, light) = (ip4(1, 1), ip4(1, 2));
     // 1.25x the threshold for 4 intervals, and 0.8x beside it.
+    ratelimit_tests::scenario::align_to_window(Duration::from_secs(1));
     let a = s.blast(s.udp(heavy, PORT), 1250, Duration::from_secs(4), None);
     let b = s.blast(s.udp(light, PORT), 800, Duration::from_secs(4), None);
     let (a, b) = (a.join().unwrap(), b.join().unwrap());
@@ -108,6 +109,7 @@ threshold = { count = 500, interval = "1s" }
     let sink = s.sink(PORT);
     let src = ip4(2, 1);
     // Twice the threshold for 6 s: after the first interval the admitted rate is the threshold.
+    ratelimit_tests::scenario::align_to_window(Duration::from_secs(1));
     let a = s
         .blast(s.udp(src, PORT), 1000, Duration::from_secs(6), None)
         .join()

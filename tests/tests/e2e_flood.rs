@@ -1,0 +1,175 @@
+//! Under attack: one client's packets processed on both CPUs at once must not get more than
+//! its threshold, and a random-source flood must not cost established clients their state or
+//! their allowance.
+
+use std::{
+    net::{IpAddr, Ipv4Addr},
+    time::Duration,
+};
+
+use aya::maps::{Map, MapData, PerCpuArray};
+use ratelimit_common::stats::{Counter, rule as rc, rule_index};
+use ratelimit_tests::{
+    kernel_test,
+    scenario::{Scenario, reason, rule_counter},
+};
+
+const PORT: u16 = 9000;
+
+/// Per-CPU packet counts of one counter, straight from the pinned map.
+fn per_cpu(s: &Scenario, index: u32) -> Vec<u64> {
+    let data = MapData::from_pin(s.bpffs().join("RL_STATS")).expect("pinned stats map");
+    let arr: PerCpuArray<MapData, Counter> =
+        PerCpuArray::try_from(Map::PerCpuArray(data)).expect("per-cpu array");
+    let mut v = vec![0u64; 0];
+    for slot in 0..ratelimit_common::caps::MAX_IFACES {
+        let vals = arr
+            .get(&(slot * ratelimit_common::stats::PER_IFACE + index), 0)
+            .expect("read");
+        if v.is_empty() {
+            v = vec![0; vals.len()];
+        }
+        for (acc, c) in v.iter_mut().zip(vals.iter()) {
+            *acc += c.packets;
+        }
+    }
+    v
+}
+
+#[test]
+fn two_cpu_accuracy_one_client_on_both_cpus_gets_its_threshold_once() {
+    kernel_test!();
+    let cpus = ratelimit_tests::sender::online_cpus();
+    assert!(
+        cpus >= 2,
+        "this test needs two CPUs, the machine has {cpus}"
+    );
+    let mut s = Scenario::with_queues("rl2", 2);
+    // Steer the client's two tx queues to CPU 0 and CPU 1.
+    s.pair.a().set_xps(0, 0b01);
+    s.pair.a().set_xps(1, 0b10);
+    s.start(
+        r#"
+[[rule]]
+name = "udp"
+match = { protocol = "udp" }
+threshold = { count = 1000, interval = "1s" }
+"#,
+    );
+    let sink = s.sink(PORT);
+    let src = IpAddr::V4(Ipv4Addr::new(198, 19, 20, 1));
+    let frame = s.udp(src, PORT);
+    // 1.25x the threshold in total, half from each CPU.
+    ratelimit_tests::scenario::align_to_window(Duration::from_secs(1));
+    let a = s.blast(frame.clone(), 625, Duration::from_secs(4), Some(0));
+    let b = s.blast(frame, 625, Duration::from_secs(4), Some(1));
+    let sent = a.join().unwrap().sent + b.join().unwrap().sent;
+    sink.wait_quiet(Duration::from_millis(300));
+    let got = sink.stop().from(src);
+    let lost = 100.0 * (sent - got) as f64 / sent as f64;
+    let matched = per_cpu(&s, rule_index(0, 0, rc::MATCHED));
+    println!("sent {sent}, admitted {got}, loss {lost:.2}%, matched per CPU {matched:?}");
+    // Both CPUs really ran the program for this client.
+    let total: u64 = matched.iter().sum();
+    assert_eq!(total, sent);
+    assert!(
+        matched.iter().take(2).all(|&m| m * 10 >= total * 3),
+        "each CPU must carry at least 30%: {matched:?}"
+    );
+    // Shared state: no x2 inflation, no lost updates beyond the tolerance.
+    assert!((lost - 20.0).abs() <= 2.0, "loss {lost:.2}% (want 20 +- 2)");
+    let st = s.stats();
+    assert_eq!(rule_counter(&st, "udp", "dropped"), sent - got);
+}
+
+#[test]
+fn random_source_flood_keeps_established_clients_and_bounds_state() {
+    kernel_test!();
+    let mut s = Scenario::new("rlr");
+    s.start(
+        r#"
+[tracking]
+max_sources = 4000
+new_sources_per_sec = 200
+new_sources_burst = 200
+
+[[rule]]
+name = "per-ip"
+match = { protocol = "udp" }
+threshold = { count = 100, interval = "1s" }
+"#,
+    );
+    let sink = s.sink(PORT);
+    let est = IpAddr::V4(Ipv4Addr::new(198, 19, 30, 1));
+    // The established client is known before the flood starts.
+    let mut tx = s.sender();
+    tx.send_n(
+        std::iter::repeat(s.udp(est, PORT)),
+        20,
+        Some(Duration::from_millis(2)),
+    );
+    std::thread::sleep(Duration::from_millis(1100));
+    let created_before = reason(&s.stats(), "state_created");
+
+    // 10k spoofed sources, one packet each, at 5k pps, while the client goes on at 50 pps.
+    let frames: Vec<Vec<u8>> = (0..10_000u32)
+        .map(|i| s.udp(IpAddr::V4(Ipv4Addr::from(0xc6_14_00_00 | i)), PORT))
+        .collect();
+    let client = s.blast(s.udp(est, PORT), 50, Duration::from_secs(2), None);
+    let mut ftx = s.sender();
+    let flood = ftx.send_n(frames.iter(), 10_000, Some(Duration::from_micros(200)));
+    let c = client.join().unwrap();
+    sink.wait_quiet(Duration::from_millis(300));
+    let got = sink.stop();
+    let st = s.stats();
+
+    let flood_through = got.total - got.from(est);
+    let created = reason(&st, "state_created") - created_before;
+    let refused = reason(&st, "admission_refused");
+    println!(
+        "flood {} sent in {:?}: {flood_through} delivered; states created {created}, admissions refused {refused}; client sent {} got {}",
+        flood.sent,
+        flood.elapsed,
+        c.sent,
+        got.from(est) - 20
+    );
+    assert_eq!(
+        got.from(est),
+        20 + c.sent,
+        "the established client keeps its whole allowance"
+    );
+    // New per-client state is bounded by the admission budget (burst + rate x time, + the
+    // aggregate overflow state), not by the flood.
+    let budget = 200 + (200.0 * flood.elapsed.as_secs_f64()).ceil() as u64 + 1;
+    assert!(
+        created <= budget,
+        "created {created} states, budget {budget}"
+    );
+    assert_eq!(
+        refused + created,
+        10_000,
+        "every flood source was either admitted or refused"
+    );
+    // Refused sources share one aggregate bucket of 100/s: the flood gets admitted sources'
+    // first packets plus the aggregate's allowance, not 10k fresh buckets.
+    let aggregate = 100 + (100.0 * flood.elapsed.as_secs_f64()).ceil() as u64;
+    assert!(
+        flood_through <= created + aggregate,
+        "{flood_through} flood packets got through"
+    );
+    let top = s.daemon().cli_json(&["top", "-n", "1000"]);
+    assert!(
+        top.as_array()
+            .unwrap()
+            .iter()
+            .any(|c| c["client"] == "198.19.30.1/32"),
+        "client state kept"
+    );
+    assert!(
+        top.as_array()
+            .unwrap()
+            .iter()
+            .any(|c| c["key"] == "overflow"),
+        "aggregate state present"
+    );
+}
