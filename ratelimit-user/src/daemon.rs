@@ -50,6 +50,8 @@ pub struct State {
     pub started: SystemTime,
     pub ban_reasons: BTreeMap<String, String>,
     pub sink: Sink,
+    /// Bans changed since they were last written to `state_dir`.
+    pub bans_dirty: bool,
 }
 
 pub type Shared = Arc<Mutex<State>>;
@@ -102,7 +104,14 @@ impl State {
         v
     }
 
-    pub fn save_bans(&self) {
+    /// Note that bans changed; the persistence task writes them within a second. (Writing
+    /// synchronously would make a 100k-entry `ban add` wait for a 100k-entry walk.)
+    pub fn bans_changed(&mut self) {
+        self.bans_dirty = true;
+    }
+
+    pub fn save_bans(&mut self) {
+        self.bans_dirty = false;
         let names = self.rule_names();
         if let Err(e) = bans::save(
             &self.cfg.daemon.state_dir,
@@ -238,7 +247,7 @@ impl State {
                 None => self.ban_reasons.remove(&net.to_string()),
             };
         }
-        self.save_bans();
+        self.bans_changed();
         Ok(serde_json::json!({ "added": parsed.len() }))
     }
 
@@ -254,7 +263,7 @@ impl State {
             }
             self.ban_reasons.remove(&net.to_string());
         }
-        self.save_bans();
+        self.bans_changed();
         if removed == 0 && !missing.is_empty() {
             bail!("no such ban: {}", missing.join(", "));
         }
@@ -343,6 +352,11 @@ pub fn parse_cidr(s: &str) -> anyhow::Result<IpNet> {
 
 pub async fn run(opts: Options) -> anyhow::Result<()> {
     let cfg = load_config(opts.config_path.as_ref())?;
+    // Before touching the kernel: a taken port fails the start with nothing attached.
+    let http_listener = match cfg.daemon.http_listen {
+        Some(addr) => Some(crate::http::bind(addr).await?),
+        None => None,
+    };
     let mut ifaces = cfg.daemon.interfaces.clone();
     for i in &opts.ifaces {
         if !ifaces.contains(i) {
@@ -390,6 +404,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         started: SystemTime::now(),
         ban_reasons: restored.reasons,
         sink,
+        bans_dirty: false,
     }));
     {
         let s = state.lock().await;
@@ -397,6 +412,9 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     }
     let mut tasks = tokio::task::JoinSet::new();
     tasks.spawn(serve_control(listener, state.clone()));
+    if let Some(l) = http_listener {
+        tasks.spawn(crate::http::serve(l, state.clone()));
+    }
     if let Some(rb) = events_map {
         tasks.spawn(read_events(rb, state.clone()));
     }
@@ -424,7 +442,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             }
         }
     }
-    let s = state.lock().await;
+    let mut s = state.lock().await;
     s.save_bans();
     let _ = std::fs::remove_file(&s.cfg.daemon.control_socket);
     info!("stopping; the XDP program stays attached and enforcing (`ratelimit detach` removes it)");
@@ -500,11 +518,17 @@ async fn read_events(rb: RingBuf<MapData>, state: Shared) -> anyhow::Result<()> 
     }
 }
 
+/// Write bans to `state_dir` within a second of a change (and every minute regardless, so
+/// remaining times stay fresh on disk).
 async fn persist_bans(state: Shared) -> anyhow::Result<()> {
-    let mut tick = tokio::time::interval(Duration::from_secs(5));
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    let mut n = 0u32;
     loop {
         tick.tick().await;
-        let s = state.lock().await;
-        s.save_bans();
+        n = n.wrapping_add(1);
+        let mut s = state.lock().await;
+        if s.bans_dirty || n.is_multiple_of(60) {
+            tokio::task::block_in_place(|| s.save_bans());
+        }
     }
 }

@@ -161,13 +161,14 @@ impl Walk<'_> {
     fn run(&mut self, cidr: &str, v6_side: bool) -> anyhow::Result<()> {
         let networks = self
             .reader
-            .within(cidr.parse().expect("a valid CIDR"), WithinOptions::default())
+            .within(
+                cidr.parse().expect("a valid CIDR"),
+                WithinOptions::default(),
+            )
             .with_context(|| format!("walking {cidr}"))?;
         for item in networks {
             let item = item.with_context(|| format!("walking {cidr}"))?;
-            let network = item
-                .network()
-                .with_context(|| format!("walking {cidr}"))?;
+            let network = item.network().with_context(|| format!("walking {cidr}"))?;
             let net = IpNet::new(network.ip(), network.prefix())
                 .with_context(|| format!("network {network}"))?
                 .trunc();
@@ -273,7 +274,7 @@ mod tests {
         ("2001:db8::/32", "NL"),
         ("2a00:1450::/29", "IE"),
         ("2c0f:f000::/20", "ZA"),
-        ("::1/128", "JP"),
+        ("::1:0:0:1/128", "JP"),
     ];
 
     #[test]
@@ -322,12 +323,12 @@ mod tests {
                 lookup(&reader, "2c0f:f0ff::1"),
                 some("ZA", "2c0f:f000::/20")
             );
-            assert_eq!(lookup(&reader, "::1"), some("JP", "::1/128"));
-            assert_eq!(lookup(&reader, "::2"), None);
+            assert_eq!(lookup(&reader, "::1:0:0:1"), some("JP", "::1:0:0:1/128"));
+            assert_eq!(lookup(&reader, "::1:0:0:2"), None);
             // IPv4 through the aliases: IPv4-mapped and 6to4 reach the IPv4 subtree.
             assert_eq!(lookup(&reader, "::ffff:1.0.0.9").unwrap().0, "AU");
-            assert_eq!(lookup(&reader, "2002:0502:0203::1").unwrap().0, "DE");
-            assert_eq!(lookup(&reader, "2001:0:0502:0203::").unwrap().0, "DE");
+            assert_eq!(lookup(&reader, "2002:0501:0203::1").unwrap().0, "DE");
+            assert_eq!(lookup(&reader, "2001:0:0501:0203::").unwrap().0, "DE");
             assert_eq!(lookup(&reader, "::ffff:1.0.1.0"), None);
         }
     }
@@ -338,7 +339,11 @@ mod tests {
         w::write_country_db(&path, DISJOINT).unwrap();
         let t = load(&path).unwrap();
         assert_eq!(table_set(&t), set(DISJOINT));
-        assert_eq!(t.entries.len(), DISJOINT.len(), "no duplicates from aliases");
+        assert_eq!(
+            t.entries.len(),
+            DISJOINT.len(),
+            "no duplicates from aliases"
+        );
         assert!(t.entries.is_sorted());
         assert_eq!(t.database_type, "GeoLite2-Country");
         assert_eq!(t.build_epoch, 1_700_000_000);
@@ -447,7 +452,10 @@ mod tests {
                 "1.0.2.0/24",
                 w::Value::map([
                     ("represented_country", iso("US")),
-                    ("traits", w::Value::map([("is_anycast", w::Value::Bool(true))])),
+                    (
+                        "traits",
+                        w::Value::map([("is_anycast", w::Value::Bool(true))]),
+                    ),
                 ]),
             ),
             (
@@ -511,8 +519,12 @@ mod tests {
             ..Default::default()
         };
         let rec = |n: u32| w::Value::map([("autonomous_system_number", w::Value::U32(n))]);
-        w::write_db(&asn, &opts, &[("1.0.0.0/24", rec(13335)), ("2001:db8::/32", rec(1))])
-            .unwrap();
+        w::write_db(
+            &asn,
+            &opts,
+            &[("1.0.0.0/24", rec(13335)), ("2001:db8::/32", rec(1))],
+        )
+        .unwrap();
         let e = err(&asn);
         assert!(e.contains("wrong record layout"), "{e}");
         assert!(e.contains("GeoLite2-ASN"), "{e}");
@@ -548,6 +560,22 @@ mod tests {
     }
 
     #[test]
+    fn geoip_writer_node_layout() {
+        assert_eq!(
+            w::encode_node(24, 0x12_3456, 0xab_cdef),
+            [0x12, 0x34, 0x56, 0xab, 0xcd, 0xef]
+        );
+        assert_eq!(
+            w::encode_node(28, 0x0a12_3456, 0x0bab_cdef),
+            [0x12, 0x34, 0x56, 0xab, 0xab, 0xcd, 0xef]
+        );
+        assert_eq!(
+            w::encode_node(32, 0x0102_0304, 0xa0b0_c0d0),
+            [1, 2, 3, 4, 0xa0, 0xb0, 0xc0, 0xd0]
+        );
+    }
+
+    #[test]
     fn geoip_writer_rejects_bad_input() {
         assert!(w::parse_cidr("10.0.0.1/8").is_err(), "host bits");
         assert!(w::parse_cidr("10.0.0.0/33").is_err());
@@ -561,6 +589,14 @@ mod tests {
             ..Default::default()
         };
         assert!(w::build_db(&v4, &[("2001:db8::/32", w::country_record("DE"))]).is_err());
+        // Inside ::/96, which is IPv4 space in an IPv6 database.
+        assert!(
+            w::build_db(
+                &w::Options::default(),
+                &[("::1/128", w::country_record("DE"))]
+            )
+            .is_err()
+        );
         // Inside an IPv4 alias.
         assert!(
             w::build_db(
@@ -585,8 +621,15 @@ mod tests {
         assert_eq!(trie_lookup(&t, "9.9.9.9"), Some(*b"CH"));
         // 2002::/16 is an alias: not listed, and neither is any IPv4-mapped network.
         assert_eq!(trie_lookup(&t, "2002:0909:0909::"), None);
-        assert!(t.entries.iter().all(|(n, _)| !is_ipv4_space(n) || n.addr().is_ipv4()));
+        assert!(
+            t.entries
+                .iter()
+                .all(|(n, _)| !is_ipv4_space(n) || n.addr().is_ipv4())
+        );
         assert!(!t.entries.iter().any(|(n, _)| n.contains(&net("2002::/16"))));
-        assert_eq!(t.entries.iter().filter(|(n, _)| n.addr().is_ipv4()).count(), 1);
+        assert_eq!(
+            t.entries.iter().filter(|(n, _)| n.addr().is_ipv4()).count(),
+            1
+        );
     }
 }

@@ -18,7 +18,7 @@ use axum::{
 };
 use prometheus_client::{
     collector::Collector,
-    encoding::{DescriptorEncoder, EncodeMetric as _},
+    encoding::{DescriptorEncoder, EncodeMetric as _, MetricEncoder},
     metrics::{MetricType, counter::ConstCounter, gauge::ConstGauge},
     registry::Registry,
 };
@@ -40,7 +40,8 @@ pub const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.
 /// Default `n` of `/v1/top`, as for `ratelimit top`.
 const DEFAULT_TOP_N: usize = 10;
 
-const ENDPOINTS: &str = "/metrics, /v1/status, /v1/stats, /v1/top?n=N&by=packets|bytes|drops, /v1/bans, /v1/offenders";
+const ENDPOINTS: &str =
+    "/metrics, /v1/status, /v1/stats, /v1/top?n=N&by=packets|bytes|drops, /v1/bans, /v1/offenders";
 
 /// Bind `daemon.http_listen`, with an error an operator can act on.
 pub async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
@@ -97,12 +98,11 @@ impl Backend for Shared {
 
 /// Read everything `/metrics` shows, in one go, under the state lock.
 fn snapshot(s: &daemon::State) -> anyhow::Result<(Stats, Gauges)> {
-    let ifaces: Vec<(u32, String)> = s
-        .dp
-        .attached
-        .iter()
-        .map(|a| (a.slot, a.iface.clone()))
-        .collect();
+    let ifaces: Vec<(u32, String)> =
+        s.dp.attached
+            .iter()
+            .map(|a| (a.slot, a.iface.clone()))
+            .collect();
     let stats = report::stats(&s.maps, &ifaces, &s.rule_names()).context("reading counters")?;
     let mut tracked = 0u64;
     for k in s.maps.clients.keys() {
@@ -133,7 +133,8 @@ enum Value {
     Counter(u64),
     Gauge(u64),
     Ratio(f64),
-    /// An OpenMetrics info metric: value 1, the labels carry the information.
+    /// An OpenMetrics info metric (a family's only series): value 1, the labels carry the
+    /// information.
     Info,
 }
 
@@ -173,21 +174,31 @@ impl Collector for Snapshot {
     fn encode(&self, mut encoder: DescriptorEncoder) -> Result<(), std::fmt::Error> {
         for f in &self.0 {
             let mut metric = encoder.encode_descriptor(f.name, f.help, None, f.kind)?;
-            for (labels, value) in &f.series {
-                let series = metric.encode_family(labels)?;
-                match value {
-                    Value::Counter(v) => ConstCounter::new(*v).encode(series)?,
-                    Value::Gauge(v) => ConstGauge::new(*v).encode(series)?,
-                    Value::Ratio(v) => ConstGauge::new(*v).encode(series)?,
-                    Value::Info => {
-                        // The labels are the info's own; nothing more on the series.
-                        let mut series = series;
-                        series.encode_info(&Vec::<(&str, String)>::new())?
+            match f.series.as_slice() {
+                // The labels of an info are its own: `name_info{labels} 1`.
+                [(labels, Value::Info)] => metric.encode_info(labels)?,
+                // No labels: `name 1`, not `name{} 1`.
+                [(labels, value)] if labels.is_empty() => encode_value(metric, value)?,
+                series => {
+                    for (labels, value) in series {
+                        encode_value(metric.encode_family(labels)?, value)?;
                     }
                 }
             }
         }
         Ok(())
+    }
+}
+
+fn encode_value(metric: MetricEncoder, value: &Value) -> Result<(), std::fmt::Error> {
+    match value {
+        Value::Counter(v) => ConstCounter::new(*v).encode(metric),
+        Value::Gauge(v) => ConstGauge::new(*v).encode(metric),
+        Value::Ratio(v) => ConstGauge::new(*v).encode(metric),
+        Value::Info => {
+            debug_assert!(false, "an info metric has exactly one series");
+            Ok(())
+        }
     }
 }
 
@@ -202,12 +213,12 @@ pub fn render_metrics(stats: &Stats, gauges: &Gauges) -> String {
     let mut packets = Family::new(
         "ratelimit_packets",
         Counter,
-        "Frames seen by the XDP program, by verdict and interface (interface=\"all\": every interface); each frame has exactly one verdict",
+        "Frames seen by the XDP program, by verdict and interface (interface=all: every interface); each frame has exactly one verdict",
     );
     let mut bytes = Family::new(
         "ratelimit_bytes",
         Counter,
-        "Bytes of the frames seen by the XDP program, by verdict and interface (interface=\"all\": every interface)",
+        "Bytes of the frames seen by the XDP program, by verdict and interface (interface=all: every interface)",
     );
     let by_iface = stats
         .interfaces
@@ -216,7 +227,12 @@ pub fn render_metrics(stats: &Stats, gauges: &Gauges) -> String {
         .chain([("all", &stats.all)]);
     for (iface, counters) in by_iface {
         for (verdict, pb) in &counters.verdicts {
-            let labels = || vec![("verdict", verdict.to_string()), ("interface", iface.into())];
+            let labels = || {
+                vec![
+                    ("verdict", verdict.to_string()),
+                    ("interface", iface.into()),
+                ]
+            };
             packets = packets.with(labels(), Value::Counter(pb.packets));
             bytes = bytes.with(labels(), Value::Counter(pb.bytes));
         }
@@ -228,7 +244,10 @@ pub fn render_metrics(stats: &Stats, gauges: &Gauges) -> String {
         "Detail counters beside the verdicts, by reason (a frame may be in several or none)",
     );
     for (name, pb) in &stats.all.reasons {
-        reasons = reasons.with(vec![("reason", name.to_string())], Value::Counter(pb.packets));
+        reasons = reasons.with(
+            vec![("reason", name.to_string())],
+            Value::Counter(pb.packets),
+        );
     }
 
     let mut rule_packets = Family::new(
@@ -345,7 +364,10 @@ struct TopQuery {
 /// message of a 400.
 fn parse_top(uri: &Uri) -> Result<Request, String> {
     let Query(q) = Query::<TopQuery>::try_from_uri(uri).map_err(|e| {
-        format!("{}; expected /v1/top?n=N&by=packets|bytes|drops", e.body_text())
+        format!(
+            "{}; expected /v1/top?n=N&by=packets|bytes|drops",
+            e.body_text()
+        )
     })?;
     Ok(Request::Top {
         n: q.n.unwrap_or(DEFAULT_TOP_N),
@@ -497,7 +519,7 @@ mod tests {
         let text = render_metrics(&synthetic(), &GAUGES);
         let l = lines(&text);
         for want in [
-            "# HELP ratelimit_packets Frames seen by the XDP program, by verdict and interface (interface=\"all\": every interface); each frame has exactly one verdict",
+            "# HELP ratelimit_packets Frames seen by the XDP program, by verdict and interface (interface=all: every interface); each frame has exactly one verdict",
             "# TYPE ratelimit_packets counter",
             "ratelimit_packets_total{verdict=\"drop_rule\",interface=\"eth0\"} 7",
             "ratelimit_packets_total{verdict=\"pass\",interface=\"eth1\"} 10",
@@ -570,7 +592,10 @@ mod tests {
         );
         let l = lines(&text);
         assert!(l.contains(&"ratelimit_evictions_total 0"), "{text}");
-        assert!(l.contains(&"ratelimit_map_fill_ratio{map=\"clients\"} 0.0"), "{text}");
+        assert!(
+            l.contains(&"ratelimit_map_fill_ratio{map=\"clients\"} 0.0"),
+            "{text}"
+        );
     }
 
     #[test]
@@ -608,7 +633,10 @@ mod tests {
             "?n=1&n=2",
         ] {
             let e = top(bad).expect_err(bad);
-            assert!(e.contains("expected /v1/top?n=N&by=packets|bytes|drops"), "{e}");
+            assert!(
+                e.contains("expected /v1/top?n=N&by=packets|bytes|drops"),
+                "{e}"
+            );
         }
         assert!(top("?by=rate").unwrap_err().contains("rate"));
     }
@@ -709,7 +737,13 @@ mod tests {
         }
 
         // Only the GETs above reached the daemon: no 400/404/405 did.
-        let seen: Vec<_> = fake.0.lock().unwrap().iter().map(|v| v["cmd"].clone()).collect();
+        let seen: Vec<_> = fake
+            .0
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|v| v["cmd"].clone())
+            .collect();
         assert_eq!(
             seen,
             ["status", "stats", "offenders", "top", "bans"].map(serde_json::Value::from)

@@ -10,5 +10,6 @@ pub mod control;
 pub mod daemon;
 pub mod datapath;
 pub mod events;
+pub mod http;
 pub mod report;
 pub mod ruleset;

@@ -11,6 +11,7 @@
 //! - 16 zero bytes, then the data section (each distinct record written once);
 //! - `"\xAB\xCD\xEFMaxMind.com"`, then the metadata map.
 //!
+//! IPv6 networks inside `::/96` or inside an alias are rejected: that space is IPv4's.
 //! Networks may nest: a less specific network is split around a more specific one, and the most
 //! specific network wins, whatever the order they are given in.
 //!
@@ -137,7 +138,11 @@ fn tree_bits(addr: IpAddr, len: u8, ip_version: u16) -> (u128, u8) {
 
 /// The first `len` bits set (left-aligned).
 fn mask(len: u8) -> u128 {
-    if len == 0 { 0 } else { u128::MAX << (128 - len as u32) }
+    if len == 0 {
+        0
+    } else {
+        u128::MAX << (128 - len as u32)
+    }
 }
 
 fn bit(bits: u128, depth: u8) -> usize {
@@ -221,9 +226,16 @@ pub fn build_db(options: &Options, entries: &[(&str, Value)]) -> io::Result<Vec<
     for (i, (cidr, value)) in entries.iter().enumerate() {
         let (addr, len) = parse_cidr(cidr)?;
         if options.ip_version == 4 && addr.is_ipv6() {
-            return Err(invalid(format!("{cidr:?}: IPv6 network in an IPv4 database")));
+            return Err(invalid(format!(
+                "{cidr:?}: IPv6 network in an IPv4 database"
+            )));
         }
         let (bits, depth) = tree_bits(addr, len, options.ip_version);
+        if addr.is_ipv6() && depth >= 96 && bits & mask(96) == 0 {
+            return Err(invalid(format!(
+                "{cidr:?} is inside ::/96, where the database keeps IPv4"
+            )));
+        }
         if addr.is_ipv6()
             && let Some(a) = aliases
                 .iter()
@@ -298,21 +310,7 @@ pub fn build_db(options: &Options, entries: &[(&str, Value)]) -> io::Result<Vec<
     let mut out = Vec::new();
     for &n in &order {
         let [l, r] = tree.nodes[n].map(record);
-        match options.record_size {
-            24 => {
-                out.extend_from_slice(&l.to_be_bytes()[1..]);
-                out.extend_from_slice(&r.to_be_bytes()[1..]);
-            }
-            28 => {
-                out.extend_from_slice(&l.to_be_bytes()[1..]);
-                out.push((((l >> 24) & 0x0f) << 4) as u8 | ((r >> 24) & 0x0f) as u8);
-                out.extend_from_slice(&r.to_be_bytes()[1..]);
-            }
-            _ => {
-                out.extend_from_slice(&l.to_be_bytes());
-                out.extend_from_slice(&r.to_be_bytes());
-            }
-        }
+        out.extend_from_slice(&encode_node(options.record_size, l, r));
     }
     out.extend_from_slice(&[0u8; 16]);
     out.extend_from_slice(&data);
@@ -343,6 +341,18 @@ pub fn build_db(options: &Options, entries: &[(&str, Value)]) -> io::Result<Vec<
     ]);
     encode(&mut out, &metadata)?;
     Ok(out)
+}
+
+/// One search-tree node: two big-endian records of 24 or 32 bits; with 28 bits, each record's
+/// low 24 bits, and the middle byte holding the left record's top 4 bits in its high nibble and
+/// the right record's in its low nibble.
+pub fn encode_node(record_size: u16, left: u32, right: u32) -> Vec<u8> {
+    let (l, r) = (left.to_be_bytes(), right.to_be_bytes());
+    match record_size {
+        24 => [&l[1..], &r[1..]].concat(),
+        28 => [&l[1..], &[(l[0] << 4) | (r[0] & 0x0f)], &r[1..]].concat(),
+        _ => [l, r].concat(),
+    }
 }
 
 // Data section type numbers.

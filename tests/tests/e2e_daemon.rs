@@ -1,0 +1,291 @@
+//! The daemon as operators drive it: restarts and crashes under traffic with bans and
+//! counters intact, live rule changes without a counter reset, reloads (good and broken),
+//! bulk bans, and a control socket that only root may use.
+
+use std::{
+    net::{IpAddr, Ipv4Addr},
+    os::unix::process::CommandExt as _,
+    process::Command,
+    time::{Duration, Instant},
+};
+
+use ratelimit_tests::{
+    kernel_test,
+    scenario::{Scenario, align_to_window, reason, rule_counter, verdict},
+};
+
+const PORT: u16 = 9000;
+
+const THROTTLE: &str = r#"
+[[rule]]
+name = "udp"
+match = { protocol = "udp", dst_ports = ["9000"] }
+threshold = { count = 1000, interval = "1s" }
+"#;
+
+fn ip4(c: u8, d: u8) -> IpAddr {
+    IpAddr::V4(Ipv4Addr::new(198, 19, c, d))
+}
+
+#[test]
+fn kill9_and_restart_under_traffic_keep_enforcement_bans_and_counters() {
+    kernel_test!();
+    let mut s = Scenario::new("rlk");
+    s.start(THROTTLE);
+    let banned = ip4(40, 9);
+    s.daemon().cli_ok(&[
+        "ban",
+        "add",
+        "198.19.40.9",
+        "--for",
+        "1h",
+        "--reason",
+        "scanner",
+    ]);
+    let sink = s.sink(PORT);
+    let heavy = ip4(40, 1);
+    align_to_window(Duration::from_secs(1));
+    let t = s.blast(s.udp(heavy, PORT), 1250, Duration::from_secs(4), None);
+    let b = s.blast(s.udp(banned, PORT), 100, Duration::from_secs(4), None);
+    std::thread::sleep(Duration::from_millis(1200));
+    let before = s.stats();
+    // A crash: no cleanup runs. The program stays attached and enforcing on its own.
+    s.daemon_mut().kill9();
+    std::thread::sleep(Duration::from_millis(700));
+    s.daemon_mut().restart();
+    let after_restart = s.stats();
+    std::thread::sleep(Duration::from_millis(500));
+    // And a clean restart (SIGTERM) on top.
+    s.daemon_mut().restart();
+    let (t, b) = (t.join().unwrap(), b.join().unwrap());
+    sink.wait_quiet(Duration::from_millis(300));
+    let got = sink.stop();
+    let st = s.stats();
+    let lost = 100.0 * (t.sent - got.from(heavy)) as f64 / t.sent as f64;
+    println!(
+        "across kill -9 and restart: sent {}, admitted {}, loss {lost:.2}%",
+        t.sent,
+        got.from(heavy)
+    );
+    // A counter reset would have handed out a fresh 1000-packet allowance.
+    assert!(
+        (lost - 20.0).abs() <= 2.0,
+        "loss {lost:.2}%: enforcement or counters were lost"
+    );
+    assert_eq!(
+        got.from(banned),
+        0,
+        "the ban held through the crash and restarts"
+    );
+    assert!(
+        verdict(&after_restart, "drop_rule") >= verdict(&before, "drop_rule"),
+        "counters carried over"
+    );
+    // Banned packets stop at the ban check and never reach the rules.
+    assert_eq!(rule_counter(&st, "udp", "matched"), t.sent);
+    assert_eq!(verdict(&st, "drop_ban"), b.sent);
+    let bans = s.daemon().cli_json(&["bans"]);
+    assert_eq!(bans[0]["cidr"], "198.19.40.9/32");
+    assert_eq!(bans[0]["reason"], "scanner");
+    let status = s.daemon().cli_json(&["status"]);
+    assert_eq!(status["adopted_pinned_state"], true);
+}
+
+#[test]
+fn bans_survive_a_reboot_through_the_state_dir() {
+    kernel_test!();
+    let mut s = Scenario::new("rlv");
+    s.start("");
+    s.daemon()
+        .cli_ok(&["ban", "add", "198.19.41.0/24", "--for", "1h"]);
+    s.daemon().cli_ok(&["ban", "add", "2001:db8:41::/48"]);
+    s.daemon_mut().stop();
+    // A reboot loses bpffs: detach removes every pin, bans.json stays.
+    let out = s.daemon().detach();
+    assert!(out.status.success());
+    s.daemon_mut().restart();
+    let bans = s.daemon().cli_json(&["bans"]);
+    let cidrs: Vec<&str> = bans
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|b| b["cidr"].as_str())
+        .collect();
+    assert_eq!(cidrs, ["198.19.41.0/24", "2001:db8:41::/48"]);
+    let remaining = bans[0]["remaining_secs"].as_f64().unwrap();
+    assert!(
+        remaining > 3500.0 && remaining <= 3600.0,
+        "restored with its remaining time: {remaining}"
+    );
+    assert!(
+        bans[1]["expires"].is_null(),
+        "a permanent ban stays permanent"
+    );
+    // And it is enforced.
+    let sink = s.sink(PORT);
+    let mut tx = s.sender();
+    tx.send_n(std::iter::repeat(s.udp(ip4(41, 3), PORT)), 10, None);
+    tx.send_n(std::iter::repeat(s.udp(ip4(42, 3), PORT)), 10, None);
+    sink.wait_quiet(Duration::from_millis(300));
+    let got = sink.stop();
+    assert_eq!((got.from(ip4(41, 3)), got.from(ip4(42, 3))), (0, 10));
+}
+
+#[test]
+fn live_rule_change_keeps_counters_and_broken_reload_keeps_the_old_config() {
+    kernel_test!();
+    let mut s = Scenario::new("rlu");
+    s.start(
+        r#"
+[[rule]]
+name = "udp"
+match = { protocol = "udp", dst_ports = ["9000"] }
+threshold = { count = 100, interval = "1h" }
+algorithm = "fixed_window"
+"#,
+    );
+    let sink = s.sink(PORT);
+    let src = ip4(43, 1);
+    let mut tx = s.sender();
+    tx.send_n(std::iter::repeat(s.udp(src, PORT)), 80, None);
+    // Raise the threshold live: the 80 already counted stay counted.
+    s.daemon()
+        .cli_ok(&["rule", "set", "udp", "--threshold", "150/1h"]);
+    tx.send_n(std::iter::repeat(s.udp(src, PORT)), 100, None);
+    sink.wait_quiet(Duration::from_millis(300));
+    assert_eq!(
+        sink.snapshot().from(src),
+        150,
+        "80 before + 70 more up to the new 150"
+    );
+    let out = s
+        .daemon()
+        .cli(&["rule", "set", "nope", "--threshold", "1/1s"]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("no rule named"),
+        "{out:?}"
+    );
+    let out = s
+        .daemon()
+        .cli(&["rule", "set", "udp", "--threshold", "0/1s"]);
+    assert!(!out.status.success(), "bad values are rejected");
+
+    // A broken config: reload refuses it, names the problem, and nothing changes.
+    let dir = s.daemon().config_dir().to_path_buf();
+    let good = std::fs::read_to_string(s.daemon().config_path()).unwrap();
+    let broken = good
+        .replace("count = 100", "count = 0")
+        .replace("\"9000\"", "\"90000\"");
+    s.daemon_mut().write_config(&broken);
+    let out = s.daemon().cli(&["reload"]);
+    assert!(!out.status.success(), "broken reload must fail");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("ratelimit.toml:")
+            && err.contains("threshold.count")
+            && err.contains("dst_ports"),
+        "{err}"
+    );
+    tx.send_n(std::iter::repeat(s.udp(src, PORT)), 10, None);
+    sink.wait_quiet(Duration::from_millis(300));
+    assert_eq!(
+        sink.snapshot().from(src),
+        150,
+        "the live config (150/1h, counters kept) still applies"
+    );
+    // A good reload applies whole: the new deny list and a new rule.
+    s.daemon_mut()
+        .write_config(&format!("{good}\n[lists]\ndeny = [\"198.19.44.0/24\"]\n"));
+    s.daemon().cli_ok(&["reload"]);
+    tx.send_n(std::iter::repeat(s.udp(ip4(44, 1), PORT)), 10, None);
+    sink.wait_quiet(Duration::from_millis(300));
+    assert_eq!(sink.stop().from(ip4(44, 1)), 0);
+    assert_eq!(verdict(&s.stats(), "drop_deny"), 10);
+    let _ = dir;
+}
+
+#[test]
+fn bulk_bans_apply_fast_and_remove_cleanly() {
+    kernel_test!();
+    let mut s = Scenario::new("rlm");
+    s.start("");
+    let file = s.daemon().config_dir().join("bans.txt");
+    let mut text = String::from("# 100k bans\n");
+    for i in 0..100_000u32 {
+        text.push_str(&format!("{}\n", Ipv4Addr::from(0x0a00_0000 | i)));
+    }
+    std::fs::write(&file, text).unwrap();
+    let t = Instant::now();
+    let out = s.daemon().cli_ok(&[
+        "ban",
+        "add",
+        "--file",
+        file.to_str().unwrap(),
+        "--for",
+        "1h",
+    ]);
+    let took = t.elapsed();
+    println!("100k bans applied in {took:?}: {out}");
+    assert!(out.contains("100000"), "{out}");
+    assert!(took < Duration::from_secs(1), "100k bans took {took:?}");
+    let status = s.daemon().cli_json(&["status"]);
+    assert_eq!(status["active_bans"], 100_000);
+    // A bad line rejects the whole request and applies nothing.
+    std::fs::write(&file, "10.200.0.1\nnot-an-address\n").unwrap();
+    let out = s
+        .daemon()
+        .cli(&["ban", "add", "--file", file.to_str().unwrap()]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("not-an-address"));
+    assert_eq!(s.daemon().cli_json(&["status"])["active_bans"], 100_000);
+    let out = s.daemon().cli(&["ban", "del", "10.250.0.0/16"]);
+    assert!(
+        !out.status.success(),
+        "deleting a ban that does not exist is an error"
+    );
+    s.daemon().cli_ok(&["ban", "del", "10.0.0.7"]);
+    assert_eq!(s.daemon().cli_json(&["status"])["active_bans"], 99_999);
+    let _ = reason(&s.stats(), "bans_issued");
+}
+
+#[test]
+fn control_socket_refuses_non_root_and_cli_rejects_bad_arguments() {
+    kernel_test!();
+    let mut s = Scenario::new("rlq");
+    s.start("");
+    let sock = s.daemon().socket_path().to_path_buf();
+    let meta = std::fs::metadata(&sock).unwrap();
+    use std::os::unix::fs::PermissionsExt as _;
+    assert_eq!(
+        meta.permissions().mode() & 0o777,
+        0o600,
+        "socket is root-only"
+    );
+    let out = Command::new(ratelimit_tests::ratelimit_bin())
+        .args(["status", "--socket", sock.to_str().unwrap()])
+        .uid(65534)
+        .gid(65534)
+        .output()
+        .unwrap();
+    assert!(!out.status.success(), "non-root must be refused");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("ermission denied"), "{err}");
+    for bad in [
+        vec!["frobnicate"],
+        vec!["top", "--by", "colour"],
+        vec!["ban", "add", "300.1.1.1"],
+        vec!["ban", "add", "10.0.0.1/8"],
+        vec!["ban", "add", "10.0.0.1", "--for", "forever"],
+        vec!["rule", "set"],
+    ] {
+        let out = s.daemon().cli(&bad);
+        assert!(!out.status.success(), "{bad:?} must fail");
+        assert!(!out.stderr.is_empty(), "{bad:?} must say why");
+    }
+    // A dead daemon: a clear error, not a hang.
+    s.daemon_mut().stop();
+    let out = s.daemon().cli(&["status"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach the daemon"));
+}
