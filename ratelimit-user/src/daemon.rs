@@ -428,9 +428,14 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             _ = int.recv() => break,
             _ = hup.recv() => {
                 let mut s = state.lock().await;
-                match s.reload() {
-                    Ok(_) => {}
-                    Err(e) => error!("{e:#}"),
+                // Log rotation first: the events file is reopened even if the reload fails.
+                if let Err(e) = s.sink.reopen() {
+                    error!("reopening the events file: {e:#}");
+                }
+                if s.config_path.is_some()
+                    && let Err(e) = tokio::task::block_in_place(|| s.reload())
+                {
+                    error!("{e:#}");
                 }
             }
             Some(res) = tasks.join_next() => {

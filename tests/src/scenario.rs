@@ -23,6 +23,8 @@ pub struct Scenario {
     pub client: NetNs,
     pub server: NetNs,
     bpffs: PathBuf,
+    /// Port of the daemon's HTTP listener on 127.0.0.1 inside the protected namespace.
+    http_port: Option<u16>,
 }
 
 impl Scenario {
@@ -54,17 +56,57 @@ impl Scenario {
             client,
             server,
             bpffs,
+            http_port: None,
         }
+    }
+
+    /// Have the daemon serve HTTP (/metrics, /v1/...) on 127.0.0.1:`port` in the protected
+    /// namespace (call before `start`).
+    pub fn with_http(mut self, port: u16) -> Self {
+        self.http_port = Some(port);
+        self
+    }
+
+    /// `GET path` from the daemon's HTTP listener: (status, body).
+    pub fn http_get(&self, path: &str) -> (u16, String) {
+        use std::io::{Read as _, Write as _};
+        let port = self.http_port.expect("scenario built with_http");
+        let path = path.to_string();
+        self.server.enter(move || {
+            let mut c = std::net::TcpStream::connect(("127.0.0.1", port))
+                .expect("connect to the daemon's HTTP listener");
+            c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+            write!(
+                c,
+                "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+            )
+            .unwrap();
+            let mut resp = String::new();
+            c.read_to_string(&mut resp).unwrap();
+            let status = resp
+                .split(' ')
+                .nth(1)
+                .and_then(|s| s.parse().ok())
+                .unwrap_or(0);
+            let body = resp
+                .split_once("\r\n\r\n")
+                .map(|(_, b)| b.to_string())
+                .unwrap_or_default();
+            (status, body)
+        })
     }
 
     /// The `[daemon]` table this scenario uses (control socket, state and events in the
     /// daemon's temp dir, its own bpffs directory, no HTTP listener).
     pub fn daemon_table(&self, dir: &std::path::Path) -> String {
         format!(
-            "[daemon]\ninterfaces = [\"{}\"]\ncontrol_socket = \"ctl.sock\"\nstate_dir = \"{}/state\"\nbpffs_dir = \"{}\"\nhttp_listen = \"off\"\nevents = \"{}/events.jsonl\"\n\n",
+            "[daemon]\ninterfaces = [\"{}\"]\ncontrol_socket = \"ctl.sock\"\nstate_dir = \"{}/state\"\nbpffs_dir = \"{}\"\nhttp_listen = \"{}\"\nevents = \"{}/events.jsonl\"\n\n",
             self.pair.b().name,
             dir.display(),
             self.bpffs.display(),
+            self.http_port
+                .map(|p| format!("127.0.0.1:{p}"))
+                .unwrap_or_else(|| "off".into()),
             dir.display()
         )
     }

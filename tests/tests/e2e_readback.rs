@@ -1,0 +1,185 @@
+//! What operators read back: Prometheus metrics and the read-only JSON API agree with the
+//! lab's independent receiver, and the events file follows log rotation on SIGHUP.
+
+use std::{
+    net::{IpAddr, Ipv4Addr},
+    time::Duration,
+};
+
+use ratelimit_tests::{
+    kernel_test,
+    scenario::{Scenario, rule_counter, verdict},
+};
+
+const PORT: u16 = 9000;
+
+fn ip4(c: u8, d: u8) -> IpAddr {
+    IpAddr::V4(Ipv4Addr::new(198, 19, c, d))
+}
+
+/// The value of one series in Prometheus text output (labels in any order).
+fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
+    text.lines().filter(|l| !l.starts_with('#')).find_map(|l| {
+        let (series, value) = l.rsplit_once(' ')?;
+        let (n, rest) = series.split_once('{').unwrap_or((series, ""));
+        if n != name {
+            return None;
+        }
+        labels
+            .iter()
+            .all(|(k, v)| rest.contains(&format!("{k}=\"{v}\"")))
+            .then(|| value.parse().ok())?
+    })
+}
+
+#[test]
+fn metrics_and_json_agree_with_the_receiver() {
+    kernel_test!();
+    let mut s = Scenario::new("rlh").with_http(19477);
+    s.start(
+        r#"
+[lists]
+deny = ["198.19.50.0/24"]
+
+[[rule]]
+name = "udp"
+match = { protocol = "udp", dst_ports = ["9000"] }
+threshold = { count = 100, interval = "1h" }
+algorithm = "fixed_window"
+"#,
+    );
+    let sink = s.sink(PORT);
+    let mut tx = s.sender();
+    tx.send_n(std::iter::repeat(s.udp(ip4(50, 1), PORT)), 40, None);
+    tx.send_n(std::iter::repeat(s.udp(ip4(51, 1), PORT)), 250, None);
+    sink.wait_quiet(Duration::from_millis(300));
+    let got = sink.stop();
+    assert_eq!(got.from(ip4(51, 1)), 100);
+    assert_eq!(got.from(ip4(50, 1)), 0);
+
+    let (code, text) = s.http_get("/metrics");
+    assert_eq!(code, 200, "{text}");
+    let m = |name: &str, labels: &[(&str, &str)]| {
+        metric(&text, name, labels).unwrap_or_else(|| panic!("{name} {labels:?} missing:\n{text}"))
+    };
+    assert_eq!(
+        m(
+            "ratelimit_packets_total",
+            &[("verdict", "drop_deny"), ("interface", "all")]
+        ),
+        40.0
+    );
+    assert_eq!(
+        m(
+            "ratelimit_packets_total",
+            &[("verdict", "drop_rule"), ("interface", "all")]
+        ),
+        150.0
+    );
+    assert_eq!(
+        m(
+            "ratelimit_packets_total",
+            &[
+                ("verdict", "drop_rule"),
+                ("interface", s.pair.b().name.as_str())
+            ]
+        ),
+        150.0
+    );
+    assert_eq!(
+        m(
+            "ratelimit_bytes_total",
+            &[("verdict", "drop_deny"), ("interface", "all")]
+        ),
+        40.0 * 60.0
+    );
+    assert_eq!(
+        m(
+            "ratelimit_rule_packets_total",
+            &[("rule", "udp"), ("counter", "admitted")]
+        ),
+        got.from(ip4(51, 1)) as f64
+    );
+    assert_eq!(
+        m(
+            "ratelimit_rule_packets_total",
+            &[("rule", "udp"), ("counter", "dropped")]
+        ),
+        150.0
+    );
+    assert_eq!(m("ratelimit_tracked_clients", &[]), 1.0);
+    assert_eq!(m("ratelimit_active_bans", &[]), 0.0);
+    assert!(metric(&text, "ratelimit_events_lost_total", &[]).is_some());
+    assert!(metric(&text, "ratelimit_evictions_total", &[]).is_some());
+
+    // The JSON API serves what the CLI shows.
+    let (code, body) = s.http_get("/v1/stats");
+    assert_eq!(code, 200);
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let cli = s.stats();
+    assert_eq!(verdict(&v, "drop_deny"), verdict(&cli, "drop_deny"));
+    assert_eq!(
+        rule_counter(&v, "udp", "dropped"),
+        rule_counter(&cli, "udp", "dropped")
+    );
+    let (code, body) = s.http_get("/v1/top?n=1&by=drops");
+    assert_eq!(code, 200);
+    let top: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(top[0]["client"], "198.19.51.1/32");
+    assert_eq!(top[0]["drops"], 150);
+    assert_eq!(s.http_get("/v1/top?by=colour").0, 400);
+    assert_eq!(s.http_get("/nope").0, 404);
+    for path in ["/v1/status", "/v1/bans", "/v1/offenders"] {
+        assert_eq!(s.http_get(path).0, 200, "{path}");
+    }
+}
+
+#[test]
+fn events_file_is_reopened_on_sighup() {
+    kernel_test!();
+    let mut s = Scenario::new("rle");
+    s.start(
+        r#"
+[[rule]]
+name = "udp"
+match = { protocol = "udp" }
+threshold = { count = 10, interval = "1h" }
+algorithm = "fixed_window"
+"#,
+    );
+    let mut tx = s.sender();
+    tx.send_n(std::iter::repeat(s.udp(ip4(52, 1), PORT)), 20, None);
+    std::thread::sleep(Duration::from_millis(500));
+    let dir = s.daemon().config_dir().to_path_buf();
+    let events = dir.join("events.jsonl");
+    let rotated = dir.join("events.jsonl.1");
+    std::fs::rename(&events, &rotated).unwrap();
+    s.daemon().signal(libc::SIGHUP);
+    std::thread::sleep(Duration::from_millis(500));
+    tx.send_n(std::iter::repeat(s.udp(ip4(52, 2), PORT)), 20, None);
+    std::thread::sleep(Duration::from_millis(500));
+    let old = std::fs::read_to_string(&rotated).unwrap();
+    let new = std::fs::read_to_string(&events).unwrap_or_default();
+    assert!(
+        old.contains("198.19.52.1/32") && !old.contains("198.19.52.2/32"),
+        "{old}"
+    );
+    assert!(
+        new.contains("198.19.52.2/32") && !new.contains("198.19.52.1/32"),
+        "{new}"
+    );
+    for line in new.lines() {
+        let e: serde_json::Value = serde_json::from_str(line).unwrap();
+        for k in [
+            "time",
+            "event",
+            "rule",
+            "key",
+            "client",
+            "count",
+            "threshold",
+        ] {
+            assert!(!e[k].is_null(), "{k} missing in {line}");
+        }
+    }
+}
