@@ -366,6 +366,10 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     if ifaces.is_empty() {
         bail!("no interface to attach to: pass --iface IF or set daemon.interfaces in the config");
     }
+    // Fail before loading anything if an interface is missing.
+    for iface in &ifaces {
+        crate::datapath::ifindex(iface)?;
+    }
     let mode = opts.xdp_mode.unwrap_or(cfg.daemon.xdp_mode);
     let mut dp = Datapath::load(&cfg.daemon.bpffs_dir, cfg.tracking.max_sources)?;
     if let Some((x, v)) = dp.program_info() {

@@ -25,6 +25,8 @@ pub struct Scenario {
     bpffs: PathBuf,
     /// Port of the daemon's HTTP listener on 127.0.0.1 inside the protected namespace.
     http_port: Option<u16>,
+    /// Extra lines for the `[daemon]` table (e.g. `xdp_mode = "generic"`).
+    daemon_extra: String,
 }
 
 impl Scenario {
@@ -57,7 +59,15 @@ impl Scenario {
             server,
             bpffs,
             http_port: None,
+            daemon_extra: String::new(),
         }
+    }
+
+    /// Add a line to the generated `[daemon]` table (call before `start`).
+    pub fn with_daemon_line(mut self, line: &str) -> Self {
+        self.daemon_extra.push_str(line);
+        self.daemon_extra.push('\n');
+        self
     }
 
     /// Have the daemon serve HTTP (/metrics, /v1/...) on 127.0.0.1:`port` in the protected
@@ -100,14 +110,15 @@ impl Scenario {
     /// daemon's temp dir, its own bpffs directory, no HTTP listener).
     pub fn daemon_table(&self, dir: &std::path::Path) -> String {
         format!(
-            "[daemon]\ninterfaces = [\"{}\"]\ncontrol_socket = \"ctl.sock\"\nstate_dir = \"{}/state\"\nbpffs_dir = \"{}\"\nhttp_listen = \"{}\"\nevents = \"{}/events.jsonl\"\n\n",
+            "[daemon]\ninterfaces = [\"{}\"]\ncontrol_socket = \"ctl.sock\"\nstate_dir = \"{}/state\"\nbpffs_dir = \"{}\"\nhttp_listen = \"{}\"\nevents = \"{}/events.jsonl\"\n{}\n",
             self.pair.b().name,
             dir.display(),
             self.bpffs.display(),
             self.http_port
                 .map(|p| format!("127.0.0.1:{p}"))
                 .unwrap_or_else(|| "off".into()),
-            dir.display()
+            dir.display(),
+            self.daemon_extra
         )
     }
 

@@ -120,3 +120,51 @@ fn detach_removes_program_and_pins() {
     );
     assert!(!s.bpffs().exists(), "pins removed");
 }
+
+#[test]
+fn generic_mode_and_cli_interface_override() {
+    kernel_test!();
+    let mut s = Scenario::new("rlg").with_daemon_line("xdp_mode = \"generic\"");
+    s.start("[lists]\ndeny = [\"198.19.3.0/24\"]\n");
+    let status = s.daemon().cli_json(&["status"]);
+    assert_eq!(status["interfaces"][0]["mode"], "generic");
+    let sink = s.sink(PORT);
+    let mut tx = s.sender();
+    tx.send_n(
+        std::iter::repeat(s.udp(IpAddr::V4(Ipv4Addr::new(198, 19, 3, 1)), PORT)),
+        25,
+        None,
+    );
+    tx.send_n(
+        std::iter::repeat(s.udp(IpAddr::V4(Ipv4Addr::new(198, 19, 4, 1)), PORT)),
+        25,
+        None,
+    );
+    sink.wait_quiet(Duration::from_millis(300));
+    let got = sink.stop();
+    assert_eq!(got.total, 25);
+    assert_eq!(verdict(&s.stats(), "drop_deny"), 25);
+}
+
+#[test]
+fn startup_errors_are_clear() {
+    kernel_test!();
+    let s = Scenario::new("rly");
+    // No such interface: the daemon refuses to start and says what to do.
+    let mut d = ratelimit_tests::Daemon::spawn_in(&s.server, |dir| {
+        format!(
+            "[daemon]\ninterfaces = [\"nosuch0\"]\ncontrol_socket = \"ctl.sock\"\nstate_dir = \"{}/state\"\nbpffs_dir = \"{}\"\nhttp_listen = \"off\"\n",
+            dir.display(),
+            s.bpffs().display()
+        )
+    });
+    let status = d
+        .wait_exit(Duration::from_secs(10))
+        .expect("daemon must exit");
+    assert!(!status.success());
+    assert!(
+        d.logs().contains("no such interface: nosuch0"),
+        "{}",
+        d.logs()
+    );
+}
