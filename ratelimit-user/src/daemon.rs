@@ -313,8 +313,20 @@ impl State {
                 "tracking.max_sources changes take effect after `ratelimit detach` and a restart"
             );
         }
+        // Read the GeoIP database before touching any map, so a bad one rejects the reload
+        // whole.
+        let regions = match &cfg.geoip {
+            Some(g) => Some(
+                crate::geoip::load(&g.database)
+                    .context("reload rejected, the running config is unchanged")?,
+            ),
+            None => None,
+        };
         let plan = apply::plan(&cfg, self.preview_all);
         apply::apply(&mut self.maps, &plan).context("applying the new config")?;
+        if let Some(table) = &regions {
+            crate::geoip::apply(&mut self.maps.regions, table)?;
+        }
         let old_sink_target = self.cfg.daemon.events.clone();
         self.cfg = cfg;
         let wanted = self.interfaces_wanted();
@@ -334,6 +346,16 @@ impl State {
             serde_json::json!({ "reloaded": path.display().to_string(), "rules": self.rule_names() }),
         )
     }
+}
+
+/// Fill the region map from the config's GeoIP database, if any.
+fn load_regions(cfg: &Config, maps: &mut Maps) -> anyhow::Result<()> {
+    if let Some(g) = &cfg.geoip {
+        let table = crate::geoip::load(&g.database)?;
+        let n = crate::geoip::apply(&mut maps.regions, &table)?;
+        info!(prefixes = n, database = %g.database.display(), kind = %table.database_type, "GeoIP regions loaded");
+    }
+    Ok(())
 }
 
 pub fn parse_cidr(s: &str) -> anyhow::Result<IpNet> {
@@ -379,6 +401,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     // Policy first, then attach: the program never runs against empty policy maps.
     let plan = apply::plan(&cfg, opts.preview);
     apply::apply(&mut maps, &plan)?;
+    load_regions(&cfg, &mut maps)?;
     let restored = bans::restore(
         &cfg.daemon.state_dir,
         &mut maps,

@@ -10,6 +10,7 @@ pub mod control;
 pub mod daemon;
 pub mod datapath;
 pub mod events;
+pub mod geoip;
 pub mod http;
 pub mod report;
 pub mod ruleset;

@@ -14,6 +14,7 @@
 pub mod daemon;
 pub mod env;
 pub mod link;
+pub mod mmdb;
 pub mod netns;
 pub mod packet;
 pub mod receiver;

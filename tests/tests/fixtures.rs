@@ -133,6 +133,13 @@ fn fixture_table() {
     let pins = Pins::new();
     let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
     let mut maps = dp.take_maps().expect("maps");
+    let (xlated, verified) = dp.program_info().expect("program info");
+    println!("program: {xlated} translated instructions, {verified} verified instructions");
+    // A guard against verifier blow-ups: far below the kernel's 1M budget.
+    assert!(
+        verified < 200_000,
+        "the verifier walked {verified} instructions"
+    );
     let cfg = config::parse("fixtures.toml", CONFIG).expect("config");
     apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
     let rules: Vec<String> = cfg.rules.iter().map(|r| r.name.clone()).collect();

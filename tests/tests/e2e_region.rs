@@ -1,0 +1,125 @@
+//! key = "region": one bucket per country from a MaxMind-format database the test writes
+//! itself, per-region overrides, `ZZ` for addresses the database does not know, and a reload
+//! that brings a new database.
+
+use std::{
+    net::{IpAddr, Ipv4Addr},
+    time::Duration,
+};
+
+use ratelimit_tests::{kernel_test, mmdb::write_country_db, scenario::Scenario};
+
+const PORT: u16 = 9000;
+
+fn ip4(c: u8, d: u8) -> IpAddr {
+    IpAddr::V4(Ipv4Addr::new(198, 19, c, d))
+}
+
+#[test]
+fn region_key_buckets_per_country_with_overrides() {
+    kernel_test!();
+    let mut s = Scenario::new("rlg2");
+    let db = std::env::temp_dir().join(format!("rl-geo-{}.mmdb", std::process::id()));
+    write_country_db(
+        &db,
+        &[
+            ("198.19.60.0/24", "DE"),
+            ("198.19.61.0/24", "FR"),
+            ("2001:db8:62::/48", "FR"),
+        ],
+    )
+    .unwrap();
+    s.start(&format!(
+        r#"
+[geoip]
+database = "{}"
+
+[[rule]]
+name = "per-country"
+match = {{ protocol = "udp" }}
+key = "region"
+threshold = {{ count = 100, interval = "1h" }}
+algorithm = "fixed_window"
+
+[[rule.override]]
+region = "DE"
+threshold = {{ count = 30, interval = "1h" }}
+
+[[rule.override]]
+region = "ZZ"
+threshold = {{ count = 10, interval = "1h" }}
+"#,
+        db.display()
+    ));
+    let sink = s.sink(PORT);
+    let mut tx = s.sender();
+    let mut send = |src: IpAddr, n: u64| tx.send_n(std::iter::repeat(s.udp(src, PORT)), n, None);
+    send(ip4(60, 1), 50);
+    send(ip4(61, 1), 60);
+    send(ip4(61, 2), 60);
+    send(IpAddr::V6("2001:db8:62::5".parse().unwrap()), 10);
+    send(ip4(70, 1), 25);
+    sink.wait_quiet(Duration::from_millis(300));
+    let got = sink.stop();
+    assert_eq!(got.from(ip4(60, 1)), 30, "DE override");
+    assert_eq!(
+        got.from(ip4(61, 1)) + got.from(ip4(61, 2)),
+        100,
+        "FR is one bucket for all its sources"
+    );
+    assert_eq!(
+        got.from(IpAddr::V6("2001:db8:62::5".parse().unwrap())),
+        0,
+        "FR's IPv6 shares the spent bucket"
+    );
+    assert_eq!(got.from(ip4(70, 1)), 10, "unknown addresses are ZZ");
+    let top = s.daemon().cli_json(&["top", "-n", "10"]);
+    let regions: Vec<(&str, u64)> = top
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|c| {
+            (
+                c["client"].as_str().unwrap(),
+                c["packets"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    assert!(
+        regions.contains(&("FR", 130))
+            && regions.contains(&("DE", 50))
+            && regions.contains(&("ZZ", 25)),
+        "{regions:?}"
+    );
+
+    // A reload with a database that moves 198.19.70.0/24 to DE.
+    write_country_db(
+        &db,
+        &[
+            ("198.19.60.0/24", "DE"),
+            ("198.19.61.0/24", "FR"),
+            ("198.19.70.0/24", "DE"),
+        ],
+    )
+    .unwrap();
+    s.daemon().cli_ok(&["reload"]);
+    let sink = s.sink(PORT);
+    let mut tx = s.sender();
+    tx.send_n(std::iter::repeat(s.udp(ip4(70, 2), PORT)), 5, None);
+    sink.wait_quiet(Duration::from_millis(300));
+    assert_eq!(
+        sink.stop().from(ip4(70, 2)),
+        0,
+        "now DE, whose 30 are spent"
+    );
+    // A broken database rejects the reload and keeps the old regions.
+    std::fs::write(&db, b"not a database").unwrap();
+    let out = s.daemon().cli(&["reload"]);
+    assert!(!out.status.success());
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("MaxMind"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let _ = std::fs::remove_file(&db);
+}
