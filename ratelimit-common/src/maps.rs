@@ -35,6 +35,10 @@ pub const RULE_BYTES: u32 = 1 << 2;
 pub const RULE_TCP_FLAGS: u32 = 1 << 3;
 /// Rule matches only sources in its `src` CIDRs (see `ListValue::rule_src_mask`).
 pub const RULE_SRC_MATCH: u32 = 1 << 4;
+/// The rule has per-CIDR overrides (skip the override lookup when it has none).
+pub const RULE_CIDR_OVERRIDES: u32 = 1 << 5;
+/// The rule has per-region overrides.
+pub const RULE_REGION_OVERRIDES: u32 = 1 << 6;
 
 // Protocol match values (`RuleConfig::protocol`); 0 matches any.
 pub const PROTO_ANY: u8 = 0;
@@ -102,7 +106,15 @@ pub struct GlobalConfig {
     pub admission_rate: u64,
     /// Burst of new states admitted at once.
     pub admission_burst: u64,
+    /// `GLOBAL_*` flags: which lists are non-empty, so empty ones cost no lookup.
+    pub flags: u32,
+    pub _pad: u32,
 }
+
+/// `GlobalConfig::flags`: the allow list has entries.
+pub const GLOBAL_HAS_ALLOW: u32 = 1 << 0;
+/// `GlobalConfig::flags`: the deny list has entries.
+pub const GLOBAL_HAS_DENY: u32 = 1 << 1;
 
 /// Value of the allow, deny and rule-source LPM tries. For the rule-source trie the daemon
 /// stores, at every prefix, the union of the masks of all prefixes covering it, so that the

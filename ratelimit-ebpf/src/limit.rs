@@ -436,16 +436,25 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
         key.prefix_len = plen;
         key.addr = pkt.src.addr;
         mask_addr(&mut key.addr, plen);
-        if let Some(o) = policy::cidr_override(i, &pkt.src) {
+        if rule.flags & RULE_CIDR_OVERRIDES != 0
+            && let Some(o) = policy::cidr_override(i, &pkt.src)
+        {
             limit = &o.limit;
         }
     } else if rule.key == KEY_REGION {
         let region = policy::region_of(&pkt.src);
         key.addr[0] = region[0];
         key.addr[1] = region[1];
-        if let Some(o) = policy::region_override(i, region) {
+        if rule.flags & RULE_REGION_OVERRIDES != 0
+            && let Some(o) = policy::region_override(i, region)
+        {
             limit = &o.limit;
         }
+    } else if rule.flags & RULE_CIDR_OVERRIDES != 0
+        && let Some(o) = policy::cidr_override(i, &pkt.src)
+    {
+        // key = all with per-CIDR overrides: the override's threshold for the shared bucket.
+        limit = &o.limit;
     }
     let Some(st) = state_for(env, key) else {
         // The map refused even the aggregate state: fail open, counted.

@@ -30,7 +30,7 @@ mod program {
         bindings::xdp_action, helpers::bpf_ktime_get_ns, macros::xdp, programs::XdpContext,
     };
     use ratelimit_common::{
-        maps::{BAN_EXCEED_PASS, BAN_PREVIEW},
+        maps::{BAN_EXCEED_PASS, BAN_PREVIEW, GLOBAL_HAS_ALLOW, GLOBAL_HAS_DENY},
         stats::global,
     };
 
@@ -64,14 +64,14 @@ mod program {
     #[inline(always)]
     fn decide(slot: Slot, pkt: Parsed, len: u64) -> u32 {
         let src = &pkt.src;
-        if policy::allowed(src) {
+        let global_cfg = policy::global();
+        if global_cfg.flags & GLOBAL_HAS_ALLOW != 0 && policy::allowed(src) {
             return finish(slot, global::PASS_ALLOW, len);
         }
-        if policy::denied(src) {
+        if global_cfg.flags & GLOBAL_HAS_DENY != 0 && policy::denied(src) {
             return finish(slot, global::DROP_DENY, len);
         }
         let now = unsafe { bpf_ktime_get_ns() };
-        let global_cfg = policy::global();
         if let Some(ban_flags) = limit::active_ban(slot, src, now) {
             let passes =
                 global_cfg.preview_all != 0 || ban_flags & (BAN_PREVIEW | BAN_EXCEED_PASS) != 0;
@@ -86,6 +86,36 @@ mod program {
         match limit::evaluate_rules(slot, pkt, len, now, global_cfg) {
             RuleVerdict::Drop => finish(slot, global::DROP_RULE, len),
             RuleVerdict::Pass => finish(slot, global::PASS, len),
+        }
+    }
+
+    // Reference programs for `cargo xtask bench`: the floor any XDP program pays, and the cost
+    // of parsing alone, so the limiter's cost can be reported as ns over each. They are in the
+    // object but only loaded by the benchmark.
+
+    /// Reference: return XDP_PASS.
+    #[xdp]
+    pub fn ref_pass(_ctx: XdpContext) -> u32 {
+        xdp_action::XDP_PASS
+    }
+
+    /// Reference: return XDP_DROP.
+    #[xdp]
+    pub fn ref_drop(_ctx: XdpContext) -> u32 {
+        xdp_action::XDP_DROP
+    }
+
+    /// Reference: our parser, then XDP_PASS.
+    #[xdp]
+    pub fn ref_parse(ctx: XdpContext) -> u32 {
+        match parse::parse(&ctx) {
+            Ok(Some(p)) => {
+                // Keep the parse from being optimised away.
+                core::hint::black_box(p.dport);
+                xdp_action::XDP_PASS
+            }
+            Ok(None) => xdp_action::XDP_PASS,
+            Err(_) => xdp_action::XDP_ABORTED,
         }
     }
 

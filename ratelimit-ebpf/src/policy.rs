@@ -57,6 +57,8 @@ const EMPTY: GlobalConfig = GlobalConfig {
     preview_all: 0,
     admission_rate: 0,
     admission_burst: 0,
+    flags: 0,
+    _pad: 0,
 };
 
 #[inline(always)]

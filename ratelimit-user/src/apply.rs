@@ -105,6 +105,18 @@ pub fn rule_config(r: &Rule) -> RuleConfig {
     if !r.matcher.src.is_empty() {
         flags |= RULE_SRC_MATCH;
     }
+    if r.overrides
+        .iter()
+        .any(|o| matches!(o.target, OverrideTarget::Cidr(_)))
+    {
+        flags |= RULE_CIDR_OVERRIDES;
+    }
+    if r.overrides
+        .iter()
+        .any(|o| matches!(o.target, OverrideTarget::Region(_)))
+    {
+        flags |= RULE_REGION_OVERRIDES;
+    }
     let mut ports = [PortRange::default(); MAX_PORT_RANGES];
     for (slot, (lo, hi)) in ports.iter_mut().zip(&r.matcher.dst_ports) {
         *slot = PortRange { lo: *lo, hi: *hi };
@@ -155,6 +167,16 @@ pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
         preview_all: preview_all as u32,
         admission_rate: cfg.tracking.new_sources_per_sec,
         admission_burst: cfg.tracking.new_sources_burst,
+        flags: if cfg.lists.allow.is_empty() {
+            0
+        } else {
+            GLOBAL_HAS_ALLOW
+        } | if cfg.lists.deny.is_empty() {
+            0
+        } else {
+            GLOBAL_HAS_DENY
+        },
+        _pad: 0,
     };
     // Rule source lists: at each listed prefix, the union of the masks of every listed prefix
     // that covers it, so a longest-prefix match alone answers for all rules.

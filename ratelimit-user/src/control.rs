@@ -32,7 +32,9 @@ pub enum Request {
 pub struct BanSpec {
     pub cidr: String,
     /// Milliseconds; None = until removed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub duration_ms: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
 }
 

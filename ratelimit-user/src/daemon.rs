@@ -243,9 +243,14 @@ impl State {
                     )
                 })?;
             match &s.reason {
-                Some(r) => self.ban_reasons.insert(net.to_string(), r.clone()),
-                None => self.ban_reasons.remove(&net.to_string()),
-            };
+                Some(r) => {
+                    self.ban_reasons.insert(net.to_string(), r.clone());
+                }
+                None if !self.ban_reasons.is_empty() => {
+                    self.ban_reasons.remove(&net.to_string());
+                }
+                None => {}
+            }
         }
         self.bans_changed();
         Ok(serde_json::json!({ "added": parsed.len() }))

@@ -197,6 +197,30 @@ impl Datapath {
         Ok((r.return_value, r.duration))
     }
 
+    /// BPF_PROG_TEST_RUN of any program in the object (loading it on first use): the bench's
+    /// reference programs (`ref_pass`, `ref_drop`, `ref_parse`) or `ratelimit` itself.
+    pub fn test_run_program(
+        &mut self,
+        name: &str,
+        frame: &[u8],
+        repeat: u32,
+    ) -> anyhow::Result<(u32, std::time::Duration)> {
+        use aya::programs::{TestRun as _, TestRunOptions};
+        let prog: &mut Xdp = self
+            .ebpf
+            .program_mut(name)
+            .ok_or_else(|| anyhow!("no program {name} in the object"))?
+            .try_into()?;
+        if prog.fd().is_err() {
+            prog.load().with_context(|| format!("loading {name}"))?;
+        }
+        let mut opts = TestRunOptions::new();
+        opts.data_in = Some(frame);
+        opts.repeat = repeat.max(1);
+        let r = prog.test_run(opts).context("BPF_PROG_TEST_RUN")?;
+        Ok((r.return_value, r.duration))
+    }
+
     /// Attach to `iface` (or take over its pinned link from an earlier daemon).
     pub fn attach(
         &mut self,

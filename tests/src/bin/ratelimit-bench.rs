@@ -1,0 +1,450 @@
+//! `cargo xtask bench [--quick]`: what the limiter costs per packet, measured as ratios within
+//! one run on this machine (it is shared and noisy: never compare absolute ns across runs).
+//!
+//! * Program cost through BPF_PROG_TEST_RUN (repeat in the hundreds of thousands, median of
+//!   several samples, thread pinned): our pass, throttle-drop, banned, allow-listed and
+//!   deny-listed paths against reference programs in the same object (XDP_PASS, XDP_DROP, our
+//!   parser then XDP_PASS).
+//! * Scale: the pass path with 1k .. 1M (10M in the full run) tracked sources in the map.
+//! * Memory: bytes per tracked source from the kernel's own accounting (map fdinfo memlock).
+//! * Control plane: 100k bans inserted, and one walk of every tracked source (what `top` does).
+//!
+//! Results go to bench/results.json and BENCHMARKS.md. `--quick` asserts only that every case
+//! runs and returns the right verdict.
+
+use std::{collections::BTreeMap, net::Ipv4Addr, path::PathBuf, time::Instant};
+
+use aya::maps::lpm_trie::Key;
+use ratelimit_common::{
+    addr::IpKey,
+    maps::{BAN_MANUAL, BAN_RULE_NONE, BanEntry, ClientKey, ClientState, KEY_IP},
+};
+use ratelimit_tests::packet::Frame;
+use ratelimit_user::{
+    apply, config,
+    datapath::{self, Datapath, Maps},
+    report,
+};
+use serde::Serialize;
+
+const XDP_DROP: u32 = 1;
+const XDP_PASS: u32 = 2;
+
+const POLICY: &str = r#"
+[lists]
+allow = ["198.18.200.1/32"]
+deny = ["198.18.201.0/24"]
+
+[[rule]]
+name = "udp-per-ip"
+match = { protocol = "udp", dst_ports = ["9000"] }
+threshold = { count = 1000000000, interval = "1h" }
+algorithm = "fixed_window"
+
+[[rule]]
+name = "syn-per-ip"
+match = { protocol = "tcp", tcp_flags = "syn", dst_ports = ["80"] }
+threshold = { count = 1, interval = "1h" }
+algorithm = "fixed_window"
+"#;
+
+#[derive(Serialize, Clone)]
+struct CaseResult {
+    name: String,
+    program: String,
+    verdict: &'static str,
+    /// Median ns per run over the samples.
+    ns: f64,
+    samples: Vec<f64>,
+    /// ns over each reference program measured in the same run.
+    over_ref_pass: f64,
+    over_ref_drop: f64,
+}
+
+#[derive(Serialize)]
+struct ScaleResult {
+    tracked_sources: u64,
+    ns: f64,
+    over_ref_pass: f64,
+    populate_secs: f64,
+    walk_secs: f64,
+}
+
+#[derive(Serialize)]
+struct Results {
+    quick: bool,
+    repeat: u32,
+    samples: usize,
+    cpus: usize,
+    kernel: String,
+    cases: Vec<CaseResult>,
+    scale: Vec<ScaleResult>,
+    memory: BTreeMap<String, serde_json::Value>,
+    control_plane: BTreeMap<String, f64>,
+    not_measured: Vec<&'static str>,
+}
+
+struct Pins(PathBuf);
+
+impl Drop for Pins {
+    fn drop(&mut self) {
+        let _ = datapath::detach(&self.0, &[]);
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+fn frame_udp(src: [u8; 4]) -> Vec<u8> {
+    frame_udp_port(src, 9000)
+}
+
+fn frame_udp_port(src: [u8; 4], dport: u16) -> Vec<u8> {
+    Frame::new([2, 0, 0, 0, 0, 1], [2, 0, 0, 0, 0, 2])
+        .ipv4(Ipv4Addr::from(src), Ipv4Addr::new(198, 18, 0, 1))
+        .udp(40000, dport)
+        .pad_to(64)
+        .build()
+}
+
+fn frame_syn(src: [u8; 4]) -> Vec<u8> {
+    Frame::new([2, 0, 0, 0, 0, 1], [2, 0, 0, 0, 0, 2])
+        .ipv4(Ipv4Addr::from(src), Ipv4Addr::new(198, 18, 0, 1))
+        .tcp(40000, 80, ratelimit_tests::packet::tcp_flags::SYN)
+        .pad_to(64)
+        .build()
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(f64::total_cmp);
+    v[v.len() / 2]
+}
+
+struct Bench {
+    dp: Datapath,
+    repeat: u32,
+    samples: usize,
+}
+
+impl Bench {
+    /// Median ns per run of `program` on `frame`, and the verdict (checked against `want`).
+    fn measure(&mut self, program: &str, frame: &[u8], want: u32) -> (f64, Vec<f64>) {
+        let mut samples = Vec::with_capacity(self.samples);
+        for _ in 0..self.samples {
+            let (ret, per_run) = self
+                .dp
+                .test_run_program(program, frame, self.repeat)
+                .unwrap_or_else(|e| panic!("{program}: {e:#}"));
+            assert_eq!(ret, want, "{program}: verdict {ret}, want {want}");
+            samples.push(per_run.as_nanos() as f64);
+        }
+        let mut s = samples.clone();
+        (median(&mut s), samples)
+    }
+}
+
+fn fdinfo_memlock(maps_dir: &std::path::Path, name: &str) -> Option<u64> {
+    // Open the pinned map and read the kernel's accounting for it.
+    let data = aya::maps::MapData::from_pin(maps_dir.join(name)).ok()?;
+    use std::os::fd::{AsFd as _, AsRawFd as _};
+    let fd = data.fd().as_fd().as_raw_fd();
+    let info = std::fs::read_to_string(format!("/proc/self/fdinfo/{fd}")).ok()?;
+    info.lines()
+        .find_map(|l| l.strip_prefix("memlock:").map(|v| v.trim().parse().ok()))
+        .flatten()
+}
+
+fn main() {
+    let quick = std::env::args().any(|a| a == "--quick");
+    assert!(
+        unsafe { libc::geteuid() } == 0,
+        "the benchmark loads BPF programs: run it as root (cargo xtask bench)"
+    );
+    // One CPU, so samples are not split across cores with different load.
+    let cpu = if ratelimit_tests::sender::online_cpus() > 1 {
+        1
+    } else {
+        0
+    };
+    ratelimit_tests::sender::pin_current_thread(cpu).expect("pin");
+    let repeat: u32 = if quick { 20_000 } else { 1_000_000 };
+    let samples = if quick { 3 } else { 7 };
+    let max_sources: u32 = if quick { 200_000 } else { 11_000_000 };
+    let pins = Pins(PathBuf::from(format!(
+        "/sys/fs/bpf/rl-bench-{}",
+        std::process::id()
+    )));
+    let mut dp = Datapath::load(&pins.0, max_sources).expect("load the program");
+    let mut maps = dp.take_maps().expect("maps");
+    let cfg = config::parse("bench.toml", POLICY).expect("bench policy");
+    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
+    // A ban for the banned-path case.
+    let (plen, key) = apply::prefix(&"198.18.202.0/24".parse().unwrap());
+    let now = report::mono_ns();
+    maps.bans
+        .insert(
+            &Key::new(plen, key),
+            BanEntry {
+                expires_ns: 0,
+                since_ns: now,
+                rule: BAN_RULE_NONE,
+                flags: BAN_MANUAL,
+                prefix_len: plen,
+                _pad: 0,
+                addr: key.addr,
+            },
+            0,
+        )
+        .unwrap();
+    let mut b = Bench {
+        dp,
+        repeat,
+        samples,
+    };
+
+    println!(
+        "bench: repeat {repeat}, {samples} samples per case, pinned to CPU {cpu}{}",
+        if quick { " (quick)" } else { "" }
+    );
+    let udp = frame_udp([198, 18, 1, 1]);
+    let (ref_pass, ref_pass_s) = b.measure("ref_pass", &udp, XDP_PASS);
+    let (ref_drop, ref_drop_s) = b.measure("ref_drop", &udp, XDP_DROP);
+    let mut cases = Vec::new();
+    let mut push =
+        |name: &str, program: &str, verdict: &'static str, (ns, samples): (f64, Vec<f64>)| {
+            println!(
+                "  {name:<42} {ns:>8.1} ns   (+{:>6.1} over XDP_PASS, +{:>6.1} over XDP_DROP)",
+                ns - ref_pass,
+                ns - ref_drop
+            );
+            cases.push(CaseResult {
+                name: name.into(),
+                program: program.into(),
+                verdict,
+                ns,
+                samples,
+                over_ref_pass: ns - ref_pass,
+                over_ref_drop: ns - ref_drop,
+            });
+        };
+    push(
+        "reference: XDP_PASS",
+        "ref_pass",
+        "pass",
+        (ref_pass, ref_pass_s),
+    );
+    push(
+        "reference: XDP_DROP",
+        "ref_drop",
+        "drop",
+        (ref_drop, ref_drop_s),
+    );
+    push(
+        "reference: parser, then XDP_PASS",
+        "ref_parse",
+        "pass",
+        b.measure("ref_parse", &udp, XDP_PASS),
+    );
+    push(
+        "ours: pass (rule matched, under threshold)",
+        "ratelimit",
+        "pass",
+        b.measure("ratelimit", &udp, XDP_PASS),
+    );
+    push(
+        "ours: pass (no rule matches)",
+        "ratelimit",
+        "pass",
+        b.measure("ratelimit", &frame_udp_port([198, 18, 1, 1], 53), XDP_PASS),
+    );
+    push(
+        "ours: throttle drop",
+        "ratelimit",
+        "drop",
+        b.measure("ratelimit", &frame_syn([198, 18, 3, 3]), XDP_DROP),
+    );
+    push(
+        "ours: banned",
+        "ratelimit",
+        "drop",
+        b.measure("ratelimit", &frame_udp([198, 18, 202, 9]), XDP_DROP),
+    );
+    push(
+        "ours: allow-listed",
+        "ratelimit",
+        "pass",
+        b.measure("ratelimit", &frame_udp([198, 18, 200, 1]), XDP_PASS),
+    );
+    push(
+        "ours: deny-listed",
+        "ratelimit",
+        "drop",
+        b.measure("ratelimit", &frame_udp([198, 18, 201, 1]), XDP_DROP),
+    );
+
+    // Scale: the same pass path with more and more sources tracked. (The measured source is
+    // the same on every run — this kernel's BPF_PROG_TEST_RUN replays one frame — so it is the
+    // map's size, not cache misses across sources, that this isolates.)
+    let sizes: &[u64] = if quick {
+        &[1_000, 100_000]
+    } else {
+        &[1_000, 100_000, 1_000_000, 10_000_000]
+    };
+    let mut scale = Vec::new();
+    let mut populated = 0;
+    for &n in sizes {
+        let populate_secs = populate_more(&mut maps, populated, n);
+        populated = n;
+        let (ns, _) = b.measure("ratelimit", &udp, XDP_PASS);
+        let t = Instant::now();
+        let walked = maps.clients.keys().count();
+        let walk_secs = t.elapsed().as_secs_f64();
+        println!(
+            "  {n:>9} tracked sources: {ns:>8.1} ns (+{:.1} over XDP_PASS); populate {populate_secs:.2}s, walk of {walked} keys {walk_secs:.2}s",
+            ns - ref_pass
+        );
+        scale.push(ScaleResult {
+            tracked_sources: n,
+            ns,
+            over_ref_pass: ns - ref_pass,
+            populate_secs,
+            walk_secs,
+        });
+    }
+
+    // Memory: the kernel's accounting for the per-client map, per entry it can hold.
+    let mut memory = BTreeMap::new();
+    if let Some(bytes) = fdinfo_memlock(&pins.0, "RL_CLIENTS") {
+        let per = bytes as f64 / max_sources as f64;
+        let key = std::mem::size_of::<ClientKey>();
+        let value = std::mem::size_of::<ClientState>();
+        println!(
+            "  memory: RL_CLIENTS memlock {bytes} bytes for {max_sources} entries = {per:.1} bytes per tracked source (key {key} B, value {value} B)"
+        );
+        memory.insert("clients_memlock_bytes".into(), bytes.into());
+        memory.insert("clients_max_entries".into(), max_sources.into());
+        memory.insert("bytes_per_tracked_source".into(), serde_json::json!(per));
+        memory.insert("key_bytes".into(), key.into());
+        memory.insert("value_bytes".into(), value.into());
+    }
+
+    // Control plane: 100k bans through the same map calls the daemon makes.
+    let mut control_plane = BTreeMap::new();
+    let n_bans: u32 = if quick { 10_000 } else { 100_000 };
+    let t = Instant::now();
+    for i in 0..n_bans {
+        let (plen, key) = (128, IpKey::from_v4((0x0c00_0000u32 | i).to_be_bytes()));
+        maps.bans
+            .insert(
+                &Key::new(plen, key),
+                BanEntry {
+                    expires_ns: 0,
+                    since_ns: now,
+                    rule: BAN_RULE_NONE,
+                    flags: BAN_MANUAL,
+                    prefix_len: plen,
+                    _pad: 0,
+                    addr: key.addr,
+                },
+                0,
+            )
+            .unwrap();
+    }
+    let secs = t.elapsed().as_secs_f64();
+    println!("  control plane: {n_bans} bans inserted in {secs:.3}s");
+    control_plane.insert(format!("ban_insert_{n_bans}_secs"), secs);
+
+    let results = Results {
+        quick,
+        repeat,
+        samples,
+        cpus: ratelimit_tests::sender::online_cpus(),
+        kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
+            .unwrap_or_default()
+            .trim()
+            .to_string(),
+        cases,
+        scale,
+        memory,
+        control_plane,
+        not_measured: vec![
+            "live floods through veth against nftables and iptables hashlimit",
+            "two CPUs hammering one client / churning",
+            "per-run source variation across the populated set",
+            "plots",
+        ],
+    };
+    if !quick {
+        write_reports(&results);
+    }
+    println!(
+        "bench: all {} cases ran with the expected verdicts",
+        results.cases.len() + results.scale.len()
+    );
+}
+
+fn populate_more(maps: &mut Maps, from: u64, to: u64) -> f64 {
+    let t = Instant::now();
+    let state = ClientState {
+        packets: 1,
+        ..Default::default()
+    };
+    for i in from..to {
+        let a = (0x0b00_0000u32 | i as u32).to_be_bytes();
+        let k = ClientKey {
+            rule: 0,
+            kind: KEY_IP,
+            _pad: [0; 2],
+            prefix_len: 128,
+            addr: IpKey::from_v4(a).addr,
+        };
+        maps.clients.insert(k, state, 0).expect("populate");
+    }
+    t.elapsed().as_secs_f64()
+}
+
+fn write_reports(r: &Results) {
+    let root = ratelimit_tests::env::workspace_root();
+    let dir = root.join("bench");
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("results.json"),
+        serde_json::to_string_pretty(r).unwrap(),
+    )
+    .unwrap();
+    let mut md = String::from(
+        "# Benchmarks\n\nGenerated by `cargo xtask bench` (do not edit by hand). Figures are ratios and differences measured within one run on one machine; the machine is shared and noisy, so absolute ns are not comparable across runs.\n\n",
+    );
+    md.push_str(&format!(
+        "Kernel {}, {} CPUs, BPF_PROG_TEST_RUN repeat {}, median of {} samples, thread pinned.\n\n",
+        r.kernel, r.cpus, r.repeat, r.samples
+    ));
+    md.push_str(
+        "## Program cost\n\n| case | ns | over XDP_PASS | over XDP_DROP |\n|---|---:|---:|---:|\n",
+    );
+    for c in &r.cases {
+        md.push_str(&format!(
+            "| {} | {:.1} | {:+.1} | {:+.1} |\n",
+            c.name, c.ns, c.over_ref_pass, c.over_ref_drop
+        ));
+    }
+    md.push_str("\n## Scale (pass path, sources tracked)\n\n| tracked sources | ns | over XDP_PASS | walk of the map |\n|---:|---:|---:|---:|\n");
+    for s in &r.scale {
+        md.push_str(&format!(
+            "| {} | {:.1} | {:+.1} | {:.2} s |\n",
+            s.tracked_sources, s.ns, s.over_ref_pass, s.walk_secs
+        ));
+    }
+    md.push_str("\n## Memory\n\n");
+    for (k, v) in &r.memory {
+        md.push_str(&format!("- {k}: {v}\n"));
+    }
+    md.push_str("\n## Control plane\n\n");
+    for (k, v) in &r.control_plane {
+        md.push_str(&format!("- {k}: {v:.3}\n"));
+    }
+    md.push_str("\n## Not measured yet\n\n");
+    for n in &r.not_measured {
+        md.push_str(&format!("- {n}\n"));
+    }
+    std::fs::write(root.join("BENCHMARKS.md"), md).unwrap();
+    println!("wrote bench/results.json and BENCHMARKS.md");
+}
