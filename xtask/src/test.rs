@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use anyhow::{Context as _, Result, bail};
 use clap::Args;
 
-use crate::{setup, util};
+use crate::{bench, setup, util};
 
 #[derive(Debug, Args)]
 pub struct Options {
@@ -21,7 +21,7 @@ pub struct Options {
     pub filter: Vec<String>,
 }
 
-const STEPS: usize = 5;
+const STEPS: usize = 6;
 
 fn header(step: usize, title: &str) {
     println!();
@@ -154,6 +154,14 @@ pub fn run(options: Options) -> Result<()> {
     if counts.binaries == 0 {
         bail!("kernel tests: no libtest summary line in the output");
     }
+
+    header(
+        6,
+        "benchmark suite (quick: every case runs, verdicts checked, no speed asserted)",
+    );
+    bench::run_suite(true)?;
+    println!();
+    println!("{} passed, {} failed", counts.passed, counts.failed);
     Ok(())
 }
 
