@@ -428,3 +428,37 @@ algorithm = "fixed_window"
     assert_eq!(rule_counter(&st, "backstop", "dropped"), 700);
     assert_eq!(reason(&st, "state_created"), 1, "one state for all sources");
 }
+
+#[test]
+fn byte_thresholds_count_frame_lengths() {
+    kernel_test!();
+    let mut s = Scenario::new("rly2");
+    // 6000 bytes per hour: one hundred 60-byte frames, or fifty 120-byte frames.
+    s.start(
+        r#"
+[[rule]]
+name = "bytes"
+match = { protocol = "udp" }
+threshold = { bytes = "6KB", interval = "1h" }
+algorithm = "fixed_window"
+"#,
+    );
+    let sink = s.sink(PORT);
+    let mut tx = s.sender();
+    let small = s.udp(ip4(8, 1), PORT);
+    assert_eq!(small.len(), 60);
+    let big = s
+        .builder()
+        .ipv4(Ipv4Addr::new(198, 19, 8, 2), s.pair.b().ipv4)
+        .udp(40000, PORT)
+        .pad_to(120)
+        .build();
+    tx.send_n(std::iter::repeat(&small), 150, None);
+    tx.send_n(std::iter::repeat(&big), 150, None);
+    sink.wait_quiet(Duration::from_millis(300));
+    let got = sink.stop();
+    assert_eq!(got.from(ip4(8, 1)), 100);
+    assert_eq!(got.from(ip4(8, 2)), 50);
+    let st = s.stats();
+    assert_eq!(st["rules"][0]["counters"]["admitted"]["bytes"], 12_000);
+}
