@@ -442,7 +442,7 @@ fn write_reports(r: &Results) {
         md.push_str(&format!("- {k}: {v:.3}\n"));
     }
     // The targets, against what this run measured.
-    let case = |n: &str| r.cases.iter().find(|c| c.name == n).map(|c| c.clone());
+    let case = |n: &str| r.cases.iter().find(|c| c.name == n).cloned();
     let at = |n: u64| r.scale.iter().find(|s| s.tracked_sources == n);
     md.push_str("\n## Targets\n\n| target | measured | met |\n|---|---|---|\n");
     let mut row = |target: &str, measured: String, met: Option<bool>| {
