@@ -454,10 +454,19 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
     let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
+    // SIGUSR1: reopen the events file only (log rotation without a config reload, which would
+    // undo live `rule set` changes).
+    let mut usr1 = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined1())?;
     loop {
         tokio::select! {
             _ = term.recv() => break,
             _ = int.recv() => break,
+            _ = usr1.recv() => {
+                let mut s = state.lock().await;
+                if let Err(e) = s.sink.reopen() {
+                    error!("reopening the events file: {e:#}");
+                }
+            }
             _ = hup.recv() => {
                 let mut s = state.lock().await;
                 // Log rotation first: the events file is reopened even if the reload fails.

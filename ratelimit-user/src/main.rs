@@ -10,7 +10,7 @@ use anyhow::Context as _;
 use clap::Parser as _;
 
 use ratelimit_user::{
-    cli::{BanCommand, Cli, Command, RuleCommand, XdpModeArg},
+    cli::{self, BanCommand, Cli, Command, RuleCommand, XdpModeArg},
     config,
     control::{self, BanSpec, Request},
     daemon, datapath,
@@ -48,6 +48,15 @@ fn socket_path(cli: &Cli) -> anyhow::Result<PathBuf> {
 
 fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
     let req = match &cli.command {
+        Command::Completions { shell } => {
+            return print_generated(cli::write_completions(
+                *shell,
+                &mut std::io::stdout().lock(),
+            ));
+        }
+        Command::Manpage => {
+            return print_generated(cli::write_manpage(&mut std::io::stdout().lock()));
+        }
         Command::Run(args) => {
             let opts = daemon::Options {
                 config_path: cli.config.clone(),
@@ -164,6 +173,15 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         print_human(&req, &data);
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The outcome of printing a completion script or the man page: a closed pipe (`| head`) is
+/// not an error.
+fn print_generated(res: std::io::Result<()>) -> anyhow::Result<ExitCode> {
+    match res {
+        Err(e) if e.kind() != std::io::ErrorKind::BrokenPipe => Err(e.into()),
+        _ => Ok(ExitCode::SUCCESS),
+    }
 }
 
 /// One CIDR from the command line, or many from a file (`-` = stdin).

@@ -135,7 +135,7 @@ algorithm = "fixed_window"
 }
 
 #[test]
-fn events_file_is_reopened_on_sighup() {
+fn events_file_is_reopened_on_sigusr1() {
     kernel_test!();
     let mut s = Scenario::new("rle");
     s.start(
@@ -154,7 +154,8 @@ algorithm = "fixed_window"
     let events = dir.join("events.jsonl");
     let rotated = dir.join("events.jsonl.1");
     std::fs::rename(&events, &rotated).unwrap();
-    s.daemon().signal(libc::SIGHUP);
+    // SIGUSR1 reopens the events file without a reload (what logrotate sends).
+    s.daemon().signal(libc::SIGUSR1);
     std::thread::sleep(Duration::from_millis(500));
     tx.send_n(std::iter::repeat(s.udp(ip4(52, 2), PORT)), 20, None);
     std::thread::sleep(Duration::from_millis(500));
