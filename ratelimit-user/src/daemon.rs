@@ -52,6 +52,9 @@ pub struct State {
     pub sink: Sink,
     /// Bans changed since they were last written to `state_dir`.
     pub bans_dirty: bool,
+    /// Earliest expiry (CLOCK_MONOTONIC) among the bans this daemon knows of: the expired-ban
+    /// sweep walks the ban map only once it has passed. 0 = walk at the next tick.
+    pub next_ban_expiry: u64,
 }
 
 pub type Shared = Arc<Mutex<State>>;
@@ -124,6 +127,53 @@ impl State {
                 self.cfg.daemon.state_dir.display()
             );
         }
+    }
+
+    /// Remove bans that expired without their client coming back (the program lifts a ban
+    /// at the client's next packet; this reports the others) and write their `unban` events.
+    pub fn sweep_expired_bans(&mut self) -> usize {
+        let now = report::mono_ns();
+        if self.next_ban_expiry == u64::MAX || now < self.next_ban_expiry {
+            return 0;
+        }
+        let mut expired = Vec::new();
+        let mut next = u64::MAX;
+        for (k, b) in self.maps.bans.iter().filter_map(|r| r.ok()) {
+            if !ratelimit_common::limiter::ban_active(b.expires_ns, now) {
+                expired.push((k, b));
+            } else if b.expires_ns != 0 {
+                next = next.min(b.expires_ns);
+            }
+        }
+        self.next_ban_expiry = next;
+        let names = self.rule_names();
+        let mut n = 0;
+        for (k, b) in expired {
+            if self.maps.bans.remove(&k).is_err() {
+                continue; // the program lifted it first and reported it
+            }
+            n += 1;
+            let ev = Event {
+                kind: ratelimit_common::event::EV_UNBAN,
+                rule: b.rule,
+                key_kind: KEY_IP as u32,
+                prefix_len: b.prefix_len,
+                addr: b.addr,
+                ts_ns: b.expires_ns,
+                count: 0,
+                threshold: 0,
+                expires_ns: b.expires_ns,
+            };
+            let mut line = events::line_of(&ev, &names);
+            if b.rule == BAN_RULE_NONE {
+                line.rule = String::new();
+            }
+            self.sink.write(&line);
+        }
+        if n > 0 {
+            self.bans_changed();
+        }
+        n
     }
 
     pub fn handle(&mut self, req: Request) -> Response {
@@ -224,6 +274,9 @@ impl State {
         for (net, s) in &parsed {
             let (plen, key) = prefix(net);
             let expires = s.duration_ms.map(|ms| now + ms * 1_000_000).unwrap_or(0);
+            if expires != 0 {
+                self.next_ban_expiry = self.next_ban_expiry.min(expires);
+            }
             let entry = BanEntry {
                 expires_ns: expires,
                 since_ns: now,
@@ -437,6 +490,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         ban_reasons: restored.reasons,
         sink,
         bans_dirty: false,
+        next_ban_expiry: 0,
     }));
     {
         let s = state.lock().await;
@@ -556,10 +610,15 @@ async fn read_events(rb: RingBuf<MapData>, state: Shared) -> anyhow::Result<()> 
             let line = events::line_of(e, &names);
             s.sink.write(&line);
         }
+        for e in &batch {
+            if e.kind == ratelimit_common::event::EV_BAN && e.expires_ns != 0 {
+                s.next_ban_expiry = s.next_ban_expiry.min(e.expires_ns);
+            }
+        }
         if batch.iter().any(|e| {
             e.kind == ratelimit_common::event::EV_BAN || e.kind == ratelimit_common::event::EV_UNBAN
         }) {
-            s.save_bans();
+            s.bans_changed();
         }
     }
 }
@@ -573,6 +632,7 @@ async fn persist_bans(state: Shared) -> anyhow::Result<()> {
         tick.tick().await;
         n = n.wrapping_add(1);
         let mut s = state.lock().await;
+        tokio::task::block_in_place(|| s.sweep_expired_bans());
         if s.bans_dirty || n.is_multiple_of(60) {
             tokio::task::block_in_place(|| s.save_bans());
         }

@@ -289,3 +289,30 @@ fn control_socket_refuses_non_root_and_cli_rejects_bad_arguments() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach the daemon"));
 }
+
+#[test]
+fn expired_bans_are_reported_even_if_the_client_never_returns() {
+    kernel_test!();
+    let mut s = Scenario::new("rlx");
+    s.start("");
+    s.daemon()
+        .cli_ok(&["ban", "add", "198.19.45.0/24", "--for", "1s"]);
+    s.daemon()
+        .cli_ok(&["ban", "add", "198.19.46.0/24", "--for", "1h"]);
+    std::thread::sleep(Duration::from_millis(2500));
+    let bans = s.daemon().cli_json(&["bans"]);
+    let cidrs: Vec<&str> = bans
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|b| b["cidr"].as_str())
+        .collect();
+    assert_eq!(cidrs, ["198.19.46.0/24"]);
+    let unbans: Vec<_> = s
+        .events()
+        .into_iter()
+        .filter(|e| e["event"] == "unban")
+        .collect();
+    assert_eq!(unbans.len(), 1, "{unbans:?}");
+    assert_eq!(unbans[0]["client"], "198.19.45.0/24");
+}
