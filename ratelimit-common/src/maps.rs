@@ -202,6 +202,22 @@ pub struct BanEntry {
 /// `BanEntry::rule` of a manual ban.
 pub const BAN_RULE_NONE: u32 = u32::MAX;
 
+impl BanEntry {
+    /// An operator's ban of `addr/prefix_len` issued at `now_ns`, ending at `expires_ns`
+    /// (0 = until removed).
+    pub const fn manual(prefix_len: u32, addr: [u8; 16], now_ns: u64, expires_ns: u64) -> Self {
+        Self {
+            expires_ns,
+            since_ns: now_ns,
+            rule: BAN_RULE_NONE,
+            flags: BAN_MANUAL,
+            prefix_len,
+            _pad: 0,
+            addr,
+        }
+    }
+}
+
 /// Data part of the per-CIDR override LPM trie key: the rule index first (always matched in
 /// full, so the trie's prefix length is `32 + address prefix`), then the address.
 #[repr(C)]

@@ -261,6 +261,17 @@ fn sync_list(
     Ok(())
 }
 
+/// Key of the per-CIDR override trie: the rule index in its leading 32 bits, then the prefix.
+fn override_key(rule: u32, p: &Prefix) -> Key<OverrideKey> {
+    Key::new(
+        OVERRIDE_RULE_BITS + p.0,
+        OverrideKey {
+            rule_be: rule.to_be(),
+            addr: p.1.addr,
+        },
+    )
+}
+
 /// Write a plan into the maps.
 pub fn apply(maps: &mut Maps, plan: &Plan) -> anyhow::Result<()> {
     let as_map = |s: &BTreeSet<Prefix>| s.iter().map(|p| (*p, 0u32)).collect::<BTreeMap<_, _>>();
@@ -281,26 +292,14 @@ pub fn apply(maps: &mut Maps, plan: &Plan) -> anyhow::Result<()> {
         })
         .collect();
     for ((rule, p), v) in &plan.overrides {
-        let key = Key::new(
-            OVERRIDE_RULE_BITS + p.0,
-            OverrideKey {
-                rule_be: rule.to_be(),
-                addr: p.1.addr,
-            },
-        );
+        let key = override_key(*rule, p);
         maps.overrides
             .insert(&key, *v, 0)
             .context("writing the override map")?;
     }
     for (rule, p) in have {
         if !plan.overrides.contains_key(&(rule, p)) {
-            let key = Key::new(
-                OVERRIDE_RULE_BITS + p.0,
-                OverrideKey {
-                    rule_be: rule.to_be(),
-                    addr: p.1.addr,
-                },
-            );
+            let key = override_key(rule, &p);
             maps.overrides
                 .remove(&key)
                 .context("pruning the override map")?;

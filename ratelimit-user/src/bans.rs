@@ -12,11 +12,11 @@ use std::{
 
 use anyhow::Context as _;
 use aya::maps::lpm_trie::Key;
-use ratelimit_common::{limiter, maps::*};
+use ratelimit_common::maps::*;
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    apply::{net_of, prefix},
+    apply::prefix,
     datapath::Maps,
     report::{mono_ns, wall_of},
 };
@@ -46,14 +46,10 @@ pub fn save(
     rule_names: &[String],
     reasons: &BTreeMap<String, String>,
 ) -> anyhow::Result<()> {
-    let now = mono_ns();
-    let list: Vec<SavedBan> = maps
-        .bans
-        .iter()
-        .filter_map(|r| r.ok())
-        .filter(|(_, b)| limiter::ban_active(b.expires_ns, now))
-        .map(|(k, b)| {
-            let cidr = net_of(k.prefix_len(), &k.data()).to_string();
+    let list: Vec<SavedBan> = crate::report::active_bans(maps)
+        .into_iter()
+        .map(|(net, b)| {
+            let cidr = net.to_string();
             SavedBan {
                 expires_unix_ms: (b.expires_ns != 0).then(|| unix_ms(wall_of(b.expires_ns))),
                 rule: (b.rule != BAN_RULE_NONE)

@@ -277,15 +277,7 @@ impl State {
             if expires != 0 {
                 self.next_ban_expiry = self.next_ban_expiry.min(expires);
             }
-            let entry = BanEntry {
-                expires_ns: expires,
-                since_ns: now,
-                rule: BAN_RULE_NONE,
-                flags: BAN_MANUAL,
-                prefix_len: plen,
-                _pad: 0,
-                addr: key.addr,
-            };
+            let entry = BanEntry::manual(plen, key.addr, now, expires);
             self.maps
                 .bans
                 .insert(&Key::new(plen, key), entry, 0)

@@ -282,15 +282,23 @@ pub struct Ban {
     pub reason: Option<String>,
 }
 
-pub fn bans(maps: &Maps, rule_names: &[String], reasons: &BTreeMap<String, String>) -> Vec<Ban> {
+/// Every ban in force now, as (CIDR, entry).
+pub fn active_bans(maps: &Maps) -> Vec<(ipnet::IpNet, BanEntry)> {
     let now = mono_ns();
-    let mut out: Vec<Ban> = maps
-        .bans
+    maps.bans
         .iter()
         .filter_map(|r| r.ok())
         .filter(|(_, b)| limiter::ban_active(b.expires_ns, now))
-        .map(|(k, b)| {
-            let cidr = net_of(k.prefix_len(), &k.data()).to_string();
+        .map(|(k, b)| (net_of(k.prefix_len(), &k.data()), b))
+        .collect()
+}
+
+pub fn bans(maps: &Maps, rule_names: &[String], reasons: &BTreeMap<String, String>) -> Vec<Ban> {
+    let now = mono_ns();
+    let mut out: Vec<Ban> = active_bans(maps)
+        .into_iter()
+        .map(|(net, b)| {
+            let cidr = net.to_string();
             Ban {
                 rule: if b.rule == BAN_RULE_NONE {
                     None

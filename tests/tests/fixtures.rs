@@ -557,15 +557,8 @@ fn ban(maps: &mut Maps, cidr: &str) {
     let net = ratelimit_user::daemon::parse_cidr(cidr).unwrap();
     let (plen, key) = apply::prefix(&net);
     let now = report::mono_ns();
-    let entry = ratelimit_common::maps::BanEntry {
-        expires_ns: now + 3_600_000_000_000,
-        since_ns: now,
-        rule: ratelimit_common::maps::BAN_RULE_NONE,
-        flags: ratelimit_common::maps::BAN_MANUAL,
-        prefix_len: plen,
-        _pad: 0,
-        addr: key.addr,
-    };
+    let entry =
+        ratelimit_common::maps::BanEntry::manual(plen, key.addr, now, now + 3_600_000_000_000);
     maps.bans
         .insert(&aya::maps::lpm_trie::Key::new(plen, key), entry, 0)
         .unwrap();

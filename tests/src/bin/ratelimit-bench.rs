@@ -17,7 +17,7 @@ use std::{collections::BTreeMap, net::Ipv4Addr, path::PathBuf, time::Instant};
 use aya::maps::lpm_trie::Key;
 use ratelimit_common::{
     addr::IpKey,
-    maps::{BAN_MANUAL, BAN_RULE_NONE, BanEntry, ClientKey, ClientState, KEY_IP},
+    maps::{BanEntry, ClientKey, ClientState, KEY_IP},
 };
 use ratelimit_tests::packet::Frame;
 use ratelimit_user::{
@@ -182,15 +182,7 @@ fn main() {
     maps.bans
         .insert(
             &Key::new(plen, key),
-            BanEntry {
-                expires_ns: 0,
-                since_ns: now,
-                rule: BAN_RULE_NONE,
-                flags: BAN_MANUAL,
-                prefix_len: plen,
-                _pad: 0,
-                addr: key.addr,
-            },
+            BanEntry::manual(plen, key.addr, now, 0),
             0,
         )
         .unwrap();
@@ -335,15 +327,7 @@ fn main() {
         maps.bans
             .insert(
                 &Key::new(plen, key),
-                BanEntry {
-                    expires_ns: 0,
-                    since_ns: now,
-                    rule: BAN_RULE_NONE,
-                    flags: BAN_MANUAL,
-                    prefix_len: plen,
-                    _pad: 0,
-                    addr: key.addr,
-                },
+                BanEntry::manual(plen, key.addr, now, 0),
                 0,
             )
             .unwrap();
