@@ -52,12 +52,6 @@ pub unsafe fn add(p: *mut u64, v: u64) {
     };
 }
 
-/// Subtracts `v` (adds its two's complement), returning the previous value.
-#[inline(always)]
-pub unsafe fn fetch_sub(p: *mut u64, v: u64) -> u64 {
-    unsafe { fetch_add(p, v.wrapping_neg()) }
-}
-
 /// BPF_OR | BPF_FETCH.
 #[inline(always)]
 pub unsafe fn fetch_or(p: *mut u64, v: u64) -> u64 {

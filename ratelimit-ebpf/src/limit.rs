@@ -3,9 +3,10 @@
 //! Concurrency: per-client state (`CLIENTS`) is one shared entry per client, not per-CPU, so a
 //! client whose packets arrive on several CPUs gets its threshold once, not once per CPU. It is
 //! updated with atomic instructions only (BPF_ATOMIC: add, xchg, cmpxchg, or), never a lock:
-//! * window counters use fetch-add to reserve, then give the cost back if the reservation
-//!   overshot the threshold. Two CPUs racing at the edge can both give back (one packet
-//!   refused that could have passed); neither can admit past the threshold.
+//! * window counters are admitted by compare-and-swap: read the count, decide, commit only if
+//!   no other CPU counted in between, retried a bounded number of times; a packet that loses
+//!   every retry is treated as exceeding (counted in `CONTENDED`). No CPU can admit past the
+//!   threshold, and nothing is ever subtracted, so a count cannot wrap.
 //! * the token bucket is one word (GCRA's TAT) updated by compare-and-swap, retried a bounded
 //!   number of times; a packet that loses every retry is treated as exceeding (counted in
 //!   `CONTENDED`), again never over-admitting.
@@ -568,8 +569,14 @@ pub extern "C" fn rl_limit(st: *mut ClientState, lim: *const Limit, j: *mut Judg
     }
     // SAFETY: non-null pointers to live map values and the caller's stack.
     unsafe {
-        let (admitted, usage, capacity) =
-            limit_check(st, (*j).algorithm as u8, &*lim, (*j).now, (*j).cost);
+        let (admitted, usage, capacity) = limit_check(
+            (*j).slot,
+            st,
+            (*j).algorithm as u8,
+            &*lim,
+            (*j).now,
+            (*j).cost,
+        );
         (*j).usage = usage;
         (*j).capacity = capacity;
         if !admitted {
@@ -698,6 +705,7 @@ unsafe fn meter(
 /// against: the threshold for windows, the burst for the token bucket).
 #[inline(always)]
 unsafe fn limit_check(
+    slot: Slot,
     st: *mut ClientState,
     algorithm: u8,
     limit: &Limit,
@@ -733,6 +741,7 @@ unsafe fn limit_check(
                 }
             }
         }
+        stats::add(slot, global::CONTENDED, 0);
         return (false, limit.burst, limit.burst);
     }
     unsafe { rotate(stamp, cur, prev, now, interval) };
@@ -741,14 +750,23 @@ unsafe fn limit_check(
     } else {
         limiter::prev_weight(now, interval)
     };
-    let before = unsafe { atomic::fetch_add(cur, cost) };
-    let est = limiter::sliding_estimate(unsafe { atomic::load(prev) }, before, weight);
-    if limiter::sliding_admits(est, cost, threshold) {
-        (true, est + cost, threshold)
-    } else {
-        unsafe { atomic::fetch_sub(cur, cost) };
-        (false, est + cost, threshold)
+    // Admit by compare-and-swap on `cur`: read, decide, and commit only if no other CPU
+    // counted in between. (Reserving with fetch-add and giving back on overshoot would race
+    // with window rotation: a give-back landing after the rotation zeroed `cur` would wrap it
+    // and shut the client out for two windows.)
+    let prev_w = unsafe { atomic::load(prev) };
+    for _ in 0..CAS_RETRIES {
+        let c = unsafe { atomic::load(cur) };
+        let est = limiter::sliding_estimate(prev_w, c, weight);
+        if !limiter::sliding_admits(est, cost, threshold) {
+            return (false, est + cost, threshold);
+        }
+        if unsafe { atomic::cas(cur, c, c + cost) } {
+            return (true, est + cost, threshold);
+        }
     }
+    stats::add(slot, global::CONTENDED, 0);
+    (false, threshold, threshold)
 }
 
 /// Issue a ban for `key` (rate_based_ban crossed `ban_threshold`): 1 if this call issued it.

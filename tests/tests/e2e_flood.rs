@@ -173,3 +173,40 @@ threshold = { count = 100, interval = "1s" }
         "aggregate state present"
     );
 }
+
+/// Many window rotations while both CPUs count the same client: a rotation racing a CPU's
+/// update must neither lose the window's count nor shut the client out (a count that wrapped
+/// below zero would refuse every packet for two windows, costing ~7 points per occurrence).
+#[test]
+fn two_cpus_across_many_window_rotations() {
+    kernel_test!();
+    assert!(ratelimit_tests::sender::online_cpus() >= 2);
+    let mut s = Scenario::with_queues("rl3", 2);
+    s.pair.a().set_xps(0, 0b01);
+    s.pair.a().set_xps(1, 0b10);
+    s.start(
+        r#"
+[[rule]]
+name = "udp"
+match = { protocol = "udp" }
+threshold = { count = 100, interval = "100ms" }
+"#,
+    );
+    let sink = s.sink(PORT);
+    let src = IpAddr::V4(Ipv4Addr::new(198, 19, 21, 1));
+    let frame = s.udp(src, PORT);
+    ratelimit_tests::scenario::align_to_window(Duration::from_millis(100));
+    let a = s.blast(frame.clone(), 625, Duration::from_secs(4), Some(0));
+    let b = s.blast(frame, 625, Duration::from_secs(4), Some(1));
+    let sent = a.join().unwrap().sent + b.join().unwrap().sent;
+    sink.wait_quiet(Duration::from_millis(300));
+    let got = sink.stop().from(src);
+    let lost = 100.0 * (sent - got) as f64 / sent as f64;
+    println!("40 windows, both CPUs: sent {sent}, admitted {got}, loss {lost:.2}%");
+    assert!((lost - 20.0).abs() <= 2.0, "loss {lost:.2}% (want 20 +- 2)");
+    assert_eq!(
+        ratelimit_tests::scenario::reason(&s.stats(), "contended"),
+        0,
+        "no update lost every retry"
+    );
+}
