@@ -116,6 +116,16 @@ pub fn gcra_admit(tat: u64, now_ns: u64, increment: u64, burst_ns: u64) -> Optio
     }
 }
 
+/// A TAT beyond `now + burst_ns` can only be left over from a stricter limit (a live rule
+/// change, a removed override); in steady state the TAT never passes that horizon. Returns
+/// the TAT to store instead, so that loosening a limit takes effect within one emission
+/// interval rather than after the old limit's horizon.
+#[inline(always)]
+pub fn gcra_clamp(tat: u64, now_ns: u64, burst_ns: u64) -> Option<u64> {
+    let horizon = now_ns.saturating_add(burst_ns);
+    if tat > horizon { Some(horizon) } else { None }
+}
+
 /// Tokens left in a GCRA bucket, in cost units, for reports (host only: uses 128-bit math).
 #[cfg(not(target_arch = "bpf"))]
 pub fn gcra_tokens(tat: u64, now_ns: u64, burst_ns: u64, threshold: u64, interval_ns: u64) -> u64 {

@@ -207,20 +207,26 @@ pub extern "C" fn rl_rule(index: u64, rl: *mut RuleLoop) -> u64 {
 
 /// Protocol, destination ports and TCP flags. Non-first fragments carry no L4 header: they
 /// match on protocol alone (port conditions count as met, so a fragment flood cannot slip past
-/// a port rule), and never match a TCP-flags condition.
+/// a port rule) and never match a TCP-flags condition. A packet whose L4 header should be
+/// there but could not be read counts as meeting every L4 condition.
 #[inline(always)]
 fn matches(rule: &RuleConfig, pkt: &Parsed) -> bool {
     if rule.protocol != PROTO_ANY && rule.protocol != pkt.proto {
         return false;
     }
-    if rule.flags & RULE_TCP_FLAGS != 0
-        && (pkt.proto != PROTO_TCP
-            || !pkt.l4
-            || pkt.tcp_flags & rule.tcp_flags_mask != rule.tcp_flags_value)
-    {
-        return false;
+    if rule.flags & RULE_TCP_FLAGS != 0 {
+        if pkt.proto != PROTO_TCP {
+            return false;
+        }
+        if pkt.l4 {
+            if pkt.tcp_flags & rule.tcp_flags_mask != rule.tcp_flags_value {
+                return false;
+            }
+        } else if !pkt.l4_cut {
+            return false;
+        }
     }
-    if rule.port_count == 0 || pkt.fragment {
+    if rule.port_count == 0 || pkt.fragment || pkt.l4_cut {
         return true;
     }
     if !pkt.l4 || (pkt.proto != PROTO_TCP && pkt.proto != PROTO_UDP) {
@@ -490,8 +496,9 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
     if is_ban && key.kind != KEY_IP && rl_aggregate_ban(st, key, j) != 0 {
         return exceeded(env, i, preview, exceed_pass, rc::BANNED_DROPPED);
     }
-    if is_ban && rl_ban_meter(st, lim, j) != 0 {
-        rl_ban(st, lim, key, j);
+    // Banned only if the ban is in force: if the ban map refused it (full), the client is
+    // throttled by the rule instead of losing all its traffic with no expiry.
+    if is_ban && rl_ban_meter(st, lim, j) != 0 && rl_ban(st, lim, key, j) != 0 {
         return exceeded(env, i, preview, exceed_pass, rc::DROPPED);
     }
     let admitted = rl_limit(st, lim, j);
@@ -675,7 +682,10 @@ fn exceeded(env: &Env, i: u32, preview: bool, exceed_pass: bool, drop_counter: u
 unsafe fn rotate(stamp: *mut u64, cur: *mut u64, prev: *mut u64, now: u64, interval: u64) {
     let w = limiter::window_of(now, interval);
     let s = unsafe { atomic::load(stamp) };
-    if s != w && unsafe { atomic::cas(stamp, s, w) } {
+    // Forward only: a CPU whose `now` was read just before another CPU rotated must not
+    // rotate back (that would reset the window). A jump far backwards means the interval
+    // changed: start clean.
+    if (w > s || w.wrapping_add(1) < s) && unsafe { atomic::cas(stamp, s, w) } {
         let c = unsafe { atomic::swap(cur, 0) };
         let (_, p) = limiter::rotate(s, w, c, 0);
         unsafe { atomic::store(prev, p) };
@@ -731,7 +741,14 @@ unsafe fn limit_check(
         for _ in 0..CAS_RETRIES {
             let old = unsafe { atomic::load(tat) };
             match limiter::gcra_admit(old, now, inc, burst_ns) {
-                None => return (false, limit.burst, limit.burst),
+                None => {
+                    // Left over from a stricter limit: store the horizon instead (best effort;
+                    // a lost race leaves it for the next packet).
+                    if let Some(c) = limiter::gcra_clamp(old, now, burst_ns) {
+                        unsafe { atomic::cas(tat, old, c) };
+                    }
+                    return (false, limit.burst, limit.burst);
+                }
                 Some(new) => {
                     if unsafe { atomic::cas(tat, old, new) } {
                         // Usage: how much of the burst is spent, in cost units.
@@ -769,7 +786,8 @@ unsafe fn limit_check(
     (false, threshold, threshold)
 }
 
-/// Issue a ban for `key` (rate_based_ban crossed `ban_threshold`): 1 if this call issued it.
+/// Issue a ban for `key` (rate_based_ban crossed `ban_threshold`): 1 if this call issued it,
+/// 2 if it was already there (another CPU, or a preview ban), 0 if the ban map refused it.
 #[unsafe(no_mangle)]
 #[inline(never)]
 pub extern "C" fn rl_ban(
@@ -803,10 +821,10 @@ pub extern "C" fn rl_ban(
                 BPF_NOEXIST as u64,
             ) {
                 Ok(()) => true,
-                Err(EEXIST) => false,
+                Err(EEXIST) => return 2,
                 Err(_) => {
                     stats::add(j.slot, global::BAN_INSERT_FAILED, 0);
-                    false
+                    return 0;
                 }
             }
         } else {
@@ -817,7 +835,7 @@ pub extern "C" fn rl_ban(
             )
         };
         if !issued {
-            return 0;
+            return 2;
         }
         // The client starts clean when the ban ends.
         atomic::store(&raw mut (*st).cur, 0);

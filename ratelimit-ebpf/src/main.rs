@@ -53,9 +53,10 @@ mod program {
                 return finish(slot, global::PASS_MALFORMED, len);
             }
         };
-        if pkt.ext_limit {
-            stats::add(slot, global::IPV6_EXT_LIMIT, len);
-        } else if pkt.fragment {
+        if pkt.note != 0 {
+            stats::add(slot, pkt.note, len);
+        }
+        if pkt.fragment {
             stats::add(slot, global::FRAGMENTS, len);
         }
         decide(slot, pkt, len)

@@ -45,10 +45,16 @@ pub struct Parsed {
     pub v4: bool,
     /// The L4 header was parsed: ports (TCP/UDP) and flags (TCP) are valid.
     pub l4: bool,
-    /// A non-first fragment, or an IPv6 chain too long to walk: matched on L3 fields alone.
+    /// A non-first fragment: no L4 header, matched on L3 fields (port conditions count as
+    /// met, TCP-flag conditions as not met).
     pub fragment: bool,
-    /// The IPv6 extension chain was longer than `MAX_IPV6_EXT_HEADERS`.
-    pub ext_limit: bool,
+    /// The L4 header should be there but could not be read (truncated, beyond the parser's
+    /// reach, or after an over-long IPv6 chain): port *and* flag conditions count as met, so a
+    /// tiny first fragment cannot hide a SYN from a SYN rule.
+    pub l4_cut: bool,
+    /// A `stats::global` reason to count for this packet (0 = none): a packet whose fixed L3
+    /// header is valid is always judged (lists, bans, rules) even when what follows is not.
+    pub note: u32,
 }
 
 type Reason = u32;
@@ -130,12 +136,18 @@ fn parse_ipv4(ctx: &XdpContext, off: usize) -> Result<Parsed, Reason> {
         v4: true,
         l4: false,
         fragment: h.field16(6) & 0x1fff != 0,
-        ext_limit: false,
+        l4_cut: false,
+        note: 0,
     };
-    // The options must be present too.
-    hdr(ctx, off, ihl, R)?;
+    // The options must be present too; from here on the source is known, so problems are
+    // noted and the packet is still judged.
+    if hdr(ctx, off, ihl, R).is_err() {
+        pkt.l4_cut = true;
+        pkt.note = R;
+        return Ok(pkt);
+    }
     if !pkt.fragment {
-        parse_l4(ctx, off + ihl, &mut pkt)?;
+        parse_l4(ctx, off + ihl, &mut pkt);
     }
     Ok(pkt)
 }
@@ -155,27 +167,35 @@ fn parse_ipv6(ctx: &XdpContext, off: usize) -> Result<Parsed, Reason> {
         v4: false,
         l4: false,
         fragment: false,
-        ext_limit: false,
+        l4_cut: false,
+        note: 0,
     };
     let mut off = off + Ipv6Hdr::LEN;
     let mut done = false;
     for _ in 0..MAX_IPV6_EXT_HEADERS {
         let ext_len = match pkt.proto {
-            IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS => {
-                let e = hdr(ctx, off, 2, R)?;
+            IPPROTO_HOPOPTS | IPPROTO_ROUTING | IPPROTO_DSTOPTS | IPPROTO_AH => {
+                let Ok(e) = hdr(ctx, off, 2, R) else {
+                    return Ok(cut(pkt, R));
+                };
+                let n = e.field::<u8>(1) as usize;
+                let len = if pkt.proto == IPPROTO_AH {
+                    (n + 2) * 4
+                } else {
+                    (n + 1) * 8
+                };
                 pkt.proto = e.field(0);
-                (e.field::<u8>(1) as usize + 1) * 8
-            }
-            IPPROTO_AH => {
-                let e = hdr(ctx, off, 2, R)?;
-                pkt.proto = e.field(0);
-                (e.field::<u8>(1) as usize + 2) * 4
+                len
             }
             IPPROTO_FRAGMENT => {
-                let e = hdr(ctx, off, 8, R)?;
+                let Ok(e) = hdr(ctx, off, 8, R) else {
+                    return Ok(cut(pkt, R));
+                };
                 pkt.proto = e.field(0);
                 if e.field16(2) & 0xfff8 != 0 {
+                    // A non-first fragment: what follows is payload, not headers.
                     pkt.fragment = true;
+                    done = true;
                 }
                 8
             }
@@ -184,26 +204,35 @@ fn parse_ipv6(ctx: &XdpContext, off: usize) -> Result<Parsed, Reason> {
                 0
             }
         };
+        if pkt.fragment {
+            return Ok(pkt);
+        }
         if done {
             break;
         }
         // The whole extension header must be there, not just its first bytes.
-        hdr(ctx, off, ext_len, R)?;
+        if hdr(ctx, off, ext_len, R).is_err() {
+            return Ok(cut(pkt, R));
+        }
         off += ext_len;
         if off > MAX_L4_OFFSET {
-            return Err(R);
+            return Ok(cut(pkt, global::IPV6_EXT_LIMIT));
         }
     }
     if !done && is_ipv6_ext(pkt.proto) {
-        // Longer chain than we walk: judge it by its source alone.
-        pkt.fragment = true;
-        pkt.ext_limit = true;
-        return Ok(pkt);
+        // Longer chain than we walk: judge it by its L3 fields.
+        return Ok(cut(pkt, global::IPV6_EXT_LIMIT));
     }
-    if !pkt.fragment {
-        parse_l4(ctx, off, &mut pkt)?;
-    }
+    parse_l4(ctx, off, &mut pkt);
     Ok(pkt)
+}
+
+/// The L4 header cannot be reached: judge by L3, note why.
+#[inline(always)]
+fn cut(mut pkt: Parsed, note: Reason) -> Parsed {
+    pkt.l4_cut = true;
+    pkt.note = note;
+    pkt
 }
 
 #[inline(always)]
@@ -215,27 +244,30 @@ fn is_ipv6_ext(proto: u8) -> bool {
 }
 
 #[inline(always)]
-fn parse_l4(ctx: &XdpContext, off: usize, pkt: &mut Parsed) -> Result<(), Reason> {
+fn parse_l4(ctx: &XdpContext, off: usize, pkt: &mut Parsed) {
     const R: Reason = global::MALFORMED_L4;
     if off > MAX_L4_OFFSET {
-        return Err(R);
+        pkt.l4_cut = true;
+        pkt.note = R;
+        return;
     }
-    match pkt.proto {
-        IPPROTO_TCP => {
-            let t = hdr(ctx, off, TcpHdr::LEN, R)?;
-            pkt.dport = t.field16(2);
-            pkt.tcp_flags = t.field(13);
-            pkt.l4 = true;
-        }
-        IPPROTO_UDP => {
-            pkt.dport = hdr(ctx, off, UdpHdr::LEN, R)?.field16(2);
-            pkt.l4 = true;
-        }
-        IPPROTO_ICMP | IPPROTO_ICMPV6 => {
-            hdr(ctx, off, 4, R)?;
-            pkt.l4 = true;
-        }
-        _ => {}
+    let need = match pkt.proto {
+        IPPROTO_TCP => TcpHdr::LEN,
+        IPPROTO_UDP => UdpHdr::LEN,
+        IPPROTO_ICMP | IPPROTO_ICMPV6 => 4,
+        _ => return,
+    };
+    let Ok(h) = hdr(ctx, off, need, R) else {
+        // Truncated (e.g. a tiny first fragment): judge by L3 with every L4 condition met.
+        pkt.l4_cut = true;
+        pkt.note = R;
+        return;
+    };
+    if pkt.proto == IPPROTO_TCP || pkt.proto == IPPROTO_UDP {
+        pkt.dport = h.field16(2);
     }
-    Ok(())
+    if pkt.proto == IPPROTO_TCP {
+        pkt.tcp_flags = h.field(13);
+    }
+    pkt.l4 = true;
 }

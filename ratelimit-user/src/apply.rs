@@ -13,7 +13,7 @@ use aya::maps::lpm_trie::Key;
 use ipnet::IpNet;
 use ratelimit_common::{
     addr::{IpKey, V4_MAPPED_PREFIX},
-    caps::MAX_PORT_RANGES,
+    caps::{MAX_LIST_ENTRIES, MAX_PORT_RANGES, MAX_RULE_SRC_ENTRIES},
     maps::*,
 };
 
@@ -199,10 +199,22 @@ pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
     for (i, r) in cfg.rules.iter().enumerate() {
         let is_ban = r.action == Action::RateBasedBan;
         for o in &r.overrides {
-            let ban =
-                o.ban_threshold
-                    .as_ref()
-                    .or(if is_ban { Some(&r.ban_threshold) } else { None });
+            // An override without its own ban threshold: if the rule's ban threshold is the
+            // default (its threshold), the override's threshold is the ban threshold too;
+            // otherwise the larger of the two applies, so a client is never banned below
+            // its own allowance.
+            let inherited =
+                if r.ban_threshold == r.threshold || o.threshold.amount > r.ban_threshold.amount {
+                    o.threshold
+                } else {
+                    r.ban_threshold
+                };
+            let ban = if is_ban {
+                Some(o.ban_threshold.unwrap_or(inherited))
+            } else {
+                None
+            };
+            let ban = ban.as_ref();
             let limit = limit_of(
                 &o.threshold,
                 Some(o.burst.unwrap_or(o.threshold.amount)),
@@ -231,16 +243,27 @@ pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
     }
 }
 
+/// Make a trie hold exactly `want`. New entries go in before stale ones come out, so no
+/// address is ever briefly unlisted — unless old and new together would not fit the map
+/// (`capacity`), in which case the stale ones are removed first.
 fn sync_list(
     trie: &mut aya::maps::LpmTrie<aya::maps::MapData, IpKey, ListValue>,
     want: &BTreeMap<Prefix, u32>,
+    capacity: u32,
     what: &str,
 ) -> anyhow::Result<()> {
-    let have: Vec<Prefix> = trie
+    let have: BTreeSet<Prefix> = trie
         .keys()
         .filter_map(|k| k.ok())
         .map(|k| (k.prefix_len(), k.data()))
         .collect();
+    let added = want.keys().filter(|p| !have.contains(p)).count();
+    if have.len() + added > capacity as usize {
+        for p in have.iter().filter(|p| !want.contains_key(p)) {
+            trie.remove(&Key::new(p.0, p.1))
+                .with_context(|| format!("pruning the {what} map"))?;
+        }
+    }
     for (p, mask) in want {
         trie.insert(
             &Key::new(p.0, p.1),
@@ -253,7 +276,7 @@ fn sync_list(
         .with_context(|| format!("writing the {what} map"))?;
     }
     for p in have {
-        if !want.contains_key(&p) {
+        if !want.contains_key(&p) && trie.get(&Key::new(p.0, p.1), 0).is_ok() {
             trie.remove(&Key::new(p.0, p.1))
                 .with_context(|| format!("pruning the {what} map"))?;
         }
@@ -275,9 +298,24 @@ fn override_key(rule: u32, p: &Prefix) -> Key<OverrideKey> {
 /// Write a plan into the maps.
 pub fn apply(maps: &mut Maps, plan: &Plan) -> anyhow::Result<()> {
     let as_map = |s: &BTreeSet<Prefix>| s.iter().map(|p| (*p, 0u32)).collect::<BTreeMap<_, _>>();
-    sync_list(&mut maps.allow, &as_map(&plan.allow), "allow")?;
-    sync_list(&mut maps.deny, &as_map(&plan.deny), "deny")?;
-    sync_list(&mut maps.rule_src, &plan.rule_src, "rule source")?;
+    sync_list(
+        &mut maps.allow,
+        &as_map(&plan.allow),
+        MAX_LIST_ENTRIES,
+        "allow",
+    )?;
+    sync_list(
+        &mut maps.deny,
+        &as_map(&plan.deny),
+        MAX_LIST_ENTRIES,
+        "deny",
+    )?;
+    sync_list(
+        &mut maps.rule_src,
+        &plan.rule_src,
+        MAX_RULE_SRC_ENTRIES,
+        "rule source",
+    )?;
 
     let have: Vec<(u32, Prefix)> = maps
         .overrides

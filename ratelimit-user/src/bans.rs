@@ -32,6 +32,9 @@ pub struct SavedBan {
     pub rule: Option<String>,
     pub manual: bool,
     pub preview: bool,
+    /// Issued by a rule whose `exceed_action` is pass: counted, never dropping.
+    #[serde(default)]
+    pub exceed_pass: bool,
     #[serde(default)]
     pub reason: Option<String>,
 }
@@ -57,6 +60,7 @@ pub fn save(
                     .flatten(),
                 manual: b.flags & BAN_MANUAL != 0,
                 preview: b.flags & BAN_PREVIEW != 0,
+                exceed_pass: b.flags & BAN_EXCEED_PASS != 0,
                 reason: reasons.get(&cidr).cloned(),
                 cidr,
             }
@@ -124,6 +128,9 @@ pub fn restore(dir: &Path, maps: &mut Maps, rule_names: &[String]) -> anyhow::Re
         }
         if b.preview {
             flags |= BAN_PREVIEW;
+        }
+        if b.exceed_pass {
+            flags |= BAN_EXCEED_PASS;
         }
         let entry = BanEntry {
             expires_ns,

@@ -149,6 +149,14 @@ impl State {
         let names = self.rule_names();
         let mut n = 0;
         for (k, b) in expired {
+            // The program may have lifted it and issued a fresh ban at the same key since the
+            // walk: remove only the entry we saw.
+            match self.maps.bans.get(&k, 0) {
+                Ok(now_there)
+                    if now_there.since_ns == b.since_ns && now_there.expires_ns == b.expires_ns => {
+                }
+                _ => continue,
+            }
             if self.maps.bans.remove(&k).is_err() {
                 continue; // the program lifted it first and reported it
             }
@@ -273,7 +281,10 @@ impl State {
         let now = report::mono_ns();
         for (net, s) in &parsed {
             let (plen, key) = prefix(net);
-            let expires = s.duration_ms.map(|ms| now + ms * 1_000_000).unwrap_or(0);
+            let expires = s
+                .duration_ms
+                .map(|ms| now.saturating_add(ms.saturating_mul(1_000_000)))
+                .unwrap_or(0);
             if expires != 0 {
                 self.next_ban_expiry = self.next_ban_expiry.min(expires);
             }
@@ -543,7 +554,15 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
 
 async fn serve_control(listener: tokio::net::UnixListener, state: Shared) -> anyhow::Result<()> {
     loop {
-        let (stream, _) = listener.accept().await?;
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // E.g. out of file descriptors: keep serving once it passes.
+                warn!("control socket accept failed: {e}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
         let state = state.clone();
         tokio::spawn(async move {
             if control::peer_uid(&stream) != Some(0) {
@@ -625,6 +644,10 @@ async fn persist_bans(state: Shared) -> anyhow::Result<()> {
         n = n.wrapping_add(1);
         let mut s = state.lock().await;
         tokio::task::block_in_place(|| s.sweep_expired_bans());
+        if n.is_multiple_of(60) {
+            // Bans issued while events were lost would otherwise never be swept.
+            s.next_ban_expiry = 0;
+        }
         if s.bans_dirty || n.is_multiple_of(60) {
             tokio::task::block_in_place(|| s.save_bans());
         }

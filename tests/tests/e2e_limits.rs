@@ -462,3 +462,48 @@ algorithm = "fixed_window"
     let st = s.stats();
     assert_eq!(st["rules"][0]["counters"]["admitted"]["bytes"], 12_000);
 }
+
+#[test]
+fn an_override_raises_the_ban_threshold_with_the_threshold() {
+    kernel_test!();
+    let mut s = Scenario::new("rlz");
+    s.start(
+        r#"
+[[rule]]
+name = "ban"
+match = { protocol = "udp" }
+action = "rate_based_ban"
+threshold = { count = 50, interval = "1h" }
+algorithm = "fixed_window"
+ban_duration = "1h"
+
+[[rule.override]]
+cidr = "198.19.9.2/32"
+threshold = { count = 200, interval = "1h" }
+"#,
+    );
+    let sink = s.sink(PORT);
+    let mut tx = s.sender();
+    tx.send_n(std::iter::repeat(s.udp(ip4(9, 1), PORT)), 80, None);
+    tx.send_n(std::iter::repeat(s.udp(ip4(9, 2), PORT)), 150, None);
+    sink.wait_quiet(Duration::from_millis(300));
+    let got = sink.stop();
+    assert_eq!(
+        got.from(ip4(9, 1)),
+        50,
+        "the rule's client: threshold, then banned past it"
+    );
+    assert_eq!(
+        got.from(ip4(9, 2)),
+        150,
+        "the override's client is neither throttled nor banned under 200"
+    );
+    let bans = s.daemon().cli_json(&["bans"]);
+    let cidrs: Vec<&str> = bans
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|b| b["cidr"].as_str())
+        .collect();
+    assert_eq!(cidrs, ["198.19.9.1/32"]);
+}

@@ -220,13 +220,27 @@ fn fixture_table() {
                 14 + 24,
             ),
             XDP_PASS,
-            &[("pass_malformed", 1), ("malformed_ipv4", 1)],
+            // Once the fixed L3 header is valid the source is known: the packet is judged
+            // (lists, bans, rules) and the problem counted as a reason.
+            &[("pass", 1), ("malformed_ipv4", 1)],
         ),
         case(
-            "IPv4 TCP header cut off",
+            "IPv4 TCP header cut off counts against a SYN rule",
             truncate(&v4([198, 18, 1, 1]).tcp(1, 80, syn).build(), 14 + 20 + 10),
             XDP_PASS,
-            &[("pass_malformed", 1), ("malformed_l4", 1)],
+            &[
+                ("pass", 1),
+                ("malformed_l4", 1),
+                ("state_created", 1),
+                ("syn80/matched", 1),
+                ("syn80/admitted", 1),
+            ],
+        ),
+        case(
+            "denied source with a cut-off TCP header",
+            truncate(&v4([198, 18, 50, 3]).tcp(1, 80, syn).build(), 14 + 20 + 8),
+            XDP_DROP,
+            &[("drop_deny", 1), ("malformed_l4", 1)],
         ),
         case(
             "IPv6 truncated header",
@@ -241,7 +255,25 @@ fn fixture_table() {
                 14 + 40 + 4,
             ),
             XDP_PASS,
-            &[("pass_malformed", 1), ("malformed_ipv6", 1)],
+            &[
+                ("pass", 1),
+                ("malformed_ipv6", 1),
+                ("state_created", 1),
+                ("udp-range/matched", 1),
+                ("udp-range/admitted", 1),
+            ],
+        ),
+        case(
+            "denied IPv6 with a cut-off extension header",
+            truncate(
+                &v6("2001:db8:dead::3")
+                    .ipv6_ext(0, &[0; 14])
+                    .udp(1, 53)
+                    .build(),
+                14 + 40 + 4,
+            ),
+            XDP_DROP,
+            &[("drop_deny", 1), ("malformed_ipv6", 1)],
         ),
         // --- clean frames of every kind pass.
         case(
@@ -323,10 +355,20 @@ fn fixture_table() {
             &[
                 ("pass", 1),
                 ("fragments", 1),
-                ("state_created", 1),
                 ("udp-range/matched", 1),
                 ("udp-range/admitted", 1),
             ],
+        ),
+        // The walk stops at a non-first fragment: its payload is never read as headers.
+        case(
+            "IPv6 non-first fragment whose next header is dest-opts",
+            v6("2001:db8:1::2")
+                .ipv6_fragment(false, 10, 7)
+                .raw_l4(60)
+                .payload(&[17, 200, 0, 0, 0, 0, 0, 0])
+                .build(),
+            XDP_PASS,
+            &[("pass", 1), ("fragments", 1)],
         ),
         case(
             "IPv6 chain longer than the walk",

@@ -136,6 +136,27 @@ fn gcra_admits_exactly_burst_then_rate() {
 }
 
 #[test]
+fn gcra_loosened_limit_takes_effect_at_once() {
+    // Under 10 per day a throttled client's TAT is nearly a day ahead; after a change to
+    // 10 per second (burst 10), it must wait at most one new emission interval.
+    let day = 86_400_000_000_000u64;
+    let now = 5 * day;
+    let stale_tat = now + day - 1;
+    let (inc, bns) = (
+        gcra_increment(1, 10, 1_000_000_000),
+        gcra_burst_ns(10, 10, 1_000_000_000),
+    );
+    assert_eq!(gcra_admit(stale_tat, now, inc, bns), None);
+    let stored = gcra_clamp(stale_tat, now, bns).expect("stale TAT is clamped");
+    assert_eq!(stored, now + bns);
+    assert_eq!(gcra_admit(stored, now + inc - 1, inc, bns), None);
+    assert!(gcra_admit(stored, now + inc, inc, bns).is_some());
+    // Never in steady state: a TAT the bucket itself produced is within the horizon.
+    let t = gcra_admit(0, now, inc, bns).unwrap();
+    assert_eq!(gcra_clamp(t, now, bns), None);
+}
+
+#[test]
 fn burst_ns_matches_128_bit_math() {
     for &(b, t, i) in &[
         (100u64, 1000u64, 1_000_000_000u64),
