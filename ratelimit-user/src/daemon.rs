@@ -388,6 +388,10 @@ impl State {
         if let Some(table) = &regions {
             crate::geoip::apply(&mut self.maps.regions, table)?;
         }
+        let old_names = self.rule_names();
+        let new_names: Vec<String> = cfg.rules.iter().map(|r| r.name.clone()).collect();
+        retire_rule_slots(&mut self.maps, &old_names, &new_names);
+        save_rule_names(&cfg.daemon.state_dir, &new_names);
         let old_sink_target = self.cfg.daemon.events.clone();
         self.cfg = cfg;
         let wanted = self.interfaces_wanted();
@@ -406,6 +410,59 @@ impl State {
         Ok(
             serde_json::json!({ "reloaded": path.display().to_string(), "rules": self.rule_names() }),
         )
+    }
+}
+
+/// Per-client state and per-rule counters are kept by rule *position*. When the rule at a
+/// position changes (a reload reordered, removed or renamed rules, or a restart brought a
+/// different config), that position's state and counters are cleared, so a rule never
+/// inherits another's counts or bans. Unchanged positions keep theirs.
+pub fn retire_rule_slots(maps: &mut Maps, old: &[String], new: &[String]) -> usize {
+    let stale: Vec<u8> = (0..old.len().max(new.len()))
+        .filter(|&i| old.get(i) != new.get(i) && i < ratelimit_common::caps::MAX_RULES as usize)
+        .map(|i| i as u8)
+        .collect();
+    if stale.is_empty() {
+        return 0;
+    }
+    let keys: Vec<ClientKey> = maps
+        .clients
+        .keys()
+        .filter_map(|k| k.ok())
+        .filter(|k| stale.contains(&k.rule))
+        .collect();
+    for k in &keys {
+        let _ = maps.clients.remove(k);
+    }
+    if let Ok(ncpu) = aya::util::nr_cpus() {
+        for &r in &stale {
+            for slot in 0..ratelimit_common::caps::MAX_IFACES {
+                for c in 0..ratelimit_common::stats::rule::COUNT {
+                    let idx = ratelimit_common::stats::rule_index(slot, r as u32, c);
+                    if let Ok(zero) = aya::maps::PerCpuValues::try_from(
+                        vec![ratelimit_common::stats::Counter::default(); ncpu],
+                    ) {
+                        let _ = maps.stats.set(idx, zero, 0);
+                    }
+                }
+            }
+        }
+    }
+    info!(positions = ?stale, states = keys.len(), "rules changed position: their per-client state and counters were cleared");
+    keys.len()
+}
+
+const RULES_FILE: &str = "rules.json";
+
+fn load_rule_names(dir: &std::path::Path) -> Option<Vec<String>> {
+    serde_json::from_slice(&std::fs::read(dir.join(RULES_FILE)).ok()?).ok()
+}
+
+fn save_rule_names(dir: &std::path::Path, names: &[String]) {
+    let _ = std::fs::create_dir_all(dir);
+    let tmp = dir.join(format!(".{RULES_FILE}.tmp"));
+    if std::fs::write(&tmp, serde_json::to_vec(names).unwrap_or_default()).is_ok() {
+        let _ = std::fs::rename(&tmp, dir.join(RULES_FILE));
     }
 }
 
@@ -463,6 +520,14 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     let plan = apply::plan(&cfg, opts.preview);
     apply::apply(&mut maps, &plan)?;
     load_regions(&cfg, &mut maps)?;
+    // Adopted state from a daemon that ran another rule set: clear what no longer matches.
+    let names: Vec<String> = cfg.rules.iter().map(|r| r.name.clone()).collect();
+    if dp.adopted
+        && let Some(old) = load_rule_names(&cfg.daemon.state_dir)
+    {
+        retire_rule_slots(&mut maps, &old, &names);
+    }
+    save_rule_names(&cfg.daemon.state_dir, &names);
     let restored = bans::restore(
         &cfg.daemon.state_dir,
         &mut maps,

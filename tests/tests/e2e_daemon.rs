@@ -316,3 +316,52 @@ fn expired_bans_are_reported_even_if_the_client_never_returns() {
     assert_eq!(unbans.len(), 1, "{unbans:?}");
     assert_eq!(unbans[0]["client"], "198.19.45.0/24");
 }
+
+#[test]
+fn a_reload_that_moves_rules_does_not_hand_one_rules_state_to_another() {
+    kernel_test!();
+    let mut s = Scenario::new("rlw2");
+    s.start(
+        r#"
+[[rule]]
+name = "a"
+match = { protocol = "udp", dst_ports = ["9000"] }
+key = "all"
+action = "rate_based_ban"
+threshold = { count = 5, interval = "1h" }
+algorithm = "fixed_window"
+ban_threshold = { count = 10, interval = "1h" }
+ban_duration = "1h"
+"#,
+    );
+    let sink = s.sink(PORT + 1);
+    let mut tx = s.sender();
+    tx.send_n(std::iter::repeat(s.udp(ip4(47, 1), PORT)), 20, None);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(
+        rule_counter(&s.stats(), "a", "bans"),
+        1,
+        "rule a banned its (aggregate) key"
+    );
+    // Rule a goes away; rule b takes its position.
+    let good = std::fs::read_to_string(s.daemon().config_path()).unwrap();
+    let head = good.split("[[rule]]").next().unwrap().to_string();
+    s.daemon_mut().write_config(&format!(
+        "{head}[[rule]]\nname = \"b\"\nmatch = {{ protocol = \"udp\", dst_ports = [\"9001\"] }}\nkey = \"all\"\nthreshold = {{ count = 100, interval = \"1h\" }}\nalgorithm = \"fixed_window\"\n"
+    ));
+    s.daemon().cli_ok(&["reload"]);
+    tx.send_n(std::iter::repeat(s.udp(ip4(47, 2), PORT + 1)), 20, None);
+    sink.wait_quiet(Duration::from_millis(300));
+    assert_eq!(
+        sink.stop().from(ip4(47, 2)),
+        20,
+        "b did not inherit a's ban"
+    );
+    let st = s.stats();
+    assert_eq!(
+        rule_counter(&st, "b", "matched"),
+        20,
+        "b's counters start at zero"
+    );
+    assert_eq!(rule_counter(&st, "b", "bans"), 0);
+}
