@@ -214,6 +214,20 @@ impl Scenario {
     }
 }
 
+impl Drop for Scenario {
+    /// The daemon guard detaches using the config file, which a test may have left broken on
+    /// purpose: detach by the bpffs directory as well, so no program or pin outlives the test.
+    fn drop(&mut self) {
+        drop(self.daemon.take());
+        if self.bpffs.exists() {
+            let _ = std::process::Command::new(crate::ratelimit_bin())
+                .args(["detach", "--bpffs-dir"])
+                .arg(&self.bpffs)
+                .output();
+        }
+    }
+}
+
 /// `stats` JSON accessors.
 pub fn verdict(stats: &serde_json::Value, name: &str) -> u64 {
     stats["verdicts"][name]["packets"].as_u64().unwrap_or(0)
