@@ -48,10 +48,8 @@ pub fn line_of(e: &Event, rule_names: &[String]) -> EventLine {
     EventLine {
         time: rfc3339(wall_of(e.ts_ns)),
         event: kind_name(e.kind),
-        rule: rule_names
-            .get(e.rule as usize)
-            .cloned()
-            .unwrap_or_else(|| format!("#{}", e.rule)),
+        // Empty for an operator's ban (no rule issued it).
+        rule: rule_names.get(e.rule as usize).cloned().unwrap_or_default(),
         key: key_name(key.kind),
         client: client_label(&key),
         count: e.count,
