@@ -365,3 +365,51 @@ ban_duration = "1h"
     );
     assert_eq!(rule_counter(&st, "b", "bans"), 0);
 }
+
+#[test]
+fn sighup_reloads_and_bans_read_from_stdin() {
+    kernel_test!();
+    let mut s = Scenario::new("rlh2");
+    s.start("");
+    let good = std::fs::read_to_string(s.daemon().config_path()).unwrap();
+    s.daemon_mut()
+        .write_config(&format!("{good}\n[lists]\ndeny = [\"198.19.48.0/24\"]\n"));
+    s.daemon().signal(libc::SIGHUP);
+    std::thread::sleep(Duration::from_millis(500));
+    // Bans from standard input, one per line, comments allowed.
+    let mut child = Command::new(ratelimit_tests::ratelimit_bin())
+        .args([
+            "ban",
+            "add",
+            "--file",
+            "-",
+            "--socket",
+            s.daemon().socket_path().to_str().unwrap(),
+        ])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    use std::io::Write as _;
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(b"# from a feed\n198.19.49.1\n198.19.49.2 # second\n\n")
+        .unwrap();
+    let out = child.wait_with_output().unwrap();
+    assert!(out.status.success(), "{out:?}");
+    assert_eq!(s.daemon().cli_json(&["status"])["active_bans"], 2);
+    let sink = s.sink(PORT);
+    let mut tx = s.sender();
+    for src in [ip4(48, 1), ip4(49, 1), ip4(49, 2), ip4(50, 9)] {
+        tx.send_n(std::iter::repeat(s.udp(src, PORT)), 5, None);
+    }
+    sink.wait_quiet(Duration::from_millis(300));
+    let got = sink.stop();
+    assert_eq!(
+        got.total, 5,
+        "only 198.19.50.9 is neither denied (SIGHUP reload) nor banned: {got:?}"
+    );
+    assert_eq!(got.from(ip4(50, 9)), 5);
+}
