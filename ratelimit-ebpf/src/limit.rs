@@ -860,3 +860,14 @@ pub extern "C" fn rl_ban(
     }
     1
 }
+
+/// The floor reference (`bench` feature): the `cur` counter of rule 0's state of `src` as a
+/// /32 (/128) key, the lookup every per-client design makes.
+#[cfg(feature = "bench")]
+#[inline(always)]
+pub fn bench_client_counter(src: &IpKey) -> Option<*mut u64> {
+    let key = client_key(0, KEY_IP, 128, src.addr);
+    let st = CLIENTS.get_ptr_mut(&key)?;
+    // SAFETY: a live map value.
+    Some(unsafe { &raw mut (*st).cur })
+}

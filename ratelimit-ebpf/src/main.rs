@@ -13,6 +13,8 @@
 
 #[cfg(target_arch = "bpf")]
 mod atomic;
+#[cfg(all(target_arch = "bpf", feature = "bench"))]
+mod bench;
 #[cfg(target_arch = "bpf")]
 mod events;
 #[cfg(target_arch = "bpf")]
@@ -43,6 +45,8 @@ mod program {
 
     #[xdp]
     pub fn ratelimit(ctx: XdpContext) -> u32 {
+        #[cfg(feature = "bench")]
+        crate::bench::vary_source(&ctx);
         let len = (ctx.data_end() - ctx.data()) as u64;
         let slot = stats::slot(ctx.ingress_ifindex() as u32);
         let pkt = match parse::parse(&ctx) {

@@ -136,6 +136,11 @@ pub fn ifindex(iface: &str) -> anyhow::Result<u32> {
 impl Datapath {
     /// Load the program against the pinned maps in `pin_dir` (created if absent).
     pub fn load(pin_dir: &Path, max_sources: u32) -> anyhow::Result<Self> {
+        Self::load_object(PROGRAM, pin_dir, max_sources)
+    }
+
+    /// [`Datapath::load`] with another build of the object (the benchmark's `bench` build).
+    pub fn load_object(object: &[u8], pin_dir: &Path, max_sources: u32) -> anyhow::Result<Self> {
         if let Err(e) = raise_memlock() {
             debug!(
                 "raising RLIMIT_MEMLOCK failed ({e}); not needed on kernels with memcg accounting"
@@ -146,7 +151,7 @@ impl Datapath {
         let ebpf = EbpfLoader::new()
             .default_map_pin_directory(pin_dir)
             .map_max_entries("RL_CLIENTS", max_sources)
-            .load(PROGRAM)
+            .load(object)
             .context("loading the XDP program and its maps")?;
         let mut dp = Self {
             ebpf,
@@ -165,6 +170,11 @@ impl Datapath {
             info!(dir = %pin_dir.display(), "adopted pinned maps: counters and bans carried over");
         }
         Ok(dp)
+    }
+
+    /// The loaded object, for the benchmark's extra programs and maps.
+    pub fn ebpf_mut(&mut self) -> &mut Ebpf {
+        &mut self.ebpf
     }
 
     /// Verifier statistics of the loaded program: (xlated instruction count, verified insns).

@@ -34,6 +34,7 @@ pub fn run_suite(quick: bool) -> Result<()> {
         "ratelimit-bench",
     ]))
     .context("building the benchmark")?;
+    let object = build_bench_object()?;
     let bin = util::target_dir()?.join("debug").join("ratelimit-bench");
     let bin = if bin.is_absolute() {
         bin
@@ -41,9 +42,53 @@ pub fn run_suite(quick: bool) -> Result<()> {
         util::workspace_root().join(bin)
     };
     let mut cmd = std::process::Command::new(bin);
+    cmd.env("RATELIMIT_BENCH_OBJ", &object);
     if quick {
         cmd.arg("--quick");
     }
     cmd.current_dir(util::workspace_root());
     util::run(&mut cmd).context("benchmark")
+}
+
+/// Build the XDP object with the `bench` feature (per-run source variation, the live-frames
+/// flood generator, floor reference programs) into its own target directory, the way
+/// aya-build builds the release object. The feature never reaches the daemon: only the
+/// benchmark loads this object.
+fn build_bench_object() -> Result<std::path::PathBuf> {
+    let root = util::workspace_root();
+    let target_dir = root.join("target").join("bench-ebpf");
+    let mut cmd = std::process::Command::new("rustup");
+    cmd.args([
+        "run",
+        "nightly",
+        "cargo",
+        "build",
+        "--package",
+        "ratelimit-ebpf",
+        "--bins",
+        "--release",
+        "--target",
+        "bpfel-unknown-none",
+        "-Z",
+        "build-std=core",
+        "--features",
+        "bench",
+    ])
+    .arg("--target-dir")
+    .arg(&target_dir)
+    .current_dir(&root)
+    .env_remove("RUSTC")
+    .env_remove("RUSTC_WORKSPACE_WRAPPER")
+    .env(
+        "CARGO_ENCODED_RUSTFLAGS",
+        format!(
+            "--cfg=bpf_target_arch=\"{}\"\x1f-Cdebuginfo=2\x1f-Clink-arg=--btf",
+            std::env::consts::ARCH
+        ),
+    );
+    util::run(&mut cmd).context("building the bench XDP object")?;
+    Ok(target_dir
+        .join("bpfel-unknown-none")
+        .join("release")
+        .join("ratelimit"))
 }

@@ -12,7 +12,14 @@
 //! Results go to bench/results.json and BENCHMARKS.md. `--quick` asserts only that every case
 //! runs and returns the right verdict.
 
+mod control;
+mod flood;
+mod plots;
+mod part;
+
 use std::{collections::BTreeMap, net::Ipv4Addr, path::PathBuf, time::Instant};
+
+use part::{Ctx, Section};
 
 use aya::maps::lpm_trie::Key;
 use ratelimit_common::{
@@ -82,6 +89,8 @@ struct Results {
     memory: BTreeMap<String, serde_json::Value>,
     control_plane: BTreeMap<String, f64>,
     not_measured: Vec<&'static str>,
+    #[serde(flatten)]
+    sections: BTreeMap<String, serde_json::Value>,
 }
 
 struct Pins(PathBuf);
@@ -158,8 +167,17 @@ fn main() {
         unsafe { libc::geteuid() } == 0,
         "the benchmark loads BPF programs: run it as root (cargo xtask bench)"
     );
+    let cpus = ratelimit_tests::sender::online_cpus();
+    let object_path = std::env::var_os("RATELIMIT_BENCH_OBJ")
+        .expect("RATELIMIT_BENCH_OBJ: the bench build of the XDP object (run `cargo xtask bench`)");
+    let ctx = Ctx {
+        quick,
+        object: std::fs::read(&object_path)
+            .unwrap_or_else(|e| panic!("{}: {e}", object_path.to_string_lossy())),
+        out_dir: ratelimit_tests::env::workspace_root().join("bench"),
+    };
     // One CPU, so samples are not split across cores with different load.
-    let cpu = if ratelimit_tests::sender::online_cpus() > 1 {
+    let cpu = if cpus > 1 {
         1
     } else {
         0
@@ -172,7 +190,8 @@ fn main() {
         "/sys/fs/bpf/rl-bench-{}",
         std::process::id()
     )));
-    let mut dp = Datapath::load(&pins.0, max_sources).expect("load the program");
+    let mut dp =
+        Datapath::load_object(&ctx.object, &pins.0, max_sources).expect("load the program");
     let mut maps = dp.take_maps().expect("maps");
     let cfg = config::parse("bench.toml", POLICY).expect("bench policy");
     apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
@@ -336,11 +355,23 @@ fn main() {
     println!("  control plane: {n_bans} bans inserted in {secs:.3}s");
     control_plane.insert(format!("ban_insert_{n_bans}_secs"), secs);
 
+    drop(maps);
+    drop(b);
+    drop(pins);
+    let mut sections = Vec::new();
+    for (name, part) in [
+        ("flood", flood::run as fn(&Ctx) -> Option<Section>),
+        ("control", control::run),
+    ] {
+        println!("bench: {name}");
+        sections.extend(part(&ctx));
+    }
+
     let results = Results {
         quick,
         repeat,
         samples,
-        cpus: ratelimit_tests::sender::online_cpus(),
+        cpus,
         kernel: std::fs::read_to_string("/proc/sys/kernel/osrelease")
             .unwrap_or_default()
             .trim()
@@ -355,9 +386,13 @@ fn main() {
             "per-run source variation across the populated set",
             "plots",
         ],
+        sections: sections
+            .iter()
+            .map(|s| (s.key.to_string(), s.json.clone()))
+            .collect(),
     };
     if !quick {
-        write_reports(&results);
+        write_reports(&ctx, &results, &sections);
     }
     println!(
         "bench: all {} cases ran with the expected verdicts",
@@ -385,7 +420,7 @@ fn populate_more(maps: &mut Maps, from: u64, to: u64) -> f64 {
     t.elapsed().as_secs_f64()
 }
 
-fn write_reports(r: &Results) {
+fn write_reports(ctx: &Ctx, r: &Results, sections: &[Section]) {
     let root = ratelimit_tests::env::workspace_root();
     let dir = root.join("bench");
     std::fs::create_dir_all(&dir).unwrap();
@@ -497,14 +532,16 @@ fn write_reports(r: &Results) {
         ),
         None => row("`top` over 1M sources in < 3 s", "-".into(), None),
     }
-    for t in [
-        "flood (F) absorbed >= 4x nftables, >= 3x hashlimit",
-        "random-source flood (R) >= 5x nftables; (M) legitimate clients keep >= 99%",
-    ] {
-        row(t, "-".into(), None);
+    for t in sections.iter().flat_map(|s| &s.targets) {
+        row(&t.target, t.measured.clone(), t.met);
     }
     md.push_str("\nWhere the per-packet targets are missed, the cost is in the lookups the pass path makes: three LPM-trie lookups (allow, deny, bans) before any rule, an interface-slot hash lookup, and per rule an array lookup, the per-client LRU-hash lookup and several per-CPU counter updates. The per-source memory is the LRU hash's per-element overhead plus a 24-byte key and a 104-byte value (window counters, ban meter, totals for `top`).\n");
 
+    for s in sections {
+        md.push('\n');
+        md.push_str(&s.markdown);
+    }
+    md.push_str(&plots::draw(ctx, &serde_json::to_value(r).unwrap()));
     md.push_str("\n## Not measured yet\n\n");
     for n in &r.not_measured {
         md.push_str(&format!("- {n}\n"));

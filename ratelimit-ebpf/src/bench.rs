@@ -1,0 +1,97 @@
+//! Benchmark-only code (the `bench` feature; `cargo xtask bench` builds it into its own
+//! object, the daemon's object never has it).
+//!
+//! * Per-run source variation: BPF_PROG_TEST_RUN replays one frame, so without help every run
+//!   hits the same client. With `RL_BENCH_VARY` set, the limiter first rewrites the IPv4
+//!   source of the frame: spread over the `n` populated sources in a scrambled order (so
+//!   lookups miss the cache as real traffic does), or a new source on every packet (churn).
+//! * Floor references: the least a per-client limiter can do per packet (clock, one lookup of
+//!   the per-client map, one atomic add), so the limiter's cost can be split into what any
+//!   design pays and what ours adds.
+
+use aya_ebpf::{
+    bindings::xdp_action,
+    helpers::{bpf_get_smp_processor_id, bpf_ktime_get_ns},
+    macros::{map, xdp},
+    maps::{Array, PerCpuArray},
+    programs::XdpContext,
+};
+
+use crate::{atomic, limit, parse};
+
+/// `[mode, n, base]`: mode 0 off, 1 spread over `base .. base + n`, 2 churn.
+#[map(name = "RL_BENCH_VARY")]
+static VARY: Array<[u64; 3]> = Array::with_max_entries(1, 0);
+
+/// Per-CPU packet sequence number.
+#[map(name = "RL_BENCH_SEQ")]
+static SEQ: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
+
+const MODE_SPREAD: u64 = 1;
+const MODE_CHURN: u64 = 2;
+
+/// Rewrite the IPv4 source address of the frame as `RL_BENCH_VARY` says.
+#[inline(always)]
+pub fn vary_source(ctx: &XdpContext) {
+    let Some(cfg) = VARY.get(0) else {
+        return;
+    };
+    let mode = cfg[0];
+    if mode == 0 {
+        return;
+    }
+    let Some(seq) = SEQ.get_ptr_mut(0) else {
+        return;
+    };
+    // SAFETY: this CPU's slot.
+    let i = unsafe {
+        let i = *seq;
+        *seq = i + 1;
+        i
+    };
+    let addr: u32 = if mode == MODE_SPREAD {
+        // A scrambled walk of the populated set: Knuth's multiplicative hash, modulo n.
+        let n = if cfg[1] == 0 { 1 } else { cfg[1] };
+        (cfg[2] as u32).wrapping_add((i.wrapping_mul(2_654_435_761) % n) as u32)
+    } else if mode == MODE_CHURN {
+        // A new source on every packet: 24 bits of sequence under a per-CPU first octet.
+        let cpu = unsafe { bpf_get_smp_processor_id() };
+        ((12 + cpu) << 24) | (i as u32 & 0x00ff_ffff)
+    } else {
+        return;
+    };
+    let start = ctx.data();
+    if start + 30 > ctx.data_end() {
+        return;
+    }
+    // SAFETY: bounds checked above; ethertype at 12, IPv4 source at 26.
+    unsafe {
+        if *((start + 12) as *const u16) != u16::to_be(0x0800) {
+            return;
+        }
+        *((start + 26) as *mut [u8; 4]) = addr.to_be_bytes();
+    }
+}
+
+/// Floor: the clock.
+#[xdp]
+pub fn ref_clock(_ctx: XdpContext) -> u32 {
+    core::hint::black_box(unsafe { bpf_ktime_get_ns() });
+    xdp_action::XDP_PASS
+}
+
+/// Floor of a per-client limiter: parse, the clock, one lookup of the per-client map, one
+/// atomic add to the client's counter; drop.
+#[xdp]
+pub fn ref_floor(ctx: XdpContext) -> u32 {
+    vary_source(&ctx);
+    let Ok(Some(p)) = parse::parse(&ctx) else {
+        return xdp_action::XDP_ABORTED;
+    };
+    let now = unsafe { bpf_ktime_get_ns() };
+    if let Some(c) = limit::bench_client_counter(&p.src) {
+        // SAFETY: a live map value.
+        unsafe { atomic::add(c, now & 1) };
+    }
+    xdp_action::XDP_DROP
+}
