@@ -15,6 +15,8 @@
 mod atomic;
 #[cfg(all(target_arch = "bpf", feature = "bench"))]
 mod bench;
+#[cfg(all(target_arch = "bpf", feature = "bench"))]
+mod gen;
 #[cfg(target_arch = "bpf")]
 mod events;
 #[cfg(target_arch = "bpf")]

@@ -176,6 +176,23 @@ fn main() {
             .unwrap_or_else(|e| panic!("{}: {e}", object_path.to_string_lossy())),
         out_dir: ratelimit_tests::env::workspace_root().join("bench"),
     };
+    // RATELIMIT_BENCH_ONLY=flood|control: run that part alone and print what it would report
+    // (for working on one part; writes nothing).
+    if let Ok(only) = std::env::var("RATELIMIT_BENCH_ONLY") {
+        let section = match only.as_str() {
+            "flood" => flood::run(&ctx),
+            "control" => control::run(&ctx),
+            other => panic!("RATELIMIT_BENCH_ONLY={other}: flood or control"),
+        };
+        if let Some(s) = section {
+            println!("{}", serde_json::to_string_pretty(&s.json).unwrap());
+            println!("{}", s.markdown);
+            for t in &s.targets {
+                println!("target: {} | {} | {:?}", t.target, t.measured, t.met);
+            }
+        }
+        return;
+    }
     // One CPU, so samples are not split across cores with different load.
     let cpu = if cpus > 1 {
         1

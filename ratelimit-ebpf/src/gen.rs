@@ -1,0 +1,1 @@
+//! The live-frames flood generator (`bench` feature). Filled in separately.
