@@ -16,7 +16,7 @@ mod atomic;
 #[cfg(all(target_arch = "bpf", feature = "bench"))]
 mod bench;
 #[cfg(all(target_arch = "bpf", feature = "bench"))]
-mod gen;
+mod generator;
 #[cfg(target_arch = "bpf")]
 mod events;
 #[cfg(target_arch = "bpf")]
