@@ -19,6 +19,9 @@ pub const MAX_REGION_PREFIXES: u32 = 1_048_576;
 pub const MAX_PORT_RANGES: usize = 8;
 /// Interfaces whose counters are kept apart; further interfaces share slot 0.
 pub const MAX_IFACES: u32 = 16;
+/// Interfaces with an ifindex below this find their counter slot in an array (one indexed
+/// load); higher ones in a hash map.
+pub const IFSLOT_ARRAY_LEN: u32 = 4096;
 /// Default bound on per-client state when the config does not set `tracking.max_sources`.
 pub const DEFAULT_MAX_SOURCES: u32 = 1_000_000;
 /// Events ring buffer size in bytes (a power of two, a multiple of the page size).

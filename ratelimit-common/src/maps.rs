@@ -39,6 +39,30 @@ pub const RULE_SRC_MATCH: u32 = 1 << 4;
 pub const RULE_CIDR_OVERRIDES: u32 = 1 << 5;
 /// The rule has per-region overrides.
 pub const RULE_REGION_OVERRIDES: u32 = 1 << 6;
+/// The rule (or one of its overrides) needs the precise clock (`bpf_ktime_get_ns`); others use
+/// the coarse clock (the last timer tick, at most a tick = 1..10 ms behind), which costs a
+/// fraction of a clock-source read. See [`needs_fine_clock`].
+pub const RULE_FINE_CLOCK: u32 = 1 << 7;
+
+/// Intervals at least this long are judged on the coarse clock: a tick is then at most 1% of
+/// the interval (window edges move by at most a tick; counts stay exact).
+pub const COARSE_MIN_INTERVAL_NS: u64 = 1_000_000_000;
+/// A token bucket whose burst refills in at least this long is judged on the coarse clock:
+/// within one tick the bucket then still holds what a tick refills, so the admitted rate is
+/// exact over any span of a few ticks.
+pub const COARSE_MIN_BURST_NS: u64 = 50_000_000;
+
+/// Whether a limit must be judged on the precise clock.
+pub fn needs_fine_clock(limit: &Limit, algorithm: u8) -> bool {
+    let short = |ns: u64| ns != 0 && ns < COARSE_MIN_INTERVAL_NS;
+    if short(limit.interval_ns) || short(limit.ban_interval_ns) {
+        return true;
+    }
+    algorithm == ALG_TOKEN_BUCKET
+        && limit.threshold != 0
+        && crate::limiter::gcra_burst_ns(limit.burst.max(1), limit.threshold, limit.interval_ns)
+            < COARSE_MIN_BURST_NS
+}
 
 // Protocol match values (`RuleConfig::protocol`); 0 matches any.
 pub const PROTO_ANY: u8 = 0;
@@ -93,6 +117,11 @@ pub struct Limit {
     pub ban_threshold: u64,
     pub ban_interval_ns: u64,
     pub ban_duration_ns: u64,
+    /// Token bucket constants, computed once by the daemon so the program divides nothing per
+    /// packet: the GCRA increment of one unit (`limiter::gcra_increment(1, ..)`) and the burst
+    /// tolerance (`limiter::gcra_burst_ns(burst, ..)`).
+    pub gcra_inc_ns: u64,
+    pub gcra_burst_ns: u64,
 }
 
 /// Load-time-independent settings the daemon may change at any time (`GLOBAL[0]`).

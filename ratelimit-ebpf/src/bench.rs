@@ -80,6 +80,27 @@ pub fn ref_clock(_ctx: XdpContext) -> u32 {
     xdp_action::XDP_PASS
 }
 
+/// Floor: the coarse clock (the last timer tick; no clock-source read).
+#[xdp]
+pub fn ref_clock_coarse(_ctx: XdpContext) -> u32 {
+    core::hint::black_box(unsafe { aya_ebpf::helpers::bpf_ktime_get_coarse_ns() });
+    xdp_action::XDP_PASS
+}
+
+/// Floor without a clock: parse, one lookup of the per-client map, one atomic add; drop.
+#[xdp]
+pub fn ref_lookup(ctx: XdpContext) -> u32 {
+    vary_source(&ctx);
+    let Ok(Some(p)) = parse::parse(&ctx) else {
+        return xdp_action::XDP_ABORTED;
+    };
+    if let Some(c) = limit::bench_client_counter(&p.src) {
+        // SAFETY: a live map value.
+        unsafe { atomic::add(c, 1) };
+    }
+    xdp_action::XDP_DROP
+}
+
 /// Floor of a per-client limiter: parse, the clock, one lookup of the per-client map, one
 /// atomic add to the client's counter; drop.
 #[xdp]

@@ -18,6 +18,7 @@
 
 use aya_ebpf::{
     bindings::BPF_NOEXIST,
+    helpers::bpf_ktime_get_ns,
     macros::map,
     maps::{Array, LpmTrie, LruHashMap, lpm_trie::Key},
 };
@@ -51,6 +52,13 @@ static CLIENTS: LruHashMap<ClientKey, ClientState> = LruHashMap::pinned(DEFAULT_
 #[map(name = "RL_BANS")]
 static BANS: LpmTrie<IpKey, BanEntry> = LpmTrie::pinned(MAX_BANS, 0);
 
+/// `[0]`: non-zero when `BANS` may hold an entry; zero only after the daemon saw it empty.
+/// Whoever inserts a ban sets it *after* the insert; the daemon clears it only when the map is
+/// empty, and sets it again if a ban arrived meanwhile. While it is zero the ban lookup (an
+/// LPM-trie walk) is skipped.
+#[map(name = "RL_BANS_PRESENT")]
+static BANS_PRESENT: Array<u64> = Array::pinned(1, 0);
+
 /// `[0]`: GCRA meter of the new-source admission budget, shared by all CPUs.
 #[map(name = "RL_ADMISSION")]
 static ADMISSION: Array<Admission> = Array::pinned(1, 0);
@@ -69,6 +77,9 @@ const EEXIST: i32 = -17;
 /// The flags of an active ban covering `src`, removing it first if it has expired.
 #[inline(always)]
 pub fn active_ban(slot: Slot, src: &IpKey, now: u64) -> Option<u32> {
+    if let Some(&0) = BANS_PRESENT.get(0) {
+        return None;
+    }
     for _ in 0..2 {
         let entry = BANS.get(Key::new(128, *src))?;
         if limiter::ban_active(entry.expires_ns, now) {
@@ -126,6 +137,9 @@ pub struct RuleLoop {
     pub judge: Judge,
     pub src_mask: u32,
     pub src_mask_known: u32,
+    /// The packet's coarse time, and its precise time once a rule has needed it (0 before).
+    pub coarse_now: u64,
+    pub fine_now: u64,
 }
 
 #[map(name = "RL_SCRATCH")]
@@ -161,6 +175,8 @@ pub fn evaluate_rules(
         };
         (*rl).pkt = pkt;
         (*rl).src_mask_known = 0;
+        (*rl).coarse_now = now;
+        (*rl).fine_now = 0;
     }
     for i in 0..MAX_RULES {
         if i >= n {
@@ -199,6 +215,14 @@ pub extern "C" fn rl_rule(index: u64, rl: *mut RuleLoop) -> u64 {
         }
     }
     stats::add_rule(rl.env.slot, i, rc::MATCHED, rl.env.len);
+    rl.env.now = if rule.flags & RULE_FINE_CLOCK != 0 {
+        if rl.fine_now == 0 {
+            rl.fine_now = unsafe { bpf_ktime_get_ns() };
+        }
+        rl.fine_now
+    } else {
+        rl.coarse_now
+    };
     match apply(rl, i, rule) {
         RuleVerdict::Drop => 1,
         RuleVerdict::Pass => 0,
@@ -254,10 +278,12 @@ fn admit_new_source(env: &Env) -> bool {
 /// The admission budget's GCRA meter (a global BPF function: verified once).
 #[unsafe(no_mangle)]
 #[inline(never)]
-pub extern "C" fn rl_admit(now: u64, rate: u64, burst: u64) -> u64 {
+pub extern "C" fn rl_admit(_now: u64, rate: u64, burst: u64) -> u64 {
     if rate == 0 {
         return 1;
     }
+    // The budget is shared by every rule: always on the precise clock (only new sources pay).
+    let now = unsafe { bpf_ktime_get_ns() };
     let Some(a) = ADMISSION.get_ptr_mut(0) else {
         return 1;
     };
@@ -614,6 +640,15 @@ pub extern "C" fn rl_after(
         let key = &*key;
         let flags = &raw mut (*st).flags;
         let f = atomic::load(flags);
+        // Token bucket usage is in ns of bucket time; events report units.
+        let usage_units = || {
+            if j.algorithm == ALG_TOKEN_BUCKET as u32 {
+                let inc = lim.gcra_inc_ns;
+                j.usage / if inc == 0 { 1 } else { inc }
+            } else {
+                j.usage
+            }
+        };
         if admitted == 0 {
             if f & STATE_THROTTLING == 0
                 && atomic::fetch_or(flags, STATE_THROTTLING | STATE_SOFT_REPORTED)
@@ -625,7 +660,7 @@ pub extern "C" fn rl_after(
                     EV_THROTTLE_START,
                     key,
                     j.now,
-                    j.usage,
+                    usage_units(),
                     lim.threshold,
                     0,
                 );
@@ -641,7 +676,7 @@ pub extern "C" fn rl_after(
                 EV_THROTTLE_END,
                 key,
                 j.now,
-                j.usage,
+                usage_units(),
                 lim.threshold,
                 0,
             );
@@ -650,7 +685,15 @@ pub extern "C" fn rl_after(
             if f & STATE_SOFT_REPORTED == 0
                 && atomic::fetch_or(flags, STATE_SOFT_REPORTED) & STATE_SOFT_REPORTED == 0
             {
-                events::emit(j.slot, EV_SOFT_LIMIT, key, j.now, j.usage, lim.threshold, 0);
+                events::emit(
+                    j.slot,
+                    EV_SOFT_LIMIT,
+                    key,
+                    j.now,
+                    usage_units(),
+                    lim.threshold,
+                    0,
+                );
             }
         } else if f & STATE_SOFT_REPORTED != 0 && f & STATE_THROTTLING == 0 {
             atomic::fetch_and(flags, !STATE_SOFT_REPORTED);
@@ -679,7 +722,7 @@ fn exceeded(env: &Env, i: u32, preview: bool, exceed_pass: bool, drop_counter: u
 
 /// Rotate a window meter to `now` (compare-and-swap on the window index).
 #[inline(always)]
-unsafe fn rotate(stamp: *mut u64, cur: *mut u64, prev: *mut u64, now: u64, interval: u64) {
+unsafe fn rotate(stamp: *mut u64, cur: *mut u64, prev: *mut u64, now: u64, interval: u64) -> u64 {
     let w = limiter::window_of(now, interval);
     let s = unsafe { atomic::load(stamp) };
     // Forward only: a CPU whose `now` was read just before another CPU rotated must not
@@ -690,6 +733,7 @@ unsafe fn rotate(stamp: *mut u64, cur: *mut u64, prev: *mut u64, now: u64, inter
         let (_, p) = limiter::rotate(s, w, c, 0);
         unsafe { atomic::store(prev, p) };
     }
+    w
 }
 
 /// Count `cost` into a sliding-window meter and return its estimate.
@@ -702,12 +746,12 @@ unsafe fn meter(
     interval: u64,
     cost: u64,
 ) -> u64 {
-    unsafe { rotate(stamp, cur, prev, now, interval) };
+    let w = unsafe { rotate(stamp, cur, prev, now, interval) };
     let c = unsafe { atomic::fetch_add(cur, cost) } + cost;
     limiter::sliding_estimate(
         unsafe { atomic::load(prev) },
         c,
-        limiter::prev_weight(now, interval),
+        limiter::prev_weight_in(now, interval, w),
     )
 }
 
@@ -735,8 +779,14 @@ unsafe fn limit_check(
         )
     };
     if algorithm == ALG_TOKEN_BUCKET {
-        let inc = limiter::gcra_increment(cost, threshold, interval);
-        let burst_ns = limiter::gcra_burst_ns(limit.burst, threshold, interval);
+        // Usage and capacity in ns of bucket time (no division per packet); `rl_after`
+        // converts to units for the events it emits.
+        let inc = if cost == 1 {
+            limit.gcra_inc_ns
+        } else {
+            limiter::gcra_increment(cost, threshold, interval)
+        };
+        let burst_ns = limit.gcra_burst_ns;
         let tat = stamp;
         for _ in 0..CAS_RETRIES {
             let old = unsafe { atomic::load(tat) };
@@ -747,25 +797,23 @@ unsafe fn limit_check(
                     if let Some(c) = limiter::gcra_clamp(old, now, burst_ns) {
                         unsafe { atomic::cas(tat, old, c) };
                     }
-                    return (false, limit.burst, limit.burst);
+                    return (false, burst_ns, burst_ns);
                 }
                 Some(new) => {
                     if unsafe { atomic::cas(tat, old, new) } {
-                        // Usage: how much of the burst is spent, in cost units.
-                        let used = (new - now) / (interval / threshold).max(1);
-                        return (true, used, limit.burst);
+                        return (true, new - now, burst_ns);
                     }
                 }
             }
         }
         stats::add(slot, global::CONTENDED, 0);
-        return (false, limit.burst, limit.burst);
+        return (false, burst_ns, burst_ns);
     }
-    unsafe { rotate(stamp, cur, prev, now, interval) };
+    let w = unsafe { rotate(stamp, cur, prev, now, interval) };
     let weight = if algorithm == ALG_FIXED_WINDOW {
         0
     } else {
-        limiter::prev_weight(now, interval)
+        limiter::prev_weight_in(now, interval, w)
     };
     // Admit by compare-and-swap on `cur`: read, decide, and commit only if no other CPU
     // counted in between. (Reserving with fetch-add and giving back on overshoot would race
@@ -820,7 +868,14 @@ pub extern "C" fn rl_ban(
                 &entry,
                 BPF_NOEXIST as u64,
             ) {
-                Ok(()) => true,
+                Ok(()) => {
+                    if let Some(p) = BANS_PRESENT.get_ptr_mut(0)
+                        && atomic::load(p) == 0
+                    {
+                        atomic::store(p, 1);
+                    }
+                    true
+                }
                 Err(EEXIST) => return 2,
                 Err(_) => {
                     stats::add(j.slot, global::BAN_INSERT_FAILED, 0);

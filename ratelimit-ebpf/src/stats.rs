@@ -6,10 +6,10 @@
 
 use aya_ebpf::{
     macros::map,
-    maps::{HashMap, PerCpuArray},
+    maps::{Array, HashMap, PerCpuArray},
 };
 use ratelimit_common::{
-    caps::MAX_IFACES,
+    caps::{IFSLOT_ARRAY_LEN, MAX_IFACES},
     stats::{Counter, STATS_LEN, global_index, rule_index},
 };
 
@@ -24,8 +24,19 @@ static STATS: PerCpuArray<Counter> = PerCpuArray::pinned(STATS_LEN, 0);
 #[map(name = "RL_IFACES")]
 static IFACES: HashMap<u32, u32> = HashMap::pinned(MAX_IFACES, 0);
 
+/// The same for ifindex < `IFSLOT_ARRAY_LEN`, as an array: the common case costs one indexed
+/// load instead of a hash lookup. 0 = not listed.
+#[map(name = "RL_IFSLOTS")]
+static IFSLOTS: Array<u32> = Array::pinned(IFSLOT_ARRAY_LEN, 0);
+
 #[inline(always)]
 pub fn slot(ifindex: u32) -> Slot {
+    if ifindex < IFSLOT_ARRAY_LEN {
+        return match IFSLOTS.get(ifindex) {
+            Some(&s) if s < MAX_IFACES => s,
+            _ => 0,
+        };
+    }
     match unsafe { IFACES.get(&ifindex) } {
         Some(&s) if s < MAX_IFACES => s,
         _ => 0,

@@ -75,6 +75,14 @@ pub fn limit_of(
     let interval_ns = t.interval.as_nanos() as u64;
     let burst = burst.unwrap_or(t.amount);
     let ban = ban.unwrap_or(t);
+    let (gcra_inc_ns, gcra_burst_ns) = if t.amount == 0 || interval_ns == 0 {
+        (0, 0)
+    } else {
+        (
+            ratelimit_common::limiter::gcra_increment(1, t.amount, interval_ns),
+            ratelimit_common::limiter::gcra_burst_ns(burst, t.amount, interval_ns),
+        )
+    };
     Limit {
         threshold: t.amount,
         interval_ns,
@@ -82,6 +90,8 @@ pub fn limit_of(
         ban_threshold: ban.amount,
         ban_interval_ns: ban.interval.as_nanos() as u64,
         ban_duration_ns: ban_duration.map(|d| d.as_nanos() as u64).unwrap_or(0),
+        gcra_inc_ns,
+        gcra_burst_ns,
     }
 }
 
@@ -230,6 +240,26 @@ pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
                     region_overrides.insert((i as u32, *code), v);
                 }
             }
+        }
+    }
+    // The precise clock only for the rules that need it (see `needs_fine_clock`).
+    let mut rules = rules;
+    for (i, rc) in rules.iter_mut().enumerate() {
+        let i = i as u32;
+        let fine = needs_fine_clock(&rc.limit, rc.algorithm)
+            || overrides
+                .iter()
+                .filter(|((r, _), _)| *r == i)
+                .map(|(_, o)| o)
+                .chain(
+                    region_overrides
+                        .iter()
+                        .filter(|((r, _), _)| *r == i)
+                        .map(|(_, o)| o),
+                )
+                .any(|o| needs_fine_clock(&o.limit, rc.algorithm));
+        if fine {
+            rc.flags |= RULE_FINE_CLOCK;
         }
     }
     Plan {

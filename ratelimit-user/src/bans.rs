@@ -141,8 +141,7 @@ pub fn restore(dir: &Path, maps: &mut Maps, rule_names: &[String]) -> anyhow::Re
             _pad: 0,
             addr: key.addr,
         };
-        maps.bans
-            .insert(&Key::new(plen, key), entry, 0)
+        maps.insert_ban(&Key::new(plen, key), entry)
             .with_context(|| format!("restoring ban {net}"))?;
         out.restored += 1;
     }

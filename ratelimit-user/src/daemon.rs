@@ -290,8 +290,7 @@ impl State {
             }
             let entry = BanEntry::manual(plen, key.addr, now, expires);
             self.maps
-                .bans
-                .insert(&Key::new(plen, key), entry, 0)
+                .insert_ban(&Key::new(plen, key), entry)
                 .map_err(|e| {
                     anyhow::anyhow!(
                         "adding the ban for {net}: {e} (the ban map holds {} entries)",
@@ -708,7 +707,10 @@ async fn persist_bans(state: Shared) -> anyhow::Result<()> {
         tick.tick().await;
         n = n.wrapping_add(1);
         let mut s = state.lock().await;
-        tokio::task::block_in_place(|| s.sweep_expired_bans());
+        tokio::task::block_in_place(|| {
+            s.sweep_expired_bans();
+            s.maps.refresh_bans_present();
+        });
         if n.is_multiple_of(60) {
             // Bans issued while events were lost would otherwise never be swept.
             s.next_ban_expiry = 0;

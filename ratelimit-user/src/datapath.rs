@@ -25,7 +25,7 @@ use aya::{
 };
 use ratelimit_common::{
     addr::IpKey,
-    caps::MAX_IFACES,
+    caps::{IFSLOT_ARRAY_LEN, MAX_IFACES},
     maps::{
         BanEntry, ClientKey, ClientState, GlobalConfig, ListValue, OverrideKey, OverrideValue,
         RegionOverrideKey, RuleConfig,
@@ -56,6 +56,11 @@ pub struct Maps {
     pub bans: LpmTrie<MapData, IpKey, BanEntry>,
     pub stats: PerCpuArray<MapData, Counter>,
     pub ifaces: HashMap<MapData, u32, u32>,
+    pub ifslots: Array<MapData, u32>,
+    /// Whether `bans` may hold an entry (see `Maps::insert_ban`).
+    pub bans_present: Array<MapData, u64>,
+    /// What this process last wrote to `bans_present` (only the daemon ever clears it).
+    bans_flag_set: bool,
     pub events: Option<RingBuf<MapData>>,
 }
 
@@ -297,7 +302,7 @@ impl Datapath {
             .pin(&pin)
             .with_context(|| format!("pinning {}", pin.display()))?;
         drop(pinned); // the pin keeps the link (and the program) attached
-        let slot = assign_slot(&mut maps.ifaces, idx)?;
+        let slot = assign_slot(&mut maps.ifaces, &mut maps.ifslots, idx)?;
         let a = Attached {
             iface: iface.to_string(),
             ifindex: idx,
@@ -329,15 +334,63 @@ impl Datapath {
             bans: LpmTrie::try_from(take("RL_BANS")?)?,
             stats: PerCpuArray::try_from(take("RL_STATS")?)?,
             ifaces: HashMap::try_from(take("RL_IFACES")?)?,
+            ifslots: Array::try_from(take("RL_IFSLOTS")?)?,
+            bans_present: {
+                // Conservative at every start: the sweep clears it once the map is empty.
+                let mut a = Array::try_from(take("RL_BANS_PRESENT")?)?;
+                a.set(0, 1, 0)?;
+                a
+            },
+            bans_flag_set: true,
             events: Some(RingBuf::try_from(take("RL_EVENTS")?)?),
         })
     }
 }
 
+impl Maps {
+    /// Insert (or replace) a ban, then note that bans exist (in that order: the program skips
+    /// the ban lookup while the flag is clear).
+    pub fn insert_ban(
+        &mut self,
+        key: &aya::maps::lpm_trie::Key<IpKey>,
+        entry: BanEntry,
+    ) -> Result<(), aya::maps::MapError> {
+        self.bans.insert(key, entry, 0)?;
+        if !self.bans_flag_set {
+            self.bans_present.set(0, 1, 0)?;
+            self.bans_flag_set = true;
+        }
+        Ok(())
+    }
+
+    /// Clear the bans flag if the map is empty; set it again if a ban arrived meanwhile (the
+    /// program sets it after its own inserts, so no ban is ever left unlooked-up).
+    pub fn refresh_bans_present(&mut self) {
+        if self.bans.keys().next().is_some() {
+            self.bans_flag_set = self.bans_present.set(0, 1, 0).is_ok();
+            return;
+        }
+        if self.bans_present.set(0, 0, 0).is_err() {
+            return;
+        }
+        self.bans_flag_set = false;
+        if self.bans.keys().next().is_some() {
+            self.bans_flag_set = self.bans_present.set(0, 1, 0).is_ok();
+        }
+    }
+}
+
 /// Counter slot for `ifindex`: the one already assigned, else the lowest free one (slot 0, shared,
 /// once all are taken).
-fn assign_slot(ifaces: &mut HashMap<MapData, u32, u32>, ifindex: u32) -> anyhow::Result<u32> {
+fn assign_slot(
+    ifaces: &mut HashMap<MapData, u32, u32>,
+    ifslots: &mut Array<MapData, u32>,
+    ifindex: u32,
+) -> anyhow::Result<u32> {
     if let Ok(s) = ifaces.get(&ifindex, 0) {
+        if ifindex < IFSLOT_ARRAY_LEN {
+            ifslots.set(ifindex, s, 0)?;
+        }
         return Ok(s);
     }
     let used: Vec<u32> = ifaces
@@ -346,6 +399,9 @@ fn assign_slot(ifaces: &mut HashMap<MapData, u32, u32>, ifindex: u32) -> anyhow:
         .collect();
     let slot = (1..MAX_IFACES).find(|s| !used.contains(s)).unwrap_or(0);
     ifaces.insert(ifindex, slot, 0)?;
+    if ifindex < IFSLOT_ARRAY_LEN {
+        ifslots.set(ifindex, slot, 0)?;
+    }
     Ok(slot)
 }
 

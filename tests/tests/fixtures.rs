@@ -601,8 +601,7 @@ fn ban(maps: &mut Maps, cidr: &str) {
     let now = report::mono_ns();
     let entry =
         ratelimit_common::maps::BanEntry::manual(plen, key.addr, now, now + 3_600_000_000_000);
-    maps.bans
-        .insert(&aya::maps::lpm_trie::Key::new(plen, key), entry, 0)
+    maps.insert_ban(&aya::maps::lpm_trie::Key::new(plen, key), entry)
         .unwrap();
     let _ = BanSpec {
         cidr: cidr.into(),

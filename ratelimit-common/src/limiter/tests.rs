@@ -260,4 +260,9 @@ proptest! {
         let est = sliding_estimate(u64::MAX, 5, w);
         prop_assert!(est >= 5);
     }
+
+    #[test]
+    fn weight_from_the_window_index_is_the_same(interval in 1u64..MAX_INTERVAL_NS, t in 0u64..u64::MAX / 2) {
+        prop_assert_eq!(prev_weight_in(t, interval, window_of(t, interval)), prev_weight(t, interval));
+    }
 }

@@ -71,7 +71,10 @@ struct CaseResult {
 #[derive(Serialize)]
 struct ScaleResult {
     tracked_sources: u64,
+    /// Each run a different source drawn across the tracked set.
     ns: f64,
+    /// Every run the same source.
+    ns_one_source: f64,
     over_ref_pass: f64,
     populate_secs: f64,
     walk_secs: f64,
@@ -88,6 +91,8 @@ struct Results {
     scale: Vec<ScaleResult>,
     memory: BTreeMap<String, serde_json::Value>,
     control_plane: BTreeMap<String, f64>,
+    /// Churn and two-CPU cases, ns per packet.
+    concurrency: BTreeMap<String, f64>,
     not_measured: Vec<&'static str>,
     #[serde(flatten)]
     sections: BTreeMap<String, serde_json::Value>,
@@ -215,12 +220,7 @@ fn main() {
     // A ban for the banned-path case.
     let (plen, key) = apply::prefix(&"198.18.202.0/24".parse().unwrap());
     let now = report::mono_ns();
-    maps.bans
-        .insert(
-            &Key::new(plen, key),
-            BanEntry::manual(plen, key.addr, now, 0),
-            0,
-        )
+    maps.insert_ban(&Key::new(plen, key), BanEntry::manual(plen, key.addr, now, 0))
         .unwrap();
     let mut b = Bench {
         dp,
@@ -307,6 +307,30 @@ fn main() {
         "drop",
         b.measure("ratelimit", &frame_udp([198, 18, 201, 1]), XDP_DROP),
     );
+    push(
+        "floor: the clock (bpf_ktime_get_ns), then XDP_PASS",
+        "ref_clock",
+        "pass",
+        b.measure("ref_clock", &udp, XDP_PASS),
+    );
+    push(
+        "floor: the coarse clock (bpf_ktime_get_coarse_ns), then XDP_PASS",
+        "ref_clock_coarse",
+        "pass",
+        b.measure("ref_clock_coarse", &udp, XDP_PASS),
+    );
+    push(
+        "floor: parse, one per-client lookup, one atomic add, XDP_DROP",
+        "ref_lookup",
+        "drop",
+        b.measure("ref_lookup", &udp, XDP_DROP),
+    );
+    push(
+        "floor: parse, clock, one per-client lookup, one atomic add, XDP_DROP",
+        "ref_floor",
+        "drop",
+        b.measure("ref_floor", &udp, XDP_DROP),
+    );
 
     // Scale: the same pass path with more and more sources tracked. (The measured source is
     // the same on every run — this kernel's BPF_PROG_TEST_RUN replays one frame — so it is the
@@ -321,21 +345,50 @@ fn main() {
     for &n in sizes {
         let populate_secs = populate_more(&mut maps, populated, n);
         populated = n;
+        let (ns_same, _) = b.measure("ratelimit", &udp, XDP_PASS);
+        // Every run a different tracked source, drawn across the populated set.
+        set_vary(&mut b.dp, VARY_SPREAD, n, 0x0b00_0000);
         let (ns, _) = b.measure("ratelimit", &udp, XDP_PASS);
+        set_vary(&mut b.dp, 0, 0, 0);
         let t = Instant::now();
         let walked = maps.clients.keys().count();
         let walk_secs = t.elapsed().as_secs_f64();
         println!(
-            "  {n:>9} tracked sources: {ns:>8.1} ns (+{:.1} over XDP_PASS); populate {populate_secs:.2}s, walk of {walked} keys {walk_secs:.2}s",
+            "  {n:>9} tracked sources: {ns:>8.1} ns (+{:.1} over XDP_PASS) across them, {ns_same:.1} ns one source; populate {populate_secs:.2}s, walk of {walked} keys {walk_secs:.2}s",
             ns - ref_pass
         );
         scale.push(ScaleResult {
             tracked_sources: n,
             ns,
+            ns_one_source: ns_same,
             over_ref_pass: ns - ref_pass,
             populate_secs,
             walk_secs,
         });
+    }
+
+    // Churn and two CPUs: the cost of the concurrency choice (one shared state per client,
+    // updated with atomics) when two CPUs hit the same client, and of state creation when
+    // every packet is a new source.
+    let mut concurrency = BTreeMap::new();
+    let one_cpu = b.measure("ratelimit", &udp, XDP_PASS).0;
+    set_vary(&mut b.dp, VARY_CHURN, 0, 0);
+    let churn = b.measure("ratelimit", &udp, XDP_PASS).0;
+    set_vary(&mut b.dp, 0, 0, 0);
+    concurrency.insert("one_cpu_one_client_ns".to_string(), one_cpu);
+    concurrency.insert("one_cpu_churn_ns".to_string(), churn);
+    println!("  one CPU, one client: {one_cpu:.1} ns; one CPU, a new source every packet: {churn:.1} ns");
+    if cpus > 1 {
+        let hammer = two_cpus(&mut b, &udp);
+        set_vary(&mut b.dp, VARY_CHURN, 0, 0);
+        let churn2 = two_cpus(&mut b, &udp);
+        set_vary(&mut b.dp, 0, 0, 0);
+        println!(
+            "  two CPUs, one client: {:.1} / {:.1} ns; two CPUs churning: {:.1} / {:.1} ns",
+            hammer.0, hammer.1, churn2.0, churn2.1
+        );
+        concurrency.insert("two_cpus_one_client_ns".to_string(), hammer.0.max(hammer.1));
+        concurrency.insert("two_cpus_churn_ns".to_string(), churn2.0.max(churn2.1));
     }
 
     // Memory: the kernel's accounting for the per-client map, per entry it can hold.
@@ -360,12 +413,7 @@ fn main() {
     let t = Instant::now();
     for i in 0..n_bans {
         let (plen, key) = (128, IpKey::from_v4((0x0c00_0000u32 | i).to_be_bytes()));
-        maps.bans
-            .insert(
-                &Key::new(plen, key),
-                BanEntry::manual(plen, key.addr, now, 0),
-                0,
-            )
+        maps.insert_ban(&Key::new(plen, key), BanEntry::manual(plen, key.addr, now, 0))
             .unwrap();
     }
     let secs = t.elapsed().as_secs_f64();
@@ -397,6 +445,7 @@ fn main() {
         scale,
         memory,
         control_plane,
+        concurrency,
         not_measured: vec![
             "live floods through veth against nftables and iptables hashlimit",
             "two CPUs hammering one client / churning",
@@ -415,6 +464,51 @@ fn main() {
         "bench: all {} cases ran with the expected verdicts",
         results.cases.len() + results.scale.len()
     );
+}
+
+const VARY_SPREAD: u64 = 1;
+const VARY_CHURN: u64 = 2;
+
+/// Per-run source variation of the bench build (see ratelimit-ebpf/src/bench.rs).
+fn set_vary(dp: &mut Datapath, mode: u64, n: u64, base: u32) {
+    let map = dp
+        .ebpf_mut()
+        .map_mut("RL_BENCH_VARY")
+        .expect("the bench build of the object");
+    let mut a: aya::maps::Array<_, [u64; 3]> = aya::maps::Array::try_from(map).unwrap();
+    a.set(0, [mode, n, base as u64], 0).unwrap();
+}
+
+/// The limiter on two CPUs at once, each thread pinned to its CPU: median ns per run on each.
+fn two_cpus(b: &mut Bench, frame: &[u8]) -> (f64, f64) {
+    use aya::programs::{TestRun as _, TestRunOptions, Xdp};
+    let prog: &Xdp = b
+        .dp
+        .ebpf_mut()
+        .program("ratelimit")
+        .unwrap()
+        .try_into()
+        .unwrap();
+    let (repeat, samples) = (b.repeat, b.samples);
+    let run = |cpu: usize| {
+        ratelimit_tests::sender::pin_current_thread(cpu).expect("pin");
+        let mut v: Vec<f64> = (0..samples)
+            .map(|_| {
+                let mut opts = TestRunOptions::new();
+                opts.data_in = Some(frame);
+                opts.repeat = repeat;
+                let r = prog.test_run(opts).expect("test run");
+                assert_eq!(r.return_value, XDP_PASS);
+                r.duration.as_nanos() as f64
+            })
+            .collect();
+        median(&mut v)
+    };
+    std::thread::scope(|s| {
+        let a = s.spawn(|| run(0));
+        let b = s.spawn(|| run(1));
+        (a.join().unwrap(), b.join().unwrap())
+    })
 }
 
 fn populate_more(maps: &mut Maps, from: u64, to: u64) -> f64 {
@@ -468,6 +562,10 @@ fn write_reports(ctx: &Ctx, r: &Results, sections: &[Section]) {
             "| {} | {:.1} | {:+.1} | {:.2} s |\n",
             s.tracked_sources, s.ns, s.over_ref_pass, s.walk_secs
         ));
+    }
+    md.push_str("\n## Churn and two CPUs (pass path, ns per packet)\n\n");
+    for (k, v) in &r.concurrency {
+        md.push_str(&format!("- {k}: {v:.1}\n"));
     }
     md.push_str("\n## Memory\n\n");
     for (k, v) in &r.memory {
