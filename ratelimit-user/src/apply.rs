@@ -413,3 +413,52 @@ pub fn apply(maps: &mut Maps, plan: &Plan) -> anyhow::Result<()> {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fine(rule_body: &str) -> bool {
+        let text = format!("[[rule]]\nname = \"r\"\n{rule_body}");
+        let cfg = crate::config::parse("t.toml", &text).expect("config");
+        plan(&cfg, false).rules[0].flags & RULE_FINE_CLOCK != 0
+    }
+
+    /// The precise clock for exactly the rules whose judgement a tick could change.
+    #[test]
+    fn fine_clock_only_where_a_tick_matters() {
+        // Windows of a second or more: coarse.
+        assert!(!fine(r#"threshold = { count = 100, interval = "1s" }"#));
+        assert!(!fine(
+            r#"threshold = { count = 5, interval = "1h" }
+algorithm = "fixed_window""#
+        ));
+        // A window shorter than a second: fine.
+        assert!(fine(r#"threshold = { count = 100, interval = "500ms" }"#));
+        // A token bucket whose burst refills in 100 ms: coarse; in 10 ms: fine.
+        assert!(!fine(
+            r#"threshold = { count = 1000, interval = "1s" }
+algorithm = "token_bucket"
+burst = 100"#
+        ));
+        assert!(fine(
+            r#"threshold = { count = 1000, interval = "1s" }
+algorithm = "token_bucket"
+burst = 10"#
+        ));
+        // A ban meter over a short interval: fine.
+        assert!(fine(
+            r#"threshold = { count = 100, interval = "1s" }
+action = "rate_based_ban"
+ban_threshold = { count = 10, interval = "100ms" }
+ban_duration = "1m""#
+        ));
+        // An override with a short interval makes the whole rule fine.
+        assert!(fine(
+            r#"threshold = { count = 100, interval = "1s" }
+[[rule.override]]
+cidr = "10.0.0.0/8"
+threshold = { count = 10, interval = "200ms" }"#
+        ));
+    }
+}

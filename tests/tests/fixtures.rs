@@ -609,3 +609,68 @@ fn ban(maps: &mut Maps, cidr: &str) {
         reason: None,
     };
 }
+
+/// The program skips the ban lookup while `RL_BANS_PRESENT` is clear. The daemon clears it
+/// only when the ban map is empty; a ban issued by a rule, or by an operator, sets it again,
+/// and the very next packet of the banned source is dropped as banned.
+#[test]
+fn bans_flag_follows_the_ban_map() {
+    if skip_unless_kernel() {
+        return;
+    }
+    const BAN_CONFIG: &str = r#"
+[[rule]]
+name = "udp-ban"
+action = "rate_based_ban"
+match = { protocol = "udp", dst_ports = ["9000"] }
+threshold = { count = 2, interval = "1h" }
+ban_threshold = { count = 3, interval = "1h" }
+ban_duration = "1h"
+algorithm = "fixed_window"
+"#;
+    let pins = Pins::new();
+    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
+    let mut maps = dp.take_maps().expect("maps");
+    let cfg = config::parse("bans.toml", BAN_CONFIG).expect("config");
+    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
+    let rules = vec!["udp-ban".to_string()];
+    let flag = |maps: &Maps| maps.bans_present.get(&0, 0).unwrap();
+    assert_eq!(flag(&maps), 1, "set at start, before the daemon has looked");
+    maps.refresh_bans_present();
+    assert_eq!(flag(&maps), 0, "cleared: no ban exists");
+
+    // A rule issues a ban: 4 packets cross the ban threshold of 3; the 5th is dropped as banned.
+    let frame = v4([198, 18, 9, 9]).udp(40000, 9000).build();
+    let before = counters(&maps, &rules);
+    for _ in 0..4 {
+        dp.test_run(&frame, 1).unwrap();
+    }
+    assert_eq!(flag(&maps), 1, "the program set it with its ban");
+    let (action, _) = dp.test_run(&frame, 1).unwrap();
+    assert_eq!(action, XDP_DROP);
+    let d = delta(&before, &counters(&maps, &rules));
+    assert_eq!(d.get("bans_issued"), Some(&1), "{d:?}");
+    assert_eq!(d.get("drop_ban"), Some(&1), "{d:?}");
+    maps.refresh_bans_present();
+    assert_eq!(flag(&maps), 1, "kept: a ban exists");
+
+    // Remove the ban: the flag clears; an operator ban sets it again and is enforced.
+    let keys: Vec<_> = maps.bans.keys().filter_map(|k| k.ok()).collect();
+    for k in keys {
+        maps.bans.remove(&k).unwrap();
+    }
+    maps.refresh_bans_present();
+    assert_eq!(flag(&maps), 0);
+    let other = v4([198, 18, 10, 10]).udp(40000, 53).build();
+    assert_eq!(dp.test_run(&other, 1).unwrap().0, XDP_PASS);
+    let net = ratelimit_user::daemon::parse_cidr("198.18.10.0/24").unwrap();
+    let (plen, key) = apply::prefix(&net);
+    let now = report::mono_ns();
+    maps.insert_ban(
+        &aya::maps::lpm_trie::Key::new(plen, key),
+        ratelimit_common::maps::BanEntry::manual(plen, key.addr, now, 0),
+    )
+    .unwrap();
+    assert_eq!(flag(&maps), 1);
+    assert_eq!(dp.test_run(&other, 1).unwrap().0, XDP_DROP);
+}
