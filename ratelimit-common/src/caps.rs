@@ -7,6 +7,8 @@ pub const MAX_RULES: u32 = 16;
 pub const MAX_LIST_ENTRIES: u32 = 65_536;
 /// Source-CIDR match entries shared by all rules (after prefix closure, see `maps::ListValue`).
 pub const MAX_RULE_SRC_ENTRIES: u32 = 16_384;
+/// The sources trie holds the allow list, the deny list and every rule's `src` list.
+pub const MAX_SOURCES_ENTRIES: u32 = 2 * MAX_LIST_ENTRIES + MAX_RULE_SRC_ENTRIES;
 /// Active bans. Bans have their own map so that churn in per-client state cannot evict them.
 pub const MAX_BANS: u32 = 262_144;
 /// Per-CIDR threshold overrides, all rules together.

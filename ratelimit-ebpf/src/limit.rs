@@ -155,6 +155,7 @@ pub fn evaluate_rules(
     len: u64,
     now: u64,
     g: &GlobalConfig,
+    src_mask: (u32, u32),
 ) -> RuleVerdict {
     let n = g.rule_count;
     if n == 0 {
@@ -174,7 +175,8 @@ pub fn evaluate_rules(
             admission_burst: g.admission_burst,
         };
         (*rl).pkt = pkt;
-        (*rl).src_mask_known = 0;
+        (*rl).src_mask_known = src_mask.0;
+        (*rl).src_mask = src_mask.1;
         (*rl).coarse_now = now;
         (*rl).fine_now = 0;
     }
@@ -207,7 +209,7 @@ pub extern "C" fn rl_rule(index: u64, rl: *mut RuleLoop) -> u64 {
     }
     if rule.flags & RULE_SRC_MATCH != 0 {
         if rl.src_mask_known == 0 {
-            rl.src_mask = policy::rule_src_mask(&rl.pkt.src);
+            rl.src_mask = policy::sources(&rl.pkt.src).1;
             rl.src_mask_known = 1;
         }
         if rl.src_mask & (1 << i) == 0 {

@@ -15,10 +15,10 @@
 mod atomic;
 #[cfg(all(target_arch = "bpf", feature = "bench"))]
 mod bench;
-#[cfg(all(target_arch = "bpf", feature = "bench"))]
-mod generator;
 #[cfg(target_arch = "bpf")]
 mod events;
+#[cfg(all(target_arch = "bpf", feature = "bench"))]
+mod generator;
 #[cfg(target_arch = "bpf")]
 mod limit;
 #[cfg(target_arch = "bpf")]
@@ -34,7 +34,9 @@ mod program {
         bindings::xdp_action, helpers::bpf_ktime_get_coarse_ns, macros::xdp, programs::XdpContext,
     };
     use ratelimit_common::{
-        maps::{BAN_EXCEED_PASS, BAN_PREVIEW, GLOBAL_HAS_ALLOW, GLOBAL_HAS_DENY},
+        maps::{
+            BAN_EXCEED_PASS, BAN_PREVIEW, GLOBAL_HAS_ALLOW, GLOBAL_HAS_DENY, LIST_ALLOW, LIST_DENY,
+        },
         stats::global,
     };
 
@@ -72,11 +74,20 @@ mod program {
     fn decide(slot: Slot, pkt: Parsed, len: u64) -> u32 {
         let src = &pkt.src;
         let global_cfg = policy::global();
-        if global_cfg.flags & GLOBAL_HAS_ALLOW != 0 && policy::allowed(src) {
-            return finish(slot, global::PASS_ALLOW, len);
-        }
-        if global_cfg.flags & GLOBAL_HAS_DENY != 0 && policy::denied(src) {
-            return finish(slot, global::DROP_DENY, len);
+        // One lookup answers the allow list, the deny list and the rules' source lists; with
+        // no list at all it is skipped (rules with a source list then look up on their own).
+        // (known, mask): plain integers, not an Option, whose unset payload the verifier would
+        // see as an uninitialised register.
+        let mut src_mask = (0u32, 0u32);
+        if global_cfg.flags & (GLOBAL_HAS_ALLOW | GLOBAL_HAS_DENY) != 0 {
+            let (flags, mask) = policy::sources(src);
+            if flags & LIST_ALLOW != 0 {
+                return finish(slot, global::PASS_ALLOW, len);
+            }
+            if flags & LIST_DENY != 0 {
+                return finish(slot, global::DROP_DENY, len);
+            }
+            src_mask = (1, mask);
         }
         // The coarse clock (the last timer tick): a fraction of the cost of reading the clock
         // source. Rules that need precision read the precise one (`RULE_FINE_CLOCK`).
@@ -92,7 +103,7 @@ mod program {
                 stats::add(slot, global::PREVIEW_WOULD_DROP, len);
             }
         }
-        match limit::evaluate_rules(slot, pkt, len, now, global_cfg) {
+        match limit::evaluate_rules(slot, pkt, len, now, global_cfg, src_mask) {
             RuleVerdict::Drop => finish(slot, global::DROP_RULE, len),
             RuleVerdict::Pass => finish(slot, global::PASS, len),
         }

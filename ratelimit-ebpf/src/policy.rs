@@ -9,8 +9,7 @@ use aya_ebpf::{
 use ratelimit_common::{
     addr::IpKey,
     caps::{
-        MAX_LIST_ENTRIES, MAX_OVERRIDES, MAX_REGION_OVERRIDES, MAX_REGION_PREFIXES,
-        MAX_RULE_SRC_ENTRIES, MAX_RULES,
+        MAX_OVERRIDES, MAX_REGION_OVERRIDES, MAX_REGION_PREFIXES, MAX_RULES, MAX_SOURCES_ENTRIES,
     },
     maps::{
         GlobalConfig, ListValue, OVERRIDE_RULE_BITS, OverrideKey, OverrideValue, REGION_UNKNOWN,
@@ -26,18 +25,10 @@ static GLOBAL: Array<GlobalConfig> = Array::pinned(1, 0);
 #[map(name = "RL_RULES")]
 static RULES: Array<RuleConfig> = Array::pinned(MAX_RULES, 0);
 
-/// Sources never limited nor banned. LPM trie: CIDRs of any length, longest match wins.
-#[map(name = "RL_ALLOW")]
-static ALLOW: LpmTrie<IpKey, ListValue> = LpmTrie::pinned(MAX_LIST_ENTRIES, 0);
-
-/// Sources always dropped.
-#[map(name = "RL_DENY")]
-static DENY: LpmTrie<IpKey, ListValue> = LpmTrie::pinned(MAX_LIST_ENTRIES, 0);
-
-/// Rule source CIDRs: value = bitmask of rules whose `src` list covers the address (the daemon
-/// stores the union over covering prefixes at each prefix, so the longest match is complete).
-#[map(name = "RL_RULE_SRC")]
-static RULE_SRC: LpmTrie<IpKey, ListValue> = LpmTrie::pinned(MAX_RULE_SRC_ENTRIES, 0);
+/// The allow list (never limited nor banned), the deny list (always dropped) and the rules'
+/// source lists, in one LPM trie so that one lookup answers all three (see `ListValue`).
+#[map(name = "RL_SOURCES")]
+static SOURCES: LpmTrie<IpKey, ListValue> = LpmTrie::pinned(MAX_SOURCES_ENTRIES, 0);
 
 /// Per-CIDR threshold overrides: key = (rule, address), most specific prefix wins.
 #[map(name = "RL_OVERRIDES")]
@@ -76,23 +67,14 @@ fn full(src: &IpKey) -> Key<IpKey> {
     Key::new(128, *src)
 }
 
+/// What the sources trie says of `src`: (`LIST_*` flags, mask of the rules whose source list
+/// contains it).
 #[inline(always)]
-pub fn allowed(src: &IpKey) -> bool {
-    ALLOW.get(full(src)).is_some()
-}
-
-#[inline(always)]
-pub fn denied(src: &IpKey) -> bool {
-    DENY.get(full(src)).is_some()
-}
-
-/// Bitmask of rules whose source list contains `src`.
-#[inline(always)]
-pub fn rule_src_mask(src: &IpKey) -> u32 {
-    RULE_SRC
-        .get(full(src))
-        .map(|v| v.rule_src_mask)
-        .unwrap_or(0)
+pub fn sources(src: &IpKey) -> (u32, u32) {
+    match SOURCES.get(full(src)) {
+        Some(v) => (v.flags, v.rule_src_mask),
+        None => (0, 0),
+    }
 }
 
 #[inline(always)]

@@ -13,7 +13,7 @@ use aya::maps::lpm_trie::Key;
 use ipnet::IpNet;
 use ratelimit_common::{
     addr::{IpKey, V4_MAPPED_PREFIX},
-    caps::{MAX_LIST_ENTRIES, MAX_PORT_RANGES, MAX_RULE_SRC_ENTRIES},
+    caps::{MAX_PORT_RANGES, MAX_SOURCES_ENTRIES},
     maps::*,
 };
 
@@ -59,9 +59,8 @@ pub fn net_of(prefix_len: u32, key: &IpKey) -> IpNet {
 pub struct Plan {
     pub global: GlobalConfig,
     pub rules: Vec<RuleConfig>,
-    pub allow: BTreeSet<Prefix>,
-    pub deny: BTreeSet<Prefix>,
-    pub rule_src: BTreeMap<Prefix, u32>,
+    /// The sources trie: allow, deny and rule source lists, closed over covering prefixes.
+    pub sources: BTreeMap<Prefix, ListValue>,
     pub overrides: BTreeMap<(u32, Prefix), OverrideValue>,
     pub region_overrides: BTreeMap<(u32, [u8; 2]), OverrideValue>,
 }
@@ -188,22 +187,37 @@ pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
         },
         _pad: 0,
     };
-    // Rule source lists: at each listed prefix, the union of the masks of every listed prefix
-    // that covers it, so a longest-prefix match alone answers for all rules.
-    let mut listed: Vec<(IpNet, u32)> = Vec::new();
+    let mut own: Vec<(Prefix, ListValue)> = Vec::new();
+    for n in &cfg.lists.allow {
+        own.push((
+            prefix(&n.trunc()),
+            ListValue {
+                rule_src_mask: 0,
+                flags: LIST_ALLOW,
+            },
+        ));
+    }
+    for n in &cfg.lists.deny {
+        own.push((
+            prefix(&n.trunc()),
+            ListValue {
+                rule_src_mask: 0,
+                flags: LIST_DENY,
+            },
+        ));
+    }
     for (i, r) in cfg.rules.iter().enumerate() {
         for n in &r.matcher.src {
-            listed.push((n.trunc(), 1 << i));
+            own.push((
+                prefix(&n.trunc()),
+                ListValue {
+                    rule_src_mask: 1 << i,
+                    flags: 0,
+                },
+            ));
         }
     }
-    let mut rule_src = BTreeMap::new();
-    for (p, _) in &listed {
-        let mask = listed
-            .iter()
-            .filter(|(q, _)| q.contains(p))
-            .fold(0, |m, (_, b)| m | b);
-        rule_src.insert(prefix(p), mask);
-    }
+    let sources = close_over_covering(&own);
     let mut overrides = BTreeMap::new();
     let mut region_overrides = BTreeMap::new();
     for (i, r) in cfg.rules.iter().enumerate() {
@@ -265,12 +279,54 @@ pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
     Plan {
         global,
         rules,
-        allow: cfg.lists.allow.iter().map(|n| prefix(&n.trunc())).collect(),
-        deny: cfg.lists.deny.iter().map(|n| prefix(&n.trunc())).collect(),
-        rule_src,
+        sources,
         overrides,
         region_overrides,
     }
+}
+
+/// Every listed prefix with the union of the values of all listed prefixes that cover it
+/// (itself included), so that a longest-prefix match alone is complete. Prefixes form a
+/// laminar family: sorted by (address, length), the prefixes covering one are exactly the
+/// chain left on a stack after popping those that do not cover it. O(n log n).
+pub fn close_over_covering(own: &[(Prefix, ListValue)]) -> BTreeMap<Prefix, ListValue> {
+    let mut merged: BTreeMap<(u128, u32), ListValue> = BTreeMap::new();
+    for ((len, key), v) in own {
+        let e = merged
+            .entry((u128::from_be_bytes(key.addr), *len))
+            .or_default();
+        e.flags |= v.flags;
+        e.rule_src_mask |= v.rule_src_mask;
+    }
+    let covers = |(a, l): (u128, u32), (b, m): (u128, u32)| {
+        l <= m && (l == 0 || (a >> (128 - l)) == (b >> (128 - l)))
+    };
+    let mut stack: Vec<((u128, u32), ListValue)> = Vec::new();
+    let mut out = BTreeMap::new();
+    for (p, v) in merged {
+        while let Some((q, _)) = stack.last() {
+            if covers(*q, p) {
+                break;
+            }
+            stack.pop();
+        }
+        let mut acc = v;
+        if let Some((_, up)) = stack.last() {
+            acc.flags |= up.flags;
+            acc.rule_src_mask |= up.rule_src_mask;
+        }
+        stack.push((p, acc));
+        out.insert(
+            (
+                p.1,
+                IpKey {
+                    addr: p.0.to_be_bytes(),
+                },
+            ),
+            acc,
+        );
+    }
+    out
 }
 
 /// Make a trie hold exactly `want`. New entries go in before stale ones come out, so no
@@ -278,7 +334,7 @@ pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
 /// (`capacity`), in which case the stale ones are removed first.
 fn sync_list(
     trie: &mut aya::maps::LpmTrie<aya::maps::MapData, IpKey, ListValue>,
-    want: &BTreeMap<Prefix, u32>,
+    want: &BTreeMap<Prefix, ListValue>,
     capacity: u32,
     what: &str,
 ) -> anyhow::Result<()> {
@@ -294,16 +350,9 @@ fn sync_list(
                 .with_context(|| format!("pruning the {what} map"))?;
         }
     }
-    for (p, mask) in want {
-        trie.insert(
-            &Key::new(p.0, p.1),
-            ListValue {
-                rule_src_mask: *mask,
-                _pad: 0,
-            },
-            0,
-        )
-        .with_context(|| format!("writing the {what} map"))?;
+    for (p, v) in want {
+        trie.insert(&Key::new(p.0, p.1), *v, 0)
+            .with_context(|| format!("writing the {what} map"))?;
     }
     for p in have {
         if !want.contains_key(&p) && trie.get(&Key::new(p.0, p.1), 0).is_ok() {
@@ -327,24 +376,11 @@ fn override_key(rule: u32, p: &Prefix) -> Key<OverrideKey> {
 
 /// Write a plan into the maps.
 pub fn apply(maps: &mut Maps, plan: &Plan) -> anyhow::Result<()> {
-    let as_map = |s: &BTreeSet<Prefix>| s.iter().map(|p| (*p, 0u32)).collect::<BTreeMap<_, _>>();
     sync_list(
-        &mut maps.allow,
-        &as_map(&plan.allow),
-        MAX_LIST_ENTRIES,
-        "allow",
-    )?;
-    sync_list(
-        &mut maps.deny,
-        &as_map(&plan.deny),
-        MAX_LIST_ENTRIES,
-        "deny",
-    )?;
-    sync_list(
-        &mut maps.rule_src,
-        &plan.rule_src,
-        MAX_RULE_SRC_ENTRIES,
-        "rule source",
+        &mut maps.sources,
+        &plan.sources,
+        MAX_SOURCES_ENTRIES,
+        "sources (allow, deny, rule src)",
     )?;
 
     let have: Vec<(u32, Prefix)> = maps
@@ -422,6 +458,114 @@ mod tests {
         let text = format!("[[rule]]\nname = \"r\"\n{rule_body}");
         let cfg = crate::config::parse("t.toml", &text).expect("config");
         plan(&cfg, false).rules[0].flags & RULE_FINE_CLOCK != 0
+    }
+
+    /// The sources trie value at every prefix is the union over the listed prefixes covering
+    /// it: checked against the quadratic definition on pseudo-random nested prefixes.
+    #[test]
+    fn sources_are_closed_over_covering_prefixes() {
+        let mut own = Vec::new();
+        let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        for _ in 0..400 {
+            let r = next();
+            // Few distinct high bits, so prefixes nest often.
+            let v4 = std::net::Ipv4Addr::from(((r as u32) & 0x0f0f_0f0f) | 0x0a00_0000);
+            let len = (next() % 33) as u8;
+            let net = IpNet::V4(ipnet::Ipv4Net::new(v4, len).unwrap()).trunc();
+            let v = match next() % 3 {
+                0 => ListValue {
+                    rule_src_mask: 0,
+                    flags: LIST_ALLOW,
+                },
+                1 => ListValue {
+                    rule_src_mask: 0,
+                    flags: LIST_DENY,
+                },
+                _ => ListValue {
+                    rule_src_mask: 1 << (next() % 16),
+                    flags: 0,
+                },
+            };
+            own.push((prefix(&net), v));
+        }
+        let closed = close_over_covering(&own);
+        let nets: Vec<(IpNet, ListValue)> =
+            own.iter().map(|(p, v)| (net_of(p.0, &p.1), *v)).collect();
+        assert_eq!(
+            closed.len(),
+            nets.iter().map(|(n, _)| *n).collect::<BTreeSet<_>>().len()
+        );
+        for (p, got) in &closed {
+            let n = net_of(p.0, &p.1);
+            let want = nets.iter().filter(|(q, _)| q.contains(&n)).fold(
+                ListValue::default(),
+                |mut a, (_, v)| {
+                    a.flags |= v.flags;
+                    a.rule_src_mask |= v.rule_src_mask;
+                    a
+                },
+            );
+            assert_eq!(*got, want, "{n}");
+        }
+        // And a hand-checked case: allow /8, deny /16 inside it, a rule source /24 inside that.
+        let p = |s: &str| prefix(&s.parse::<IpNet>().unwrap());
+        let closed = close_over_covering(&[
+            (
+                p("10.0.0.0/8"),
+                ListValue {
+                    rule_src_mask: 0,
+                    flags: LIST_ALLOW,
+                },
+            ),
+            (
+                p("10.1.0.0/16"),
+                ListValue {
+                    rule_src_mask: 0,
+                    flags: LIST_DENY,
+                },
+            ),
+            (
+                p("10.1.2.0/24"),
+                ListValue {
+                    rule_src_mask: 2,
+                    flags: 0,
+                },
+            ),
+            (
+                p("192.0.2.0/24"),
+                ListValue {
+                    rule_src_mask: 1,
+                    flags: 0,
+                },
+            ),
+        ]);
+        assert_eq!(
+            closed[&p("10.1.2.0/24")],
+            ListValue {
+                rule_src_mask: 2,
+                flags: LIST_ALLOW | LIST_DENY
+            }
+        );
+        assert_eq!(
+            closed[&p("10.1.0.0/16")],
+            ListValue {
+                rule_src_mask: 0,
+                flags: LIST_ALLOW | LIST_DENY
+            }
+        );
+        assert_eq!(
+            closed[&p("192.0.2.0/24")],
+            ListValue {
+                rule_src_mask: 1,
+                flags: 0
+            }
+        );
     }
 
     /// The precise clock for exactly the rules whose judgement a tick could change.

@@ -46,9 +46,7 @@ const BPF_FS_MAGIC: i64 = 0xcafe4a11;
 pub struct Maps {
     pub global: Array<MapData, GlobalConfig>,
     pub rules: Array<MapData, RuleConfig>,
-    pub allow: LpmTrie<MapData, IpKey, ListValue>,
-    pub deny: LpmTrie<MapData, IpKey, ListValue>,
-    pub rule_src: LpmTrie<MapData, IpKey, ListValue>,
+    pub sources: LpmTrie<MapData, IpKey, ListValue>,
     pub overrides: LpmTrie<MapData, OverrideKey, OverrideValue>,
     pub region_overrides: HashMap<MapData, RegionOverrideKey, OverrideValue>,
     pub regions: LpmTrie<MapData, IpKey, [u8; 4]>,
@@ -324,9 +322,7 @@ impl Datapath {
         Ok(Maps {
             global: Array::try_from(take("RL_GLOBAL")?)?,
             rules: Array::try_from(take("RL_RULES")?)?,
-            allow: LpmTrie::try_from(take("RL_ALLOW")?)?,
-            deny: LpmTrie::try_from(take("RL_DENY")?)?,
-            rule_src: LpmTrie::try_from(take("RL_RULE_SRC")?)?,
+            sources: LpmTrie::try_from(take("RL_SOURCES")?)?,
             overrides: LpmTrie::try_from(take("RL_OVERRIDES")?)?,
             region_overrides: HashMap::try_from(take("RL_REGION_OVERRIDES")?)?,
             regions: LpmTrie::try_from(take("RL_REGIONS")?)?,

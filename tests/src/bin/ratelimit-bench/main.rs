@@ -14,8 +14,8 @@
 
 mod control;
 mod flood;
-mod plots;
 mod part;
+mod plots;
 
 use std::{collections::BTreeMap, net::Ipv4Addr, path::PathBuf, time::Instant};
 
@@ -206,11 +206,7 @@ fn main() {
         return;
     }
     // One CPU, so samples are not split across cores with different load.
-    let cpu = if cpus > 1 {
-        1
-    } else {
-        0
-    };
+    let cpu = if cpus > 1 { 1 } else { 0 };
     ratelimit_tests::sender::pin_current_thread(cpu).expect("pin");
     let repeat: u32 = if quick { 20_000 } else { 1_000_000 };
     let samples = if quick { 3 } else { 7 };
@@ -227,8 +223,11 @@ fn main() {
     // A ban for the banned-path case.
     let (plen, key) = apply::prefix(&"198.18.202.0/24".parse().unwrap());
     let now = report::mono_ns();
-    maps.insert_ban(&Key::new(plen, key), BanEntry::manual(plen, key.addr, now, 0))
-        .unwrap();
+    maps.insert_ban(
+        &Key::new(plen, key),
+        BanEntry::manual(plen, key.addr, now, 0),
+    )
+    .unwrap();
     let mut b = Bench {
         dp,
         repeat,
@@ -394,12 +393,17 @@ fn main() {
     maps.global.set(0, g, 0).unwrap();
     let churn_budget = b.measure("ratelimit", &udp, XDP_PASS).0;
     maps.global.set(0, saved, 0).unwrap();
-    concurrency.insert("one_cpu_churn_admission_10k_per_sec_ns".to_string(), churn_budget);
+    concurrency.insert(
+        "one_cpu_churn_admission_10k_per_sec_ns".to_string(),
+        churn_budget,
+    );
     println!("  one CPU, a new source every packet, admission budget 10k/s: {churn_budget:.1} ns");
     set_vary(&mut b.dp, 0, 0, 0);
     concurrency.insert("one_cpu_one_client_ns".to_string(), one_cpu);
     concurrency.insert("one_cpu_churn_ns".to_string(), churn);
-    println!("  one CPU, one client: {one_cpu:.1} ns; one CPU, a new source every packet: {churn:.1} ns");
+    println!(
+        "  one CPU, one client: {one_cpu:.1} ns; one CPU, a new source every packet: {churn:.1} ns"
+    );
     if cpus > 1 {
         let hammer = two_cpus(&mut b, &udp);
         set_vary(&mut b.dp, VARY_CHURN, 0, 0);
@@ -452,8 +456,11 @@ fn main() {
     let t = Instant::now();
     for i in 0..n_bans {
         let (plen, key) = (128, IpKey::from_v4((0x0c00_0000u32 | i).to_be_bytes()));
-        maps.insert_ban(&Key::new(plen, key), BanEntry::manual(plen, key.addr, now, 0))
-            .unwrap();
+        maps.insert_ban(
+            &Key::new(plen, key),
+            BanEntry::manual(plen, key.addr, now, 0),
+        )
+        .unwrap();
     }
     let secs = t.elapsed().as_secs_f64();
     println!("  control plane: {n_bans} bans inserted in {secs:.3}s");
@@ -521,13 +528,12 @@ fn set_vary(dp: &mut Datapath, mode: u64, n: u64, base: u32) {
 /// The limiter on two CPUs at once, each thread pinned to its CPU: median ns per run on each.
 fn two_cpus(b: &mut Bench, frame: &[u8]) -> (f64, f64) {
     use aya::programs::{TestRun as _, TestRunOptions, Xdp};
-    let prog: &Xdp = b
-        .dp
-        .ebpf_mut()
-        .program("ratelimit")
-        .unwrap()
-        .try_into()
-        .unwrap();
+    let prog: &Xdp =
+        b.dp.ebpf_mut()
+            .program("ratelimit")
+            .unwrap()
+            .try_into()
+            .unwrap();
     let (repeat, samples) = (b.repeat, b.samples);
     let run = |cpu: usize| {
         ratelimit_tests::sender::pin_current_thread(cpu).expect("pin");
@@ -626,17 +632,31 @@ fn write_reports(ctx: &Ctx, r: &Results, sections: &[Section]) {
         };
         md.push_str(&format!("| {target} | {measured} | {m} |\n"));
     };
+    let floor = |n: &str| case(n).map(|c| c.over_ref_drop);
+    let lookup_floor = floor("floor: parse, one per-client lookup, one atomic add, XDP_DROP");
+    let clock = case("floor: the clock (bpf_ktime_get_ns), then XDP_PASS").map(|c| c.over_ref_pass);
+    let coarse = case("floor: the coarse clock (bpf_ktime_get_coarse_ns), then XDP_PASS")
+        .map(|c| c.over_ref_pass);
     if let Some(c) = case("ours: throttle drop") {
         row(
             "drop path <= 30 ns over XDP_DROP",
-            format!("{:+.1} ns", c.over_ref_drop),
+            format!(
+                "{:+.1} ns; the floor of any per-client limiter (parse, one lookup, one atomic add, no clock) is {:+.1} ns",
+                c.over_ref_drop,
+                lookup_floor.unwrap_or(f64::NAN)
+            ),
             Some(c.over_ref_drop <= 30.0),
         );
     }
     match at(1_000_000) {
         Some(s) => row(
             "pass path <= 40 ns over XDP_PASS with 1M tracked",
-            format!("{:+.1} ns", s.over_ref_pass),
+            format!(
+                "{:+.1} ns across 1M sources ({:+.1} ns for one source); the floor over the same spread is {:+.1} ns",
+                s.over_ref_pass,
+                s.ns_one_source - (s.ns - s.over_ref_pass),
+                s.floor_ns - (s.ns - s.over_ref_pass)
+            ),
             Some(s.over_ref_pass <= 40.0),
         ),
         None => row(
@@ -648,11 +668,20 @@ fn write_reports(ctx: &Ctx, r: &Results, sections: &[Section]) {
     match (at(1_000), at(10_000_000)) {
         (Some(a), Some(b)) => row(
             "cost at 10M tracked <= 2x cost at 1k",
-            format!("{:.2}x", b.ns / a.ns),
+            format!(
+                "{:.2}x across the tracked set ({:.2}x for one source; the floor: {:.2}x)",
+                b.ns / a.ns,
+                b.ns_one_source / a.ns_one_source,
+                b.floor_ns / a.floor_ns
+            ),
             Some(b.ns <= 2.0 * a.ns),
         ),
         _ => row("cost at 10M tracked <= 2x cost at 1k", "-".into(), None),
     }
+    let overhead = r
+        .memory
+        .get("lru_hash_overhead_per_entry_bytes")
+        .and_then(|v| v.as_f64());
     if let Some(v) = r
         .memory
         .get("bytes_per_tracked_source")
@@ -660,7 +689,10 @@ fn write_reports(ctx: &Ctx, r: &Results, sections: &[Section]) {
     {
         row(
             "<= 112 bytes per tracked source",
-            format!("{v:.1} B"),
+            format!(
+                "{v:.1} B: the kernel's own {:.1} B per LRU-hash element (measured) + 24 B key + 104 B value + bucket rounding",
+                overhead.unwrap_or(f64::NAN)
+            ),
             Some(v <= 112.0),
         );
     }
@@ -689,7 +721,7 @@ fn write_reports(ctx: &Ctx, r: &Results, sections: &[Section]) {
     for t in sections.iter().flat_map(|s| &s.targets) {
         row(&t.target, t.measured.clone(), t.met);
     }
-    md.push_str("\nWhere the per-packet targets are missed, the cost is in the lookups the pass path makes: three LPM-trie lookups (allow, deny, bans) before any rule, an interface-slot hash lookup, and per rule an array lookup, the per-client LRU-hash lookup and several per-CPU counter updates. The per-source memory is the LRU hash's per-element overhead plus a 24-byte key and a 104-byte value (window counters, ban meter, totals for `top`).\n");
+    md.push_str(&analysis(r, clock, coarse, lookup_floor, overhead));
 
     for s in sections {
         md.push('\n');
@@ -702,4 +734,42 @@ fn write_reports(ctx: &Ctx, r: &Results, sections: &[Section]) {
     }
     std::fs::write(root.join("BENCHMARKS.md"), md).unwrap();
     println!("wrote bench/results.json and BENCHMARKS.md");
+}
+
+/// Why the per-packet and memory targets are missed, from this run's own measurements.
+fn analysis(
+    r: &Results,
+    clock: Option<f64>,
+    coarse: Option<f64>,
+    lookup_floor: Option<f64>,
+    overhead: Option<f64>,
+) -> String {
+    let f = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:+.1} ns"));
+    let case = |n: &str| r.cases.iter().find(|c| c.name == n).map(|c| c.over_ref_pass);
+    let mut md = String::from("\n## Why the per-packet and memory targets are missed\n\n");
+    md.push_str(&format!(
+        "- **Floors measured in this run.** Reading the clock source (`bpf_ktime_get_ns`) costs {} on this VM, the coarse clock {}; parsing plus one lookup of the per-client map plus one atomic add, with no clock at all, costs {} over XDP_DROP. That floor alone is above the 30 ns drop target and the 40 ns pass target: no per-client limiter that looks its client up can meet them here. Ours adds to the floor the lists and bans lookups (an LPM-trie walk each: allow-listed {} and deny-listed {} show one and two), the rule match, the window or bucket update (compare-and-swap), per-client totals for `top` and the per-CPU counters.\n",
+        f(clock),
+        f(coarse),
+        f(lookup_floor),
+        f(case("ours: allow-listed")),
+        f(case("ours: deny-listed")),
+    ));
+    if let (Some(a), Some(b)) = (
+        r.scale.first(),
+        r.scale.iter().find(|s| s.tracked_sources == 1_000_000),
+    ) {
+        md.push_str(&format!(
+            "- **Scale is memory latency.** Across {} tracked sources the floor costs {:.1} ns per packet, across 1M {:.1} ns: each packet of a different source misses the CPU caches for the hash bucket and the element (and, in a VM, the nested page tables). Replaying one source hides that ({:.1} ns at 1M).\n",
+            a.tracked_sources, a.floor_ns, b.floor_ns, b.ns_one_source
+        ));
+    }
+    if let Some(o) = overhead {
+        md.push_str(&format!(
+            "- **Memory.** The kernel spends {o:.1} B of its own on every LRU-hash element (element header, bucket, LRU links: measured on a probe map of 8-byte keys and values), so 112 B per source leaves {:.1} B for key and value together. Our key is 24 B (a 16-byte address, so IPv6 fits, plus rule, kind and prefix length) and our value 104 B: window counters and stamp (24 B), the ban meter (24 B), last-seen and last-exceeded times (16 B), the per-client totals `top --by packets|bytes|drops` reports (24 B), the aggregate-ban end and episode flags (16 B). Fitting {:.1} B would mean dropping the totals and times that `top` and `offenders` report.\n",
+            112.0 - o,
+            112.0 - o
+        ));
+    }
+    md
 }
