@@ -74,21 +74,40 @@ const CAS_RETRIES: u32 = 3;
 /// `-EEXIST` from a map update with `BPF_NOEXIST`.
 const EEXIST: i32 = -17;
 
-/// The flags of an active ban covering `src`, removing it first if it has expired.
+/// The flags of the active ban that decides for `src`, removing expired ones on the way.
+/// The longest match decides, except that a ban that lets the packet through (preview, or
+/// `exceed_action = pass`) must not hide a broader ban that drops: then the lookup goes on
+/// above it (bounded).
 #[inline(always)]
 pub fn active_ban(slot: Slot, src: &IpKey, now: u64) -> Option<u32> {
     if let Some(&0) = BANS_PRESENT.get(0) {
         return None;
     }
-    for _ in 0..2 {
-        let entry = BANS.get(Key::new(128, *src))?;
-        if limiter::ban_active(entry.expires_ns, now) {
+    let mut plen: u32 = 128;
+    let mut passing: u32 = 0;
+    let mut found: u32 = 0;
+    for _ in 0..4 {
+        let Some(entry) = BANS.get(Key::new(plen, *src)) else {
+            break;
+        };
+        if !limiter::ban_active(entry.expires_ns, now) {
+            // Expired: remove exactly the entry that matched, then look again.
+            rl_unban(slot as u64, now, entry as *const BanEntry);
+            continue;
+        }
+        if entry.flags & (BAN_PREVIEW | BAN_EXCEED_PASS) == 0 {
             return Some(entry.flags);
         }
-        // Expired: remove exactly the entry that matched, then look again for a broader one.
-        rl_unban(slot as u64, now, entry as *const BanEntry);
+        if found == 0 {
+            passing = entry.flags;
+            found = 1;
+        }
+        if entry.prefix_len == 0 || entry.prefix_len > 128 {
+            break;
+        }
+        plen = entry.prefix_len - 1;
     }
-    None
+    if found != 0 { Some(passing) } else { None }
 }
 
 /// Remove an expired ban and report it (a global BPF function: verified once, and its stack

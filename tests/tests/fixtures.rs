@@ -674,3 +674,53 @@ algorithm = "fixed_window"
     assert_eq!(flag(&maps), 1);
     assert_eq!(dp.test_run(&other, 1).unwrap().0, XDP_DROP);
 }
+
+/// A ban that lets packets through (a preview rule's ban) inside a broader ban that drops does
+/// not shadow it: the address is dropped. Outside the broad ban the preview ban only counts.
+#[test]
+fn a_passing_ban_does_not_hide_a_broader_dropping_ban() {
+    if skip_unless_kernel() {
+        return;
+    }
+    let pins = Pins::new();
+    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
+    let mut maps = dp.take_maps().expect("maps");
+    let cfg = config::parse("empty.toml", "").expect("config");
+    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
+    let now = report::mono_ns();
+    let mut put = |cidr: &str, flags: u32| {
+        let net = ratelimit_user::daemon::parse_cidr(cidr).unwrap();
+        let (plen, key) = apply::prefix(&net);
+        let mut e = ratelimit_common::maps::BanEntry::manual(plen, key.addr, now, 0);
+        e.flags = flags;
+        maps.insert_ban(&aya::maps::lpm_trie::Key::new(plen, key), e)
+            .unwrap();
+    };
+    use ratelimit_common::maps::{BAN_EXCEED_PASS, BAN_MANUAL, BAN_PREVIEW};
+    put("198.18.20.0/24", BAN_MANUAL);
+    put("198.18.20.5/32", BAN_PREVIEW);
+    put("198.18.20.6/32", BAN_EXCEED_PASS);
+    put("198.18.21.5/32", BAN_PREVIEW);
+    let rules: Vec<String> = Vec::new();
+    let before = counters(&maps, &rules);
+    let run = |src: [u8; 4]| dp.test_run(&v4(src).udp(40000, 53).build(), 1).unwrap().0;
+    assert_eq!(
+        run([198, 18, 20, 5]),
+        XDP_DROP,
+        "preview /32 inside a dropping /24"
+    );
+    assert_eq!(
+        run([198, 18, 20, 6]),
+        XDP_DROP,
+        "exceed-pass /32 inside a dropping /24"
+    );
+    assert_eq!(run([198, 18, 20, 7]), XDP_DROP, "the /24 itself");
+    assert_eq!(
+        run([198, 18, 21, 5]),
+        XDP_PASS,
+        "a preview ban alone passes"
+    );
+    let d = delta(&before, &counters(&maps, &rules));
+    assert_eq!(d.get("drop_ban"), Some(&3), "{d:?}");
+    assert_eq!(d.get("preview_would_drop"), Some(&1), "{d:?}");
+}
