@@ -199,25 +199,23 @@ impl State {
                 &self.ifaces(),
                 &self.rule_names(),
             )?),
-            Request::Top { n, by } => {
-                let mut c = report::clients(&self.maps, &self.live_rules());
-                c.sort_by_key(|c| {
-                    std::cmp::Reverse(match by {
-                        TopBy::Packets => c.packets,
-                        TopBy::Bytes => c.bytes,
-                        TopBy::Drops => c.drops,
-                    })
-                });
-                c.truncate(n);
-                Response::ok(c)
-            }
+            Request::Top { n, by } => Response::ok(report::top(
+                &self.maps,
+                &self.live_rules(),
+                n,
+                match by {
+                    TopBy::Packets => report::Rank::Packets,
+                    TopBy::Bytes => report::Rank::Bytes,
+                    TopBy::Drops => report::Rank::Drops,
+                },
+            )?),
             Request::Bans => Response::ok(report::bans(
                 &self.maps,
                 &self.rule_names(),
                 &self.ban_reasons,
             )),
             Request::Offenders => {
-                let mut c: Vec<_> = report::clients(&self.maps, &self.live_rules())
+                let mut c: Vec<_> = report::clients(&self.maps, &self.live_rules())?
                     .into_iter()
                     .filter(|c| c.throttled || c.above_soft_limit)
                     .collect();
@@ -248,7 +246,7 @@ impl State {
             max_sources: u32,
             active_bans: usize,
         }
-        let tracked = self.maps.clients.keys().count();
+        let tracked = report::tracked_clients(&self.maps).unwrap_or(0) as usize;
         serde_json::to_value(Status {
             version: env!("CARGO_PKG_VERSION"),
             pid: std::process::id(),

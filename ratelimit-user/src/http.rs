@@ -104,11 +104,7 @@ fn snapshot(s: &daemon::State) -> anyhow::Result<(Stats, Gauges)> {
             .map(|a| (a.slot, a.iface.clone()))
             .collect();
     let stats = report::stats(&s.maps, &ifaces, &s.rule_names()).context("reading counters")?;
-    let mut tracked = 0u64;
-    for k in s.maps.clients.keys() {
-        k.context("walking the per-client state map")?;
-        tracked += 1;
-    }
+    let tracked = report::tracked_clients(&s.maps).context("walking the per-client state map")?;
     let gauges = Gauges {
         active_bans: report::bans(&s.maps, &[], &BTreeMap::new()).len() as u64,
         tracked_clients: tracked,

@@ -259,13 +259,148 @@ pub fn describe(
 }
 
 /// Every tracked client (one pass over the map).
-pub fn clients(maps: &Maps, rules: &[(String, RuleConfig)]) -> Vec<Client> {
+pub fn clients(maps: &Maps, rules: &[(String, RuleConfig)]) -> anyhow::Result<Vec<Client>> {
     let now = mono_ns();
-    maps.clients
+    let mut out = Vec::new();
+    for_each_client(maps, |k, s| out.extend(describe(k, s, rules, now)))?;
+    Ok(out)
+}
+
+/// What `top` ranks by.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Rank {
+    Packets,
+    Bytes,
+    Drops,
+}
+
+/// The `n` heaviest tracked clients by `by`, heaviest first. Only those `n` are described, so
+/// a walk of a million states allocates next to nothing.
+pub fn top(
+    maps: &Maps,
+    rules: &[(String, RuleConfig)],
+    n: usize,
+    by: Rank,
+) -> anyhow::Result<Vec<Client>> {
+    let metric = |s: &ClientState| match by {
+        Rank::Packets => s.packets,
+        Rank::Bytes => s.bytes,
+        Rank::Drops => s.drops,
+    };
+    // Keep at most 2n candidates; trim to the best n whenever full (amortised O(N log n)).
+    // Entries `describe` drops (states of retired rule positions) are kept as candidates too,
+    // so keep a margin of extra candidates beyond n.
+    let keep = n.saturating_mul(2).max(n + 64);
+    let mut best: Vec<(u64, ClientKey, ClientState)> = Vec::new();
+    // The keep-th best metric seen so far, once known: anything below it cannot make the cut.
+    let mut floor: Option<u64> = None;
+    let trim = |best: &mut Vec<(u64, ClientKey, ClientState)>| {
+        best.sort_by_key(|e| std::cmp::Reverse(e.0));
+        best.truncate(keep);
+    };
+    let now = mono_ns();
+    for_each_client(maps, |k, s| {
+        let m = metric(s);
+        if n == 0 || floor.is_some_and(|f| m < f) {
+            return;
+        }
+        best.push((m, *k, *s));
+        if best.len() >= 2 * keep {
+            trim(&mut best);
+            floor = best.last().map(|e| e.0);
+        }
+    })?;
+    trim(&mut best);
+    let mut out: Vec<Client> = best
         .iter()
-        .filter_map(|r| r.ok())
-        .filter_map(|(k, s)| describe(&k, &s, rules, now))
-        .collect()
+        .filter_map(|(_, k, s)| describe(k, s, rules, now))
+        .collect();
+    out.truncate(n);
+    Ok(out)
+}
+
+/// Number of tracked per-client states.
+pub fn tracked_clients(maps: &Maps) -> anyhow::Result<u64> {
+    let mut n = 0u64;
+    for_each_client(maps, |_, _| n += 1)?;
+    Ok(n)
+}
+
+/// Call `f` on every per-client state, read with BPF_MAP_LOOKUP_BATCH: a few hundred system
+/// calls for a million states instead of two per state (next key, then lookup). Falls back to
+/// the key walk where the kernel refuses batches. Entries may change while they are read; each
+/// is read whole.
+pub fn for_each_client(
+    maps: &Maps,
+    mut f: impl FnMut(&ClientKey, &ClientState),
+) -> anyhow::Result<()> {
+    use std::os::fd::{AsFd as _, AsRawFd as _};
+
+    use aya::maps::IterableMap as _;
+    /// `union bpf_attr`'s `batch` member.
+    #[repr(C)]
+    struct BatchAttr {
+        in_batch: u64,
+        out_batch: u64,
+        keys: u64,
+        values: u64,
+        count: u32,
+        map_fd: u32,
+        elem_flags: u64,
+        flags: u64,
+    }
+    const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
+    const CHUNK: usize = 8192;
+    let fd = maps.clients.map().fd().as_fd().as_raw_fd();
+    let mut keys = vec![ClientKey::default(); CHUNK];
+    let mut vals = vec![ClientState::default(); CHUNK];
+    let mut token: u32 = 0;
+    let mut next: u32 = 0;
+    let mut first = true;
+    loop {
+        let mut attr = BatchAttr {
+            in_batch: if first { 0 } else { &raw const token as u64 },
+            out_batch: &raw mut next as u64,
+            keys: keys.as_mut_ptr() as u64,
+            values: vals.as_mut_ptr() as u64,
+            count: CHUNK as u32,
+            map_fd: fd as u32,
+            elem_flags: 0,
+            flags: 0,
+        };
+        // SAFETY: the attr points at buffers of CHUNK keys and values of the map's key and
+        // value sizes, and at two u32 batch tokens, all alive for the call.
+        let r = unsafe {
+            libc::syscall(
+                libc::SYS_bpf,
+                BPF_MAP_LOOKUP_BATCH,
+                &raw mut attr,
+                std::mem::size_of::<BatchAttr>() as u32,
+            )
+        };
+        let err = (r < 0).then(std::io::Error::last_os_error);
+        let n = (attr.count as usize).min(CHUNK);
+        for i in 0..n {
+            f(&keys[i], &vals[i]);
+        }
+        match err {
+            None => {}
+            Some(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(()),
+            Some(e)
+                if first
+                    && matches!(e.raw_os_error(), Some(libc::EINVAL) | Some(524 /* ENOTSUPP */)) =>
+            {
+                for r in maps.clients.iter() {
+                    let (k, s) = r.map_err(|e| anyhow::anyhow!("walking the per-client map: {e}"))?;
+                    f(&k, &s);
+                }
+                return Ok(());
+            }
+            Some(e) => return Err(anyhow::anyhow!("reading the per-client map: {e}")),
+        }
+        token = next;
+        first = false;
+    }
 }
 
 #[derive(Serialize, Debug, Clone)]

@@ -29,11 +29,15 @@ pub fn run_suite(quick: bool) -> Result<()> {
     util::run(&mut util::cargo([
         "build",
         "-p",
+        "ratelimit-user",
+        "-p",
         "ratelimit-tests",
+        "--bin",
+        "ratelimit",
         "--bin",
         "ratelimit-bench",
     ]))
-    .context("building the benchmark")?;
+    .context("building the daemon and the benchmark")?;
     let object = build_bench_object()?;
     let bin = util::target_dir()?.join("debug").join("ratelimit-bench");
     let bin = if bin.is_absolute() {
@@ -41,8 +45,11 @@ pub fn run_suite(quick: bool) -> Result<()> {
     } else {
         util::workspace_root().join(bin)
     };
-    let mut cmd = std::process::Command::new(bin);
+    let daemon = bin.with_file_name("ratelimit");
+    let mut cmd = std::process::Command::new(&bin);
     cmd.env("RATELIMIT_BENCH_OBJ", &object);
+    // The control part runs the real daemon: this build of it, never a stale one.
+    cmd.env("RATELIMIT_BIN", &daemon);
     if quick {
         cmd.arg("--quick");
     }

@@ -26,6 +26,8 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "iptables",
     "redis-server",
     "tcpdump",
+    // The benchmark's plots draw their text with this font.
+    "fonts-dejavu-core",
 ];
 
 const LLVM_PREFIX: &str = "/usr/lib/llvm-22";

@@ -517,12 +517,7 @@ fn main() {
         memory,
         control_plane,
         concurrency,
-        not_measured: vec![
-            "live floods through veth against nftables and iptables hashlimit",
-            "two CPUs hammering one client / churning",
-            "per-run source variation across the populated set",
-            "plots",
-        ],
+        not_measured: Vec::new(),
         sections: sections
             .iter()
             .map(|s| (s.key.to_string(), s.json.clone()))
@@ -721,28 +716,6 @@ fn write_reports(ctx: &Ctx, r: &Results, sections: &[Section]) {
             Some(v <= 112.0),
         );
     }
-    if let Some((_, v)) = r
-        .control_plane
-        .iter()
-        .find(|(k, _)| k.starts_with("ban_insert_100000"))
-    {
-        row(
-            "100k bans applied in < 1 s",
-            format!("{v:.3} s (map inserts; `ban add --file` end to end is tested under 1 s)"),
-            Some(*v < 1.0),
-        );
-    }
-    match at(1_000_000) {
-        Some(s) => row(
-            "`top` over 1M sources in < 3 s",
-            format!(
-                "{:.2} s to walk 1M keys (a lower bound: `top` also reads each value)",
-                s.walk_secs
-            ),
-            None,
-        ),
-        None => row("`top` over 1M sources in < 3 s", "-".into(), None),
-    }
     for t in sections.iter().flat_map(|s| &s.targets) {
         row(&t.target, t.measured.clone(), t.met);
     }
@@ -753,9 +726,11 @@ fn write_reports(ctx: &Ctx, r: &Results, sections: &[Section]) {
         md.push_str(&s.markdown);
     }
     md.push_str(&plots::draw(ctx, &serde_json::to_value(r).unwrap()));
-    md.push_str("\n## Not measured yet\n\n");
-    for n in &r.not_measured {
-        md.push_str(&format!("- {n}\n"));
+    if !r.not_measured.is_empty() {
+        md.push_str("\n## Not measured\n\n");
+        for n in &r.not_measured {
+            md.push_str(&format!("- {n}\n"));
+        }
     }
     std::fs::write(root.join("BENCHMARKS.md"), md).unwrap();
     println!("wrote bench/results.json and BENCHMARKS.md");
