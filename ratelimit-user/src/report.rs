@@ -388,10 +388,14 @@ pub fn for_each_client(
             Some(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(()),
             Some(e)
                 if first
-                    && matches!(e.raw_os_error(), Some(libc::EINVAL) | Some(524 /* ENOTSUPP */)) =>
+                    && matches!(
+                        e.raw_os_error(),
+                        Some(libc::EINVAL) | Some(524 /* ENOTSUPP */)
+                    ) =>
             {
                 for r in maps.clients.iter() {
-                    let (k, s) = r.map_err(|e| anyhow::anyhow!("walking the per-client map: {e}"))?;
+                    let (k, s) =
+                        r.map_err(|e| anyhow::anyhow!("walking the per-client map: {e}"))?;
                     f(&k, &s);
                 }
                 return Ok(());

@@ -479,7 +479,10 @@ fn main() {
         ),
     ] {
         let (ns, samples) = b.measure("ratelimit", &frame, want);
-        println!("  {name:<42} {ns:>8.1} ns   (+{:>6.1} over XDP_PASS)", ns - ref_pass);
+        println!(
+            "  {name:<42} {ns:>8.1} ns   (+{:>6.1} over XDP_PASS)",
+            ns - ref_pass
+        );
         cases.push(CaseResult {
             name: name.into(),
             program: "ratelimit".into(),
