@@ -95,6 +95,14 @@ pub fn ref_clock_coarse(_ctx: XdpContext) -> u32 {
     xdp_action::XDP_PASS
 }
 
+/// Floor: the coarse clock as the program reads it (`clock::coarse_now`: once per tick and
+/// CPU, otherwise a jiffies compare).
+#[xdp]
+pub fn ref_clock_tick(_ctx: XdpContext) -> u32 {
+    core::hint::black_box(crate::clock::coarse_now());
+    xdp_action::XDP_PASS
+}
+
 /// Floor without a clock: parse, one lookup of the per-client map, one atomic add; drop.
 #[xdp]
 pub fn ref_lookup(ctx: XdpContext) -> u32 {

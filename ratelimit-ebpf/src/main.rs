@@ -16,6 +16,8 @@ mod atomic;
 #[cfg(all(target_arch = "bpf", feature = "bench"))]
 mod bench;
 #[cfg(target_arch = "bpf")]
+mod clock;
+#[cfg(target_arch = "bpf")]
 mod events;
 #[cfg(all(target_arch = "bpf", feature = "bench"))]
 mod generator;
@@ -30,9 +32,7 @@ mod stats;
 
 #[cfg(target_arch = "bpf")]
 mod program {
-    use aya_ebpf::{
-        bindings::xdp_action, helpers::bpf_ktime_get_coarse_ns, macros::xdp, programs::XdpContext,
-    };
+    use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
     use ratelimit_common::{
         maps::{
             BAN_EXCEED_PASS, BAN_PREVIEW, GLOBAL_HAS_ALLOW, GLOBAL_HAS_DENY, LIST_ALLOW, LIST_DENY,
@@ -41,6 +41,7 @@ mod program {
     };
 
     use crate::{
+        clock,
         limit::{self, RuleVerdict},
         parse::{self, Parsed},
         policy,
@@ -91,7 +92,7 @@ mod program {
         }
         // The coarse clock (the last timer tick): a fraction of the cost of reading the clock
         // source. Rules that need precision read the precise one (`RULE_FINE_CLOCK`).
-        let now = unsafe { bpf_ktime_get_coarse_ns() };
+        let now = clock::coarse_now();
         if let Some(ban_flags) = limit::active_ban(slot, src, now) {
             let passes =
                 global_cfg.preview_all != 0 || ban_flags & (BAN_PREVIEW | BAN_EXCEED_PASS) != 0;

@@ -724,3 +724,77 @@ fn a_passing_ban_does_not_hide_a_broader_dropping_ban() {
     assert_eq!(d.get("drop_ban"), Some(&3), "{d:?}");
     assert_eq!(d.get("preview_would_drop"), Some(&1), "{d:?}");
 }
+
+fn coarse_ns() -> (u64, u64) {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    let mut res = ts;
+    // SAFETY: valid out-pointers.
+    unsafe {
+        libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts);
+        libc::clock_getres(libc::CLOCK_MONOTONIC_COARSE, &mut res);
+    }
+    (
+        ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64,
+        res.tv_sec as u64 * 1_000_000_000 + res.tv_nsec as u64,
+    )
+}
+
+/// Rules on the coarse clock read it once per timer tick and CPU and reuse it within the
+/// tick: the time the program stamps on a client is CLOCK_MONOTONIC_COARSE as user space
+/// reads it around the run (give or take one tick), and it moves on with the ticks.
+#[test]
+fn rules_see_the_coarse_clock_tick_by_tick() {
+    if skip_unless_kernel() {
+        return;
+    }
+    const CLOCK_CONFIG: &str = r#"
+[[rule]]
+name = "udp"
+match = { protocol = "udp", dst_ports = ["9000"] }
+threshold = { count = 1000000, interval = "1h" }
+algorithm = "fixed_window"
+"#;
+    let pins = Pins::new();
+    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
+    let mut maps = dp.take_maps().expect("maps");
+    let cfg = config::parse("clock.toml", CLOCK_CONFIG).expect("config");
+    let plan = apply::plan(&cfg, false);
+    apply::apply(&mut maps, &plan).expect("apply");
+    let frame = v4([198, 18, 11, 11]).udp(40000, 9000).build();
+    let last_seen = |maps: &Maps| {
+        let mut seen = None;
+        report::for_each_client(maps, |k, s| {
+            if k.addr[12..] == [198, 18, 11, 11] {
+                seen = Some(s.last_ns);
+            }
+        })
+        .unwrap();
+        seen.expect("the client has state")
+    };
+    let mut stamps = Vec::new();
+    for _ in 0..40 {
+        let (before, tick) = coarse_ns();
+        // A burst within the tick (the cached value), then one more stamp to read.
+        assert_eq!(dp.test_run(&frame, 1000).unwrap().0, XDP_PASS);
+        let (after, _) = coarse_ns();
+        let stamp = last_seen(&maps);
+        assert!(
+            stamp + tick >= before && stamp <= after,
+            "stamp {stamp} outside [{before} - {tick}, {after}]"
+        );
+        stamps.push(stamp);
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    // (Never back by more than a tick: the run may move to the other CPU, whose value may be
+    // from the tick in which jiffies moved a moment before the clock did.)
+    let (_, tick) = coarse_ns();
+    assert!(stamps.windows(2).all(|w| w[1] + tick >= w[0]), "{stamps:?}");
+    let distinct = stamps.windows(2).filter(|w| w[0] < w[1]).count();
+    assert!(
+        distinct >= 30,
+        "the stamp moved only {distinct} times in 40 steps of 5 ms: {stamps:?}"
+    );
+}
