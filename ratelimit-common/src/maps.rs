@@ -144,6 +144,17 @@ pub struct GlobalConfig {
 pub const GLOBAL_HAS_ALLOW: u32 = 1 << 0;
 /// `GlobalConfig::flags`: the deny list has entries.
 pub const GLOBAL_HAS_DENY: u32 = 1 << 1;
+/// `GlobalConfig::flags`: the new-source admission budget is metered on the precise clock
+/// (its burst refills in under [`COARSE_MIN_BURST_NS`]); otherwise on the coarse clock, like
+/// a token bucket rule. See [`admission_needs_fine_clock`].
+pub const GLOBAL_ADMISSION_FINE_CLOCK: u32 = 1 << 2;
+
+/// Whether the admission budget (`rate` new states per second, `burst` at once) must be
+/// metered on the precise clock: the same test as a token bucket rule's.
+pub fn admission_needs_fine_clock(rate: u64, burst: u64) -> bool {
+    rate != 0
+        && crate::limiter::gcra_burst_ns(burst.max(1), rate, 1_000_000_000) < COARSE_MIN_BURST_NS
+}
 
 /// Value of the sources trie (`RL_SOURCES`), which holds the allow list, the deny list and the
 /// rules' `src` lists in one LPM trie, so one lookup answers all three. At every prefix the

@@ -59,6 +59,13 @@ static BANS: LpmTrie<IpKey, BanEntry> = LpmTrie::pinned(MAX_BANS, 0);
 #[map(name = "RL_BANS_PRESENT")]
 static BANS_PRESENT: Array<u64> = Array::pinned(1, 0);
 
+/// Per rule: the one aggregate state shared by the sources that get no state of their own
+/// (refused by the admission budget, or refused by a full map). An array, not entries of
+/// `CLIENTS`: in a random-source flood nearly every packet lands here, and an indexed load
+/// costs a fraction of a second hash lookup; nor can churn evict it.
+#[map(name = "RL_OVERFLOW")]
+static OVERFLOW: Array<ClientState> = Array::pinned(MAX_RULES, 0);
+
 /// `[0]`: GCRA meter of the new-source admission budget, shared by all CPUs.
 #[map(name = "RL_ADMISSION")]
 static ADMISSION: Array<Admission> = Array::pinned(1, 0);
@@ -139,6 +146,8 @@ pub struct Env {
     pub len: u64,
     pub now: u64,
     pub preview_all: u32,
+    /// `GLOBAL_ADMISSION_FINE_CLOCK` set: the budget needs the precise clock.
+    pub admission_fine: u32,
     pub admission_rate: u64,
     pub admission_burst: u64,
 }
@@ -190,6 +199,7 @@ pub fn evaluate_rules(
             len,
             now,
             preview_all: g.preview_all,
+            admission_fine: (g.flags & GLOBAL_ADMISSION_FINE_CLOCK != 0) as u32,
             admission_rate: g.admission_rate,
             admission_burst: g.admission_burst,
         };
@@ -290,21 +300,34 @@ fn matches(rule: &RuleConfig, pkt: &Parsed) -> bool {
     false
 }
 
-/// Take the new-source admission budget for one new state.
+/// Take the new-source admission budget for one new state. `coarse_now`: the packet's coarse
+/// time (the budget is shared by every rule, so it is metered on one clock whatever the
+/// rule's).
 #[inline(always)]
-fn admit_new_source(env: &Env) -> bool {
-    env.admission_rate == 0 || rl_admit(env.now, env.admission_rate, env.admission_burst) != 0
+fn admit_new_source(env: &Env, coarse_now: u64) -> bool {
+    env.admission_rate == 0
+        || rl_admit(
+            coarse_now,
+            env.admission_rate,
+            env.admission_burst,
+            env.admission_fine as u64,
+        ) != 0
 }
 
-/// The admission budget's GCRA meter (a global BPF function: verified once).
+/// The admission budget's GCRA meter (a global BPF function: verified once). On the coarse
+/// clock (`now`) unless `fine`: in a random-source flood every packet is a new source, and
+/// reading the clock source would cost each of them more than the meter itself.
 #[unsafe(no_mangle)]
 #[inline(never)]
-pub extern "C" fn rl_admit(_now: u64, rate: u64, burst: u64) -> u64 {
+pub extern "C" fn rl_admit(now: u64, rate: u64, burst: u64, fine: u64) -> u64 {
     if rate == 0 {
         return 1;
     }
-    // The budget is shared by every rule: always on the precise clock (only new sources pay).
-    let now = unsafe { bpf_ktime_get_ns() };
+    let now = if fine != 0 {
+        unsafe { bpf_ktime_get_ns() }
+    } else {
+        now
+    };
     let Some(a) = ADMISSION.get_ptr_mut(0) else {
         return 1;
     };
@@ -346,29 +369,35 @@ static ZERO_STATE: ClientState = ClientState {
 /// The state for `key`, creating it if the admission budget allows; otherwise (or if the map
 /// refuses) the rule's aggregate overflow state, and `key` is rewritten to say so.
 #[inline(always)]
-fn state_for(env: &Env, key: &mut ClientKey) -> Option<*mut ClientState> {
+fn state_for(env: &Env, key: &mut ClientKey, coarse_now: u64) -> Option<*mut ClientState> {
     if let Some(p) = CLIENTS.get_ptr_mut(&*key) {
         return Some(p);
     }
     let per_client = key.kind == KEY_IP;
-    if per_client && !admit_new_source(env) {
+    if per_client && !admit_new_source(env, coarse_now) {
         stats::add(env.slot, global::ADMISSION_REFUSED, env.len);
-        overflow(key);
-    } else {
-        match CLIENTS.insert(&*key, &ZERO_STATE, BPF_NOEXIST as u64) {
-            Ok(()) => stats::add(env.slot, global::STATE_CREATED, 0),
-            Err(EEXIST) => {}
-            Err(_) => {
-                stats::add(env.slot, global::STATE_INSERT_FAILED, env.len);
-                overflow(key);
-            }
+        return overflow_state(key);
+    }
+    match CLIENTS.insert(&*key, &ZERO_STATE, BPF_NOEXIST as u64) {
+        Ok(()) => stats::add(env.slot, global::STATE_CREATED, 0),
+        Err(EEXIST) => {}
+        Err(_) => {
+            stats::add(env.slot, global::STATE_INSERT_FAILED, env.len);
+            return overflow_state(key);
         }
     }
-    if let Some(p) = CLIENTS.get_ptr_mut(&*key) {
-        return Some(p);
+    match CLIENTS.get_ptr_mut(&*key) {
+        Some(p) => Some(p),
+        // Evicted between the insert and the lookup (the map is churning at its bound).
+        None => overflow_state(key),
     }
-    let _ = CLIENTS.insert(&*key, &ZERO_STATE, BPF_NOEXIST as u64);
-    CLIENTS.get_ptr_mut(&*key)
+}
+
+/// The rule's aggregate overflow state (`key.rule`), with `key` rewritten to say so.
+#[inline(always)]
+fn overflow_state(key: &mut ClientKey) -> Option<*mut ClientState> {
+    overflow(key);
+    OVERFLOW.get_ptr_mut(key.rule as u32)
 }
 
 #[inline(always)]
@@ -510,7 +539,7 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
         // key = all with per-CIDR overrides: the override's threshold for the shared bucket.
         limit = &o.limit;
     }
-    let Some(st) = state_for(env, key) else {
+    let Some(st) = state_for(env, key, rl.coarse_now) else {
         // The map refused even the aggregate state: fail open, counted.
         stats::add(env.slot, global::STATE_INSERT_FAILED, 0);
         return RuleVerdict::Pass;

@@ -184,6 +184,13 @@ pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
             0
         } else {
             GLOBAL_HAS_DENY
+        } | if admission_needs_fine_clock(
+            cfg.tracking.new_sources_per_sec,
+            cfg.tracking.new_sources_burst,
+        ) {
+            GLOBAL_ADMISSION_FINE_CLOCK
+        } else {
+            0
         },
         _pad: 0,
     };
@@ -565,6 +572,38 @@ mod tests {
                 rule_src_mask: 1,
                 flags: 0
             }
+        );
+    }
+
+    /// The admission budget is metered on the precise clock only when its burst refills in
+    /// under 50 ms.
+    #[test]
+    fn admission_budget_clock() {
+        let flags = |tracking: &str| {
+            let cfg = crate::config::parse(
+                "t.toml",
+                &format!(
+                    "[tracking]\n{tracking}\n[[rule]]\nname = \"r\"\nthreshold = {{ count = 10, interval = \"1s\" }}\n"
+                ),
+            )
+            .unwrap();
+            plan(&cfg, false).global.flags & GLOBAL_ADMISSION_FINE_CLOCK
+        };
+        assert_eq!(flags(""), 0, "no budget");
+        assert_eq!(
+            flags("new_sources_per_sec = 10000\nnew_sources_burst = 10000"),
+            0,
+            "refills in 1 s"
+        );
+        assert_eq!(
+            flags("new_sources_per_sec = 10000\nnew_sources_burst = 500"),
+            0,
+            "refills in 50 ms"
+        );
+        assert_eq!(
+            flags("new_sources_per_sec = 10000\nnew_sources_burst = 100"),
+            GLOBAL_ADMISSION_FINE_CLOCK,
+            "refills in 10 ms"
         );
     }
 

@@ -431,6 +431,9 @@ pub fn retire_rule_slots(maps: &mut Maps, old: &[String], new: &[String]) -> usi
     for k in &keys {
         let _ = maps.clients.remove(k);
     }
+    for &r in &stale {
+        let _ = maps.overflow.set(r as u32, ClientState::default(), 0);
+    }
     if let Ok(ncpu) = aya::util::nr_cpus() {
         for &r in &stale {
             for slot in 0..ratelimit_common::caps::MAX_IFACES {

@@ -51,6 +51,8 @@ pub struct Maps {
     pub region_overrides: HashMap<MapData, RegionOverrideKey, OverrideValue>,
     pub regions: LpmTrie<MapData, IpKey, [u8; 4]>,
     pub clients: HashMap<MapData, ClientKey, ClientState>,
+    /// Per rule: the aggregate state of sources that got none of their own.
+    pub overflow: Array<MapData, ClientState>,
     pub bans: LpmTrie<MapData, IpKey, BanEntry>,
     pub stats: PerCpuArray<MapData, Counter>,
     pub ifaces: HashMap<MapData, u32, u32>,
@@ -327,6 +329,7 @@ impl Datapath {
             region_overrides: HashMap::try_from(take("RL_REGION_OVERRIDES")?)?,
             regions: LpmTrie::try_from(take("RL_REGIONS")?)?,
             clients: HashMap::try_from(take("RL_CLIENTS")?)?,
+            overflow: Array::try_from(take("RL_OVERFLOW")?)?,
             bans: LpmTrie::try_from(take("RL_BANS")?)?,
             stats: PerCpuArray::try_from(take("RL_STATS")?)?,
             ifaces: HashMap::try_from(take("RL_IFACES")?)?,

@@ -326,13 +326,36 @@ pub fn tracked_clients(maps: &Maps) -> anyhow::Result<u64> {
     Ok(n)
 }
 
-/// Call `f` on every per-client state, read with BPF_MAP_LOOKUP_BATCH: a few hundred system
-/// calls for a million states instead of two per state (next key, then lookup). Falls back to
-/// the key walk where the kernel refuses batches. Entries may change while they are read; each
-/// is read whole.
+/// Call `f` on every per-client state, then on each rule's aggregate overflow state that has
+/// seen a packet (key kind `overflow`). The per-client map is read with BPF_MAP_LOOKUP_BATCH: a
+/// few hundred system calls for a million states instead of two per state (next key, then
+/// lookup); it falls back to the key walk where the kernel refuses batches. Entries may change
+/// while they are read; each is read whole.
 pub fn for_each_client(
     maps: &Maps,
     mut f: impl FnMut(&ClientKey, &ClientState),
+) -> anyhow::Result<()> {
+    for_each_client_state(maps, &mut f)?;
+    for rule in 0..ratelimit_common::caps::MAX_RULES {
+        let s = maps
+            .overflow
+            .get(&rule, 0)
+            .map_err(|e| anyhow::anyhow!("reading the overflow states: {e}"))?;
+        if s.packets != 0 {
+            let key = ClientKey {
+                rule: rule as u8,
+                kind: ratelimit_common::maps::KEY_OVERFLOW,
+                ..ClientKey::default()
+            };
+            f(&key, &s);
+        }
+    }
+    Ok(())
+}
+
+fn for_each_client_state(
+    maps: &Maps,
+    f: &mut impl FnMut(&ClientKey, &ClientState),
 ) -> anyhow::Result<()> {
     use std::os::fd::{AsFd as _, AsRawFd as _};
 

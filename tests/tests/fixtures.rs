@@ -798,3 +798,62 @@ algorithm = "fixed_window"
         "the stamp moved only {distinct} times in 40 steps of 5 ms: {stamps:?}"
     );
 }
+
+/// Sources the admission budget refuses share their rule's one aggregate state (an array
+/// entry per rule, not a per-client entry): reported as the rule's `overflow` client, judged
+/// by the rule's threshold as one bucket, and cleared when the rule's position changes hands.
+#[test]
+fn refused_sources_share_the_rules_overflow_state() {
+    if skip_unless_kernel() {
+        return;
+    }
+    const OVERFLOW_CONFIG: &str = r#"
+[tracking]
+new_sources_per_sec = 1
+new_sources_burst = 1
+
+[[rule]]
+name = "udp"
+match = { protocol = "udp", dst_ports = ["9000"] }
+threshold = { count = 3, interval = "1h" }
+algorithm = "fixed_window"
+"#;
+    let pins = Pins::new();
+    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
+    let mut maps = dp.take_maps().expect("maps");
+    let cfg = config::parse("overflow.toml", OVERFLOW_CONFIG).expect("config");
+    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
+    let rules = vec!["udp".to_string()];
+    let before = counters(&maps, &rules);
+    // The first source takes the budget's one state; eight more sources are refused and share
+    // one bucket of 3: the first 3 of their packets pass, the other 5 are dropped.
+    let first = v4([198, 18, 12, 1]).udp(40000, 9000).build();
+    assert_eq!(dp.test_run(&first, 1).unwrap().0, XDP_PASS);
+    let mut actions = Vec::new();
+    for i in 2..10u8 {
+        let f = v4([198, 18, 12, i]).udp(40000, 9000).build();
+        actions.push(dp.test_run(&f, 1).unwrap().0);
+    }
+    assert_eq!(
+        actions,
+        [
+            XDP_PASS, XDP_PASS, XDP_PASS, XDP_DROP, XDP_DROP, XDP_DROP, XDP_DROP, XDP_DROP
+        ]
+    );
+    let d = delta(&before, &counters(&maps, &rules));
+    assert_eq!(d.get("admission_refused"), Some(&8), "{d:?}");
+    assert_eq!(d.get("state_created"), Some(&1), "{d:?}");
+    let clients = |maps: &Maps| {
+        let mut v = Vec::new();
+        report::for_each_client(maps, |k, s| {
+            v.push((report::key_name(k.kind), s.packets, s.drops))
+        })
+        .unwrap();
+        v.sort();
+        v
+    };
+    assert_eq!(clients(&maps), [("ip", 1, 0), ("overflow", 8, 5)]);
+    // The rule's position goes to another rule: its overflow state goes with its clients.
+    ratelimit_user::daemon::retire_rule_slots(&mut maps, &rules, &["other".to_string()]);
+    assert_eq!(clients(&maps), []);
+}
