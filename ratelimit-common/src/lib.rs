@@ -37,5 +37,6 @@ mod pod {
         RegionOverrideKey,
         Admission,
         ListValue,
+        FastEntry,
     );
 }

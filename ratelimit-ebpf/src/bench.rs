@@ -95,11 +95,11 @@ pub fn ref_clock_coarse(_ctx: XdpContext) -> u32 {
     xdp_action::XDP_PASS
 }
 
-/// Floor: the coarse clock as the program reads it (`clock::coarse_now`: once per tick and
+/// Floor: the coarse clock as the program reads it (`clock::coarse_tick`: once per tick and
 /// CPU, otherwise a jiffies compare).
 #[xdp]
 pub fn ref_clock_tick(_ctx: XdpContext) -> u32 {
-    core::hint::black_box(crate::clock::coarse_now());
+    core::hint::black_box(crate::clock::coarse_tick().0);
     xdp_action::XDP_PASS
 }
 

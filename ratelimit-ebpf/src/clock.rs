@@ -16,20 +16,22 @@ static TICK: PerCpuArray<[u64; 2]> = PerCpuArray::with_max_entries(1, 0);
 /// reuses the value. The same ns `bpf_ktime_get_coarse_ns` would return within the tick,
 /// give or take the tick in which jiffies moves a moment before the clock does (then the
 /// value is one tick old: the coarse clock's own resolution).
+///
+/// Returns (that ns, the tick it belongs to in jiffies).
 #[inline(always)]
-pub fn coarse_now() -> u64 {
+pub fn coarse_tick() -> (u64, u64) {
     let jiffies = unsafe { bpf_jiffies64() };
     let Some(t) = TICK.get_ptr_mut(0) else {
-        return unsafe { bpf_ktime_get_coarse_ns() };
+        return (unsafe { bpf_ktime_get_coarse_ns() }, jiffies);
     };
     // SAFETY: this CPU's slot; an XDP program runs to completion on its CPU.
     unsafe {
         if (*t)[0] == jiffies && (*t)[1] != 0 {
-            return (*t)[1];
+            return ((*t)[1], jiffies);
         }
         let now = bpf_ktime_get_coarse_ns();
         (*t)[0] = jiffies;
         (*t)[1] = now;
-        now
+        (now, jiffies)
     }
 }

@@ -32,7 +32,7 @@ use ratelimit_common::{
 };
 
 use crate::{
-    atomic, events,
+    atomic, events, fast,
     parse::Parsed,
     policy,
     stats::{self, Slot},
@@ -73,7 +73,15 @@ static ADMISSION: Array<Admission> = Array::pinned(1, 0);
 pub enum RuleVerdict {
     Pass,
     Drop,
+    /// Dropped, and any like packet would be for the rest of this tick (see `fast.rs`).
+    DropForTick,
 }
+
+/// `rl_rule` results.
+const RULE_NO_MATCH: u64 = 0;
+const RULE_DROP: u64 = 1;
+const RULE_PASS: u64 = 2;
+const RULE_DROP_FOR_TICK: u64 = 3;
 
 /// Bounded retries of a compare-and-swap before giving up.
 const CAS_RETRIES: u32 = 3;
@@ -148,6 +156,8 @@ pub struct Env {
     pub preview_all: u32,
     /// `GLOBAL_ADMISSION_FINE_CLOCK` set: the budget needs the precise clock.
     pub admission_fine: u32,
+    /// `GlobalConfig::generation` this packet was judged under.
+    pub generation: u32,
     pub admission_rate: u64,
     pub admission_burst: u64,
 }
@@ -168,6 +178,8 @@ pub struct RuleLoop {
     /// The packet's coarse time, and its precise time once a rule has needed it (0 before).
     pub coarse_now: u64,
     pub fine_now: u64,
+    /// The tick (jiffies) of `coarse_now`.
+    pub tick: u64,
 }
 
 #[map(name = "RL_SCRATCH")]
@@ -181,7 +193,7 @@ pub fn evaluate_rules(
     slot: Slot,
     pkt: Parsed,
     len: u64,
-    now: u64,
+    (now, tick): (u64, u64),
     g: &GlobalConfig,
     src_mask: (u32, u32),
 ) -> RuleVerdict {
@@ -200,6 +212,7 @@ pub fn evaluate_rules(
             now,
             preview_all: g.preview_all,
             admission_fine: (g.flags & GLOBAL_ADMISSION_FINE_CLOCK != 0) as u32,
+            generation: g.generation,
             admission_rate: g.admission_rate,
             admission_burst: g.admission_burst,
         };
@@ -208,13 +221,23 @@ pub fn evaluate_rules(
         (*rl).src_mask = src_mask.1;
         (*rl).coarse_now = now;
         (*rl).fine_now = 0;
+        (*rl).tick = tick;
     }
+    // Whether an earlier rule matched: a refusal is remembered for the tick only when its rule
+    // was the first to match (a later like packet then meets no other rule first either).
+    let mut matched = false;
     for i in 0..MAX_RULES {
         if i >= n {
             break;
         }
-        if rl_rule(i as u64, rl) != 0 {
-            return RuleVerdict::Drop;
+        match rl_rule(i as u64, rl) {
+            RULE_NO_MATCH => {}
+            RULE_PASS => matched = true,
+            RULE_DROP_FOR_TICK if !matched => {
+                fast::rl_fast_fill(rl, i as u64);
+                return RuleVerdict::Drop;
+            }
+            _ => return RuleVerdict::Drop,
         }
     }
     RuleVerdict::Pass
@@ -234,7 +257,7 @@ pub extern "C" fn rl_rule(index: u64, rl: *mut RuleLoop) -> u64 {
         return 0;
     };
     if !matches(rule, &rl.pkt) {
-        return 0;
+        return RULE_NO_MATCH;
     }
     if rule.flags & RULE_SRC_MATCH != 0 {
         if rl.src_mask_known == 0 {
@@ -242,7 +265,7 @@ pub extern "C" fn rl_rule(index: u64, rl: *mut RuleLoop) -> u64 {
             rl.src_mask_known = 1;
         }
         if rl.src_mask & (1 << i) == 0 {
-            return 0;
+            return RULE_NO_MATCH;
         }
     }
     stats::add_rule(rl.env.slot, i, rc::MATCHED, rl.env.len);
@@ -255,8 +278,9 @@ pub extern "C" fn rl_rule(index: u64, rl: *mut RuleLoop) -> u64 {
         rl.coarse_now
     };
     match apply(rl, i, rule) {
-        RuleVerdict::Drop => 1,
-        RuleVerdict::Pass => 0,
+        RuleVerdict::Drop => RULE_DROP,
+        RuleVerdict::DropForTick => RULE_DROP_FOR_TICK,
+        RuleVerdict::Pass => RULE_PASS,
     }
 }
 
@@ -484,7 +508,8 @@ pub struct Judge {
     pub soft_permille: u32,
     /// `BAN_PREVIEW` / `BAN_EXCEED_PASS` for bans this rule issues.
     pub ban_flags: u32,
-    pub _pad: u32,
+    /// Non-zero when the limiter refused because it lost every compare-and-swap retry.
+    pub contended: u32,
 }
 
 /// Evaluate one matching rule for one packet.
@@ -558,6 +583,7 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
     j.soft_permille = rule.soft_limit_permille;
     j.ban_flags =
         if preview { BAN_PREVIEW } else { 0 } | if exceed_pass { BAN_EXCEED_PASS } else { 0 };
+    j.contended = 0;
     // SAFETY: `st` is a live map value; fields are touched through atomics or plain stores of
     // values only reports read.
     unsafe {
@@ -583,7 +609,17 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
         stats::add_rule(env.slot, i, rc::ADMITTED, env.len);
         return RuleVerdict::Pass;
     }
-    exceeded(env, i, preview, exceed_pass, rc::DROPPED)
+    // A refusal on the coarse clock by a throttle rule of packet counts, not a lost race, for
+    // a client of its own (or a shared key, not the overflow state): like packets are refused
+    // for the rest of the tick.
+    let for_tick = rule.action == ACTION_THROTTLE
+        && rule.flags & (RULE_BYTES | RULE_FINE_CLOCK) == 0
+        && key.kind != KEY_OVERFLOW
+        && rl.judge.contended == 0;
+    match exceeded(env, i, preview, exceed_pass, rc::DROPPED) {
+        RuleVerdict::Drop if for_tick => RuleVerdict::DropForTick,
+        v => v,
+    }
 }
 
 /// Aggregate (key all/region) bans live in the state itself: 1 if banned now. Clears an
@@ -652,7 +688,7 @@ pub extern "C" fn rl_limit(st: *mut ClientState, lim: *const Limit, j: *mut Judg
     }
     // SAFETY: non-null pointers to live map values and the caller's stack.
     unsafe {
-        let (admitted, usage, capacity) = limit_check(
+        let (admitted, usage, capacity, contended) = limit_check(
             (*j).slot,
             st,
             (*j).algorithm as u8,
@@ -662,6 +698,7 @@ pub extern "C" fn rl_limit(st: *mut ClientState, lim: *const Limit, j: *mut Judg
         );
         (*j).usage = usage;
         (*j).capacity = capacity;
+        (*j).contended = contended as u32;
         if !admitted {
             (*st).last_exceed_ns = (*j).now;
             atomic::add(&raw mut (*st).drops, 1);
@@ -806,7 +843,8 @@ unsafe fn meter(
 }
 
 /// The rule's algorithm: (admitted, usage after this packet, the capacity usage is measured
-/// against: the threshold for windows, the burst for the token bucket).
+/// against: the threshold for windows, the burst for the token bucket, whether it refused
+/// for losing every compare-and-swap retry).
 #[inline(always)]
 unsafe fn limit_check(
     slot: Slot,
@@ -815,11 +853,11 @@ unsafe fn limit_check(
     limit: &Limit,
     now: u64,
     cost: u64,
-) -> (bool, u64, u64) {
+) -> (bool, u64, u64, bool) {
     let interval = limit.interval_ns;
     let threshold = limit.threshold;
     if interval == 0 || threshold == 0 {
-        return (true, 0, threshold);
+        return (true, 0, threshold, false);
     }
     let (stamp, cur, prev) = unsafe {
         (
@@ -847,17 +885,17 @@ unsafe fn limit_check(
                     if let Some(c) = limiter::gcra_clamp(old, now, burst_ns) {
                         unsafe { atomic::cas(tat, old, c) };
                     }
-                    return (false, burst_ns, burst_ns);
+                    return (false, burst_ns, burst_ns, false);
                 }
                 Some(new) => {
                     if unsafe { atomic::cas(tat, old, new) } {
-                        return (true, new - now, burst_ns);
+                        return (true, new - now, burst_ns, false);
                     }
                 }
             }
         }
         stats::add(slot, global::CONTENDED, 0);
-        return (false, burst_ns, burst_ns);
+        return (false, burst_ns, burst_ns, true);
     }
     let w = unsafe { rotate(stamp, cur, prev, now, interval) };
     let weight = if algorithm == ALG_FIXED_WINDOW {
@@ -874,14 +912,14 @@ unsafe fn limit_check(
         let c = unsafe { atomic::load(cur) };
         let est = limiter::sliding_estimate(prev_w, c, weight);
         if !limiter::sliding_admits(est, cost, threshold) {
-            return (false, est + cost, threshold);
+            return (false, est + cost, threshold, false);
         }
         if unsafe { atomic::cas(cur, c, c + cost) } {
-            return (true, est + cost, threshold);
+            return (true, est + cost, threshold, false);
         }
     }
     stats::add(slot, global::CONTENDED, 0);
-    (false, threshold, threshold)
+    (false, threshold, threshold, true)
 }
 
 /// Issue a ban for `key` (rate_based_ban crossed `ban_threshold`): 1 if this call issued it,
@@ -964,6 +1002,12 @@ pub extern "C" fn rl_ban(
         );
     }
     1
+}
+
+/// The state of `key`, if it has one (no admission, no insert).
+#[inline(always)]
+pub fn client_state(key: &ClientKey) -> Option<*mut ClientState> {
+    CLIENTS.get_ptr_mut(key)
 }
 
 /// The floor reference (`bench` feature): the `cur` counter of rule 0's state of `src` as a

@@ -1,7 +1,7 @@
 //! The ratelimit XDP program.
 //!
-//! Per packet: parse (`parse`), then allow list → deny list → active ban → rules in file order
-//! (`policy`, `limit`), record the verdict in the per-CPU counters and return. Every exit goes
+//! Per packet: parse (`parse`), then allow list → deny list → active ban → this tick's
+//! fast-drop entry (`fast`) → rules in file order (`policy`, `limit`), record the verdict in the per-CPU counters and return. Every exit goes
 //! through [`finish`], so every frame is counted in exactly one verdict counter.
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
@@ -19,6 +19,8 @@ mod bench;
 mod clock;
 #[cfg(target_arch = "bpf")]
 mod events;
+#[cfg(target_arch = "bpf")]
+mod fast;
 #[cfg(all(target_arch = "bpf", feature = "bench"))]
 mod generator;
 #[cfg(target_arch = "bpf")]
@@ -41,7 +43,7 @@ mod program {
     };
 
     use crate::{
-        clock,
+        clock, fast,
         limit::{self, RuleVerdict},
         parse::{self, Parsed},
         policy,
@@ -92,7 +94,7 @@ mod program {
         }
         // The coarse clock (the last timer tick): a fraction of the cost of reading the clock
         // source. Rules that need precision read the precise one (`RULE_FINE_CLOCK`).
-        let now = clock::coarse_now();
+        let (now, tick) = clock::coarse_tick();
         if let Some(ban_flags) = limit::active_ban(slot, src, now) {
             let passes =
                 global_cfg.preview_all != 0 || ban_flags & (BAN_PREVIEW | BAN_EXCEED_PASS) != 0;
@@ -104,9 +106,13 @@ mod program {
                 stats::add(slot, global::PREVIEW_WOULD_DROP, len);
             }
         }
-        match limit::evaluate_rules(slot, pkt, len, now, global_cfg, src_mask) {
-            RuleVerdict::Drop => finish(slot, global::DROP_RULE, len),
+        // Refused earlier in this tick, like packet for like packet: see `fast.rs`.
+        if global_cfg.rule_count != 0 && fast::check(slot, &pkt, len, global_cfg.generation, tick) {
+            return finish(slot, global::DROP_RULE, len);
+        }
+        match limit::evaluate_rules(slot, pkt, len, (now, tick), global_cfg, src_mask) {
             RuleVerdict::Pass => finish(slot, global::PASS, len),
+            _ => finish(slot, global::DROP_RULE, len),
         }
     }
 

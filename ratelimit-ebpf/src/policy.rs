@@ -49,7 +49,7 @@ const EMPTY: GlobalConfig = GlobalConfig {
     admission_rate: 0,
     admission_burst: 0,
     flags: 0,
-    _pad: 0,
+    generation: 0,
 };
 
 #[inline(always)]

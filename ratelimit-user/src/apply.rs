@@ -192,7 +192,7 @@ pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
         } else {
             0
         },
-        _pad: 0,
+        generation: 0,
     };
     let mut own: Vec<(Prefix, ListValue)> = Vec::new();
     for n in &cfg.lists.allow {
@@ -441,19 +441,22 @@ pub fn apply(maps: &mut Maps, plan: &Plan) -> anyhow::Result<()> {
 
     let old = maps.global.get(&0, 0).unwrap_or_default();
     let shrinking = plan.global.rule_count < old.rule_count;
+    // Every write is a new generation: the program's fast-drop entries of the old one are
+    // void from then on.
+    let mut global = plan.global;
+    global.generation = old.generation.wrapping_add(1);
     if shrinking {
         maps.global
-            .set(0, plan.global, 0)
+            .set(0, global, 0)
             .context("writing the global settings")?;
+        global.generation = global.generation.wrapping_add(1);
     }
     for (i, r) in plan.rules.iter().enumerate() {
         maps.rules.set(i as u32, *r, 0).context("writing a rule")?;
     }
-    if !shrinking {
-        maps.global
-            .set(0, plan.global, 0)
-            .context("writing the global settings")?;
-    }
+    maps.global
+        .set(0, global, 0)
+        .context("writing the global settings")?;
     Ok(())
 }
 

@@ -27,8 +27,8 @@ use ratelimit_common::{
     addr::IpKey,
     caps::{IFSLOT_ARRAY_LEN, MAX_IFACES},
     maps::{
-        BanEntry, ClientKey, ClientState, GlobalConfig, ListValue, OverrideKey, OverrideValue,
-        RegionOverrideKey, RuleConfig,
+        BanEntry, ClientKey, ClientState, FastEntry, GlobalConfig, ListValue, OverrideKey,
+        OverrideValue, RegionOverrideKey, RuleConfig,
     },
     stats::Counter,
 };
@@ -53,6 +53,8 @@ pub struct Maps {
     pub clients: HashMap<MapData, ClientKey, ClientState>,
     /// Per rule: the aggregate state of sources that got none of their own.
     pub overflow: Array<MapData, ClientState>,
+    /// Per CPU: this tick's fast-drop entries, with per-client counts not yet in `clients`.
+    pub fast: PerCpuArray<MapData, FastEntry>,
     pub bans: LpmTrie<MapData, IpKey, BanEntry>,
     pub stats: PerCpuArray<MapData, Counter>,
     pub ifaces: HashMap<MapData, u32, u32>,
@@ -330,6 +332,7 @@ impl Datapath {
             regions: LpmTrie::try_from(take("RL_REGIONS")?)?,
             clients: HashMap::try_from(take("RL_CLIENTS")?)?,
             overflow: Array::try_from(take("RL_OVERFLOW")?)?,
+            fast: PerCpuArray::try_from(take("RL_FAST")?)?,
             bans: LpmTrie::try_from(take("RL_BANS")?)?,
             stats: PerCpuArray::try_from(take("RL_STATS")?)?,
             ifaces: HashMap::try_from(take("RL_IFACES")?)?,

@@ -331,11 +331,35 @@ pub fn tracked_clients(maps: &Maps) -> anyhow::Result<u64> {
 /// few hundred system calls for a million states instead of two per state (next key, then
 /// lookup); it falls back to the key walk where the kernel refuses batches. Entries may change
 /// while they are read; each is read whole.
+///
+/// The program's fast-drop entries (`RL_FAST`, per CPU) hold per-client counts of this tick's
+/// fast-dropped packets not yet added to the clients' states: they are added here, so a
+/// report is exact once traffic stops. (While it flows, a report racing the program's own
+/// addition may count up to one tick's fast drops of a client twice.)
 pub fn for_each_client(
     maps: &Maps,
     mut f: impl FnMut(&ClientKey, &ClientState),
 ) -> anyhow::Result<()> {
-    for_each_client_state(maps, &mut f)?;
+    let pending = fast_pending(maps)?;
+    if pending.is_empty() {
+        for_each_client_state(maps, &mut f)?;
+    } else {
+        for_each_client_state(
+            maps,
+            &mut |k: &ClientKey, s: &ClientState| match pending.get(k) {
+                Some(p) => {
+                    let mut s = *s;
+                    s.packets += p.packets;
+                    s.bytes += p.bytes;
+                    s.drops += p.packets;
+                    s.last_ns = s.last_ns.max(p.now_ns);
+                    s.last_exceed_ns = s.last_exceed_ns.max(p.now_ns);
+                    f(k, &s)
+                }
+                None => f(k, s),
+            },
+        )?;
+    }
     for rule in 0..ratelimit_common::caps::MAX_RULES {
         let s = maps
             .overflow
@@ -351,6 +375,36 @@ pub fn for_each_client(
         }
     }
     Ok(())
+}
+
+#[derive(Default)]
+struct Pending {
+    packets: u64,
+    bytes: u64,
+    now_ns: u64,
+}
+
+/// Per client: the fast-drop counts of the current policy generation still pending on any
+/// CPU.
+fn fast_pending(maps: &Maps) -> anyhow::Result<std::collections::HashMap<ClientKey, Pending>> {
+    let generation = maps.global.get(&0, 0).map(|g| g.generation).unwrap_or(0);
+    let mut out: std::collections::HashMap<ClientKey, Pending> = Default::default();
+    for i in 0..ratelimit_common::maps::FAST_ENTRIES {
+        let per_cpu = maps
+            .fast
+            .get(&i, 0)
+            .map_err(|e| anyhow::anyhow!("reading the fast-drop entries: {e}"))?;
+        for e in per_cpu.iter() {
+            if e.pending_packets == 0 || e.generation != generation {
+                continue;
+            }
+            let p = out.entry(e.key).or_default();
+            p.packets += e.pending_packets;
+            p.bytes += e.pending_bytes;
+            p.now_ns = p.now_ns.max(e.now_ns);
+        }
+    }
+    Ok(out)
 }
 
 fn for_each_client_state(
