@@ -9,7 +9,8 @@
 //! bumped, without a lookup of their client. Their per-client totals wait in the entry
 //! (`pending_*`) until it goes stale — the next tick, a new policy generation, or another
 //! packet taking the slot — and are then added to the client's state; the daemon adds what
-//! is still pending when it reports clients.
+//! is still pending when it reports clients, and clears it with the rule's clients when a
+//! rule's position changes hands.
 //!
 //! Not remembered: refusals by ban rules (their ban meter counts every packet), of byte
 //! thresholds (a smaller packet may fit), on the precise clock, in preview or with
@@ -94,17 +95,18 @@ pub fn check(slot: Slot, pkt: &Parsed, len: u64, generation: u32, tick: u64) -> 
         return true;
     }
     if e.pending_packets != 0 && (e.jiffies != tick || e.generation != generation) {
-        rl_fast_flush(e, generation as u64);
+        rl_fast_flush(e);
     }
     false
 }
 
-/// Add an entry's pending counts to its client's state and clear them. Counts of a void
-/// generation are dropped: the policy they were judged under has been replaced (and a rule
-/// whose position changed hands has had its clients cleared). A global BPF function.
+/// Add an entry's pending counts to its client's state and clear them, whatever the policy
+/// generation: they were judged and counted under the policy of their tick. (When a rule's
+/// position changes hands the daemon clears that rule's clients and pending counts.) A
+/// global BPF function.
 #[unsafe(no_mangle)]
 #[inline(never)]
-pub extern "C" fn rl_fast_flush(e: *mut FastEntry, generation: u64) -> u64 {
+pub extern "C" fn rl_fast_flush(e: *mut FastEntry) -> u64 {
     if e.is_null() {
         return 0;
     }
@@ -114,9 +116,7 @@ pub extern "C" fn rl_fast_flush(e: *mut FastEntry, generation: u64) -> u64 {
     if packets == 0 {
         return 0;
     }
-    if e.generation as u64 == generation
-        && let Some(st) = limit::client_state(&e.key)
-    {
+    if let Some(st) = limit::client_state(&e.key) {
         let st: *mut ClientState = st;
         // SAFETY: a live map value; totals by atomic add as everywhere else.
         unsafe {
@@ -152,7 +152,7 @@ pub extern "C" fn rl_fast_fill(rl: *mut RuleLoop, rule: u64) -> u64 {
     // SAFETY: this CPU's entry.
     let e = unsafe { &mut *e };
     if e.pending_packets != 0 {
-        rl_fast_flush(e, rl.env.generation as u64);
+        rl_fast_flush(e);
     }
     e.src = rl.pkt.src.addr;
     e.dport = rl.pkt.dport;

@@ -434,6 +434,34 @@ pub fn retire_rule_slots(maps: &mut Maps, old: &[String], new: &[String]) -> usi
     for &r in &stale {
         let _ = maps.overflow.set(r as u32, ClientState::default(), 0);
     }
+    // Fast-drop entries of those rules: their pending per-client counts go with the clients.
+    // (A read-modify-write of each CPU's entry: a packet the program counts into another
+    // entry of the same slot between the read and the write may lose up to one tick's
+    // pending count, only at this rare moment.)
+    for i in 0..FAST_ENTRIES {
+        let Ok(per_cpu) = maps.fast.get(&i, 0) else {
+            continue;
+        };
+        if !per_cpu
+            .iter()
+            .any(|e| e.jiffies != 0 && stale.contains(&e.rule))
+        {
+            continue;
+        }
+        let cleared: Vec<FastEntry> = per_cpu
+            .iter()
+            .map(|e| {
+                if stale.contains(&e.rule) {
+                    FastEntry::default()
+                } else {
+                    *e
+                }
+            })
+            .collect();
+        if let Ok(values) = aya::maps::PerCpuValues::try_from(cleared) {
+            let _ = maps.fast.set(i, values, 0);
+        }
+    }
     if let Ok(ncpu) = aya::util::nr_cpus() {
         for &r in &stale {
             for slot in 0..ratelimit_common::caps::MAX_IFACES {

@@ -384,10 +384,8 @@ struct Pending {
     now_ns: u64,
 }
 
-/// Per client: the fast-drop counts of the current policy generation still pending on any
-/// CPU.
+/// Per client: the fast-drop counts still pending on any CPU.
 fn fast_pending(maps: &Maps) -> anyhow::Result<std::collections::HashMap<ClientKey, Pending>> {
-    let generation = maps.global.get(&0, 0).map(|g| g.generation).unwrap_or(0);
     let mut out: std::collections::HashMap<ClientKey, Pending> = Default::default();
     for i in 0..ratelimit_common::maps::FAST_ENTRIES {
         let per_cpu = maps
@@ -395,7 +393,7 @@ fn fast_pending(maps: &Maps) -> anyhow::Result<std::collections::HashMap<ClientK
             .get(&i, 0)
             .map_err(|e| anyhow::anyhow!("reading the fast-drop entries: {e}"))?;
         for e in per_cpu.iter() {
-            if e.pending_packets == 0 || e.generation != generation {
+            if e.pending_packets == 0 {
                 continue;
             }
             let p = out.entry(e.key).or_default();

@@ -979,4 +979,27 @@ algorithm = "fixed_window"
     assert_eq!(d.get("udp9001-strict/dropped"), Some(&498), "{d:?}");
     assert_eq!(client_totals(&maps)[&(1, src)], (500, 0));
     assert_eq!(client_totals(&maps)[&(2, src)], (500, 498));
+
+    // Rule 0's position changes hands: its clients go, and so do their pending counts.
+    assert_eq!(dp.test_run(&frame, 100).unwrap().0, XDP_DROP);
+    let pending_of_rule0 = |maps: &Maps| {
+        (0..ratelimit_common::maps::FAST_ENTRIES)
+            .flat_map(|i| {
+                maps.fast
+                    .get(&i, 0)
+                    .unwrap()
+                    .iter()
+                    .copied()
+                    .collect::<Vec<_>>()
+            })
+            .filter(|e| e.rule == 0 && e.jiffies != 0)
+            .map(|e| e.pending_packets)
+            .sum::<u64>()
+    };
+    assert!(pending_of_rule0(&maps) > 0);
+    let renamed = vec!["other".to_string(), rules[1].clone(), rules[2].clone()];
+    ratelimit_user::daemon::retire_rule_slots(&mut maps, &rules, &renamed);
+    assert_eq!(pending_of_rule0(&maps), 0);
+    assert!(client_totals(&maps).keys().all(|&(rule, _)| rule != 0));
+    assert_eq!(client_totals(&maps)[&(2, src)], (500, 498));
 }
