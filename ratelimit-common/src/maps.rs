@@ -131,10 +131,12 @@ pub struct GlobalConfig {
     pub rule_count: u32,
     /// Non-zero: act as if every rule and ban were in preview (`ratelimit run --preview`).
     pub preview_all: u32,
-    /// New per-client states admitted per second (0 = unlimited), see `Admission`.
-    pub admission_rate: u64,
-    /// Burst of new states admitted at once.
-    pub admission_burst: u64,
+    /// The new-source admission budget as the program meters it (GCRA, see `Admission`): ns
+    /// of budget one new state costs, 0 for no budget. Computed by the daemon from
+    /// `tracking.new_sources_per_sec` ([`admission_gcra`]), so no packet pays a division.
+    pub admission_inc_ns: u64,
+    /// Burst tolerance in ns: `tracking.new_sources_burst` states at once.
+    pub admission_burst_ns: u64,
     /// `GLOBAL_*` flags: which lists are non-empty, so empty ones cost no lookup.
     pub flags: u32,
     /// Bumped by the daemon at every policy write: fast-drop entries (`FastEntry`) made under
@@ -150,6 +152,18 @@ pub const GLOBAL_HAS_DENY: u32 = 1 << 1;
 /// (its burst refills in under [`COARSE_MIN_BURST_NS`]); otherwise on the coarse clock, like
 /// a token bucket rule. See [`admission_needs_fine_clock`].
 pub const GLOBAL_ADMISSION_FINE_CLOCK: u32 = 1 << 2;
+
+/// The admission budget's GCRA constants for `rate` new states per second, `burst` at once:
+/// (`admission_inc_ns`, `admission_burst_ns`), (0, 0) for no budget.
+pub fn admission_gcra(rate: u64, burst: u64) -> (u64, u64) {
+    if rate == 0 {
+        return (0, 0);
+    }
+    (
+        crate::limiter::gcra_increment(1, rate, 1_000_000_000).max(1),
+        crate::limiter::gcra_burst_ns(burst.max(1), rate, 1_000_000_000),
+    )
+}
 
 /// Whether the admission budget (`rate` new states per second, `burst` at once) must be
 /// metered on the precise clock: the same test as a token bucket rule's.

@@ -158,8 +158,8 @@ pub struct Env {
     pub admission_fine: u32,
     /// `GlobalConfig::generation` this packet was judged under.
     pub generation: u32,
-    pub admission_rate: u64,
-    pub admission_burst: u64,
+    pub admission_inc_ns: u64,
+    pub admission_burst_ns: u64,
 }
 
 /// Per-packet working record of the rule evaluation: the packet facts, the environment, and
@@ -213,8 +213,8 @@ pub fn evaluate_rules(
             preview_all: g.preview_all,
             admission_fine: (g.flags & GLOBAL_ADMISSION_FINE_CLOCK != 0) as u32,
             generation: g.generation,
-            admission_rate: g.admission_rate,
-            admission_burst: g.admission_burst,
+            admission_inc_ns: g.admission_inc_ns,
+            admission_burst_ns: g.admission_burst_ns,
         };
         (*rl).pkt = pkt;
         (*rl).src_mask_known = src_mask.0;
@@ -329,11 +329,11 @@ fn matches(rule: &RuleConfig, pkt: &Parsed) -> bool {
 /// rule's).
 #[inline(always)]
 fn admit_new_source(env: &Env, coarse_now: u64) -> bool {
-    env.admission_rate == 0
+    env.admission_inc_ns == 0
         || rl_admit(
             coarse_now,
-            env.admission_rate,
-            env.admission_burst,
+            env.admission_inc_ns,
+            env.admission_burst_ns,
             env.admission_fine as u64,
         ) != 0
 }
@@ -343,8 +343,8 @@ fn admit_new_source(env: &Env, coarse_now: u64) -> bool {
 /// reading the clock source would cost each of them more than the meter itself.
 #[unsafe(no_mangle)]
 #[inline(never)]
-pub extern "C" fn rl_admit(now: u64, rate: u64, burst: u64, fine: u64) -> u64 {
-    if rate == 0 {
+pub extern "C" fn rl_admit(now: u64, inc: u64, burst_ns: u64, fine: u64) -> u64 {
+    if inc == 0 {
         return 1;
     }
     let now = if fine != 0 {
@@ -356,8 +356,6 @@ pub extern "C" fn rl_admit(now: u64, rate: u64, burst: u64, fine: u64) -> u64 {
         return 1;
     };
     let tat = unsafe { &raw mut (*a).tat_ns };
-    let inc = limiter::gcra_increment(1, rate, 1_000_000_000);
-    let burst_ns = limiter::gcra_burst_ns(if burst == 0 { 1 } else { burst }, rate, 1_000_000_000);
     for _ in 0..CAS_RETRIES {
         let old = unsafe { atomic::load(tat) };
         match limiter::gcra_admit(old, now, inc, burst_ns) {

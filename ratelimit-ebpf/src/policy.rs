@@ -46,8 +46,8 @@ static REGIONS: LpmTrie<IpKey, [u8; 4]> = LpmTrie::pinned(MAX_REGION_PREFIXES, 0
 const EMPTY: GlobalConfig = GlobalConfig {
     rule_count: 0,
     preview_all: 0,
-    admission_rate: 0,
-    admission_burst: 0,
+    admission_inc_ns: 0,
+    admission_burst_ns: 0,
     flags: 0,
     generation: 0,
 };

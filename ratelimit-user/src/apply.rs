@@ -171,11 +171,15 @@ pub fn rule_config(r: &Rule) -> RuleConfig {
 
 pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
     let rules: Vec<RuleConfig> = cfg.rules.iter().map(rule_config).collect();
+    let admission = admission_gcra(
+        cfg.tracking.new_sources_per_sec,
+        cfg.tracking.new_sources_burst,
+    );
     let global = GlobalConfig {
         rule_count: rules.len() as u32,
         preview_all: preview_all as u32,
-        admission_rate: cfg.tracking.new_sources_per_sec,
-        admission_burst: cfg.tracking.new_sources_burst,
+        admission_inc_ns: admission.0,
+        admission_burst_ns: admission.1,
         flags: if cfg.lists.allow.is_empty() {
             0
         } else {
@@ -593,6 +597,11 @@ mod tests {
             plan(&cfg, false).global.flags & GLOBAL_ADMISSION_FINE_CLOCK
         };
         assert_eq!(flags(""), 0, "no budget");
+        // The program's constants: 10k/s is 100 us of budget per new state, a burst of 10k
+        // is 1 s of it; no budget is 0.
+        assert_eq!(admission_gcra(10_000, 10_000), (100_000, 1_000_000_000));
+        assert_eq!(admission_gcra(10_000, 0), (100_000, 100_000));
+        assert_eq!(admission_gcra(0, 5), (0, 0));
         assert_eq!(
             flags("new_sources_per_sec = 10000\nnew_sources_burst = 10000"),
             0,

@@ -432,8 +432,8 @@ fn main() {
     // over the budget share the rule's overflow state instead of each inserting one.
     let mut g = maps.global.get(&0, 0).unwrap();
     let saved = g;
-    g.admission_rate = 10_000;
-    g.admission_burst = 10_000;
+    (g.admission_inc_ns, g.admission_burst_ns) =
+        ratelimit_common::maps::admission_gcra(10_000, 10_000);
     maps.global.set(0, g, 0).unwrap();
     let churn_budget = b.measure("ratelimit", &udp, XDP_PASS).0;
     maps.global.set(0, saved, 0).unwrap();
