@@ -245,6 +245,75 @@ pub struct ClientKey {
     pub addr: [u8; 16],
 }
 
+/// The known-sources filter (`RL_KNOWN`, an mmap-able array of u64): one bit per hash of a
+/// per-source [`ClientKey`] (`KEY_IP`), set before the program inserts that key's state, so
+/// a clear bit proves the source has no state and its per-client lookup can be skipped. In a
+/// random-source flood nearly every packet is such a source, and the lookup that misses (a
+/// walk of a hash chain through memory no cache holds) is what it costs most.
+///
+/// Word 0 is the control word (`KNOWN_*` flags, and the number of bits per half in
+/// bits 8..15 as a power of two); then two halves of `1 << (log2 - 6)` words each. The program
+/// reads the active half and sets a new key's bit in both. Bits of evicted states stay set
+/// (a set bit only costs the lookup), so the daemon rebuilds the other half from the map
+/// now and then: it clears it, waits for inserts in flight, sets the bit of every state it
+/// walks (states inserted during the walk set their own), then makes it the active half.
+/// The filter is off until the daemon's first rebuild after it loads the program.
+pub const KNOWN_ENABLED: u64 = 1 << 0;
+/// Control word: the active half is the second.
+pub const KNOWN_HALF: u64 = 1 << 1;
+/// Control word: position of log2(bits per half).
+pub const KNOWN_LOG2_SHIFT: u32 = 8;
+/// Bounds of log2(bits per half): at least one word, at most 128 MiB a half.
+pub const KNOWN_MIN_LOG2: u64 = 6;
+pub const KNOWN_MAX_LOG2: u64 = 30;
+
+/// log2 of the bits per half for a per-client map of `max_sources`: 8 to 16 bits per
+/// source (a power of two), so a full map leaves 6 to 12% of untracked sources to a lookup.
+pub const fn known_log2_bits(max_sources: u32) -> u64 {
+    let n = if max_sources < 8 {
+        8
+    } else {
+        max_sources as u64
+    };
+    let log2 = (n.next_power_of_two() * 8).trailing_zeros() as u64;
+    if log2 > KNOWN_MAX_LOG2 {
+        KNOWN_MAX_LOG2
+    } else {
+        log2
+    }
+}
+
+/// Entries of `RL_KNOWN` for a per-client map of `max_sources`: the control word and two halves.
+pub const fn known_map_entries(max_sources: u32) -> u32 {
+    1 + 2 * (1u32 << (known_log2_bits(max_sources) - KNOWN_MIN_LOG2))
+}
+
+/// The hash of a per-source key the filter indexes by its top bits (a SplitMix64 finish over
+/// the address and the rule and prefix length, so IPv4-mapped keys, whose first 10 bytes
+/// are zero, spread as well as IPv6 ones). The program and the daemon compute it alike.
+#[inline(always)]
+pub fn known_hash(rule: u8, prefix_len: u32, addr: &[u8; 16]) -> u64 {
+    let a = u64::from_le_bytes([
+        addr[0], addr[1], addr[2], addr[3], addr[4], addr[5], addr[6], addr[7],
+    ]);
+    let b = u64::from_le_bytes([
+        addr[8], addr[9], addr[10], addr[11], addr[12], addr[13], addr[14], addr[15],
+    ]);
+    let mut h = a ^ ((rule as u64) << 56) ^ ((prefix_len as u64) << 48);
+    h = (h ^ (h >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    h ^= b;
+    h = (h ^ (h >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    h = (h ^ (h >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    h ^ (h >> 31)
+}
+
+/// The bit of `hash` in a half of `2^log2` bits: (word within the half, bit within the word).
+#[inline(always)]
+pub fn known_bit(hash: u64, log2: u64) -> (u64, u64) {
+    let idx = hash >> (64 - log2);
+    (idx >> 6, idx & 63)
+}
+
 /// `ClientState::flags` (a u64: the BPF target has 64-bit atomics only).
 pub const STATE_THROTTLING: u64 = 1 << 0;
 pub const STATE_SOFT_REPORTED: u64 = 1 << 1;
@@ -362,3 +431,66 @@ pub struct Admission {
 
 /// Region code used when the GeoIP map has no entry for an address.
 pub const REGION_UNKNOWN: [u8; 2] = *b"ZZ";
+
+#[cfg(test)]
+mod tests {
+    extern crate std;
+
+    use super::*;
+
+    #[test]
+    fn known_filter_sizes() {
+        assert_eq!(known_log2_bits(1), 6);
+        assert_eq!(known_log2_bits(4000), 15);
+        assert_eq!(known_log2_bits(65536), 19);
+        assert_eq!(known_log2_bits(65537), 20);
+        assert_eq!(known_log2_bits(1_000_000), 23);
+        assert_eq!(known_log2_bits(u32::MAX), KNOWN_MAX_LOG2);
+        assert_eq!(known_map_entries(1), 3);
+        assert_eq!(known_map_entries(65536), 1 + 2 * (1 << 13));
+    }
+
+    /// Consecutive IPv4 sources (IPv4-mapped keys: their first 10 bytes are zero) and IPv6
+    /// /64s spread over the bits as uniformly random ones would: n keys in m bits set about
+    /// m (1 - e^(-n/m)) of them.
+    #[test]
+    fn known_hash_spreads_mapped_and_v6_keys() {
+        let log2 = 16;
+        let m = 1u64 << log2;
+        let n = 16_384u32;
+        let expect = m as f64 * (1.0 - (-(n as f64) / m as f64).exp());
+        let count = |keys: &mut dyn Iterator<Item = (u8, u32, [u8; 16])>| {
+            let mut bits = std::collections::HashSet::new();
+            for (rule, plen, addr) in keys {
+                bits.insert(known_bit(known_hash(rule, plen, &addr), log2));
+            }
+            bits.len() as f64
+        };
+        let v4 = count(&mut (0..n).map(|i| {
+            let mut a = [0u8; 16];
+            a[10] = 0xff;
+            a[11] = 0xff;
+            a[12..].copy_from_slice(&(0xc612_0000u32 + i).to_be_bytes());
+            (0, 128, a)
+        }));
+        let v6 = count(&mut (0..n).map(|i| {
+            let mut a = [0u8; 16];
+            a[0] = 0x20;
+            a[1] = 0x01;
+            a[4..8].copy_from_slice(&i.to_be_bytes());
+            (1, 64, a)
+        }));
+        // One source under several rules: distinct bits too.
+        let rules = count(&mut (0..n).map(|i| {
+            let mut a = [0u8; 16];
+            a[12..].copy_from_slice(&(i / 8).to_be_bytes());
+            ((i % 8) as u8, 128, a)
+        }));
+        for (what, got) in [("v4", v4), ("v6", v6), ("rules", rules)] {
+            assert!(
+                (got - expect).abs() < expect * 0.02,
+                "{what}: {got} bits set, {expect:.0} expected"
+            );
+        }
+    }
+}

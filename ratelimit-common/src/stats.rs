@@ -69,7 +69,9 @@ pub mod global {
     pub const IPV6_EXT_LIMIT: u32 = 22;
     /// Lock-free update lost its race too many times; counted as exceeding (never over-admits).
     pub const CONTENDED: u32 = 23;
-    pub const COUNT: u32 = 24;
+    /// New sources whose per-client lookup the known-sources filter skipped (no state).
+    pub const LOOKUP_SKIPPED: u32 = 24;
+    pub const COUNT: u32 = 25;
 
     /// Names used in reports and metric labels, by index.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -97,6 +99,7 @@ pub mod global {
         "malformed_l4",
         "ipv6_ext_limit",
         "contended",
+        "lookup_skipped",
     ];
 }
 

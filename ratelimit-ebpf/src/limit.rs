@@ -32,7 +32,7 @@ use ratelimit_common::{
 };
 
 use crate::{
-    atomic, events, fast,
+    atomic, events, fast, known,
     parse::Parsed,
     policy,
     stats::{self, Slot},
@@ -392,13 +392,21 @@ static ZERO_STATE: ClientState = ClientState {
 /// refuses) the rule's aggregate overflow state, and `key` is rewritten to say so.
 #[inline(always)]
 fn state_for(env: &Env, key: &mut ClientKey, coarse_now: u64) -> Option<*mut ClientState> {
-    if let Some(p) = CLIENTS.get_ptr_mut(&*key) {
+    let per_client = key.kind == KEY_IP;
+    // A source the known-sources filter has never seen has no state: skip the lookup (in a
+    // random-source flood, a hash-chain walk that misses for nearly every packet).
+    if per_client && !known::may_be_tracked(key) {
+        stats::add(env.slot, global::LOOKUP_SKIPPED, 0);
+    } else if let Some(p) = CLIENTS.get_ptr_mut(&*key) {
         return Some(p);
     }
-    let per_client = key.kind == KEY_IP;
     if per_client && !admit_new_source(env, coarse_now) {
         stats::add(env.slot, global::ADMISSION_REFUSED, env.len);
         return overflow_state(key);
+    }
+    if per_client {
+        // Before the insert, so no CPU can find the state while the filter denies it.
+        known::note(key);
     }
     match CLIENTS.insert(&*key, &ZERO_STATE, BPF_NOEXIST as u64) {
         Ok(()) => stats::add(env.slot, global::STATE_CREATED, 0),

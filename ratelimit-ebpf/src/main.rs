@@ -24,6 +24,8 @@ mod fast;
 #[cfg(all(target_arch = "bpf", feature = "bench"))]
 mod generator;
 #[cfg(target_arch = "bpf")]
+mod known;
+#[cfg(target_arch = "bpf")]
 mod limit;
 #[cfg(target_arch = "bpf")]
 mod parse;

@@ -55,7 +55,13 @@ pub struct State {
     /// Earliest expiry (CLOCK_MONOTONIC) among the bans this daemon knows of: the expired-ban
     /// sweep walks the ban map only once it has passed. 0 = walk at the next tick.
     pub next_ban_expiry: u64,
+    /// The known-sources filter's last rebuild (None: not on yet).
+    pub known_status: Arc<std::sync::Mutex<Option<crate::known::Rebuilt>>>,
 }
+
+/// How often the known-sources filter is rebuilt (at least: a rebuild that took `t` is
+/// followed by the next one `4 t` later at the earliest).
+pub const KNOWN_REBUILD_PERIOD: Duration = Duration::from_secs(10);
 
 pub type Shared = Arc<Mutex<State>>;
 
@@ -245,6 +251,7 @@ impl State {
             tracked_clients: usize,
             max_sources: u32,
             active_bans: usize,
+            known_filter: Option<crate::known::Rebuilt>,
         }
         let tracked = report::tracked_clients(&self.maps).unwrap_or(0) as usize;
         serde_json::to_value(Status {
@@ -264,6 +271,11 @@ impl State {
             tracked_clients: tracked,
             max_sources: self.cfg.tracking.max_sources,
             active_bans: report::bans(&self.maps, &[], &BTreeMap::new()).len(),
+            known_filter: self
+                .known_status
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
         })
         .unwrap_or_default()
     }
@@ -544,6 +556,9 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         info!(xlated_insns = x, verified_insns = v, "XDP program loaded");
     }
     let mut maps = dp.take_maps()?;
+    // Off until the first rebuild (after attach): pinned bits may predate this program.
+    let known = dp.take_known()?;
+    known.disable();
     // Policy first, then attach: the program never runs against empty policy maps.
     let plan = apply::plan(&cfg, opts.preview);
     apply::apply(&mut maps, &plan)?;
@@ -571,6 +586,14 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     for iface in &ifaces {
         dp.attach(iface, mode, &mut maps)?;
     }
+    let known_status = Arc::new(std::sync::Mutex::new(None));
+    crate::known::spawn_rebuilder(
+        known,
+        dp.open_clients()?,
+        KNOWN_REBUILD_PERIOD,
+        known_status.clone(),
+    )
+    .context("starting the known-sources filter's thread")?;
     let listener = control::bind(&cfg.daemon.control_socket)?;
     let events_map = maps.events.take();
     let sink = Sink::open(cfg.daemon.events.as_ref())?;
@@ -587,6 +610,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         sink,
         bans_dirty: false,
         next_ban_expiry: 0,
+        known_status,
     }));
     {
         let s = state.lock().await;

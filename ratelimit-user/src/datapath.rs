@@ -158,6 +158,10 @@ impl Datapath {
         let ebpf = EbpfLoader::new()
             .default_map_pin_directory(pin_dir)
             .map_max_entries("RL_CLIENTS", max_sources)
+            .map_max_entries(
+                "RL_KNOWN",
+                ratelimit_common::maps::known_map_entries(max_sources),
+            )
             .load(object)
             .context("loading the XDP program and its maps")?;
         let mut dp = Self {
@@ -314,6 +318,23 @@ impl Datapath {
         info!(iface, mode = %a.mode, slot, "XDP program attached");
         self.attached.push(a.clone());
         Ok(a)
+    }
+
+    /// The known-sources filter's map, mmapped (once).
+    pub fn take_known(&mut self) -> anyhow::Result<crate::known::KnownFilter> {
+        match self.ebpf.take_map("RL_KNOWN") {
+            Some(aya::maps::Map::Array(data)) => crate::known::KnownFilter::new(data),
+            Some(_) => bail!("map RL_KNOWN is not an array"),
+            None => bail!("map RL_KNOWN missing"),
+        }
+    }
+
+    /// A second handle on the per-client map, from its pin (for a thread of its own).
+    pub fn open_clients(&self) -> anyhow::Result<HashMap<MapData, ClientKey, ClientState>> {
+        let path = self.pin_dir.join("RL_CLIENTS");
+        let data =
+            MapData::from_pin(&path).with_context(|| format!("opening {}", path.display()))?;
+        Ok(HashMap::try_from(aya::maps::Map::LruHashMap(data))?)
     }
 
     /// Take typed handles on every map (once).

@@ -12,5 +12,6 @@ pub mod datapath;
 pub mod events;
 pub mod geoip;
 pub mod http;
+pub mod known;
 pub mod report;
 pub mod ruleset;

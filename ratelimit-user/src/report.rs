@@ -409,6 +409,15 @@ fn for_each_client_state(
     maps: &Maps,
     f: &mut impl FnMut(&ClientKey, &ClientState),
 ) -> anyhow::Result<()> {
+    walk_clients(&maps.clients, f)
+}
+
+/// Call `f` on every entry of a per-client map (see [`for_each_client`]; no pending counts,
+/// no overflow states).
+pub fn walk_clients(
+    clients: &aya::maps::HashMap<aya::maps::MapData, ClientKey, ClientState>,
+    f: &mut impl FnMut(&ClientKey, &ClientState),
+) -> anyhow::Result<()> {
     use std::os::fd::{AsFd as _, AsRawFd as _};
 
     use aya::maps::IterableMap as _;
@@ -426,7 +435,7 @@ fn for_each_client_state(
     }
     const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
     const CHUNK: usize = 8192;
-    let fd = maps.clients.map().fd().as_fd().as_raw_fd();
+    let fd = clients.map().fd().as_fd().as_raw_fd();
     let mut keys = vec![ClientKey::default(); CHUNK];
     let mut vals = vec![ClientState::default(); CHUNK];
     let mut token: u32 = 0;
@@ -468,7 +477,7 @@ fn for_each_client_state(
                         Some(libc::EINVAL) | Some(524 /* ENOTSUPP */)
                     ) =>
             {
-                for r in maps.clients.iter() {
+                for r in clients.iter() {
                     let (k, s) =
                         r.map_err(|e| anyhow::anyhow!("walking the per-client map: {e}"))?;
                     f(&k, &s);

@@ -1003,3 +1003,153 @@ algorithm = "fixed_window"
     assert!(client_totals(&maps).keys().all(|&(rule, _)| rule != 0));
     assert_eq!(client_totals(&maps)[&(2, src)], (500, 498));
 }
+
+/// The known-sources filter: off until the first rebuild; then a source with no state skips
+/// the per-client lookup (`lookup_skipped`), a new state's bit is set before its insert so
+/// the source's next packet finds its state, an evicted state's bit stays set until the next
+/// rebuild clears it, and states inserted while a rebuild walks the map are never hidden.
+#[test]
+fn known_filter_skips_untracked_sources_and_never_hides_a_tracked_one() {
+    if skip_unless_kernel() {
+        return;
+    }
+    const KNOWN_CONFIG: &str = r#"
+[tracking]
+new_sources_per_sec = 1
+new_sources_burst = 3
+
+[[rule]]
+name = "udp"
+match = { protocol = "udp", dst_ports = ["9000"] }
+threshold = { count = 1000, interval = "1h" }
+algorithm = "fixed_window"
+"#;
+    let pins = Pins::new();
+    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
+    let mut maps = dp.take_maps().expect("maps");
+    let known = dp.take_known().expect("known filter");
+    known.disable();
+    let cfg = config::parse("known.toml", KNOWN_CONFIG).expect("config");
+    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
+    let rules = vec!["udp".to_string()];
+    let send = |dp: &Datapath, a: [u8; 4]| {
+        let f = v4(a).udp(40000, 9000).build();
+        assert_eq!(dp.test_run(&f, 1).unwrap().0, XDP_PASS);
+    };
+    let tracked = [198, 18, 14, 1];
+
+    // Off: the first source is looked up (and gets state).
+    let before = counters(&maps, &rules);
+    send(&dp, tracked);
+    let d = delta(&before, &counters(&maps, &rules));
+    assert_eq!(d.get("state_created"), Some(&1), "{d:?}");
+    assert_eq!(d.get("lookup_skipped"), None, "{d:?}");
+
+    // On: the one state is in the active half.
+    let r = known.rebuild(&maps.clients).expect("rebuild");
+    assert_eq!((r.states, r.bits_set, r.bits), (1, 1, 4096 * 8));
+    assert!(known.enabled());
+
+    // The tracked source is looked up and counted in its own state; 40 new sources skip the
+    // lookup: the budget's 2 remaining states go to the first two, 38 are refused.
+    let before = counters(&maps, &rules);
+    send(&dp, tracked);
+    let fresh: Vec<[u8; 4]> = (1..=40u8).map(|i| [198, 18, 15, i]).collect();
+    for &a in &fresh {
+        send(&dp, a);
+    }
+    let d = delta(&before, &counters(&maps, &rules));
+    assert_eq!(d.get("lookup_skipped"), Some(&40), "{d:?}");
+    assert_eq!(d.get("state_created"), Some(&2), "{d:?}");
+    assert_eq!(d.get("admission_refused"), Some(&38), "{d:?}");
+
+    // The two new states' bits were set with their insert: their next packets find them.
+    let before = counters(&maps, &rules);
+    send(&dp, fresh[0]);
+    send(&dp, fresh[1]);
+    send(&dp, fresh[2]);
+    let d = delta(&before, &counters(&maps, &rules));
+    assert_eq!(
+        d.get("lookup_skipped"),
+        Some(&1),
+        "only the refused one: {d:?}"
+    );
+    assert_eq!(d.get("admission_refused"), Some(&1), "{d:?}");
+    let totals = client_totals(&maps);
+    assert_eq!(totals[&(0, tracked)], (2, 0));
+    assert_eq!(totals[&(0, fresh[0])], (2, 0));
+    assert_eq!(totals[&(0, fresh[1])], (2, 0));
+    for (k, _) in maps.clients.iter().map(Result::unwrap) {
+        assert!(
+            known.may_be_tracked(&k),
+            "a tracked state's bit is clear: {k:?}"
+        );
+    }
+
+    // A state removed (as an eviction would) keeps its bit until the next rebuild: looked up,
+    // found missing, judged new.
+    let key = maps
+        .clients
+        .keys()
+        .map(Result::unwrap)
+        .find(|k| k.addr[12..] == tracked)
+        .unwrap();
+    maps.clients.remove(&key).unwrap();
+    let before = counters(&maps, &rules);
+    send(&dp, tracked);
+    let d = delta(&before, &counters(&maps, &rules));
+    assert_eq!(d.get("lookup_skipped"), None, "{d:?}");
+    assert_eq!(
+        d.get("admission_refused").or(d.get("state_created")),
+        Some(&1),
+        "{d:?}"
+    );
+    if let Some(k) = maps
+        .clients
+        .keys()
+        .map(Result::unwrap)
+        .find(|k| k.addr[12..] == tracked)
+    {
+        maps.clients.remove(&k).unwrap();
+    }
+    let r = known.rebuild(&maps.clients).expect("rebuild");
+    assert_eq!((r.states, r.bits_set), (2, 2));
+    let before = counters(&maps, &rules);
+    send(&dp, tracked);
+    let d = delta(&before, &counters(&maps, &rules));
+    assert_eq!(d.get("lookup_skipped"), Some(&1), "{d:?}");
+
+    // Rebuilds racing inserts: with no budget, every packet of 20k new sources inserts a
+    // state while the filter is rebuilt over and over; no state may end up with a clear bit.
+    let mut unlimited = cfg.clone();
+    unlimited.tracking.new_sources_per_sec = 0;
+    unlimited.tracking.new_sources_burst = 0;
+    apply::apply(&mut maps, &apply::plan(&unlimited, false)).expect("apply");
+    let done = std::sync::atomic::AtomicBool::new(false);
+    let rebuilds = std::thread::scope(|sc| {
+        let h = sc.spawn(|| {
+            let mut n = 0;
+            while !done.load(Ordering::Relaxed) {
+                known.rebuild(&maps.clients).expect("rebuild");
+                n += 1;
+            }
+            n
+        });
+        for i in 0..20_000u32 {
+            let b = (0x0a00_0000 | i).to_be_bytes();
+            send(&dp, b);
+        }
+        done.store(true, Ordering::Relaxed);
+        h.join().unwrap()
+    });
+    let mut hidden = 0;
+    let mut states = 0;
+    for (k, _) in maps.clients.iter().map(Result::unwrap) {
+        states += 1;
+        hidden += usize::from(!known.may_be_tracked(&k));
+    }
+    println!("{rebuilds} rebuilds during the inserts; {states} states, {hidden} hidden");
+    assert!(rebuilds >= 2, "{rebuilds} rebuilds");
+    assert!(states > 2048, "the map is nearly full (LRU): {states}");
+    assert_eq!(hidden, 0);
+}

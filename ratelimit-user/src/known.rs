@@ -1,0 +1,245 @@
+//! The known-sources filter (`RL_KNOWN`): the daemon's side. The program sets a key's bit in
+//! both halves before it inserts the key's state, and skips the per-client lookup of a key
+//! whose bit is clear in the active half (see `ratelimit_common::maps::KNOWN_ENABLED`). Bits
+//! of states that were evicted stay set, so the daemon rebuilds the inactive half from the
+//! per-client map now and then and makes it the active one:
+//!
+//! 1. clear the inactive half (the program keeps setting bits in it for new states);
+//! 2. wait [`SETTLE`]: an insert whose bit the clear wiped has reached the map by then;
+//! 3. walk the map and set the bit of every per-source state in it. A state present for the
+//!    whole walk is seen (the walk goes bucket by bucket); one inserted after step 2 set its
+//!    own bit;
+//! 4. make it the active half. The other half is left as it is — still a superset of the
+//!    map, for a program that read the old control word — until the next rebuild clears it.
+//!
+//! So a clear bit in the active half always proves a source has no state. The filter is off
+//! (every new source is looked up) from the daemon's start until its first rebuild.
+
+use std::{
+    os::fd::{AsFd as _, AsRawFd as _},
+    ptr::NonNull,
+    sync::atomic::{AtomicU64, Ordering},
+    time::{Duration, Instant},
+};
+
+use anyhow::{Context as _, bail};
+use aya::maps::{HashMap, MapData};
+use ratelimit_common::maps::{
+    ClientKey, ClientState, KEY_IP, KNOWN_ENABLED, KNOWN_HALF, KNOWN_LOG2_SHIFT, KNOWN_MAX_LOG2,
+    KNOWN_MIN_LOG2, known_bit, known_hash,
+};
+use serde::Serialize;
+
+/// Longer than any program run takes from setting a bit to finishing its insert.
+pub const SETTLE: Duration = Duration::from_millis(50);
+
+/// The filter map, mmapped.
+pub struct KnownFilter {
+    _map: MapData,
+    base: NonNull<AtomicU64>,
+    len_bytes: usize,
+    log2: u64,
+}
+
+// SAFETY: the mapping is shared memory that is only accessed through atomics.
+unsafe impl Send for KnownFilter {}
+// SAFETY: as above; every access is an atomic operation on the shared mapping.
+unsafe impl Sync for KnownFilter {}
+
+/// What a rebuild found.
+#[derive(Clone, Debug, Default, Serialize)]
+pub struct Rebuilt {
+    /// Per-source states walked.
+    pub states: u64,
+    /// Bits set in the new active half (states whose hashes collide share one).
+    pub bits_set: u64,
+    /// Bits in a half.
+    pub bits: u64,
+    /// Wall time of the rebuild, the settle wait included.
+    pub secs: f64,
+    /// The active half now (0 or 1).
+    pub half: u8,
+}
+
+impl KnownFilter {
+    /// Map `RL_KNOWN` (an mmap-able array of u64 sized by `known_map_entries`).
+    pub fn new(map: MapData) -> anyhow::Result<Self> {
+        let info = map.info().context("reading RL_KNOWN's info")?;
+        let entries = info.max_entries() as u64;
+        let half = (entries.saturating_sub(1)) / 2;
+        if entries < 3 || entries != 1 + 2 * half || !half.is_power_of_two() {
+            bail!("RL_KNOWN has {entries} entries, not a control word and two halves");
+        }
+        let log2 = half.trailing_zeros() as u64 + KNOWN_MIN_LOG2;
+        if log2 > KNOWN_MAX_LOG2 {
+            bail!("RL_KNOWN is larger than the program can index");
+        }
+        let page = 4096usize;
+        let len_bytes = (entries as usize * 8).div_ceil(page) * page;
+        let fd = map.fd().as_fd().as_raw_fd();
+        // SAFETY: mmap of a BPF_F_MMAPABLE array's whole value area, shared, read-write.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len_bytes,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_SHARED,
+                fd,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            bail!(
+                "mapping RL_KNOWN: {} (a map pinned by an older build? `ratelimit detach` and restart)",
+                std::io::Error::last_os_error()
+            );
+        }
+        Ok(Self {
+            _map: map,
+            base: NonNull::new(p as *mut AtomicU64).context("mmap returned null")?,
+            len_bytes,
+            log2,
+        })
+    }
+
+    fn word(&self, i: u64) -> &AtomicU64 {
+        debug_assert!(i < 1 + 2 * self.half_words());
+        // SAFETY: `i` is within the map's entries, all inside the mapping, 8-byte aligned.
+        unsafe { &*self.base.as_ptr().add(i as usize) }
+    }
+
+    fn half_words(&self) -> u64 {
+        1 << (self.log2 - KNOWN_MIN_LOG2)
+    }
+
+    pub fn control(&self) -> u64 {
+        self.word(0).load(Ordering::SeqCst)
+    }
+
+    pub fn enabled(&self) -> bool {
+        self.control() & KNOWN_ENABLED != 0
+    }
+
+    /// Turn the filter off (every new source is looked up), with the size the program needs
+    /// to set bits. Done at every start: a pinned filter may have missed inserts by a
+    /// program that ran without it.
+    pub fn disable(&self) {
+        self.word(0)
+            .store(self.log2 << KNOWN_LOG2_SHIFT, Ordering::SeqCst);
+    }
+
+    /// Whether `key`'s bit is set in the active half (true while the filter is off).
+    pub fn may_be_tracked(&self, key: &ClientKey) -> bool {
+        let ctl = self.control();
+        if ctl & KNOWN_ENABLED == 0 {
+            return true;
+        }
+        let half = if ctl & KNOWN_HALF != 0 {
+            self.half_words()
+        } else {
+            0
+        };
+        let (w, bit) = known_bit(known_hash(key.rule, key.prefix_len, &key.addr), self.log2);
+        self.word(1 + half + w).load(Ordering::Relaxed) >> bit & 1 != 0
+    }
+
+    /// Rebuild the inactive half from `clients` and make it the active one (see the module
+    /// comment).
+    pub fn rebuild(
+        &self,
+        clients: &HashMap<MapData, ClientKey, ClientState>,
+    ) -> anyhow::Result<Rebuilt> {
+        let t = Instant::now();
+        let ctl = self.control();
+        if (ctl >> KNOWN_LOG2_SHIFT) & 0xff != self.log2 {
+            self.disable();
+        }
+        let ctl = self.control();
+        let target = u64::from(ctl & KNOWN_ENABLED != 0 && ctl & KNOWN_HALF == 0);
+        let base = 1 + target * self.half_words();
+        for i in 0..self.half_words() {
+            self.word(base + i).store(0, Ordering::Relaxed);
+        }
+        std::sync::atomic::fence(Ordering::SeqCst);
+        std::thread::sleep(SETTLE);
+        let mut states = 0u64;
+        crate::report::walk_clients(clients, &mut |k: &ClientKey, _: &ClientState| {
+            if k.kind == KEY_IP {
+                let (w, bit) = known_bit(known_hash(k.rule, k.prefix_len, &k.addr), self.log2);
+                self.word(base + w).fetch_or(1 << bit, Ordering::Relaxed);
+                states += 1;
+            }
+        })?;
+        std::sync::atomic::fence(Ordering::SeqCst);
+        let half_flag = if target == 1 { KNOWN_HALF } else { 0 };
+        self.word(0).store(
+            KNOWN_ENABLED | half_flag | (self.log2 << KNOWN_LOG2_SHIFT),
+            Ordering::SeqCst,
+        );
+        let bits_set = (0..self.half_words())
+            .map(|i| u64::from(self.word(base + i).load(Ordering::Relaxed).count_ones()))
+            .sum();
+        Ok(Rebuilt {
+            states,
+            bits_set,
+            bits: 1 << self.log2,
+            secs: t.elapsed().as_secs_f64(),
+            half: target as u8,
+        })
+    }
+}
+
+impl Drop for KnownFilter {
+    fn drop(&mut self) {
+        // SAFETY: the mapping made in `new`, unmapped once.
+        unsafe { libc::munmap(self.base.as_ptr() as *mut libc::c_void, self.len_bytes) };
+    }
+}
+
+/// The daemon's rebuild loop, on a thread of its own (a walk of a large map takes seconds):
+/// the first rebuild at once, then one every `max(period, 4 x the last one's time)`.
+pub fn spawn_rebuilder(
+    filter: KnownFilter,
+    clients: HashMap<MapData, ClientKey, ClientState>,
+    period: Duration,
+    status: std::sync::Arc<std::sync::Mutex<Option<Rebuilt>>>,
+) -> std::io::Result<std::thread::JoinHandle<()>> {
+    std::thread::Builder::new()
+        .name("known-filter".into())
+        .spawn(move || {
+            let mut first = true;
+            loop {
+                let wait = match filter.rebuild(&clients) {
+                    Ok(r) => {
+                        if first {
+                            tracing::info!(
+                                states = r.states,
+                                bits_set = r.bits_set,
+                                bits = r.bits,
+                                secs = r.secs,
+                                "known-sources filter on"
+                            );
+                        } else {
+                            tracing::debug!(
+                                states = r.states,
+                                bits_set = r.bits_set,
+                                secs = r.secs,
+                                "known-sources filter rebuilt"
+                            );
+                        }
+                        first = false;
+                        let wait = period.max(Duration::from_secs_f64(r.secs * 4.0));
+                        *status.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
+                        wait
+                    }
+                    Err(e) => {
+                        // The filter keeps its last active half (still a superset) or stays
+                        // off; try again later.
+                        tracing::warn!("rebuilding the known-sources filter: {e:#}");
+                        period
+                    }
+                };
+                std::thread::sleep(wait);
+            }
+        })
+}
