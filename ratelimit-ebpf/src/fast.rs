@@ -18,21 +18,113 @@
 //! compare-and-swap races, and refusals by a rule that was not the first the packet matched
 //! (an earlier rule counts the packet).
 
+//!
+//! The same holds for new sources in a random-source flood: once the admission budget has
+//! refused a new source state in this tick and the rule's overflow state has refused the
+//! packet, every new source of that rule is refused both until the tick ends. Per rule and
+//! CPU, `RL_OVF_TICK` remembers that (`overflow_close`), and the tick's other new sources of
+//! the rule are dropped with the same counters, their totals pending for the overflow state
+//! (`overflow_closed`). Not for byte thresholds, the precise clock (the rule's or the
+//! budget's), preview, `exceed_action = "pass"`, rules with per-CIDR overrides (sources
+//! sharing the overflow state may have different thresholds) or lost races.
+
 use aya_ebpf::{macros::map, maps::PerCpuArray};
 use ratelimit_common::{
+    caps::MAX_RULES,
     maps::{ClientState, FAST_ENTRIES, FAST_FRAGMENT, FAST_L4, FAST_L4_CUT, FAST_V4, FastEntry},
     stats::rule as rc,
 };
 
 use crate::{
     atomic,
-    limit::{self, RuleLoop},
+    limit::{self, Env, RuleLoop},
     parse::Parsed,
     stats::{self, Slot},
 };
 
 #[map(name = "RL_FAST")]
 static FAST: PerCpuArray<FastEntry> = PerCpuArray::pinned(FAST_ENTRIES, 0);
+
+/// Per rule: the tick in which its overflow state is closed to new sources (`jiffies`,
+/// `generation`, `now_ns`), and the overflow state's pending totals (`pending_*`).
+#[map(name = "RL_OVF_TICK")]
+static OVF_TICK: PerCpuArray<FastEntry> = PerCpuArray::pinned(MAX_RULES, 0);
+
+/// Whether rule `rule`'s overflow state is closed to new sources in this tick; if so the
+/// packet is counted as pending for it and the caller drops it.
+#[inline(always)]
+pub fn overflow_closed(rule: u32, env: &Env, tick: u64) -> bool {
+    let Some(e) = OVF_TICK.get_ptr_mut(rule) else {
+        return false;
+    };
+    // SAFETY: this CPU's entry; an XDP program runs to completion on its CPU.
+    let e = unsafe { &mut *e };
+    if e.jiffies == tick && e.generation == env.generation {
+        e.pending_packets += 1;
+        e.pending_bytes += env.len;
+        return true;
+    }
+    if e.pending_packets != 0 {
+        rl_ovf_flush(e, rule as u64);
+    }
+    false
+}
+
+/// Close rule `rule`'s overflow state to new sources for the rest of this tick.
+#[inline(always)]
+pub fn overflow_close(rule: u32, env: &Env, tick: u64, now: u64) {
+    let Some(e) = OVF_TICK.get_ptr_mut(rule) else {
+        return;
+    };
+    // SAFETY: this CPU's entry.
+    let e = unsafe { &mut *e };
+    if e.pending_packets != 0 {
+        rl_ovf_flush(e, rule as u64);
+    }
+    e.rule = rule as u8;
+    e.generation = env.generation;
+    e.jiffies = tick;
+    e.now_ns = now;
+}
+
+/// Add the overflow state's pending totals to it and clear them, whatever the generation
+/// (a global BPF function).
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn rl_ovf_flush(e: *mut FastEntry, rule: u64) -> u64 {
+    if e.is_null() {
+        return 0;
+    }
+    // SAFETY: non-null pointer to this CPU's entry.
+    let e = unsafe { &mut *e };
+    let packets = e.pending_packets;
+    if packets == 0 {
+        return 0;
+    }
+    if let Some(st) = limit::overflow_of(rule as u32) {
+        add_pending(st, packets, e.pending_bytes, e.now_ns);
+    }
+    e.pending_packets = 0;
+    e.pending_bytes = 0;
+    1
+}
+
+/// Totals judged and counted elsewhere, added to a state.
+#[inline(always)]
+fn add_pending(st: *mut ClientState, packets: u64, bytes: u64, now_ns: u64) {
+    // SAFETY: a live map value; totals by atomic add as everywhere else.
+    unsafe {
+        atomic::add(&raw mut (*st).packets, packets);
+        atomic::add(&raw mut (*st).bytes, bytes);
+        atomic::add(&raw mut (*st).drops, packets);
+        if (*st).last_ns < now_ns {
+            (*st).last_ns = now_ns;
+        }
+        if (*st).last_exceed_ns < now_ns {
+            (*st).last_exceed_ns = now_ns;
+        }
+    }
+}
 
 /// The slot of `src`: its four words folded to `FAST_ENTRIES` (a power of two).
 #[inline(always)]
@@ -117,19 +209,7 @@ pub extern "C" fn rl_fast_flush(e: *mut FastEntry) -> u64 {
         return 0;
     }
     if let Some(st) = limit::client_state(&e.key) {
-        let st: *mut ClientState = st;
-        // SAFETY: a live map value; totals by atomic add as everywhere else.
-        unsafe {
-            atomic::add(&raw mut (*st).packets, packets);
-            atomic::add(&raw mut (*st).bytes, e.pending_bytes);
-            atomic::add(&raw mut (*st).drops, packets);
-            if (*st).last_ns < e.now_ns {
-                (*st).last_ns = e.now_ns;
-            }
-            if (*st).last_exceed_ns < e.now_ns {
-                (*st).last_exceed_ns = e.now_ns;
-            }
-        }
+        add_pending(st, packets, e.pending_bytes, e.now_ns);
     }
     e.pending_packets = 0;
     e.pending_bytes = 0;

@@ -388,21 +388,52 @@ static ZERO_STATE: ClientState = ClientState {
     flags: 0,
 };
 
+/// What [`state_for`] found.
+enum Got {
+    /// The client's own state (found or created), or for a shared key its state.
+    State(*mut ClientState),
+    /// A new source the admission budget refused: the rule's overflow state.
+    Refused(*mut ClientState),
+    /// A new source refused in a tick whose overflow state already refused one
+    /// (`fast::overflow_closed`): counted, to be dropped.
+    Closed,
+    /// The map refused even the aggregate state.
+    Nothing,
+}
+
+impl Got {
+    #[inline(always)]
+    fn state(p: Option<*mut ClientState>) -> Self {
+        match p {
+            Some(p) => Got::State(p),
+            None => Got::Nothing,
+        }
+    }
+}
+
 /// The state for `key`, creating it if the admission budget allows; otherwise (or if the map
 /// refuses) the rule's aggregate overflow state, and `key` is rewritten to say so.
 #[inline(always)]
-fn state_for(env: &Env, key: &mut ClientKey, coarse_now: u64) -> Option<*mut ClientState> {
+fn state_for(env: &Env, key: &mut ClientKey, coarse_now: u64, tick: u64) -> Got {
     let per_client = key.kind == KEY_IP;
     // A source the known-sources filter has never seen has no state: skip the lookup (in a
     // random-source flood, a hash-chain walk that misses for nearly every packet).
     if per_client && !known::may_be_tracked(key) {
-        stats::add(env.slot, global::LOOKUP_SKIPPED, 0);
+        stats::add(env.slot, global::LOOKUP_SKIPPED, env.len);
     } else if let Some(p) = CLIENTS.get_ptr_mut(&*key) {
-        return Some(p);
+        return Got::State(p);
+    }
+    if per_client && fast::overflow_closed(key.rule as u32, env, tick) {
+        stats::add(env.slot, global::ADMISSION_REFUSED, env.len);
+        overflow(key);
+        return Got::Closed;
     }
     if per_client && !admit_new_source(env, coarse_now) {
         stats::add(env.slot, global::ADMISSION_REFUSED, env.len);
-        return overflow_state(key);
+        return match overflow_state(key) {
+            Some(p) => Got::Refused(p),
+            None => Got::Nothing,
+        };
     }
     if per_client {
         // Before the insert, so no CPU can find the state while the filter denies it.
@@ -413,14 +444,20 @@ fn state_for(env: &Env, key: &mut ClientKey, coarse_now: u64) -> Option<*mut Cli
         Err(EEXIST) => {}
         Err(_) => {
             stats::add(env.slot, global::STATE_INSERT_FAILED, env.len);
-            return overflow_state(key);
+            return Got::state(overflow_state(key));
         }
     }
     match CLIENTS.get_ptr_mut(&*key) {
-        Some(p) => Some(p),
+        Some(p) => Got::State(p),
         // Evicted between the insert and the lookup (the map is churning at its bound).
-        None => overflow_state(key),
+        None => Got::state(overflow_state(key)),
     }
+}
+
+/// The rule's overflow state, for the fast-drop table's flush.
+#[inline(always)]
+pub fn overflow_of(rule: u32) -> Option<*mut ClientState> {
+    OVERFLOW.get_ptr_mut(rule)
 }
 
 /// The rule's aggregate overflow state (`key.rule`), with `key` rewritten to say so.
@@ -570,13 +607,18 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
         // key = all with per-CIDR overrides: the override's threshold for the shared bucket.
         limit = &o.limit;
     }
-    let Some(st) = state_for(env, key, rl.coarse_now) else {
-        // The map refused even the aggregate state: fail open, counted.
-        stats::add(env.slot, global::STATE_INSERT_FAILED, 0);
-        return RuleVerdict::Pass;
-    };
     let preview = env.preview_all != 0 || rule.flags & RULE_PREVIEW != 0;
     let exceed_pass = rule.flags & RULE_EXCEED_PASS != 0;
+    let (st, refused_admission) = match state_for(env, key, rl.coarse_now, rl.tick) {
+        Got::State(p) => (p, false),
+        Got::Refused(p) => (p, true),
+        Got::Closed => return exceeded(env, i, preview, exceed_pass, rc::DROPPED),
+        Got::Nothing => {
+            // The map refused even the aggregate state: fail open, counted.
+            stats::add(env.slot, global::STATE_INSERT_FAILED, 0);
+            return RuleVerdict::Pass;
+        }
+    };
     let j = &mut rl.judge;
     j.now = env.now;
     j.cost = cost;
@@ -614,6 +656,20 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
     if admitted != 0 {
         stats::add_rule(env.slot, i, rc::ADMITTED, env.len);
         return RuleVerdict::Pass;
+    }
+    // A new source refused state, then refused by the overflow state, on the coarse clock,
+    // not by a lost race, with one threshold for every source (no per-CIDR overrides), in
+    // packets, dropped: every new source of the rule is refused both for the rest of the tick
+    // (the budget's horizon and the overflow state only move against them while `now`
+    // stands still), so they skip both (`fast::overflow_closed`).
+    if refused_admission
+        && env.admission_fine == 0
+        && !preview
+        && !exceed_pass
+        && rule.flags & (RULE_BYTES | RULE_FINE_CLOCK | RULE_CIDR_OVERRIDES) == 0
+        && rl.judge.contended == 0
+    {
+        fast::overflow_close(i, env, rl.tick, rl.coarse_now);
     }
     // A refusal on the coarse clock by a throttle rule of packet counts, not a lost race, for
     // a client of its own (or a shared key, not the overflow state): like packets are refused

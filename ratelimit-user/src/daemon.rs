@@ -445,6 +445,12 @@ pub fn retire_rule_slots(maps: &mut Maps, old: &[String], new: &[String]) -> usi
     }
     for &r in &stale {
         let _ = maps.overflow.set(r as u32, ClientState::default(), 0);
+        // Its pending totals and closed tick go with it.
+        if let Ok(ncpu) = aya::util::nr_cpus()
+            && let Ok(zero) = aya::maps::PerCpuValues::try_from(vec![FastEntry::default(); ncpu])
+        {
+            let _ = maps.ovf_tick.set(r as u32, zero, 0);
+        }
     }
     // Fast-drop entries of those rules: their pending per-client counts go with the clients.
     // (A read-modify-write of each CPU's entry: a packet the program counts into another

@@ -55,6 +55,9 @@ pub struct Maps {
     pub overflow: Array<MapData, ClientState>,
     /// Per CPU: this tick's fast-drop entries, with per-client counts not yet in `clients`.
     pub fast: PerCpuArray<MapData, FastEntry>,
+    /// Per CPU and rule: the tick its overflow state is closed to new sources, with the
+    /// overflow state's pending totals.
+    pub ovf_tick: PerCpuArray<MapData, FastEntry>,
     pub bans: LpmTrie<MapData, IpKey, BanEntry>,
     pub stats: PerCpuArray<MapData, Counter>,
     pub ifaces: HashMap<MapData, u32, u32>,
@@ -354,6 +357,7 @@ impl Datapath {
             clients: HashMap::try_from(take("RL_CLIENTS")?)?,
             overflow: Array::try_from(take("RL_OVERFLOW")?)?,
             fast: PerCpuArray::try_from(take("RL_FAST")?)?,
+            ovf_tick: PerCpuArray::try_from(take("RL_OVF_TICK")?)?,
             bans: LpmTrie::try_from(take("RL_BANS")?)?,
             stats: PerCpuArray::try_from(take("RL_STATS")?)?,
             ifaces: HashMap::try_from(take("RL_IFACES")?)?,

@@ -333,8 +333,8 @@ pub fn tracked_clients(maps: &Maps) -> anyhow::Result<u64> {
 /// while they are read; each is read whole.
 ///
 /// The program's fast-drop entries (`RL_FAST`, per CPU) hold per-client counts of this tick's
-/// fast-dropped packets not yet added to the clients' states: they are added here, so a
-/// report is exact once traffic stops. (While it flows, a report racing the program's own
+/// fast-dropped packets not yet added to the clients' states, and `RL_OVF_TICK` the same for
+/// the overflow states: they are added here, so a report is exact once traffic stops. (While it flows, a report racing the program's own
 /// addition may count up to one tick's fast drops of a client twice.)
 pub fn for_each_client(
     maps: &Maps,
@@ -361,10 +361,26 @@ pub fn for_each_client(
         )?;
     }
     for rule in 0..ratelimit_common::caps::MAX_RULES {
-        let s = maps
+        let mut s = maps
             .overflow
             .get(&rule, 0)
             .map_err(|e| anyhow::anyhow!("reading the overflow states: {e}"))?;
+        // New sources dropped while the overflow state was closed for their tick, still
+        // pending on their CPU.
+        for e in maps
+            .ovf_tick
+            .get(&rule, 0)
+            .map_err(|e| anyhow::anyhow!("reading the overflow states' pending counts: {e}"))?
+            .iter()
+        {
+            if e.pending_packets != 0 {
+                s.packets += e.pending_packets;
+                s.bytes += e.pending_bytes;
+                s.drops += e.pending_packets;
+                s.last_ns = s.last_ns.max(e.now_ns);
+                s.last_exceed_ns = s.last_exceed_ns.max(e.now_ns);
+            }
+        }
         if s.packets != 0 {
             let key = ClientKey {
                 rule: rule as u8,

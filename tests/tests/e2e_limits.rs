@@ -186,7 +186,11 @@ ban_duration = "2s"
     let other = s.sink(PORT + 1);
     let (bad, good) = (ip4(4, 1), ip4(4, 2));
     let mut tx = s.sender();
-    // 200 in well under a second: 100 admitted, the rest throttled, banned past 150.
+    // 200 in well under a second: 100 admitted, the rest throttled, banned past 150. All in
+    // one 1 s window (a sliding window entered mid-burst would admit the new window's share;
+    // 50 ms in, the coarse clock has left the last window too).
+    ratelimit_tests::scenario::align_to_window(Duration::from_secs(1));
+    std::thread::sleep(Duration::from_millis(50));
     tx.send_n(
         std::iter::repeat(s.udp(bad, PORT)),
         200,

@@ -1153,3 +1153,148 @@ algorithm = "fixed_window"
     assert!(states > 2048, "the map is nearly full (LRU): {states}");
     assert_eq!(hidden, 0);
 }
+
+/// Pending counts of the overflow states still on the CPUs (`RL_OVF_TICK`).
+fn ovf_pending_total(maps: &Maps) -> u64 {
+    (0..ratelimit_common::caps::MAX_RULES)
+        .map(|r| {
+            maps.ovf_tick
+                .get(&r, 0)
+                .unwrap()
+                .iter()
+                .map(|e| e.pending_packets)
+                .sum::<u64>()
+        })
+        .sum()
+}
+
+/// Once the admission budget and then the rule's overflow state have refused a new source in
+/// a tick, the tick's other new sources of that rule are dropped without either (a random-
+/// source flood's common case): counters and the overflow state's totals are what the full
+/// evaluation gives, a policy write voids it at once, and a rule with per-CIDR overrides (whose
+/// refused sources may have different thresholds) never takes the shortcut.
+#[test]
+fn overflow_closes_to_new_sources_for_the_tick_exactly() {
+    if skip_unless_kernel() {
+        return;
+    }
+    const OVF_CONFIG: &str = r#"
+[tracking]
+new_sources_per_sec = 1
+new_sources_burst = 1
+
+[[rule]]
+name = "udp"
+match = { protocol = "udp", dst_ports = ["9000"] }
+threshold = { count = 3, interval = "1h" }
+algorithm = "fixed_window"
+
+[[rule]]
+name = "udp-overrides"
+match = { protocol = "udp", dst_ports = ["9001"] }
+threshold = { count = 3, interval = "1h" }
+algorithm = "fixed_window"
+
+[[rule.override]]
+cidr = "198.19.0.0/16"
+threshold = { count = 5, interval = "1h" }
+"#;
+    let pins = Pins::new();
+    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
+    let mut maps = dp.take_maps().expect("maps");
+    let cfg = config::parse("ovf.toml", OVF_CONFIG).expect("config");
+    let plan = apply::plan(&cfg, false);
+    apply::apply(&mut maps, &plan).expect("apply");
+    let rules: Vec<String> = cfg.rules.iter().map(|r| r.name.clone()).collect();
+    let overflow = |maps: &Maps, rule: u8| {
+        let mut got = None;
+        report::for_each_client(maps, |k, s| {
+            if k.kind == ratelimit_common::maps::KEY_OVERFLOW && k.rule == rule {
+                got = Some((s.packets, s.drops));
+            }
+        })
+        .unwrap();
+        got
+    };
+
+    // The budget's one state goes to the first source; a second source's 1000 packets are
+    // each a new source refused state: 3 pass on the overflow state, 997 are dropped.
+    let first = v4([198, 18, 16, 1]).udp(40000, 9000).build();
+    assert_eq!(dp.test_run(&first, 1).unwrap().0, XDP_PASS);
+    let before = counters(&maps, &rules);
+    let new = v4([198, 18, 16, 2]).udp(40000, 9000).build();
+    assert_eq!(dp.test_run(&new, 1000).unwrap().0, XDP_DROP);
+    let d = delta(&before, &counters(&maps, &rules));
+    assert_eq!(d.get("udp/matched"), Some(&1000), "{d:?}");
+    assert_eq!(d.get("udp/admitted"), Some(&3), "{d:?}");
+    assert_eq!(d.get("udp/dropped"), Some(&997), "{d:?}");
+    assert_eq!(d.get("admission_refused"), Some(&1000), "{d:?}");
+    assert_eq!(d.get("drop_rule"), Some(&997), "{d:?}");
+    assert_eq!(d.get("pass"), Some(&3), "{d:?}");
+    assert_eq!(d.get("state_created"), None, "{d:?}");
+    assert_eq!(overflow(&maps, 0), Some((1000, 997)));
+    // (The shortcut was taken: the last tick's drops are still pending.)
+    assert!(
+        ovf_pending_total(&maps) > 0,
+        "the overflow state was never closed"
+    );
+
+    // A policy write voids it at once: raise the threshold and the very next new source is
+    // admitted by the overflow state.
+    let raised = OVF_CONFIG.replacen("count = 3,", "count = 100000,", 1);
+    let loose = apply::plan(&config::parse("ovf.toml", &raised).unwrap(), false);
+    for _ in 0..20 {
+        apply::apply(&mut maps, &plan).unwrap();
+        assert_eq!(dp.test_run(&new, 50).unwrap().0, XDP_DROP);
+        assert_eq!(dp.test_run(&new, 1).unwrap().0, XDP_DROP);
+        let mut global = maps.global.get(&0, 0).unwrap();
+        global.generation = global.generation.wrapping_add(1);
+        maps.rules.set(0, loose.rules[0], 0).unwrap();
+        maps.global.set(0, global, 0).unwrap();
+        assert_eq!(
+            dp.test_run(&new, 1).unwrap().0,
+            XDP_PASS,
+            "a closed overflow state outlived the policy it was closed under"
+        );
+    }
+    apply::apply(&mut maps, &plan).unwrap();
+
+    // Per-CIDR overrides: sources refused state share the overflow state but may have other
+    // thresholds, so it is never closed: every packet is judged, and a source under the
+    // override's 5 passes after one under the rule's 3 was refused.
+    let pending = ovf_pending_total(&maps);
+    let before = counters(&maps, &rules);
+    let plain = v4([198, 18, 17, 1]).udp(40000, 9001).build();
+    let wide = v4([198, 19, 17, 1]).udp(40000, 9001).build();
+    assert_eq!(dp.test_run(&plain, 100).unwrap().0, XDP_DROP);
+    assert_eq!(dp.test_run(&wide, 1).unwrap().0, XDP_PASS);
+    assert_eq!(dp.test_run(&wide, 1).unwrap().0, XDP_PASS);
+    assert_eq!(dp.test_run(&wide, 1).unwrap().0, XDP_DROP);
+    let d = delta(&before, &counters(&maps, &rules));
+    assert_eq!(d.get("udp-overrides/admitted"), Some(&5), "{d:?}");
+    assert_eq!(d.get("udp-overrides/dropped"), Some(&98), "{d:?}");
+    assert_eq!(overflow(&maps, 1), Some((103, 98)));
+    assert!(
+        ovf_pending_total(&maps) <= pending,
+        "rule 1's overflow was closed"
+    );
+    assert_eq!(
+        (0..ratelimit_common::caps::MAX_RULES)
+            .filter(|&r| r != 0)
+            .map(|r| maps
+                .ovf_tick
+                .get(&r, 0)
+                .unwrap()
+                .iter()
+                .map(|e| e.jiffies)
+                .sum::<u64>())
+            .sum::<u64>(),
+        0,
+        "only rule 0's overflow state was ever closed"
+    );
+
+    // The rule's position changes hands: its overflow state and pending counts go with it.
+    ratelimit_user::daemon::retire_rule_slots(&mut maps, &rules, &["other".to_string()]);
+    assert_eq!(overflow(&maps, 0), None);
+    assert_eq!(ovf_pending_total(&maps), 0);
+}
