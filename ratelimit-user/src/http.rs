@@ -109,6 +109,12 @@ fn snapshot(s: &daemon::State) -> anyhow::Result<(Stats, Gauges)> {
         active_bans: report::bans(&s.maps, &[], &BTreeMap::new()).len() as u64,
         tracked_clients: tracked,
         tracked_clients_capacity: u64::from(s.cfg.tracking.max_sources),
+        known_filter: s
+            .known_status
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .as_ref()
+            .map(|r| (r.bits_set, r.bits)),
     };
     Ok((stats, gauges))
 }
@@ -122,6 +128,8 @@ pub struct Gauges {
     pub tracked_clients: u64,
     /// `tracking.max_sources`.
     pub tracked_clients_capacity: u64,
+    /// The known-sources filter's (bits set, bits) at its last rebuild; None while it is off.
+    pub known_filter: Option<(u64, u64)>,
 }
 
 #[derive(Debug)]
@@ -159,6 +167,13 @@ impl Family {
     fn with(mut self, labels: Labels, value: Value) -> Self {
         self.series.push((labels, value));
         self
+    }
+
+    fn with_some(self, series: Option<(Labels, Value)>) -> Self {
+        match series {
+            Some((labels, value)) => self.with(labels, value),
+            None => self,
+        }
     }
 }
 
@@ -313,7 +328,13 @@ pub fn render_metrics(stats: &Stats, gauges: &Gauges) -> String {
             Gauge,
             "Share of a bounded map in use (0 to 1)",
         )
-        .with(vec![("map", "clients".into())], Value::Ratio(fill)),
+        .with(vec![("map", "clients".into())], Value::Ratio(fill))
+        .with_some(gauges.known_filter.map(|(set, bits)| {
+            (
+                vec![("map", "known_filter".into())],
+                Value::Ratio(set as f64 / bits.max(1) as f64),
+            )
+        })),
         Family::new(
             "ratelimit_evictions",
             Counter,
@@ -504,6 +525,7 @@ mod tests {
         active_bans: 3,
         tracked_clients: 5,
         tracked_clients_capacity: 20,
+        known_filter: Some((16, 64)),
     };
 
     fn lines(text: &str) -> Vec<&str> {
@@ -530,6 +552,7 @@ mod tests {
             "ratelimit_tracked_clients 5",
             "ratelimit_tracked_clients_capacity 20",
             "ratelimit_map_fill_ratio{map=\"clients\"} 0.25",
+            "ratelimit_map_fill_ratio{map=\"known_filter\"} 0.25",
             "ratelimit_evictions_total 7",
             "ratelimit_admission_refused_total 4",
             "ratelimit_events_lost_total 1",

@@ -177,6 +177,7 @@ fn exposed_series() -> Series {
             active_bans: 1,
             tracked_clients: 10,
             tracked_clients_capacity: 100,
+            known_filter: Some((1, 8)),
         },
     );
     let mut out = Series::new();

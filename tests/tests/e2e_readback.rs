@@ -111,6 +111,10 @@ algorithm = "fixed_window"
     assert_eq!(m("ratelimit_active_bans", &[]), 0.0);
     assert!(metric(&text, "ratelimit_events_lost_total", &[]).is_some());
     assert!(metric(&text, "ratelimit_evictions_total", &[]).is_some());
+    // The known-sources filter was built at the daemon's start, from a map of at most the one
+    // state: a few bits of 2^23.
+    let fill = m("ratelimit_map_fill_ratio", &[("map", "known_filter")]);
+    assert!((0.0..1e-5).contains(&fill), "known filter fill {fill}");
 
     // The JSON API serves what the CLI shows.
     let (code, body) = s.http_get("/v1/stats");
