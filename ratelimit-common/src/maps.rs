@@ -320,6 +320,12 @@ pub const STATE_SOFT_REPORTED: u64 = 1 << 1;
 
 /// Per-client limiter state. Shared by all CPUs (not per-CPU): the program updates it with
 /// atomic instructions so a client's limit is not multiplied by the number of CPUs.
+///
+/// Field order is for the cache: a hash element is the kernel's 48-byte header, the 24-byte
+/// key, then this value, so the first 56 bytes here share the key's cache lines. Every
+/// packet of a throttle rule touches only those (the limiter's word(s), the totals, the
+/// last-seen time and the episode flags); what refusals, ban rules and aggregate bans touch
+/// comes after.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ClientState {
@@ -330,22 +336,24 @@ pub struct ClientState {
     pub cur: u64,
     /// Admitted cost in the previous window.
     pub prev: u64,
+    /// Totals since the state was created, for `top`.
+    pub packets: u64,
+    pub bytes: u64,
+    /// Last packet (CLOCK_MONOTONIC ns).
+    pub last_ns: u64,
+    /// `STATE_*` episode flags.
+    pub flags: u64,
+    /// Packets refused (a total, like `packets`).
+    pub drops: u64,
+    /// Last packet over the threshold.
+    pub last_exceed_ns: u64,
     /// Window index of the offered-rate (ban) meter.
     pub ban_stamp: u64,
     /// Offered cost (every matched packet) in the current / previous ban window.
     pub seen_cur: u64,
     pub seen_prev: u64,
-    /// Last packet (CLOCK_MONOTONIC ns).
-    pub last_ns: u64,
-    /// Last packet over the threshold.
-    pub last_exceed_ns: u64,
-    /// Totals since the state was created, for `top`.
-    pub packets: u64,
-    pub bytes: u64,
-    pub drops: u64,
     /// For `KEY_ALL`/`KEY_REGION` bans (IP bans live in `BANS`): ban end, 0 when not banned.
     pub banned_until_ns: u64,
-    pub flags: u64,
 }
 
 /// `BanEntry::flags`.

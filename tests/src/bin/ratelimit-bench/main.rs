@@ -188,13 +188,15 @@ fn main() {
             .unwrap_or_else(|e| panic!("{}: {e}", object_path.to_string_lossy())),
         out_dir: ratelimit_tests::env::workspace_root().join("bench"),
     };
-    // RATELIMIT_BENCH_ONLY=flood|control: run that part alone and print what it would report
-    // (for working on one part; writes nothing).
-    if let Ok(only) = std::env::var("RATELIMIT_BENCH_ONLY") {
+    // RATELIMIT_BENCH_ONLY=flood|control|cost: run that part alone and print what it would
+    // report (for working on one part; writes nothing).
+    let only = std::env::var("RATELIMIT_BENCH_ONLY").ok();
+    let cost_only = only.as_deref() == Some("cost");
+    if let Some(only) = only.filter(|o| o != "cost") {
         let section = match only.as_str() {
             "flood" => flood::run(&ctx),
             "control" => control::run(&ctx),
-            other => panic!("RATELIMIT_BENCH_ONLY={other}: flood or control"),
+            other => panic!("RATELIMIT_BENCH_ONLY={other}: flood, control or cost"),
         };
         if let Some(s) = section {
             println!("{}", serde_json::to_string_pretty(&s.json).unwrap());
@@ -568,10 +570,13 @@ fn main() {
     drop(b);
     drop(pins);
     let mut sections = Vec::new();
-    for (name, part) in [
-        ("flood", flood::run as fn(&Ctx) -> Option<Section>),
-        ("control", control::run),
-    ] {
+    type Part = fn(&Ctx) -> Option<Section>;
+    let parts: &[(&str, Part)] = if cost_only {
+        &[]
+    } else {
+        &[("flood", flood::run), ("control", control::run)]
+    };
+    for (name, part) in parts {
         println!("bench: {name}");
         sections.extend(part(&ctx));
     }
@@ -596,7 +601,7 @@ fn main() {
             .map(|s| (s.key.to_string(), s.json.clone()))
             .collect(),
     };
-    if !quick {
+    if !quick && !cost_only {
         write_reports(&ctx, &results, &sections);
     }
     println!(
