@@ -39,7 +39,7 @@ pub enum Command {
     Stats(JsonArg),
     /// The heaviest clients now.
     Top(TopArgs),
-    /// Active bans.
+    /// Active bans: per prefix, and the aggregate bans of rules keyed by `all` or `region`.
     Bans(JsonArg),
     /// Clients above their soft limit or throttled now, with rates (for L7 follow-up).
     Offenders(JsonArg),

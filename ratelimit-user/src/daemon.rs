@@ -217,7 +217,7 @@ impl State {
             )?),
             Request::Bans => Response::ok(report::bans(
                 &self.maps,
-                &self.rule_names(),
+                &self.live_rules(),
                 &self.ban_reasons,
             )),
             Request::Offenders => {
@@ -270,7 +270,7 @@ impl State {
             rules: self.rule_names(),
             tracked_clients: tracked,
             max_sources: self.cfg.tracking.max_sources,
-            active_bans: report::bans(&self.maps, &[], &BTreeMap::new()).len(),
+            active_bans: report::bans(&self.maps, &self.live_rules(), &BTreeMap::new()).len(),
             known_filter: self
                 .known_status
                 .lock()

@@ -106,7 +106,7 @@ fn snapshot(s: &daemon::State) -> anyhow::Result<(Stats, Gauges)> {
     let stats = report::stats(&s.maps, &ifaces, &s.rule_names()).context("reading counters")?;
     let tracked = report::tracked_clients(&s.maps).context("walking the per-client state map")?;
     let gauges = Gauges {
-        active_bans: report::bans(&s.maps, &[], &BTreeMap::new()).len() as u64,
+        active_bans: report::bans(&s.maps, &s.live_rules(), &BTreeMap::new()).len() as u64,
         tracked_clients: tracked,
         tracked_clients_capacity: u64::from(s.cfg.tracking.max_sources),
         known_filter: s

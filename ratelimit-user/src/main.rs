@@ -269,9 +269,18 @@ fn print_human(req: &Request, data: &serde_json::Value) {
         Request::Bans => {
             println!("{:<40} {:<20} {:<26} reason", "cidr", "rule", "expires");
             for b in data.as_array().into_iter().flatten() {
+                // Aggregate bans have no prefix: what they cover instead.
+                let what = match (b["cidr"].as_str(), b["key"].as_str()) {
+                    (Some(c), _) => c.to_string(),
+                    (None, Some("region")) => {
+                        format!("(region {})", b["region"].as_str().unwrap_or("?"))
+                    }
+                    (None, Some(k)) => format!("({k})"),
+                    (None, None) => String::new(),
+                };
                 println!(
                     "{:<40} {:<20} {:<26} {}",
-                    b["cidr"].as_str().unwrap_or(""),
+                    what,
                     b["rule"]
                         .as_str()
                         .unwrap_or(if b["manual"].as_bool() == Some(true) {

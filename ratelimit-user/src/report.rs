@@ -509,7 +509,13 @@ pub fn walk_clients(
 
 #[derive(Serialize, Debug, Clone)]
 pub struct Ban {
-    pub cidr: String,
+    /// The banned prefix; null for an aggregate ban (`key`: `all` or `region`).
+    pub cidr: Option<String>,
+    /// What is banned: `ip` (the prefix `cidr`), `all` (every source the rule matches) or
+    /// `region` (the rule's sources in `region`).
+    pub key: &'static str,
+    /// For `key = region`: the ISO 3166 code (`ZZ`: no region known).
+    pub region: Option<String>,
     /// Rule that issued it, or null for an operator's ban.
     pub rule: Option<String>,
     pub manual: bool,
@@ -532,7 +538,13 @@ pub fn active_bans(maps: &Maps) -> Vec<(ipnet::IpNet, BanEntry)> {
         .collect()
 }
 
-pub fn bans(maps: &Maps, rule_names: &[String], reasons: &BTreeMap<String, String>) -> Vec<Ban> {
+/// Every ban in force now: the ban map's, then the aggregate bans of `rules` (see
+/// [`aggregate_bans`]).
+pub fn bans(
+    maps: &Maps,
+    rules: &[(String, RuleConfig)],
+    reasons: &BTreeMap<String, String>,
+) -> Vec<Ban> {
     let now = mono_ns();
     let mut out: Vec<Ban> = active_bans(maps)
         .into_iter()
@@ -542,7 +554,7 @@ pub fn bans(maps: &Maps, rule_names: &[String], reasons: &BTreeMap<String, Strin
                 rule: if b.rule == BAN_RULE_NONE {
                     None
                 } else {
-                    rule_names.get(b.rule as usize).cloned()
+                    rules.get(b.rule as usize).map(|(n, _)| n.clone())
                 },
                 manual: b.flags & BAN_MANUAL != 0,
                 preview: b.flags & BAN_PREVIEW != 0,
@@ -550,10 +562,68 @@ pub fn bans(maps: &Maps, rule_names: &[String], reasons: &BTreeMap<String, Strin
                 expires: (b.expires_ns != 0).then(|| rfc3339(wall_of(b.expires_ns))),
                 remaining_secs: (b.expires_ns != 0).then(|| (b.expires_ns - now) as f64 / 1e9),
                 reason: reasons.get(&cidr).cloned(),
-                cidr,
+                cidr: Some(cidr),
+                key: "ip",
+                region: None,
             }
         })
         .collect();
     out.sort_by(|a, b| a.cidr.cmp(&b.cidr));
+    out.extend(aggregate_bans(maps, rules, now));
+    out
+}
+
+/// Bans by rules whose key is `all` or `region` are not in the ban map: they are the end
+/// time in the rule's shared state (`banned_until_ns`), one state for `all`, one per region
+/// code for `region` (all 676 two-letter codes are looked up: a lookup each, no walk of the
+/// per-client map). Their start is the end less the rule's `ban_duration`.
+pub fn aggregate_bans(maps: &Maps, rules: &[(String, RuleConfig)], now: u64) -> Vec<Ban> {
+    let mut out = Vec::new();
+    for (i, (name, r)) in rules.iter().enumerate() {
+        if r.action != ACTION_BAN || (r.key != KEY_ALL && r.key != KEY_REGION) {
+            continue;
+        }
+        let key = |region: Option<[u8; 2]>| {
+            let mut k = ClientKey {
+                rule: i as u8,
+                kind: r.key,
+                ..ClientKey::default()
+            };
+            if let Some(c) = region {
+                k.addr[0] = c[0];
+                k.addr[1] = c[1];
+            }
+            k
+        };
+        let keys: Vec<(ClientKey, Option<[u8; 2]>)> = if r.key == KEY_ALL {
+            vec![(key(None), None)]
+        } else {
+            (b'A'..=b'Z')
+                .flat_map(|a| (b'A'..=b'Z').map(move |b| [a, b]))
+                .map(|c| (key(Some(c)), Some(c)))
+                .collect()
+        };
+        for (k, region) in keys {
+            let Ok(st) = maps.clients.get(&k, 0) else {
+                continue;
+            };
+            let until = st.banned_until_ns;
+            if until == 0 || until <= now {
+                continue;
+            }
+            out.push(Ban {
+                cidr: None,
+                key: if r.key == KEY_ALL { "all" } else { "region" },
+                region: region.map(|c| String::from_utf8_lossy(&c).into_owned()),
+                rule: Some(name.clone()),
+                manual: false,
+                preview: r.flags & RULE_PREVIEW != 0,
+                since: rfc3339(wall_of(until.saturating_sub(r.limit.ban_duration_ns))),
+                expires: Some(rfc3339(wall_of(until))),
+                remaining_secs: Some((until - now) as f64 / 1e9),
+                reason: None,
+            });
+        }
+    }
     out
 }

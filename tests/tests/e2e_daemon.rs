@@ -343,6 +343,15 @@ ban_duration = "1h"
         1,
         "rule a banned its (aggregate) key"
     );
+    // The aggregate ban is listed (it lives in the rule's state, not in the ban map).
+    let bans = s.daemon().cli_json(&["bans"]);
+    assert_eq!(bans.as_array().map(Vec::len), Some(1), "{bans}");
+    assert_eq!(bans[0]["key"], "all", "{bans}");
+    assert_eq!(bans[0]["rule"], "a", "{bans}");
+    assert!(bans[0]["cidr"].is_null(), "{bans}");
+    let left = bans[0]["remaining_secs"].as_f64().unwrap();
+    assert!(left > 3590.0 && left <= 3600.0, "{bans}");
+    assert_eq!(s.daemon().cli_json(&["status"])["active_bans"], 1);
     // Rule a goes away; rule b takes its position.
     let good = std::fs::read_to_string(s.daemon().config_path()).unwrap();
     let head = good.split("[[rule]]").next().unwrap().to_string();
@@ -364,6 +373,12 @@ ban_duration = "1h"
         "b's counters start at zero"
     );
     assert_eq!(rule_counter(&st, "b", "bans"), 0);
+    let bans = s.daemon().cli_json(&["bans"]);
+    assert_eq!(
+        bans.as_array().map(Vec::len),
+        Some(0),
+        "a's ban went with a: {bans}"
+    );
 }
 
 #[test]

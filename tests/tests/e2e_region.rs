@@ -123,3 +123,53 @@ threshold = {{ count = 10, interval = "1h" }}
     );
     let _ = std::fs::remove_file(&db);
 }
+
+/// A rate_based_ban rule keyed by region bans the whole region: every source in it is
+/// dropped, other regions are not, and `bans` lists the ban by region (it lives in the
+/// region's shared state, not in the ban map).
+#[test]
+fn region_ban_is_listed_and_covers_the_region() {
+    kernel_test!();
+    let mut s = Scenario::new("rlg3");
+    let db = std::env::temp_dir().join(format!("rl-geo-ban-{}.mmdb", std::process::id()));
+    write_country_db(&db, &[("198.19.63.0/24", "DE"), ("198.19.64.0/24", "FR")]).unwrap();
+    s.start(&format!(
+        r#"
+[geoip]
+database = "{}"
+
+[[rule]]
+name = "per-country-ban"
+match = {{ protocol = "udp" }}
+key = "region"
+action = "rate_based_ban"
+threshold = {{ count = 10, interval = "1h" }}
+algorithm = "fixed_window"
+ban_threshold = {{ count = 20, interval = "1h" }}
+ban_duration = "1h"
+"#,
+        db.display()
+    ));
+    let sink = s.sink(PORT);
+    let mut tx = s.sender();
+    // 30 from one DE source: 10 admitted, banned past 20.
+    tx.send_n(std::iter::repeat(s.udp(ip4(63, 1), PORT)), 30, None);
+    // Another DE source is banned with it; a FR source is not.
+    tx.send_n(std::iter::repeat(s.udp(ip4(63, 2), PORT)), 5, None);
+    tx.send_n(std::iter::repeat(s.udp(ip4(64, 1), PORT)), 5, None);
+    sink.wait_quiet(Duration::from_millis(300));
+    let got = sink.stop();
+    let _ = std::fs::remove_file(&db);
+    assert_eq!(got.from(ip4(63, 1)), 10);
+    assert_eq!(got.from(ip4(63, 2)), 0, "the region is banned");
+    assert_eq!(got.from(ip4(64, 1)), 5, "other regions are not");
+    let bans = s.daemon().cli_json(&["bans"]);
+    let list = bans.as_array().unwrap();
+    assert_eq!(list.len(), 1, "{bans}");
+    assert_eq!(list[0]["key"], "region");
+    assert_eq!(list[0]["region"], "DE");
+    assert_eq!(list[0]["rule"], "per-country-ban");
+    assert!(list[0]["cidr"].is_null());
+    let human = s.daemon().cli_ok(&["bans"]);
+    assert!(human.contains("(region DE)"), "{human}");
+}
