@@ -121,11 +121,11 @@ impl State {
 
     pub fn save_bans(&mut self) {
         self.bans_dirty = false;
-        let names = self.rule_names();
+        let rules = self.live_rules();
         if let Err(e) = bans::save(
             &self.cfg.daemon.state_dir,
             &self.maps,
-            &names,
+            &rules,
             &self.ban_reasons,
         ) {
             warn!(
@@ -577,11 +577,12 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         retire_rule_slots(&mut maps, &old, &names);
     }
     save_rule_names(&cfg.daemon.state_dir, &names);
-    let restored = bans::restore(
-        &cfg.daemon.state_dir,
-        &mut maps,
-        &cfg.rules.iter().map(|r| r.name.clone()).collect::<Vec<_>>(),
-    )?;
+    let rules: Vec<(String, RuleConfig)> = cfg
+        .rules
+        .iter()
+        .map(|r| (r.name.clone(), apply::rule_config(r)))
+        .collect();
+    let restored = bans::restore(&cfg.daemon.state_dir, &mut maps, &rules)?;
     if restored.restored > 0 {
         info!(
             restored = restored.restored,

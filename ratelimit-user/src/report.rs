@@ -516,6 +516,9 @@ pub struct Ban {
     pub key: &'static str,
     /// For `key = region`: the ISO 3166 code (`ZZ`: no region known).
     pub region: Option<String>,
+    /// CLOCK_MONOTONIC end (not reported; for saving).
+    #[serde(skip)]
+    pub expires_ns: Option<u64>,
     /// Rule that issued it, or null for an operator's ban.
     pub rule: Option<String>,
     pub manual: bool,
@@ -565,6 +568,7 @@ pub fn bans(
                 cidr: Some(cidr),
                 key: "ip",
                 region: None,
+                expires_ns: (b.expires_ns != 0).then_some(b.expires_ns),
             }
         })
         .collect();
@@ -622,6 +626,7 @@ pub fn aggregate_bans(maps: &Maps, rules: &[(String, RuleConfig)], now: u64) -> 
                 expires: Some(rfc3339(wall_of(until))),
                 remaining_secs: Some((until - now) as f64 / 1e9),
                 reason: None,
+                expires_ns: Some(until),
             });
         }
     }

@@ -131,6 +131,53 @@ fn bans_survive_a_reboot_through_the_state_dir() {
     assert_eq!((got.from(ip4(41, 3)), got.from(ip4(42, 3))), (0, 10));
 }
 
+/// An aggregate ban (a key = all rule's) is saved with the others and restored into the
+/// rule's state after a reboot: listed with its remaining time, enforced on every source.
+#[test]
+fn aggregate_bans_survive_a_reboot_through_the_state_dir() {
+    kernel_test!();
+    let mut s = Scenario::new("rlv2");
+    s.start(
+        r#"
+[[rule]]
+name = "all-ban"
+match = { protocol = "udp", dst_ports = ["9000"] }
+key = "all"
+action = "rate_based_ban"
+threshold = { count = 5, interval = "1h" }
+algorithm = "fixed_window"
+ban_threshold = { count = 10, interval = "1h" }
+ban_duration = "1h"
+"#,
+    );
+    let mut tx = s.sender();
+    tx.send_n(std::iter::repeat(s.udp(ip4(43, 1), PORT)), 20, None);
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(rule_counter(&s.stats(), "all-ban", "bans"), 1);
+    s.daemon_mut().stop();
+    let out = s.daemon().detach();
+    assert!(out.status.success());
+    s.daemon_mut().restart();
+    let bans = s.daemon().cli_json(&["bans"]);
+    assert_eq!(bans.as_array().map(Vec::len), Some(1), "{bans}");
+    assert_eq!(bans[0]["key"], "all", "{bans}");
+    assert_eq!(bans[0]["rule"], "all-ban", "{bans}");
+    let remaining = bans[0]["remaining_secs"].as_f64().unwrap();
+    assert!(
+        remaining > 3500.0 && remaining <= 3600.0,
+        "restored with its remaining time: {remaining}"
+    );
+    // Enforced on a source never seen before; another port is not the rule's.
+    let sink = s.sink(PORT);
+    let other = s.sink(PORT + 1);
+    let mut tx = s.sender();
+    tx.send_n(std::iter::repeat(s.udp(ip4(44, 1), PORT)), 10, None);
+    tx.send_n(std::iter::repeat(s.udp(ip4(44, 1), PORT + 1)), 10, None);
+    sink.wait_quiet(Duration::from_millis(300));
+    assert_eq!(sink.stop().from(ip4(44, 1)), 0);
+    assert_eq!(other.stop().from(ip4(44, 1)), 10);
+}
+
 #[test]
 fn live_rule_change_keeps_counters_and_broken_reload_keeps_the_old_config() {
     kernel_test!();
