@@ -43,8 +43,14 @@ pub struct Response {
     pub ok: bool,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub error: Option<String>,
-    #[serde(default)]
-    pub data: serde_json::Value,
+    /// The answer, already encoded: a large one (100k bans, a million clients) is written
+    /// once as text instead of first becoming a tree of JSON values.
+    #[serde(default = "null")]
+    pub data: Box<serde_json::value::RawValue>,
+}
+
+fn null() -> Box<serde_json::value::RawValue> {
+    serde_json::value::RawValue::from_string("null".into()).expect("valid JSON")
 }
 
 impl Response {
@@ -52,14 +58,14 @@ impl Response {
         Self {
             ok: true,
             error: None,
-            data: serde_json::to_value(data).unwrap_or_default(),
+            data: serde_json::value::to_raw_value(&data).unwrap_or_else(|_| null()),
         }
     }
     pub fn err(e: impl std::fmt::Display) -> Self {
         Self {
             ok: false,
             error: Some(e.to_string()),
-            data: serde_json::Value::Null,
+            data: null(),
         }
     }
 }
@@ -89,7 +95,7 @@ pub fn call(socket: &Path, req: &Request) -> anyhow::Result<serde_json::Value> {
     if !resp.ok {
         bail!("{}", resp.error.unwrap_or_else(|| "request failed".into()));
     }
-    Ok(resp.data)
+    serde_json::from_str(resp.data.get()).context("malformed response from the daemon")
 }
 
 /// Bind the control socket: parent directory created (0700 if new), stale socket removed,
