@@ -229,6 +229,8 @@ pub struct FastEntry {
     pub pending_bytes: u64,
     /// Coarse time of the tick.
     pub now_ns: u64,
+    /// `RL_BAN_EPOCH` when the entry was made: a ban added since voids it.
+    pub ban_epoch: u64,
 }
 
 /// Per-client state key.

@@ -12,6 +12,10 @@
 //! is still pending when it reports clients, and clears it with the rule's clients when a
 //! rule's position changes hands.
 //!
+//! The table is checked before the lists and bans: an entry is made only for a packet that
+//! no list and no ban matched (`ban_matched`), lists change only with the policy generation,
+//! and every ban insert moves `RL_BAN_EPOCH`, which voids the entries made before it.
+//!
 //! Not remembered: refusals by ban rules (their ban meter counts every packet), of byte
 //! thresholds (a smaller packet may fit), on the precise clock, in preview or with
 //! `exceed_action = "pass"`, of the overflow state (admission is judged per packet), lost
@@ -164,7 +168,14 @@ fn words(a: &[u8; 16]) -> (u64, u64) {
 /// Whether this tick's entry says `pkt` is to be dropped; if so it is counted (rule matched
 /// and dropped, pending for the client) and the caller finishes it as a rule drop.
 #[inline(always)]
-pub fn check(slot: Slot, pkt: &Parsed, len: u64, generation: u32, tick: u64) -> bool {
+pub fn check(
+    slot: Slot,
+    pkt: &Parsed,
+    len: u64,
+    generation: u32,
+    tick: u64,
+    ban_epoch: u64,
+) -> bool {
     let Some(e) = FAST.get_ptr_mut(index(&pkt.src.addr)) else {
         return false;
     };
@@ -172,6 +183,7 @@ pub fn check(slot: Slot, pkt: &Parsed, len: u64, generation: u32, tick: u64) -> 
     let e = unsafe { &mut *e };
     if e.jiffies == tick
         && e.generation == generation
+        && e.ban_epoch == ban_epoch
         && e.slot == slot
         && words(&e.src) == words(&pkt.src.addr)
         && e.dport == pkt.dport
@@ -186,7 +198,9 @@ pub fn check(slot: Slot, pkt: &Parsed, len: u64, generation: u32, tick: u64) -> 
         stats::add_rule(slot, rule, rc::DROPPED, len);
         return true;
     }
-    if e.pending_packets != 0 && (e.jiffies != tick || e.generation != generation) {
+    if e.pending_packets != 0
+        && (e.jiffies != tick || e.generation != generation || e.ban_epoch != ban_epoch)
+    {
         rl_fast_flush(e);
     }
     false
@@ -242,6 +256,7 @@ pub extern "C" fn rl_fast_fill(rl: *mut RuleLoop, rule: u64) -> u64 {
     e.rule = rule as u8;
     e.slot = rl.env.slot;
     e.generation = rl.env.generation;
+    e.ban_epoch = rl.ban_epoch;
     e.jiffies = rl.tick;
     e.key = rl.key;
     e.pending_packets = 0;

@@ -59,6 +59,22 @@ static BANS: LpmTrie<IpKey, BanEntry> = LpmTrie::pinned(MAX_BANS, 0);
 #[map(name = "RL_BANS_PRESENT")]
 static BANS_PRESENT: Array<u64> = Array::pinned(1, 0);
 
+/// `[0]`: bumped after every ban insert, the program's and the daemon's. A fast-drop entry
+/// (made for a packet no ban matched) is void once it moved, so a source banned since is
+/// dropped and counted as banned at once.
+#[map(name = "RL_BAN_EPOCH")]
+static BAN_EPOCH: Array<u64> = Array::pinned(1, 0);
+
+/// The current ban epoch.
+#[inline(always)]
+pub fn ban_epoch() -> u64 {
+    match BAN_EPOCH.get_ptr(0) {
+        // SAFETY: a live array value.
+        Some(p) => unsafe { atomic::load(p) },
+        None => 0,
+    }
+}
+
 /// Per rule: the one aggregate state shared by the sources that get no state of their own
 /// (refused by the admission budget, or refused by a full map). An array, not entries of
 /// `CLIENTS`: in a random-source flood nearly every packet lands here, and an indexed load
@@ -180,6 +196,8 @@ pub struct RuleLoop {
     pub fine_now: u64,
     /// The tick (jiffies) of `coarse_now`.
     pub tick: u64,
+    /// `RL_BAN_EPOCH` read before this packet's ban lookup.
+    pub ban_epoch: u64,
 }
 
 #[map(name = "RL_SCRATCH")]
@@ -193,9 +211,12 @@ pub fn evaluate_rules(
     slot: Slot,
     pkt: Parsed,
     len: u64,
-    (now, tick): (u64, u64),
+    (now, tick, ban_epoch): (u64, u64, u64),
     g: &GlobalConfig,
     src_mask: (u32, u32),
+    // Whether a ban (one that lets packets on to the rules) matched: then no fast-drop entry
+    // is made, as it would skip that ban's counting.
+    ban_matched: bool,
 ) -> RuleVerdict {
     let n = g.rule_count;
     if n == 0 {
@@ -222,6 +243,7 @@ pub fn evaluate_rules(
         (*rl).coarse_now = now;
         (*rl).fine_now = 0;
         (*rl).tick = tick;
+        (*rl).ban_epoch = ban_epoch;
     }
     // Whether an earlier rule matched: a refusal is remembered for the tick only when its rule
     // was the first to match (a later like packet then meets no other rule first either).
@@ -233,7 +255,7 @@ pub fn evaluate_rules(
         match rl_rule(i as u64, rl) {
             RULE_NO_MATCH => {}
             RULE_PASS => matched = true,
-            RULE_DROP_FOR_TICK if !matched => {
+            RULE_DROP_FOR_TICK if !matched && !ban_matched => {
                 fast::rl_fast_fill(rl, i as u64);
                 return RuleVerdict::Drop;
             }
@@ -1023,6 +1045,9 @@ pub extern "C" fn rl_ban(
                         && atomic::load(p) == 0
                     {
                         atomic::store(p, 1);
+                    }
+                    if let Some(p) = BAN_EPOCH.get_ptr_mut(0) {
+                        atomic::add(p, 1);
                     }
                     true
                 }

@@ -1,7 +1,7 @@
 //! The ratelimit XDP program.
 //!
-//! Per packet: parse (`parse`), then allow list → deny list → active ban → this tick's
-//! fast-drop entry (`fast`) → rules in file order (`policy`, `limit`), record the verdict in the per-CPU counters and return. Every exit goes
+//! Per packet: parse (`parse`), then this tick's fast-drop entry (`fast`) → allow list → deny
+//! list → active ban → rules in file order (`policy`, `limit`), record the verdict in the per-CPU counters and return. Every exit goes
 //! through [`finish`], so every frame is counted in exactly one verdict counter.
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
@@ -79,6 +79,24 @@ mod program {
     fn decide(slot: Slot, pkt: Parsed, len: u64) -> u32 {
         let src = &pkt.src;
         let global_cfg = policy::global();
+        // The coarse clock (the last timer tick): a fraction of the cost of reading the clock
+        // source. Rules that need precision read the precise one (`RULE_FINE_CLOCK`).
+        let (now, tick) = clock::coarse_tick();
+        // Refused earlier in this tick, like packet for like packet (see `fast.rs`): before the
+        // lists and bans, whose verdicts the entry already holds. It was made for a packet no
+        // list and no ban matched; lists change only with the policy generation, and a ban
+        // added since moves the ban epoch (read here, before this packet's ban lookup): either
+        // voids it.
+        let ban_epoch = if global_cfg.rule_count != 0 {
+            limit::ban_epoch()
+        } else {
+            0
+        };
+        if global_cfg.rule_count != 0
+            && fast::check(slot, &pkt, len, global_cfg.generation, tick, ban_epoch)
+        {
+            return finish(slot, global::DROP_RULE, len);
+        }
         // One lookup answers the allow list, the deny list and the rules' source lists; with
         // no list at all it is skipped (rules with a source list then look up on their own).
         // (known, mask): plain integers, not an Option, whose unset payload the verifier would
@@ -94,9 +112,7 @@ mod program {
             }
             src_mask = (1, mask);
         }
-        // The coarse clock (the last timer tick): a fraction of the cost of reading the clock
-        // source. Rules that need precision read the precise one (`RULE_FINE_CLOCK`).
-        let (now, tick) = clock::coarse_tick();
+        let mut ban_matched = false;
         if let Some(ban_flags) = limit::active_ban(slot, src, now) {
             let passes =
                 global_cfg.preview_all != 0 || ban_flags & (BAN_PREVIEW | BAN_EXCEED_PASS) != 0;
@@ -107,12 +123,17 @@ mod program {
             if ban_flags & BAN_PREVIEW != 0 || global_cfg.preview_all != 0 {
                 stats::add(slot, global::PREVIEW_WOULD_DROP, len);
             }
+            ban_matched = true;
         }
-        // Refused earlier in this tick, like packet for like packet: see `fast.rs`.
-        if global_cfg.rule_count != 0 && fast::check(slot, &pkt, len, global_cfg.generation, tick) {
-            return finish(slot, global::DROP_RULE, len);
-        }
-        match limit::evaluate_rules(slot, pkt, len, (now, tick), global_cfg, src_mask) {
+        match limit::evaluate_rules(
+            slot,
+            pkt,
+            len,
+            (now, tick, ban_epoch),
+            global_cfg,
+            src_mask,
+            ban_matched,
+        ) {
             RuleVerdict::Pass => finish(slot, global::PASS, len),
             _ => finish(slot, global::DROP_RULE, len),
         }

@@ -64,6 +64,8 @@ pub struct Maps {
     pub ifslots: Array<MapData, u32>,
     /// Whether `bans` may hold an entry (see `Maps::insert_ban`).
     pub bans_present: Array<MapData, u64>,
+    /// Bumped after every ban insert (see the program's `RL_BAN_EPOCH`).
+    pub ban_epoch: Array<MapData, u64>,
     /// What this process last wrote to `bans_present` (only the daemon ever clears it).
     bans_flag_set: bool,
     pub events: Option<RingBuf<MapData>>,
@@ -369,6 +371,7 @@ impl Datapath {
                 a
             },
             bans_flag_set: true,
+            ban_epoch: Array::try_from(take("RL_BAN_EPOCH")?)?,
             events: Some(RingBuf::try_from(take("RL_EVENTS")?)?),
         })
     }
@@ -387,6 +390,9 @@ impl Maps {
             self.bans_present.set(0, 1, 0)?;
             self.bans_flag_set = true;
         }
+        // Void the program's fast-drop entries: they skip the ban lookup.
+        let epoch = self.ban_epoch.get(&0, 0)?;
+        self.ban_epoch.set(0, epoch.wrapping_add(1), 0)?;
         Ok(())
     }
 

@@ -1298,3 +1298,85 @@ threshold = { count = 5, interval = "1h" }
     assert_eq!(overflow(&maps, 0), None);
     assert_eq!(ovf_pending_total(&maps), 0);
 }
+
+/// The fast-drop table is checked before the lists and bans (an entry is made only for a
+/// packet no list and no ban matched): a ban added within the tick voids every entry at once
+/// (the ban epoch), so the very next packet is dropped and counted as banned; a ban that lets
+/// packets on to the rules (preview) keeps entries from being made, so each packet is
+/// counted against it.
+#[test]
+fn fast_drops_give_way_to_a_new_ban_at_once() {
+    if skip_unless_kernel() {
+        return;
+    }
+    const CFG: &str = r#"
+[lists]
+deny = ["198.18.99.0/24"]
+
+[[rule]]
+name = "udp9000"
+match = { protocol = "udp", dst_ports = ["9000"] }
+threshold = { count = 5, interval = "1h" }
+algorithm = "fixed_window"
+"#;
+    let pins = Pins::new();
+    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
+    let mut maps = dp.take_maps().expect("maps");
+    let cfg = config::parse("fastban.toml", CFG).expect("config");
+    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
+    let rules: Vec<String> = cfg.rules.iter().map(|r| r.name.clone()).collect();
+
+    // A ban added between two packets of one tick: the second is banned.
+    let mut banned_at_once = 0;
+    for i in 0..20u8 {
+        let src = [198, 18, 20, i];
+        let frame = v4(src).udp(40000, 9000).build();
+        assert_eq!(dp.test_run(&frame, 50).unwrap().0, XDP_DROP);
+        // Refused in this tick: the entry is made (or hit).
+        assert_eq!(dp.test_run(&frame, 1).unwrap().0, XDP_DROP);
+        let before = counters(&maps, &rules);
+        ban(&mut maps, &format!("198.18.20.{i}/32"));
+        assert_eq!(dp.test_run(&frame, 1).unwrap().0, XDP_DROP);
+        let d = delta(&before, &counters(&maps, &rules));
+        assert_eq!(
+            d.get("drop_rule"),
+            None,
+            "a fast-drop entry outlived a new ban: {d:?}"
+        );
+        assert_eq!(d.get("drop_ban"), Some(&1), "{d:?}");
+        banned_at_once += 1;
+    }
+    assert_eq!(banned_at_once, 20);
+
+    // A preview ban passes packets on to the rules: no entry is made, every packet is
+    // counted against the ban as well as the rule.
+    let src = [198, 18, 21, 1];
+    let net = ratelimit_user::daemon::parse_cidr("198.18.21.1/32").unwrap();
+    let (plen, key) = apply::prefix(&net);
+    let now = report::mono_ns();
+    let mut entry =
+        ratelimit_common::maps::BanEntry::manual(plen, key.addr, now, now + 3_600_000_000_000);
+    entry.flags |= ratelimit_common::maps::BAN_PREVIEW;
+    maps.insert_ban(&aya::maps::lpm_trie::Key::new(plen, key), entry)
+        .unwrap();
+    let pending = fast_pending_total(&maps);
+    let before = counters(&maps, &rules);
+    let frame = v4(src).udp(40000, 9000).build();
+    assert_eq!(dp.test_run(&frame, 1000).unwrap().0, XDP_DROP);
+    let d = delta(&before, &counters(&maps, &rules));
+    assert_eq!(d.get("ban_pass"), Some(&1000), "{d:?}");
+    assert_eq!(d.get("preview_would_drop"), Some(&1000), "{d:?}");
+    assert_eq!(d.get("udp9000/dropped"), Some(&995), "{d:?}");
+    assert_eq!(
+        fast_pending_total(&maps),
+        pending,
+        "an entry was made under a ban"
+    );
+
+    // The deny list still decides for a listed source (never given an entry).
+    let denied = v4([198, 18, 99, 1]).udp(40000, 9000).build();
+    let before = counters(&maps, &rules);
+    assert_eq!(dp.test_run(&denied, 100).unwrap().0, XDP_DROP);
+    let d = delta(&before, &counters(&maps, &rules));
+    assert_eq!(d.get("drop_deny"), Some(&100), "{d:?}");
+}
