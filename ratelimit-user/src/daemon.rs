@@ -59,8 +59,8 @@ pub struct State {
     pub known_status: Arc<std::sync::Mutex<Option<crate::known::Rebuilt>>>,
 }
 
-/// How often the known-sources filter is rebuilt (at least: a rebuild that took `t` is
-/// followed by the next one `4 t` later at the earliest).
+/// How often the daemon checks whether the known-sources filter needs a rebuild (a rebuild
+/// that took `t` is followed by the next check `10 t` later at the earliest).
 pub const KNOWN_REBUILD_PERIOD: Duration = Duration::from_secs(10);
 
 pub type Shared = Arc<Mutex<State>>;

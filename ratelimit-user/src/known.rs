@@ -196,50 +196,110 @@ impl Drop for KnownFilter {
     }
 }
 
+/// Bits set in the active half now (a scan of the mapping: 16 MiB for 10M sources, a few
+/// ms).
+impl KnownFilter {
+    pub fn active_bits_set(&self) -> u64 {
+        let ctl = self.control();
+        let base = 1 + if ctl & KNOWN_HALF != 0 {
+            self.half_words()
+        } else {
+            0
+        };
+        (0..self.half_words())
+            .map(|i| u64::from(self.word(base + i).load(Ordering::Relaxed).count_ones()))
+            .sum()
+    }
+}
+
+/// Whether the active half has gathered enough new bits since its rebuild (`at_rebuild`
+/// set then, `now` set now, of `bits`) for stale ones to be worth clearing: bits are only
+/// added by new states, and each new state in a full map evicts one whose bit stays. Also
+/// once `max_age` has passed (states the daemon itself removed leave bits too).
+pub fn needs_rebuild(
+    at_rebuild: u64,
+    now: u64,
+    bits: u64,
+    age: Duration,
+    max_age: Duration,
+) -> bool {
+    age >= max_age || now.saturating_sub(at_rebuild) >= (bits / 100).max(1024)
+}
+
 /// The daemon's rebuild loop, on a thread of its own (a walk of a large map takes seconds):
-/// the first rebuild at once, then one every `max(period, 4 x the last one's time)`.
+/// the first rebuild at once; then, every `period` (at least 10 times the last rebuild's
+/// time), a rebuild if [`needs_rebuild`] says so.
 pub fn spawn_rebuilder(
     filter: KnownFilter,
     clients: HashMap<MapData, ClientKey, ClientState>,
     period: Duration,
     status: std::sync::Arc<std::sync::Mutex<Option<Rebuilt>>>,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
+    const MAX_AGE: Duration = Duration::from_secs(600);
     std::thread::Builder::new()
         .name("known-filter".into())
         .spawn(move || {
-            let mut first = true;
+            let mut last: Option<(Rebuilt, Instant)> = None;
             loop {
-                let wait = match filter.rebuild(&clients) {
-                    Ok(r) => {
-                        if first {
-                            tracing::info!(
-                                states = r.states,
-                                bits_set = r.bits_set,
-                                bits = r.bits,
-                                secs = r.secs,
-                                "known-sources filter on"
-                            );
-                        } else {
-                            tracing::debug!(
-                                states = r.states,
-                                bits_set = r.bits_set,
-                                secs = r.secs,
-                                "known-sources filter rebuilt"
-                            );
+                let due = match &last {
+                    None => true,
+                    Some((r, at)) => needs_rebuild(
+                        r.bits_set,
+                        filter.active_bits_set(),
+                        r.bits,
+                        at.elapsed(),
+                        MAX_AGE,
+                    ),
+                };
+                let mut wait = period;
+                if due {
+                    match filter.rebuild(&clients) {
+                        Ok(r) => {
+                            if last.is_none() {
+                                tracing::info!(
+                                    states = r.states,
+                                    bits_set = r.bits_set,
+                                    bits = r.bits,
+                                    secs = r.secs,
+                                    "known-sources filter on"
+                                );
+                            } else {
+                                tracing::debug!(
+                                    states = r.states,
+                                    bits_set = r.bits_set,
+                                    secs = r.secs,
+                                    "known-sources filter rebuilt"
+                                );
+                            }
+                            wait = period.max(Duration::from_secs_f64(r.secs * 10.0));
+                            *status.lock().unwrap_or_else(|e| e.into_inner()) = Some(r.clone());
+                            last = Some((r, Instant::now()));
                         }
-                        first = false;
-                        let wait = period.max(Duration::from_secs_f64(r.secs * 4.0));
-                        *status.lock().unwrap_or_else(|e| e.into_inner()) = Some(r);
-                        wait
-                    }
-                    Err(e) => {
                         // The filter keeps its last active half (still a superset) or stays
                         // off; try again later.
-                        tracing::warn!("rebuilding the known-sources filter: {e:#}");
-                        period
+                        Err(e) => tracing::warn!("rebuilding the known-sources filter: {e:#}"),
                     }
-                };
+                }
                 std::thread::sleep(wait);
             }
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rebuilds_when_new_bits_pile_up_or_it_is_old() {
+        let s = Duration::from_secs;
+        // 2^23 bits: 1% is 83886.
+        let bits = 1 << 23;
+        assert!(!needs_rebuild(1000, 1000, bits, s(10), s(600)));
+        assert!(!needs_rebuild(1000, 1000 + 83_885, bits, s(10), s(600)));
+        assert!(needs_rebuild(1000, 1000 + 83_886, bits, s(10), s(600)));
+        assert!(needs_rebuild(1000, 1000, bits, s(600), s(600)));
+        // Small filters: at least 1024 new bits.
+        assert!(!needs_rebuild(0, 1023, 1 << 15, s(10), s(600)));
+        assert!(needs_rebuild(0, 1024, 1 << 15, s(10), s(600)));
+    }
 }
