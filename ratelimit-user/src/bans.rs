@@ -113,6 +113,18 @@ pub fn restore(
     maps: &mut Maps,
     rules: &[(String, RuleConfig)],
 ) -> anyhow::Result<Restored> {
+    let restored = restore_all(dir, maps, rules);
+    // Whatever was inserted, before any error is reported.
+    maps.flush_ban_epoch()
+        .context("voiding the program's fast-drop entries")?;
+    restored
+}
+
+fn restore_all(
+    dir: &Path,
+    maps: &mut Maps,
+    rules: &[(String, RuleConfig)],
+) -> anyhow::Result<Restored> {
     let rule_names: Vec<String> = rules.iter().map(|(n, _)| n.clone()).collect();
     let path = dir.join(FILE);
     let mut out = Restored {
@@ -180,7 +192,7 @@ pub fn restore(
             _pad: 0,
             addr: key.addr,
         };
-        maps.insert_ban(&Key::new(plen, key), entry)
+        maps.insert_ban_deferred(&Key::new(plen, key), entry)
             .with_context(|| format!("restoring ban {net}"))?;
         out.restored += 1;
     }

@@ -289,7 +289,18 @@ impl State {
             parsed.push((net, s));
         }
         let now = report::mono_ns();
-        for (net, s) in &parsed {
+        let inserted = self.insert_bans(&parsed, now);
+        // Whatever was inserted, before any error is reported.
+        self.bans_changed();
+        self.maps
+            .flush_ban_epoch()
+            .context("voiding the program's fast-drop entries")?;
+        inserted?;
+        Ok(serde_json::json!({ "added": parsed.len() }))
+    }
+
+    fn insert_bans(&mut self, parsed: &[(IpNet, &BanSpec)], now: u64) -> anyhow::Result<()> {
+        for (net, s) in parsed {
             let (plen, key) = prefix(net);
             let expires = s
                 .duration_ms
@@ -300,7 +311,7 @@ impl State {
             }
             let entry = BanEntry::manual(plen, key.addr, now, expires);
             self.maps
-                .insert_ban(&Key::new(plen, key), entry)
+                .insert_ban_deferred(&Key::new(plen, key), entry)
                 .map_err(|e| {
                     anyhow::anyhow!(
                         "adding the ban for {net}: {e} (the ban map holds {} entries)",
@@ -317,8 +328,7 @@ impl State {
                 None => {}
             }
         }
-        self.bans_changed();
-        Ok(serde_json::json!({ "added": parsed.len() }))
+        Ok(())
     }
 
     fn ban_del(&mut self, cidrs: &[String]) -> anyhow::Result<serde_json::Value> {

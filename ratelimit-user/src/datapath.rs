@@ -66,6 +66,8 @@ pub struct Maps {
     pub bans_present: Array<MapData, u64>,
     /// Bumped after every ban insert (see the program's `RL_BAN_EPOCH`).
     pub ban_epoch: Array<MapData, u64>,
+    /// A ban was inserted and `ban_epoch` not bumped yet.
+    ban_epoch_pending: bool,
     /// What this process last wrote to `bans_present` (only the daemon ever clears it).
     bans_flag_set: bool,
     pub events: Option<RingBuf<MapData>>,
@@ -372,6 +374,7 @@ impl Datapath {
             },
             bans_flag_set: true,
             ban_epoch: Array::try_from(take("RL_BAN_EPOCH")?)?,
+            ban_epoch_pending: false,
             events: Some(RingBuf::try_from(take("RL_EVENTS")?)?),
         })
     }
@@ -385,14 +388,35 @@ impl Maps {
         key: &aya::maps::lpm_trie::Key<IpKey>,
         entry: BanEntry,
     ) -> Result<(), aya::maps::MapError> {
+        self.insert_ban_deferred(key, entry)?;
+        self.flush_ban_epoch()
+    }
+
+    /// [`Maps::insert_ban`] without the ban-epoch bump, for a batch: the caller must call
+    /// [`Maps::flush_ban_epoch`] after the batch, whatever its outcome (two system calls per
+    /// ban otherwise, a third of the time of 100k bans).
+    pub fn insert_ban_deferred(
+        &mut self,
+        key: &aya::maps::lpm_trie::Key<IpKey>,
+        entry: BanEntry,
+    ) -> Result<(), aya::maps::MapError> {
         self.bans.insert(key, entry, 0)?;
+        self.ban_epoch_pending = true;
         if !self.bans_flag_set {
             self.bans_present.set(0, 1, 0)?;
             self.bans_flag_set = true;
         }
-        // Void the program's fast-drop entries: they skip the ban lookup.
-        let epoch = self.ban_epoch.get(&0, 0)?;
-        self.ban_epoch.set(0, epoch.wrapping_add(1), 0)?;
+        Ok(())
+    }
+
+    /// Void the program's fast-drop entries (they skip the ban lookup) if a ban was inserted
+    /// since the last call: bump `RL_BAN_EPOCH`.
+    pub fn flush_ban_epoch(&mut self) -> Result<(), aya::maps::MapError> {
+        if self.ban_epoch_pending {
+            let epoch = self.ban_epoch.get(&0, 0)?;
+            self.ban_epoch.set(0, epoch.wrapping_add(1), 0)?;
+            self.ban_epoch_pending = false;
+        }
         Ok(())
     }
 

@@ -528,12 +528,13 @@ fn main() {
     let t = Instant::now();
     for i in 0..n_bans {
         let (plen, key) = (128, IpKey::from_v4((0x0c00_0000u32 | i).to_be_bytes()));
-        maps.insert_ban(
+        maps.insert_ban_deferred(
             &Key::new(plen, key),
             BanEntry::manual(plen, key.addr, now, 0),
         )
         .unwrap();
     }
+    maps.flush_ban_epoch().unwrap();
     let secs = t.elapsed().as_secs_f64();
     println!("  control plane: {n_bans} bans inserted in {secs:.3}s");
     control_plane.insert(format!("ban_insert_{n_bans}_secs"), secs);
