@@ -567,7 +567,9 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         crate::datapath::ifindex(iface)?;
     }
     let mode = opts.xdp_mode.unwrap_or(cfg.daemon.xdp_mode);
+    crate::datapath::check_pinned_layout(&cfg.daemon.bpffs_dir, &cfg.daemon.state_dir)?;
     let mut dp = Datapath::load(&cfg.daemon.bpffs_dir, cfg.tracking.max_sources)?;
+    crate::datapath::record_pinned_layout(&cfg.daemon.state_dir)?;
     if let Some((x, v)) = dp.program_info() {
         info!(xlated_insns = x, verified_insns = v, "XDP program loaded");
     }

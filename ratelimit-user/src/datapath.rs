@@ -147,6 +147,63 @@ pub fn ifindex(iface: &str) -> anyhow::Result<u32> {
     Ok(idx)
 }
 
+/// The layout of every pinned map's keys and values. `LAYOUT_VERSION` is bumped by hand
+/// whenever one changes (a reordered field included); the sizes follow as a check.
+const LAYOUT_VERSION: u32 = 2;
+
+/// File in `daemon.state_dir` recording the layout of the maps pinned in `daemon.bpffs_dir`.
+pub const LAYOUT_FILE: &str = "pinned-layout";
+
+pub fn layout() -> String {
+    use std::mem::size_of;
+    format!(
+        "v{LAYOUT_VERSION} client_key={} client_state={} fast_entry={} global={} rule={} ban={} stats={}",
+        size_of::<ClientKey>(),
+        size_of::<ClientState>(),
+        size_of::<FastEntry>(),
+        size_of::<GlobalConfig>(),
+        size_of::<RuleConfig>(),
+        size_of::<BanEntry>(),
+        ratelimit_common::stats::STATS_LEN,
+    )
+}
+
+/// Refuse to adopt maps pinned in `pin_dir` by a build with another layout (their values
+/// would be misread): `state_dir` must record this build's layout for them.
+pub fn check_pinned_layout(pin_dir: &Path, state_dir: &Path) -> anyhow::Result<()> {
+    if !pin_dir.join("RL_STATS").exists() {
+        return Ok(());
+    }
+    let file = state_dir.join(LAYOUT_FILE);
+    let found = fs::read_to_string(&file).unwrap_or_default();
+    if found.trim() == layout() {
+        return Ok(());
+    }
+    bail!(
+        "the maps pinned in {} were made by a build with another map layout ({}), which this \
+         build would misread: run `ratelimit detach` (bans are restored from {}) and start again",
+        pin_dir.display(),
+        if found.trim().is_empty() {
+            format!("{} records none", file.display())
+        } else {
+            format!(
+                "{} says {:?}, this build {:?}",
+                file.display(),
+                found.trim(),
+                layout()
+            )
+        },
+        state_dir.display()
+    )
+}
+
+/// Record this build's layout for the maps pinned in `pin_dir` (see [`check_pinned_layout`]).
+pub fn record_pinned_layout(state_dir: &Path) -> anyhow::Result<()> {
+    fs::create_dir_all(state_dir).with_context(|| format!("creating {}", state_dir.display()))?;
+    let file = state_dir.join(LAYOUT_FILE);
+    fs::write(&file, layout() + "\n").with_context(|| format!("writing {}", file.display()))
+}
+
 impl Datapath {
     /// Load the program against the pinned maps in `pin_dir` (created if absent).
     pub fn load(pin_dir: &Path, max_sources: u32) -> anyhow::Result<Self> {

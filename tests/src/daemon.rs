@@ -271,6 +271,15 @@ impl Daemon {
         }
     }
 
+    /// [`Daemon::restart`] for a start that may fail: Err with the daemon's logs if it exits
+    /// or does not answer in time.
+    pub fn try_restart(&mut self) -> Result<(), String> {
+        self.stop();
+        self.launch();
+        self.wait_ready(READY_TIMEOUT)
+            .map_err(|e| format!("{e}\n{}", self.logs()))
+    }
+
     /// Replaces the config file (e.g. before `reload` or SIGHUP) and
     /// re-reads the control socket path from it.
     ///

@@ -178,6 +178,49 @@ ban_duration = "1h"
     assert_eq!(other.stop().from(ip4(44, 1)), 10);
 }
 
+/// Maps pinned by a build with another map layout would be misread: the daemon refuses them,
+/// says how to get out, and starts once `ratelimit detach` has removed them (bans come back
+/// from the state directory).
+#[test]
+fn pinned_maps_of_another_layout_are_refused_until_detached() {
+    kernel_test!();
+    let mut s = Scenario::new("rlv3");
+    s.start("");
+    s.daemon()
+        .cli_ok(&["ban", "add", "198.19.45.0/24", "--for", "1h"]);
+    s.daemon_mut().stop();
+    let marker = s.daemon().config_dir().join("state/pinned-layout");
+    let ours = std::fs::read_to_string(&marker).expect("the layout is recorded");
+    assert!(ours.starts_with('v'), "{ours}");
+    std::fs::write(&marker, "v1 client_key=24 client_state=104\n").unwrap();
+    let err = s
+        .daemon_mut()
+        .try_restart()
+        .expect_err("adopted maps of another layout");
+    assert!(
+        err.contains("another map layout") && err.contains("ratelimit detach"),
+        "{err}"
+    );
+    // Nothing was loaded or attached on the way: the old program still enforces the ban.
+    let sink = s.sink(PORT);
+    let mut tx = s.sender();
+    tx.send_n(std::iter::repeat(s.udp(ip4(45, 1), PORT)), 10, None);
+    sink.wait_quiet(Duration::from_millis(300));
+    assert_eq!(sink.stop().from(ip4(45, 1)), 0);
+    // A record missing altogether (pins of a build that kept none) is refused too.
+    std::fs::remove_file(&marker).unwrap();
+    let err = s
+        .daemon_mut()
+        .try_restart()
+        .expect_err("adopted unrecorded maps");
+    assert!(err.contains("records none"), "{err}");
+    assert!(s.daemon().detach().status.success());
+    s.daemon_mut().restart();
+    assert_eq!(std::fs::read_to_string(&marker).unwrap(), ours);
+    let bans = s.daemon().cli_json(&["bans"]);
+    assert_eq!(bans[0]["cidr"], "198.19.45.0/24", "{bans}");
+}
+
 #[test]
 fn live_rule_change_keeps_counters_and_broken_reload_keeps_the_old_config() {
     kernel_test!();
