@@ -142,6 +142,23 @@ pub struct GlobalConfig {
     /// Bumped by the daemon at every policy write: fast-drop entries (`FastEntry`) made under
     /// another generation are void.
     pub generation: u32,
+    /// Most new states one CPU inserts in one timer tick ([`admission_tick_cap`]), 0 for no
+    /// cap: a budget's burst is spread over ticks instead of stalling the receive ring.
+    pub admission_tick_cap: u32,
+    pub _pad: u32,
+}
+
+/// The per-CPU, per-tick cap on new states for a budget of `rate` per second, on a kernel
+/// whose timer tick is `tick_ns`: twice the budget's share of a tick, and at least 64. An
+/// insert into a full LRU map costs about a microsecond; a burst of 10,000 at once holds a
+/// CPU for ~10 ms, longer than a 256-frame receive ring lasts at a million frames per second,
+/// while 64 take well under 0.1 ms.
+pub fn admission_tick_cap(rate: u64, tick_ns: u64) -> u32 {
+    if rate == 0 {
+        return 0;
+    }
+    let share = (rate as u128 * tick_ns as u128).div_ceil(1_000_000_000) * 2;
+    share.clamp(64, u32::MAX as u128) as u32
 }
 
 /// `GlobalConfig::flags`: the allow list has entries.
@@ -447,6 +464,16 @@ mod tests {
     extern crate std;
 
     use super::*;
+
+    #[test]
+    fn admission_tick_cap_is_twice_a_ticks_share_and_at_least_64() {
+        assert_eq!(admission_tick_cap(0, 4_000_000), 0);
+        assert_eq!(admission_tick_cap(1000, 4_000_000), 64);
+        assert_eq!(admission_tick_cap(10_000, 4_000_000), 80);
+        assert_eq!(admission_tick_cap(10_000, 1_000_000), 64);
+        assert_eq!(admission_tick_cap(1_000_000, 4_000_000), 8000);
+        assert_eq!(admission_tick_cap(u64::MAX, u64::MAX), u32::MAX);
+    }
 
     #[test]
     fn known_filter_sizes() {

@@ -176,6 +176,16 @@ pub struct Env {
     pub generation: u32,
     pub admission_inc_ns: u64,
     pub admission_burst_ns: u64,
+    /// `GlobalConfig::admission_tick_cap`.
+    pub admission_tick_cap: u32,
+}
+
+/// New states this CPU inserted in its current tick (kept across packets in the scratch
+/// record, which is per CPU).
+#[repr(C)]
+pub struct TickInserts {
+    pub tick: u64,
+    pub count: u64,
 }
 
 /// Per-packet working record of the rule evaluation: the packet facts, the environment, and
@@ -198,6 +208,8 @@ pub struct RuleLoop {
     pub tick: u64,
     /// `RL_BAN_EPOCH` read before this packet's ban lookup.
     pub ban_epoch: u64,
+    /// Not reset per packet: see [`TickInserts`].
+    pub inserts: TickInserts,
 }
 
 #[map(name = "RL_SCRATCH")]
@@ -236,6 +248,7 @@ pub fn evaluate_rules(
             generation: g.generation,
             admission_inc_ns: g.admission_inc_ns,
             admission_burst_ns: g.admission_burst_ns,
+            admission_tick_cap: g.admission_tick_cap,
         };
         (*rl).pkt = pkt;
         (*rl).src_mask_known = src_mask.0;
@@ -436,7 +449,13 @@ impl Got {
 /// The state for `key`, creating it if the admission budget allows; otherwise (or if the map
 /// refuses) the rule's aggregate overflow state, and `key` is rewritten to say so.
 #[inline(always)]
-fn state_for(env: &Env, key: &mut ClientKey, coarse_now: u64, tick: u64) -> Got {
+fn state_for(
+    env: &Env,
+    key: &mut ClientKey,
+    coarse_now: u64,
+    tick: u64,
+    inserts: &mut TickInserts,
+) -> Got {
     let per_client = key.kind == KEY_IP;
     // A source the known-sources filter has never seen has no state: skip the lookup (in a
     // random-source flood, a hash-chain walk that misses for nearly every packet).
@@ -450,12 +469,23 @@ fn state_for(env: &Env, key: &mut ClientKey, coarse_now: u64, tick: u64) -> Got 
         overflow(key);
         return Got::Closed;
     }
-    if per_client && !admit_new_source(env, coarse_now) {
+    if per_client && env.admission_tick_cap != 0 && inserts.tick != tick {
+        inserts.tick = tick;
+        inserts.count = 0;
+    }
+    // This CPU's share of the tick is spent (a burst spread over ticks), or the budget is.
+    if per_client
+        && ((env.admission_tick_cap != 0 && inserts.count >= env.admission_tick_cap as u64)
+            || !admit_new_source(env, coarse_now))
+    {
         stats::add(env.slot, global::ADMISSION_REFUSED, env.len);
         return match overflow_state(key) {
             Some(p) => Got::Refused(p),
             None => Got::Nothing,
         };
+    }
+    if per_client {
+        inserts.count += 1;
     }
     if per_client {
         // Before the insert, so no CPU can find the state while the filter denies it.
@@ -631,7 +661,8 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
     }
     let preview = env.preview_all != 0 || rule.flags & RULE_PREVIEW != 0;
     let exceed_pass = rule.flags & RULE_EXCEED_PASS != 0;
-    let (st, refused_admission) = match state_for(env, key, rl.coarse_now, rl.tick) {
+    let (st, refused_admission) = match state_for(env, key, rl.coarse_now, rl.tick, &mut rl.inserts)
+    {
         Got::State(p) => (p, false),
         Got::Refused(p) => (p, true),
         Got::Closed => return exceeded(env, i, preview, exceed_pass, rc::DROPPED),

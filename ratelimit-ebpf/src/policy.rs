@@ -50,6 +50,8 @@ const EMPTY: GlobalConfig = GlobalConfig {
     admission_burst_ns: 0,
     flags: 0,
     generation: 0,
+    admission_tick_cap: 0,
+    _pad: 0,
 };
 
 #[inline(always)]

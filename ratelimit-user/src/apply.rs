@@ -197,6 +197,11 @@ pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
             0
         },
         generation: 0,
+        admission_tick_cap: ratelimit_common::maps::admission_tick_cap(
+            cfg.tracking.new_sources_per_sec,
+            timer_tick_ns(),
+        ),
+        _pad: 0,
     };
     let mut own: Vec<(Prefix, ListValue)> = Vec::new();
     for n in &cfg.lists.allow {
@@ -462,6 +467,18 @@ pub fn apply(maps: &mut Maps, plan: &Plan) -> anyhow::Result<()> {
         .set(0, global, 0)
         .context("writing the global settings")?;
     Ok(())
+}
+
+/// The kernel's timer tick (the coarse clock's resolution), 4 ms if it cannot be read.
+pub fn timer_tick_ns() -> u64 {
+    let mut res = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: valid out-pointer.
+    let rc = unsafe { libc::clock_getres(libc::CLOCK_MONOTONIC_COARSE, &mut res) };
+    let ns = res.tv_sec as u64 * 1_000_000_000 + res.tv_nsec as u64;
+    if rc != 0 || ns == 0 { 4_000_000 } else { ns }
 }
 
 #[cfg(test)]

@@ -1380,3 +1380,75 @@ algorithm = "fixed_window"
     let d = delta(&before, &counters(&maps, &rules));
     assert_eq!(d.get("drop_deny"), Some(&100), "{d:?}");
 }
+
+/// A budget's burst is spread over timer ticks: one CPU inserts at most
+/// `admission_tick_cap` new states per tick (64 here), the rest of the tick's new sources
+/// share the overflow state; the next tick admits again.
+#[test]
+fn new_states_per_tick_and_cpu_are_capped() {
+    if skip_unless_kernel() {
+        return;
+    }
+    const CFG: &str = r#"
+[tracking]
+new_sources_per_sec = 1000
+new_sources_burst = 100000
+
+[[rule]]
+name = "udp"
+match = { protocol = "udp", dst_ports = ["9000"] }
+threshold = { count = 1000000, interval = "1h" }
+algorithm = "fixed_window"
+"#;
+    ratelimit_tests::sender::pin_current_thread(0).expect("pin");
+    let pins = Pins::new();
+    let mut dp = Datapath::load(&pins.0, 65536).expect("load program");
+    let mut maps = dp.take_maps().expect("maps");
+    let cfg = config::parse("cap.toml", CFG).expect("config");
+    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
+    let cap = maps.global.get(&0, 0).unwrap().admission_tick_cap as u64;
+    let tick_ns = coarse_ns().1;
+    assert_eq!(
+        cap,
+        ratelimit_common::maps::admission_tick_cap(1000, tick_ns) as u64
+    );
+    assert_eq!(cap, 64, "1000/s is under 64 a tick at any HZ");
+    let rules = vec!["udp".to_string()];
+    // 192 new sources as fast as one thread sends them: within one tick, exactly 64 get
+    // state (retried on fresh sources until a round fits in one tick).
+    let mut exact = false;
+    let mut bounded = 0;
+    for round in 0..20u32 {
+        let frames: Vec<Vec<u8>> = (0..3 * cap as u32)
+            .map(|i| {
+                let b = (0x0a00_0000 | (64 + round) << 16 | i).to_be_bytes();
+                v4(b).udp(40000, 9000).build()
+            })
+            .collect();
+        let before = counters(&maps, &rules);
+        let t0 = coarse_ns().0;
+        for f in &frames {
+            dp.test_run(f, 1).unwrap();
+        }
+        let ticks = (coarse_ns().0 - t0) / tick_ns;
+        let d = delta(&before, &counters(&maps, &rules));
+        let created = d.get("state_created").copied().unwrap_or(0);
+        let refused = d.get("admission_refused").copied().unwrap_or(0);
+        assert_eq!(created + refused, frames.len() as u64, "{d:?}");
+        assert!(
+            created <= cap * (ticks + 1),
+            "{created} states in {ticks} tick(s): {d:?}"
+        );
+        bounded += 1;
+        if ticks == 0 {
+            assert_eq!(created, cap, "{d:?}");
+            exact = true;
+            break;
+        }
+    }
+    assert!(
+        exact,
+        "no round of {} runs fitted in one tick ({bounded} tried)",
+        3 * cap
+    );
+}
