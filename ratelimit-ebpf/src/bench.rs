@@ -33,21 +33,31 @@ static SEQ: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 static PROBE: aya_ebpf::maps::LruHashMap<u64, u64> =
     aya_ebpf::maps::LruHashMap::with_max_entries(1 << 20, 0);
 
+/// Memory-latency floors of any per-client store: one line per tracked source in an array
+/// indexed directly by the source's place in the populated set (no hashing, no key to
+/// compare), a 64-byte cache line or a 16-byte sliver of one (`max_entries` set at load, to
+/// the per-client map's).
+#[map(name = "RL_BENCH_LINES64")]
+static LINES64: Array<[u64; 8]> = Array::with_max_entries(1, 0);
+#[map(name = "RL_BENCH_LINES16")]
+static LINES16: Array<[u64; 2]> = Array::with_max_entries(1, 0);
+
 const MODE_SPREAD: u64 = 1;
 const MODE_CHURN: u64 = 2;
 
-/// Rewrite the IPv4 source address of the frame as `RL_BENCH_VARY` says.
+/// Rewrite the IPv4 source address of the frame as `RL_BENCH_VARY` says; the source's place
+/// in the populated set when spreading over it (else 0).
 #[inline(always)]
-pub fn vary_source(ctx: &XdpContext) {
+pub fn vary_source(ctx: &XdpContext) -> u32 {
     let Some(cfg) = VARY.get(0) else {
-        return;
+        return 0;
     };
     let mode = cfg[0];
     if mode == 0 {
-        return;
+        return 0;
     }
     let Some(seq) = SEQ.get_ptr_mut(0) else {
-        return;
+        return 0;
     };
     // SAFETY: this CPU's slot.
     let i = unsafe {
@@ -55,28 +65,31 @@ pub fn vary_source(ctx: &XdpContext) {
         *seq = i + 1;
         i
     };
+    let mut place = 0u32;
     let addr: u32 = if mode == MODE_SPREAD {
         // A scrambled walk of the populated set: Knuth's multiplicative hash, modulo n.
         let n = if cfg[1] == 0 { 1 } else { cfg[1] };
-        (cfg[2] as u32).wrapping_add((i.wrapping_mul(2_654_435_761) % n) as u32)
+        place = (i.wrapping_mul(2_654_435_761) % n) as u32;
+        (cfg[2] as u32).wrapping_add(place)
     } else if mode == MODE_CHURN {
         // A new source on every packet: 24 bits of sequence under a per-CPU first octet.
         let cpu = unsafe { bpf_get_smp_processor_id() };
         ((12 + cpu) << 24) | (i as u32 & 0x00ff_ffff)
     } else {
-        return;
+        return 0;
     };
     let start = ctx.data();
     if start + 30 > ctx.data_end() {
-        return;
+        return place;
     }
     // SAFETY: bounds checked above; ethertype at 12, IPv4 source at 26.
     unsafe {
         if *((start + 12) as *const u16) != u16::to_be(0x0800) {
-            return;
+            return place;
         }
         *((start + 26) as *mut [u8; 4]) = addr.to_be_bytes();
     }
+    place
 }
 
 /// Floor: the clock.
@@ -113,6 +126,35 @@ pub fn ref_lookup(ctx: XdpContext) -> u32 {
     if let Some(c) = limit::bench_client_counter(&p.src) {
         // SAFETY: a live map value.
         unsafe { atomic::add(c, 1) };
+    }
+    xdp_action::XDP_DROP
+}
+
+/// Memory floor of any per-client store holding a 64-byte line per source: parse, then one
+/// atomic add to the source's line, found by its place in the populated set; drop.
+#[xdp]
+pub fn ref_line64(ctx: XdpContext) -> u32 {
+    let place = vary_source(&ctx);
+    if !matches!(parse::parse(&ctx), Ok(Some(_))) {
+        return xdp_action::XDP_ABORTED;
+    }
+    if let Some(line) = LINES64.get_ptr_mut(place) {
+        // SAFETY: a live map value.
+        unsafe { atomic::add(&raw mut (*line)[0], 1) };
+    }
+    xdp_action::XDP_DROP
+}
+
+/// The same with 16 bytes per source (four sources to a cache line).
+#[xdp]
+pub fn ref_line16(ctx: XdpContext) -> u32 {
+    let place = vary_source(&ctx);
+    if !matches!(parse::parse(&ctx), Ok(Some(_))) {
+        return xdp_action::XDP_ABORTED;
+    }
+    if let Some(line) = LINES16.get_ptr_mut(place) {
+        // SAFETY: a live map value.
+        unsafe { atomic::add(&raw mut (*line)[0], 1) };
     }
     xdp_action::XDP_DROP
 }

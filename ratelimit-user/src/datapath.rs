@@ -226,6 +226,9 @@ impl Datapath {
                 "RL_KNOWN",
                 ratelimit_common::maps::known_map_entries(max_sources),
             )
+            // The bench build's memory floors (a line per source); no other object has them.
+            .map_max_entries("RL_BENCH_LINES64", max_sources)
+            .map_max_entries("RL_BENCH_LINES16", max_sources)
             .load(object)
             .context("loading the XDP program and its maps")?;
         let mut dp = Self {

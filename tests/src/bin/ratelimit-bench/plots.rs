@@ -226,6 +226,45 @@ fn draw_scale(path: &Path, results: &Value) -> Result<bool, String> {
             .draw_series(one.iter().map(|p| Circle::new(*p, 4, green.filled())))
             .map_err(err)?;
     }
+    // The floors over the same spread: the hash map's, and a directly indexed line per source.
+    let floors = [
+        (
+            "floor_ns",
+            "floor: one hash-map lookup and atomic add",
+            PALETTE[1],
+        ),
+        (
+            "line64_ns",
+            "floor: a 64-byte line per source, no hashing",
+            PALETTE[3],
+        ),
+        (
+            "line16_ns",
+            "floor: a 16-byte line per source, no hashing",
+            PALETTE[4],
+        ),
+    ];
+    for (field, label, colour) in floors {
+        let pts = scale_points(results, field);
+        if pts.is_empty() {
+            continue;
+        }
+        chart
+            .draw_series(DashedLineSeries::new(
+                pts.clone(),
+                6,
+                4,
+                colour.stroke_width(2),
+            ))
+            .map_err(err)?
+            .label(label)
+            .legend(move |(x, y)| {
+                PathElement::new(vec![(x, y), (x + 24, y)], colour.stroke_width(2))
+            });
+        chart
+            .draw_series(pts.iter().map(|p| Circle::new(*p, 3, colour.filled())))
+            .map_err(err)?;
+    }
     if let Some(r) = reference {
         let grey = RGBColor(90, 90, 90);
         chart
