@@ -137,11 +137,18 @@ pub enum BanCommand {
         #[arg(long)]
         json: bool,
     },
-    /// Remove a ban (or every CIDR in --file).
+    /// Remove a ban (or every CIDR in --file), or lift a rule's aggregate ban (--rule).
     Del {
         cidr: Option<String>,
         #[arg(long, value_name = "FILE", conflicts_with = "cidr")]
         file: Option<PathBuf>,
+        /// Lift the ban of a rule keyed `all` (or `region`, with --region): its shared meter
+        /// starts clean.
+        #[arg(long, value_name = "RULE", conflicts_with_all = ["cidr", "file"])]
+        rule: Option<String>,
+        /// The region (ISO 3166-1 alpha-2) whose ban to lift, for a rule keyed `region`.
+        #[arg(long, value_name = "CC", requires = "rule")]
+        region: Option<String>,
         #[arg(long)]
         json: bool,
     },

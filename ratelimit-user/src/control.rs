@@ -19,12 +19,26 @@ use crate::cli::{RuleSetArgs, TopBy};
 pub enum Request {
     Status,
     Stats,
-    Top { n: usize, by: TopBy },
+    Top {
+        n: usize,
+        by: TopBy,
+    },
     Bans,
     Offenders,
-    BanAdd { bans: Vec<BanSpec> },
-    BanDel { cidrs: Vec<String> },
-    RuleSet { set: RuleSetArgs },
+    BanAdd {
+        bans: Vec<BanSpec>,
+    },
+    BanDel {
+        cidrs: Vec<String>,
+    },
+    /// Lift the aggregate ban of a rule keyed `all` or `region`.
+    BanLift {
+        rule: String,
+        region: Option<String>,
+    },
+    RuleSet {
+        set: RuleSetArgs,
+    },
     Reload,
 }
 

@@ -230,6 +230,9 @@ impl State {
             }
             Request::BanAdd { bans } => Response::ok(self.ban_add(&bans)?),
             Request::BanDel { cidrs } => Response::ok(self.ban_del(&cidrs)?),
+            Request::BanLift { rule, region } => {
+                Response::ok(self.ban_lift(&rule, region.as_deref())?)
+            }
             Request::RuleSet { set } => Response::ok(self.rule_set(&set)?),
             Request::Reload => Response::ok(self.reload()?),
         })
@@ -348,6 +351,90 @@ impl State {
             bail!("no such ban: {}", missing.join(", "));
         }
         Ok(serde_json::json!({ "removed": removed, "not_found": missing }))
+    }
+
+    /// Lift the aggregate ban of a rule keyed `all` or `region` (IP bans are removed by
+    /// prefix). The shared state's meters start clean, as when a ban ends on its own; its
+    /// totals stay. An `unban` event line says so, and the saved bans drop it.
+    fn ban_lift(&mut self, rule: &str, region: Option<&str>) -> anyhow::Result<serde_json::Value> {
+        let rules = self.live_rules();
+        let Some(i) = rules.iter().position(|(n, _)| n == rule) else {
+            bail!(
+                "no rule named {rule:?} (rules: {})",
+                self.rule_names().join(", ")
+            );
+        };
+        let r = rules[i].1;
+        if r.key != KEY_ALL && r.key != KEY_REGION {
+            bail!(
+                "rule {rule:?} is keyed {}: its bans are per client; remove one with `ratelimit ban del CIDR`",
+                crate::report::key_name(r.key)
+            );
+        }
+        if r.action != ACTION_BAN {
+            bail!("rule {rule:?} does not ban (its action is not rate_based_ban)");
+        }
+        let mut key = ClientKey {
+            rule: i as u8,
+            kind: r.key,
+            ..ClientKey::default()
+        };
+        match (r.key, region) {
+            (KEY_REGION, Some(cc)) => {
+                let cc = cc.to_ascii_uppercase();
+                match cc.as_bytes() {
+                    &[x, y] if x.is_ascii_uppercase() && y.is_ascii_uppercase() => {
+                        key.addr[0] = x;
+                        key.addr[1] = y;
+                    }
+                    _ => bail!("--region {cc:?}: expected a two-letter region code, e.g. NL"),
+                }
+            }
+            (KEY_REGION, None) => {
+                bail!("rule {rule:?} is keyed region: say which region's ban with --region CC")
+            }
+            (_, Some(_)) => bail!("rule {rule:?} is keyed all: it has one ban, no --region"),
+            (_, None) => {}
+        }
+        let now = crate::report::mono_ns();
+        let what = match region {
+            Some(cc) => format!("rule {rule:?} in region {}", cc.to_ascii_uppercase()),
+            None => format!("rule {rule:?}"),
+        };
+        let st = match self.maps.clients.get(&key, 0) {
+            Ok(st) if st.banned_until_ns > now => st,
+            _ => bail!("no ban in force for {what}"),
+        };
+        // The meters are clean already: the program clears them when it issues a ban, and a
+        // banned key's packets are not metered.
+        let lifted = ClientState {
+            banned_until_ns: 0,
+            ..st
+        };
+        // BPF_EXIST: the state must still be there (an expiry or eviction in between would
+        // have lifted it already).
+        self.maps
+            .clients
+            .insert(key, lifted, 2)
+            .with_context(|| format!("lifting the ban of {what}"))?;
+        self.sink.write(&crate::events::EventLine {
+            time: crate::report::rfc3339(std::time::SystemTime::now()),
+            event: "unban",
+            rule: rule.to_string(),
+            key: crate::report::key_name(key.kind),
+            client: crate::report::client_label(&key),
+            count: 0,
+            threshold: 0,
+            ban_expires: None,
+        });
+        info!(%what, "aggregate ban lifted");
+        self.bans_changed();
+        Ok(serde_json::json!({
+            "lifted": 1,
+            "rule": rule,
+            "key": crate::report::key_name(key.kind),
+            "region": region.map(|c| c.to_ascii_uppercase()),
+        }))
     }
 
     fn rule_set(&mut self, set: &RuleSetArgs) -> anyhow::Result<serde_json::Value> {

@@ -144,10 +144,28 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             }
         }
         Command::Ban {
-            action: BanCommand::Del { cidr, file, .. },
-        } => Request::BanDel {
-            cidrs: cidr_list(cidr.as_deref(), file.as_deref())?,
+            action:
+                BanCommand::Del {
+                    rule: Some(rule),
+                    region,
+                    ..
+                },
+        } => Request::BanLift {
+            rule: rule.clone(),
+            region: region.clone(),
         },
+        Command::Ban {
+            action: BanCommand::Del { cidr, file, .. },
+        } => {
+            if cidr.is_none() && file.is_none() {
+                anyhow::bail!(
+                    "give one CIDR, --file FILE, or --rule RULE to lift a rule's aggregate ban"
+                );
+            }
+            Request::BanDel {
+                cidrs: cidr_list(cidr.as_deref(), file.as_deref())?,
+            }
+        }
         Command::Rule {
             action: RuleCommand::Set(set),
         } => Request::RuleSet { set: set.clone() },
@@ -293,6 +311,13 @@ fn print_human(req: &Request, data: &serde_json::Value) {
                 );
             }
         }
+        Request::BanLift { rule, region } => match region {
+            Some(cc) => println!(
+                "lifted the ban of rule {rule} in region {}",
+                cc.to_ascii_uppercase()
+            ),
+            None => println!("lifted the ban of rule {rule}"),
+        },
         _ => println!("{}", serde_json::to_string_pretty(data).unwrap_or_default()),
     }
 }

@@ -178,6 +178,77 @@ ban_duration = "1h"
     assert_eq!(other.stop().from(ip4(44, 1)), 10);
 }
 
+/// An operator lifts a rule's aggregate ban by the rule's name: traffic passes again at once
+/// under a clean meter, `bans` no longer lists it, an `unban` event says so, and the ban does
+/// not come back after a restart. Lifting what is not there, or with the wrong arguments, is
+/// refused with the reason.
+#[test]
+fn an_aggregate_ban_is_lifted_by_the_rule_name() {
+    kernel_test!();
+    let mut s = Scenario::new("rlv5");
+    s.start(
+        r#"
+[[rule]]
+name = "all-ban"
+match = { protocol = "udp", dst_ports = ["9000"] }
+key = "all"
+action = "rate_based_ban"
+threshold = { count = 5, interval = "1h" }
+algorithm = "fixed_window"
+ban_threshold = { count = 10, interval = "1h" }
+ban_duration = "1h"
+
+[[rule]]
+name = "per-client"
+match = { protocol = "udp", dst_ports = ["9001"] }
+action = "rate_based_ban"
+threshold = { count = 5, interval = "1h" }
+ban_threshold = { count = 10, interval = "1h" }
+ban_duration = "1h"
+"#,
+    );
+    let sink = s.sink(PORT);
+    let mut tx = s.sender();
+    tx.send_n(std::iter::repeat(s.udp(ip4(46, 1), PORT)), 20, None);
+    sink.wait_quiet(Duration::from_millis(300));
+    assert_eq!(sink.snapshot().from(ip4(46, 1)), 5);
+    let bans = s.daemon().cli_json(&["bans"]);
+    assert_eq!(bans[0]["key"], "all", "{bans}");
+    // Refused: not a rule, not an aggregate key, a region for a rule keyed all.
+    let err = |args: &[&str]| {
+        let out = s.daemon().cli(args);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    assert!(err(&["ban", "del", "--rule", "nope"]).contains("no rule named"));
+    assert!(err(&["ban", "del", "--rule", "per-client"]).contains("ban del CIDR"));
+    assert!(err(&["ban", "del", "--rule", "all-ban", "--region", "DE"]).contains("no --region"));
+    assert!(err(&["ban", "del", "--region", "DE"]).contains("--rule"));
+    assert!(err(&["ban", "del"]).contains("--rule RULE"));
+    let out = s.daemon().cli_json(&["ban", "del", "--rule", "all-ban"]);
+    assert_eq!(out["lifted"], 1, "{out}");
+    assert_eq!(s.daemon().cli_json(&["bans"]), serde_json::json!([]));
+    assert!(err(&["ban", "del", "--rule", "all-ban"]).contains("no ban in force"));
+    let unban: Vec<_> = s
+        .events()
+        .into_iter()
+        .filter(|e| e["event"] == "unban")
+        .collect();
+    assert_eq!(unban.len(), 1, "{unban:?}");
+    assert_eq!(unban[0]["rule"], "all-ban");
+    assert_eq!(unban[0]["key"], "all");
+    // A clean meter: 5 admitted again, and 8 offered stay under the ban threshold of 10.
+    tx.send_n(std::iter::repeat(s.udp(ip4(46, 2), PORT)), 8, None);
+    sink.wait_quiet(Duration::from_millis(300));
+    assert_eq!(sink.stop().from(ip4(46, 2)), 5);
+    assert_eq!(rule_counter(&s.stats(), "all-ban", "bans"), 1);
+    // Gone from the state directory too: a reboot does not bring it back.
+    s.daemon_mut().stop();
+    assert!(s.daemon().detach().status.success());
+    s.daemon_mut().restart();
+    assert_eq!(s.daemon().cli_json(&["bans"]), serde_json::json!([]));
+}
+
 /// Maps pinned by a build with another map layout would be misread: the daemon refuses them,
 /// says how to get out, and starts once `ratelimit detach` has removed them (bans come back
 /// from the state directory).

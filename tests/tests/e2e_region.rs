@@ -172,4 +172,26 @@ ban_duration = "1h"
     assert!(list[0]["cidr"].is_null());
     let human = s.daemon().cli_ok(&["bans"]);
     assert!(human.contains("(region DE)"), "{human}");
+    // Lifted by rule and region (any case): the region passes again under a clean meter.
+    let out = s.daemon().cli(&["ban", "del", "--rule", "per-country-ban"]);
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("--region CC"),
+        "{out:?}"
+    );
+    let out = s
+        .daemon()
+        .cli(&["ban", "del", "--rule", "per-country-ban", "--region", "FR"]);
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("no ban in force"),
+        "{out:?}"
+    );
+    let out = s
+        .daemon()
+        .cli_json(&["ban", "del", "--rule", "per-country-ban", "--region", "de"]);
+    assert_eq!(out["region"], "DE", "{out}");
+    assert_eq!(s.daemon().cli_json(&["bans"]), serde_json::json!([]));
+    let sink = s.sink(PORT);
+    tx.send_n(std::iter::repeat(s.udp(ip4(63, 2), PORT)), 15, None);
+    sink.wait_quiet(Duration::from_millis(300));
+    assert_eq!(sink.stop().from(ip4(63, 2)), 10);
 }
