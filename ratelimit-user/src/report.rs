@@ -334,91 +334,213 @@ pub fn tracked_clients(maps: &Maps) -> anyhow::Result<u64> {
 ///
 /// The program's fast-drop entries (`RL_FAST`, per CPU) hold per-client counts of this tick's
 /// fast-dropped packets not yet added to the clients' states, and `RL_OVF_TICK` the same for
-/// the overflow states: they are added here, so a report is exact once traffic stops. (While it flows, a report racing the program's own
-/// addition may count up to one tick's fast drops of a client twice.)
+/// the overflow states: they are added here, so a report is exact once traffic stops, and
+/// while it flows no packet is counted twice or left out that was pending when the report
+/// began. The program may add an entry's counts to the state at any moment (a new tick, or
+/// another packet taking the slot), so a state with pending counts is reported as the state
+/// read after a first read of the entries plus what a second read finds still pending, if
+/// none of the first read's entries for it went in between; otherwise the state is read again
+/// and the entries after it, a few rounds at most.
 pub fn for_each_client(
     maps: &Maps,
     mut f: impl FnMut(&ClientKey, &ClientState),
 ) -> anyhow::Result<()> {
-    let pending = fast_pending(maps)?;
-    if pending.is_empty() {
-        for_each_client_state(maps, &mut f)?;
+    for_each_client_raced(maps, &mut f, &mut |_| {})
+}
+
+/// Where [`for_each_client_raced`] lets a test race the program.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ReportPoint {
+    /// The pending counts are read, the states not yet.
+    PendingRead,
+    /// The states are read, the pending counts not yet again.
+    StatesRead,
+}
+
+/// [`for_each_client`], calling `race` at each [`ReportPoint`] (tests run packets there).
+#[doc(hidden)]
+pub fn for_each_client_raced(
+    maps: &Maps,
+    f: &mut dyn FnMut(&ClientKey, &ClientState),
+    race: &mut dyn FnMut(ReportPoint),
+) -> anyhow::Result<()> {
+    let first = fast_entries(maps)?;
+    race(ReportPoint::PendingRead);
+    let mut held: std::collections::HashMap<ClientKey, ClientState> = Default::default();
+    if first.is_empty() {
+        for_each_client_state(maps, &mut |k: &ClientKey, s: &ClientState| f(k, s))?;
     } else {
-        for_each_client_state(
-            maps,
-            &mut |k: &ClientKey, s: &ClientState| match pending.get(k) {
-                Some(p) => {
-                    let mut s = *s;
-                    s.packets += p.packets;
-                    s.bytes += p.bytes;
-                    s.drops += p.packets;
-                    s.last_ns = s.last_ns.max(p.now_ns);
-                    s.last_exceed_ns = s.last_exceed_ns.max(p.now_ns);
-                    f(k, &s)
-                }
-                None => f(k, s),
-            },
-        )?;
+        let keys: std::collections::HashSet<ClientKey> = first.iter().map(|e| e.2.key).collect();
+        for_each_client_state(maps, &mut |k: &ClientKey, s: &ClientState| {
+            if keys.contains(k) {
+                held.insert(*k, *s);
+            } else {
+                f(k, s)
+            }
+        })?;
     }
-    for rule in 0..ratelimit_common::caps::MAX_RULES {
-        let mut s = maps
-            .overflow
-            .get(&rule, 0)
-            .map_err(|e| anyhow::anyhow!("reading the overflow states: {e}"))?;
-        // New sources dropped while the overflow state was closed for their tick, still
-        // pending on their CPU.
-        for e in maps
-            .ovf_tick
-            .get(&rule, 0)
-            .map_err(|e| anyhow::anyhow!("reading the overflow states' pending counts: {e}"))?
-            .iter()
-        {
-            if e.pending_packets != 0 {
-                s.packets += e.pending_packets;
-                s.bytes += e.pending_bytes;
-                s.drops += e.pending_packets;
-                s.last_ns = s.last_ns.max(e.now_ns);
-                s.last_exceed_ns = s.last_exceed_ns.max(e.now_ns);
+    // Each held state against the entries read after it.
+    let ovf_first = ovf_entries(maps)?;
+    let ovf_states = overflow_states(maps)?;
+    race(ReportPoint::StatesRead);
+    let mut before = first;
+    for round in 0.. {
+        if held.is_empty() {
+            break;
+        }
+        let after = fast_entries(maps)?;
+        let mut moved = Vec::new();
+        for (k, s) in &held {
+            let went_in = before
+                .iter()
+                .filter(|e| e.2.key == *k)
+                .any(|e| !still_pending(&e.2, at(&after, e.0, e.1)));
+            if went_in && round < 4 {
+                moved.push(*k);
+                continue;
+            }
+            let mut s = *s;
+            for e in after.iter().filter(|e| e.2.key == *k) {
+                add_pending(&mut s, &e.2);
+            }
+            f(k, &s);
+        }
+        if moved.is_empty() {
+            break;
+        }
+        held.retain(|k, _| moved.contains(k));
+        for (k, s) in held.iter_mut() {
+            match maps.clients.get(k, 0) {
+                Ok(now) => *s = now,
+                // Gone since (evicted or retired): so are its counts.
+                Err(_) => *s = ClientState::default(),
             }
         }
-        if s.packets != 0 {
-            let key = ClientKey {
-                rule: rule as u8,
-                kind: ratelimit_common::maps::KEY_OVERFLOW,
-                ..ClientKey::default()
-            };
-            f(&key, &s);
+        held.retain(|_, s| s.packets != 0);
+        before = after;
+    }
+    // The overflow states the same way, per rule.
+    let mut before = ovf_first;
+    let mut states = ovf_states;
+    for round in 0.. {
+        let after = ovf_entries(maps)?;
+        let mut again = false;
+        for (rule, s) in states.iter_mut().enumerate() {
+            let Some(st) = s else { continue };
+            let went_in = before
+                .iter()
+                .filter(|e| e.0 == rule as u32)
+                .any(|e| !still_pending(&e.2, at(&after, e.0, e.1)));
+            if went_in && round < 4 {
+                again = true;
+                *st = maps
+                    .overflow
+                    .get(&(rule as u32), 0)
+                    .map_err(|e| anyhow::anyhow!("reading the overflow states: {e}"))?;
+                continue;
+            }
+            let mut st = *st;
+            for e in after.iter().filter(|e| e.0 == rule as u32) {
+                add_pending(&mut st, &e.2);
+            }
+            *s = None;
+            if st.packets != 0 {
+                let key = ClientKey {
+                    rule: rule as u8,
+                    kind: ratelimit_common::maps::KEY_OVERFLOW,
+                    ..ClientKey::default()
+                };
+                f(&key, &st);
+            }
         }
+        if !again {
+            break;
+        }
+        before = after;
     }
     Ok(())
 }
 
-#[derive(Default)]
-struct Pending {
-    packets: u64,
-    bytes: u64,
-    now_ns: u64,
+/// Entries of a per-CPU table with counts pending: (index, CPU, entry).
+type Entries = Vec<(u32, usize, FastEntry)>;
+
+fn at(entries: &Entries, index: u32, cpu: usize) -> Option<&FastEntry> {
+    entries
+        .iter()
+        .find(|e| e.0 == index && e.1 == cpu)
+        .map(|e| &e.2)
 }
 
-/// Per client: the fast-drop counts still pending on any CPU.
-fn fast_pending(maps: &Maps) -> anyhow::Result<std::collections::HashMap<ClientKey, Pending>> {
-    let mut out: std::collections::HashMap<ClientKey, Pending> = Default::default();
-    for i in 0..ratelimit_common::maps::FAST_ENTRIES {
-        let per_cpu = maps
-            .fast
+/// Whether `then`'s pending counts are all still pending in `now` (the same entry, not yet
+/// added to its state: nothing but its counts changed, and they only grew).
+fn still_pending(then: &FastEntry, now: Option<&FastEntry>) -> bool {
+    let Some(now) = now else {
+        return false;
+    };
+    let bare = |e: &FastEntry| FastEntry {
+        pending_packets: 0,
+        pending_bytes: 0,
+        ..*e
+    };
+    bare(then) == bare(now) && now.pending_packets >= then.pending_packets
+}
+
+fn add_pending(s: &mut ClientState, e: &FastEntry) {
+    s.packets += e.pending_packets;
+    s.bytes += e.pending_bytes;
+    s.drops += e.pending_packets;
+    s.last_ns = s.last_ns.max(e.now_ns);
+    s.last_exceed_ns = s.last_exceed_ns.max(e.now_ns);
+}
+
+fn pending_of(
+    map: &aya::maps::PerCpuArray<aya::maps::MapData, FastEntry>,
+    n: u32,
+    what: &str,
+) -> anyhow::Result<Entries> {
+    let mut out = Vec::new();
+    for i in 0..n {
+        let per_cpu = map
             .get(&i, 0)
-            .map_err(|e| anyhow::anyhow!("reading the fast-drop entries: {e}"))?;
-        for e in per_cpu.iter() {
-            if e.pending_packets == 0 {
-                continue;
+            .map_err(|e| anyhow::anyhow!("reading the {what}: {e}"))?;
+        for (cpu, e) in per_cpu.iter().enumerate() {
+            if e.pending_packets != 0 {
+                out.push((i, cpu, *e));
             }
-            let p = out.entry(e.key).or_default();
-            p.packets += e.pending_packets;
-            p.bytes += e.pending_bytes;
-            p.now_ns = p.now_ns.max(e.now_ns);
         }
     }
     Ok(out)
+}
+
+/// The fast-drop entries with counts pending, on any CPU.
+fn fast_entries(maps: &Maps) -> anyhow::Result<Entries> {
+    pending_of(
+        &maps.fast,
+        ratelimit_common::maps::FAST_ENTRIES,
+        "fast-drop entries",
+    )
+}
+
+/// Per rule (the index): new sources dropped while the overflow state was closed for their
+/// tick, still pending on their CPU.
+fn ovf_entries(maps: &Maps) -> anyhow::Result<Entries> {
+    pending_of(
+        &maps.ovf_tick,
+        ratelimit_common::caps::MAX_RULES,
+        "overflow states' pending counts",
+    )
+}
+
+fn overflow_states(maps: &Maps) -> anyhow::Result<Vec<Option<ClientState>>> {
+    (0..ratelimit_common::caps::MAX_RULES)
+        .map(|rule| {
+            maps.overflow
+                .get(&rule, 0)
+                .map(Some)
+                .map_err(|e| anyhow::anyhow!("reading the overflow states: {e}"))
+        })
+        .collect()
 }
 
 fn for_each_client_state(

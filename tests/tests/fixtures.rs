@@ -1452,3 +1452,93 @@ algorithm = "fixed_window"
         3 * cap
     );
 }
+
+/// A report races the program, which adds an entry's pending counts to the state when a later
+/// tick's packet comes: after the report first read the pending counts (the state it reads
+/// then holds them), and after it read the states (which do not). Either way every packet is
+/// counted once, a client's and an overflow state's alike.
+#[test]
+fn a_report_racing_the_programs_own_addition_counts_each_packet_once() {
+    if skip_unless_kernel() {
+        return;
+    }
+    const RACE_CONFIG: &str = r#"
+[tracking]
+new_sources_per_sec = 1
+new_sources_burst = 1
+
+[[rule]]
+name = "udp"
+match = { protocol = "udp", dst_ports = ["9000"] }
+threshold = { count = 5, interval = "1h" }
+algorithm = "fixed_window"
+"#;
+    use ratelimit_common::maps::{KEY_IP, KEY_OVERFLOW};
+    use report::ReportPoint;
+    let pins = Pins::new();
+    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
+    let mut maps = dp.take_maps().expect("maps");
+    let cfg = config::parse("race.toml", RACE_CONFIG).expect("config");
+    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
+    // One new state an hour, so none comes free while the test runs.
+    let hour = 3_600_000_000_000;
+    let mut g = maps.global.get(&0, 0).unwrap();
+    g.admission_inc_ns = ratelimit_common::limiter::gcra_increment(1, 1, hour);
+    g.admission_burst_ns = ratelimit_common::limiter::gcra_burst_ns(1, 1, hour);
+    maps.global.set(0, g, 0).unwrap();
+    let maps = maps;
+    // The budget's one state goes to the client; every later source shares the overflow.
+    let client = v4([198, 18, 17, 1]).udp(40000, 9000).build();
+    let newcomer = v4([198, 18, 17, 2]).udp(40000, 9000).build();
+    // (packets, drops) of the client and of the overflow state, with the program running
+    // `frame` once in a later tick at `point`.
+    let report = |dp: &mut Datapath, point: ReportPoint, frame: &[u8]| {
+        let (mut ip, mut ovf) = ((0, 0), (0, 0));
+        report::for_each_client_raced(
+            &maps,
+            &mut |k, s| match k.kind {
+                KEY_IP => ip = (s.packets, s.drops),
+                KEY_OVERFLOW => ovf = (s.packets, s.drops),
+                _ => {}
+            },
+            &mut |p| {
+                if p == point {
+                    std::thread::sleep(std::time::Duration::from_millis(30));
+                    assert_eq!(dp.test_run(frame, 1).unwrap().0, XDP_DROP);
+                }
+            },
+        )
+        .unwrap();
+        (ip, ovf)
+    };
+    assert_eq!(dp.test_run(&client, 100).unwrap().0, XDP_DROP);
+    assert_eq!(dp.test_run(&newcomer, 100).unwrap().0, XDP_DROP);
+    assert!(fast_pending_total(&maps) > 0 && ovf_pending_total(&maps) > 0);
+    // A client's packet in a later tick adds its pending counts to its state.
+    assert_eq!(
+        report(&mut dp, ReportPoint::PendingRead, &client),
+        ((101, 96), (100, 95))
+    );
+    assert_eq!(dp.test_run(&client, 50).unwrap().0, XDP_DROP);
+    assert!(fast_pending_total(&maps) > 0);
+    assert_eq!(
+        report(&mut dp, ReportPoint::StatesRead, &client),
+        ((152, 147), (100, 95))
+    );
+    // And a new source's packet the overflow state's.
+    assert_eq!(
+        report(&mut dp, ReportPoint::PendingRead, &newcomer),
+        ((152, 147), (101, 96))
+    );
+    assert_eq!(dp.test_run(&newcomer, 50).unwrap().0, XDP_DROP);
+    assert!(ovf_pending_total(&maps) > 0);
+    assert_eq!(
+        report(&mut dp, ReportPoint::StatesRead, &newcomer),
+        ((152, 147), (152, 147))
+    );
+    // Quiet now: a plain report agrees.
+    let mut plain = Vec::new();
+    report::for_each_client(&maps, |k, s| plain.push((k.kind, s.packets, s.drops))).unwrap();
+    plain.sort();
+    assert_eq!(plain, [(KEY_IP, 152, 147), (KEY_OVERFLOW, 152, 147)]);
+}
