@@ -13,7 +13,10 @@ use std::{
 use anyhow::{Context as _, bail};
 use aya::maps::{MapData, RingBuf, lpm_trie::Key};
 use ipnet::IpNet;
-use ratelimit_common::{event::Event, maps::*};
+use ratelimit_common::{
+    event::{EV_BAN, EV_UNBAN, Event},
+    maps::*,
+};
 use serde::Serialize;
 use tokio::{
     io::{AsyncBufReadExt as _, AsyncWriteExt as _, BufReader, unix::AsyncFd},
@@ -292,9 +295,11 @@ impl State {
             parsed.push((net, s));
         }
         let now = report::mono_ns();
-        let inserted = self.insert_bans(&parsed, now);
+        let mut added = Vec::with_capacity(parsed.len());
+        let inserted = self.insert_bans(&parsed, now, &mut added);
         // Whatever was inserted, before any error is reported.
         self.bans_changed();
+        self.write_events(&added);
         self.maps
             .flush_ban_epoch()
             .context("voiding the program's fast-drop entries")?;
@@ -302,7 +307,13 @@ impl State {
         Ok(serde_json::json!({ "added": parsed.len() }))
     }
 
-    fn insert_bans(&mut self, parsed: &[(IpNet, &BanSpec)], now: u64) -> anyhow::Result<()> {
+    /// Insert operator bans; `added` gets a `ban` event for each one inserted.
+    fn insert_bans(
+        &mut self,
+        parsed: &[(IpNet, &BanSpec)],
+        now: u64,
+        added: &mut Vec<Event>,
+    ) -> anyhow::Result<()> {
         for (net, s) in parsed {
             let (plen, key) = prefix(net);
             let expires = s
@@ -321,6 +332,7 @@ impl State {
                         ratelimit_common::caps::MAX_BANS
                     )
                 })?;
+            added.push(ban_event(EV_BAN, &entry, now));
             match &s.reason {
                 Some(r) => {
                     self.ban_reasons.insert(net.to_string(), r.clone());
@@ -334,19 +346,46 @@ impl State {
         Ok(())
     }
 
+    /// Event lines for the operator's own ban changes, in one write.
+    fn write_events(&mut self, events: &[Event]) {
+        if events.is_empty() {
+            return;
+        }
+        let names = self.rule_names();
+        let lines: Vec<_> = events
+            .iter()
+            .map(|e| {
+                let mut line = events::line_of(e, &names);
+                if e.rule == BAN_RULE_NONE {
+                    line.rule = String::new();
+                }
+                line
+            })
+            .collect();
+        self.sink.write_all(&lines);
+    }
+
     fn ban_del(&mut self, cidrs: &[String]) -> anyhow::Result<serde_json::Value> {
+        let mut lifted = Vec::new();
         let mut removed = 0;
         let mut missing = Vec::new();
         for c in cidrs {
             let net = parse_cidr(c)?;
             let (plen, key) = prefix(&net);
-            match self.maps.bans.remove(&Key::new(plen, key)) {
-                Ok(()) => removed += 1,
-                Err(_) => missing.push(net.to_string()),
+            let k = Key::new(plen, key);
+            let entry = self.maps.bans.get(&k, 0).ok();
+            match (entry, self.maps.bans.remove(&k)) {
+                (Some(b), Ok(())) => {
+                    removed += 1;
+                    lifted.push(ban_event(EV_UNBAN, &b, report::mono_ns()));
+                }
+                (None, Ok(())) => removed += 1,
+                (_, Err(_)) => missing.push(net.to_string()),
             }
             self.ban_reasons.remove(&net.to_string());
         }
         self.bans_changed();
+        self.write_events(&lifted);
         if removed == 0 && !missing.is_empty() {
             bail!("no such ban: {}", missing.join(", "));
         }
@@ -899,5 +938,20 @@ async fn persist_bans(state: Shared) -> anyhow::Result<()> {
         if s.bans_dirty || n.is_multiple_of(60) {
             tokio::task::block_in_place(|| s.save_bans());
         }
+    }
+}
+
+/// The event of a ban (`EV_BAN`) or its end (`EV_UNBAN`) by the operator, at `now`.
+fn ban_event(kind: u32, b: &BanEntry, now: u64) -> Event {
+    Event {
+        kind,
+        rule: b.rule,
+        key_kind: KEY_IP as u32,
+        prefix_len: b.prefix_len,
+        addr: b.addr,
+        ts_ns: now,
+        count: 0,
+        threshold: 0,
+        expires_ns: b.expires_ns,
     }
 }

@@ -97,20 +97,36 @@ impl Sink {
         Ok(())
     }
 
+    /// Several lines in one write.
+    pub fn write_all(&mut self, lines: &[EventLine]) {
+        let mut s = String::with_capacity(lines.len() * 160);
+        for line in lines {
+            if let Ok(l) = serde_json::to_string(line) {
+                s.push_str(&l);
+                s.push('\n');
+            }
+        }
+        self.write_raw(s.as_bytes());
+    }
+
     pub fn write(&mut self, line: &EventLine) {
         let Ok(mut s) = serde_json::to_string(line) else {
             return;
         };
         s.push('\n');
+        self.write_raw(s.as_bytes());
+    }
+
+    fn write_raw(&mut self, bytes: &[u8]) {
         match self {
             Sink::None => {}
             Sink::Stdout => {
                 let mut out = std::io::stdout().lock();
-                let _ = out.write_all(s.as_bytes());
+                let _ = out.write_all(bytes);
                 let _ = out.flush();
             }
             Sink::File { file, .. } => {
-                let _ = file.write_all(s.as_bytes());
+                let _ = file.write_all(bytes);
             }
         }
     }

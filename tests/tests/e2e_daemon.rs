@@ -408,6 +408,22 @@ fn bulk_bans_apply_fast_and_remove_cleanly() {
     s.daemon().cli_ok(&["ban", "del", "10.0.0.7"]);
     assert_eq!(s.daemon().cli_json(&["status"])["active_bans"], 99_999);
     let _ = reason(&s.stats(), "bans_issued");
+    // L7 systems following the events see the operator's bans and their removal.
+    let events = s.events();
+    let of = |kind: &str| {
+        events
+            .iter()
+            .filter(|e| e["event"] == kind)
+            .collect::<Vec<_>>()
+    };
+    let (bans, unbans) = (of("ban"), of("unban"));
+    assert_eq!((bans.len(), unbans.len()), (100_000, 1));
+    let b7 = bans.iter().find(|e| e["client"] == "10.0.0.7/32").unwrap();
+    assert_eq!(b7["rule"], "", "{b7}");
+    assert_eq!(b7["key"], "ip", "{b7}");
+    assert!(b7["ban_expires"].is_string(), "{b7}");
+    assert_eq!(unbans[0]["client"], "10.0.0.7/32", "{}", unbans[0]);
+    assert_eq!(unbans[0]["rule"], "", "{}", unbans[0]);
 }
 
 #[test]

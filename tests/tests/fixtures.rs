@@ -1475,6 +1475,8 @@ algorithm = "fixed_window"
 "#;
     use ratelimit_common::maps::{KEY_IP, KEY_OVERFLOW};
     use report::ReportPoint;
+    // The fast-drop entries are per CPU: every run on one, so the racing packet meets them.
+    ratelimit_tests::sender::pin_current_thread(0).expect("pin");
     let pins = Pins::new();
     let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
     let mut maps = dp.take_maps().expect("maps");
