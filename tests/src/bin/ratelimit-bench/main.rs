@@ -559,6 +559,26 @@ fn main() {
         println!(
             "  memory: RL_CLIENTS memlock {bytes} bytes for {max_sources} entries = {per:.1} bytes per tracked source (key {key} B, value {value} B)"
         );
+        // The kernel's formula for a preallocated LRU hash (htab_map_mem_usage): per entry an
+        // element (the 48-byte struct htab_elem, then key and value, each rounded up to 8), per
+        // bucket 16 B with the buckets a power of two, plus the map header and lock counters.
+        let (elem, buckets) = htab_formula(max_sources, key, value);
+        let formula = elem + buckets;
+        println!(
+            "  memory: the htab formula gives {formula} bytes ({:.1} per entry in elements, {:.1} in buckets): the accounting is {} bytes above it (the map header and per-CPU lock counters)",
+            elem as f64 / max_sources as f64,
+            buckets as f64 / max_sources as f64,
+            bytes as i64 - formula as i64
+        );
+        memory.insert("clients_htab_formula_bytes".into(), formula.into());
+        memory.insert(
+            "clients_element_bytes_per_entry".into(),
+            serde_json::json!(elem as f64 / max_sources as f64),
+        );
+        memory.insert(
+            "clients_bucket_bytes_per_entry".into(),
+            serde_json::json!(buckets as f64 / max_sources as f64),
+        );
         memory.insert("clients_memlock_bytes".into(), bytes.into());
         memory.insert("clients_max_entries".into(), max_sources.into());
         memory.insert("bytes_per_tracked_source".into(), serde_json::json!(per));
@@ -783,6 +803,14 @@ fn measure_sized(
     }
 }
 
+/// The kernel's `htab_map_mem_usage` for a preallocated LRU hash of `max` entries, without the
+/// map header and lock counters: (elements, buckets) in bytes.
+fn htab_formula(max: u32, key: usize, value: usize) -> (u64, u64) {
+    let up8 = |n: usize| n.div_ceil(8) * 8;
+    let elem = (48 + up8(key) + up8(value)) as u64;
+    (elem * max as u64, 16 * (max as u64).next_power_of_two())
+}
+
 fn populate_more(maps: &mut Maps, from: u64, to: u64) -> f64 {
     let t = Instant::now();
     let state = ClientState {
@@ -950,6 +978,7 @@ fn write_reports(ctx: &Ctx, r: &Results, sections: &[Section]) {
         .memory
         .get("lru_hash_overhead_per_entry_bytes")
         .and_then(|v| v.as_f64());
+    let num = |k: &str| r.memory.get(k).and_then(|v| v.as_f64()).unwrap_or(f64::NAN);
     if let Some(v) = r
         .memory
         .get("bytes_per_tracked_source")
@@ -963,8 +992,18 @@ fn write_reports(ctx: &Ctx, r: &Results, sections: &[Section]) {
         row(
             "<= 112 bytes per tracked source",
             format!(
-                "{v:.1} B: the kernel's own {:.1} B per LRU-hash element (measured) + 24 B key + 104 B value + bucket rounding, + {known:.1} B of known-sources filter",
-                overhead.unwrap_or(f64::NAN)
+                "{v:.1} B: {:.1} B of element (the kernel's 48 B header, our 24 B key and 104 B value) + {:.1} B of bucket (16 B, the buckets a power of two) per entry, as the kernel's htab formula gives within {} bytes of its accounting for the whole map, + {known:.1} B of known-sources filter",
+                num("clients_element_bytes_per_entry"),
+                num("clients_bucket_bytes_per_entry"),
+                r.memory
+                    .get("clients_memlock_bytes")
+                    .and_then(|v| v.as_i64())
+                    .zip(
+                        r.memory
+                            .get("clients_htab_formula_bytes")
+                            .and_then(|v| v.as_i64())
+                    )
+                    .map_or("-".to_string(), |(m, f)| (m - f).to_string()),
             ),
             Some(v <= 112.0),
         );
