@@ -346,23 +346,42 @@ impl State {
         Ok(())
     }
 
-    /// Event lines for the operator's own ban changes, in one write.
+    /// Event lines for the operator's own ban changes, written a few dozen kilobytes at a
+    /// time (100k bans make 100k lines: no list of them is built).
     fn write_events(&mut self, events: &[Event]) {
-        if events.is_empty() {
+        if events.is_empty() || self.sink.is_none() {
             return;
         }
         let names = self.rule_names();
-        let lines: Vec<_> = events
-            .iter()
-            .map(|e| {
-                let mut line = events::line_of(e, &names);
-                if e.rule == BAN_RULE_NONE {
-                    line.rule = String::new();
-                }
-                line
-            })
-            .collect();
-        self.sink.write_all(&lines);
+        let mut buf = Vec::with_capacity(CHUNK + 512);
+        const CHUNK: usize = 64 << 10;
+        // The events of one request share their time, and bans added together their expiry.
+        let mut formatted: Vec<(u64, String)> = Vec::with_capacity(2);
+        let mut time = |ns: u64| {
+            if let Some((_, s)) = formatted.iter().find(|(t, _)| *t == ns) {
+                return s.clone();
+            }
+            let s = report::rfc3339(report::wall_of(ns));
+            if formatted.len() == 8 {
+                formatted.remove(0);
+            }
+            formatted.push((ns, s.clone()));
+            s
+        };
+        for e in events {
+            let mut line = events::line_with(e, &names, &mut time);
+            if e.rule == BAN_RULE_NONE {
+                line.rule = String::new();
+            }
+            if serde_json::to_writer(&mut buf, &line).is_ok() {
+                buf.push(b'\n');
+            }
+            if buf.len() >= CHUNK {
+                self.sink.write_raw(&buf);
+                buf.clear();
+            }
+        }
+        self.sink.write_raw(&buf);
     }
 
     fn ban_del(&mut self, cidrs: &[String]) -> anyhow::Result<serde_json::Value> {

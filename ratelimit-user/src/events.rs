@@ -38,6 +38,16 @@ pub fn kind_name(kind: u32) -> &'static str {
 }
 
 pub fn line_of(e: &Event, rule_names: &[String]) -> EventLine {
+    line_with(e, rule_names, &mut |ns| rfc3339(wall_of(ns)))
+}
+
+/// [`line_of`] with the times formatted by `time` (monotonic ns to RFC 3339), so a batch of
+/// events at the same few times formats each once.
+pub fn line_with(
+    e: &Event,
+    rule_names: &[String],
+    time: &mut dyn FnMut(u64) -> String,
+) -> EventLine {
     let key = ClientKey {
         rule: e.rule as u8,
         kind: e.key_kind as u8,
@@ -46,7 +56,7 @@ pub fn line_of(e: &Event, rule_names: &[String]) -> EventLine {
         addr: e.addr,
     };
     EventLine {
-        time: rfc3339(wall_of(e.ts_ns)),
+        time: time(e.ts_ns),
         event: kind_name(e.kind),
         // Empty for an operator's ban (no rule issued it).
         rule: rule_names.get(e.rule as usize).cloned().unwrap_or_default(),
@@ -54,8 +64,7 @@ pub fn line_of(e: &Event, rule_names: &[String]) -> EventLine {
         client: client_label(&key),
         count: e.count,
         threshold: e.threshold,
-        ban_expires: (e.kind == EV_BAN && e.expires_ns != 0)
-            .then(|| rfc3339(wall_of(e.expires_ns))),
+        ban_expires: (e.kind == EV_BAN && e.expires_ns != 0).then(|| time(e.expires_ns)),
     }
 }
 
@@ -97,16 +106,9 @@ impl Sink {
         Ok(())
     }
 
-    /// Several lines in one write.
-    pub fn write_all(&mut self, lines: &[EventLine]) {
-        let mut s = String::with_capacity(lines.len() * 160);
-        for line in lines {
-            if let Ok(l) = serde_json::to_string(line) {
-                s.push_str(&l);
-                s.push('\n');
-            }
-        }
-        self.write_raw(s.as_bytes());
+    /// Whether lines go nowhere.
+    pub fn is_none(&self) -> bool {
+        matches!(self, Sink::None)
     }
 
     pub fn write(&mut self, line: &EventLine) {
@@ -117,7 +119,11 @@ impl Sink {
         self.write_raw(s.as_bytes());
     }
 
-    fn write_raw(&mut self, bytes: &[u8]) {
+    /// Bytes of whole lines.
+    pub fn write_raw(&mut self, bytes: &[u8]) {
+        if bytes.is_empty() {
+            return;
+        }
         match self {
             Sink::None => {}
             Sink::Stdout => {
