@@ -176,6 +176,43 @@ impl Bench {
         let mut s = samples.clone();
         (median(&mut s), samples)
     }
+
+    /// [`Bench::measure`], each sample run right after a sample of each reference (XDP_PASS,
+    /// XDP_DROP), and the cost over them the median of the per-sample differences: load that
+    /// comes and goes on this shared machine moves a case and its references together.
+    fn paired(&mut self, program: &str, frame: &[u8], want: u32) -> Paired {
+        let (mut samples, mut over_pass, mut over_drop) = (Vec::new(), Vec::new(), Vec::new());
+        let run = |b: &mut Self, program: &str, want: u32| {
+            let (ret, per_run) =
+                b.dp.test_run_program(program, frame, b.repeat)
+                    .unwrap_or_else(|e| panic!("{program}: {e:#}"));
+            assert_eq!(ret, want, "{program}: verdict {ret}, want {want}");
+            per_run.as_nanos() as f64
+        };
+        for _ in 0..self.samples {
+            let pass = run(self, "ref_pass", XDP_PASS);
+            let drop = run(self, "ref_drop", XDP_DROP);
+            let ns = run(self, program, want);
+            samples.push(ns);
+            over_pass.push(ns - pass);
+            over_drop.push(ns - drop);
+        }
+        let mut s = samples.clone();
+        Paired {
+            ns: median(&mut s),
+            over_pass: median(&mut over_pass),
+            over_drop: median(&mut over_drop),
+            samples,
+        }
+    }
+}
+
+/// A case measured with its references (see [`Bench::paired`]).
+struct Paired {
+    ns: f64,
+    samples: Vec<f64>,
+    over_pass: f64,
+    over_drop: f64,
 }
 
 fn fdinfo_memlock(maps_dir: &std::path::Path, name: &str) -> Option<u64> {
@@ -262,61 +299,59 @@ fn main() {
         if quick { " (quick)" } else { "" }
     );
     let udp = frame_udp([198, 18, 1, 1]);
-    let (ref_pass, ref_pass_s) = b.measure("ref_pass", &udp, XDP_PASS);
-    let (ref_drop, ref_drop_s) = b.measure("ref_drop", &udp, XDP_DROP);
+    // The scale cases' reference (the program-cost cases are measured with their own).
+    let (ref_pass, _) = b.measure("ref_pass", &udp, XDP_PASS);
     let mut cases = Vec::new();
-    let mut push =
-        |name: &str, program: &str, verdict: &'static str, (ns, samples): (f64, Vec<f64>)| {
-            println!(
-                "  {name:<42} {ns:>8.1} ns   (+{:>6.1} over XDP_PASS, +{:>6.1} over XDP_DROP)",
-                ns - ref_pass,
-                ns - ref_drop
-            );
-            cases.push(CaseResult {
-                name: name.into(),
-                program: program.into(),
-                verdict,
-                ns,
-                samples,
-                over_ref_pass: ns - ref_pass,
-                over_ref_drop: ns - ref_drop,
-            });
-        };
+    let mut push = |name: &str, program: &str, verdict: &'static str, p: Paired| {
+        println!(
+            "  {name:<42} {:>8.1} ns   (+{:>6.1} over XDP_PASS, +{:>6.1} over XDP_DROP)",
+            p.ns, p.over_pass, p.over_drop
+        );
+        cases.push(CaseResult {
+            name: name.into(),
+            program: program.into(),
+            verdict,
+            ns: p.ns,
+            samples: p.samples,
+            over_ref_pass: p.over_pass,
+            over_ref_drop: p.over_drop,
+        });
+    };
     push(
         "reference: XDP_PASS",
         "ref_pass",
         "pass",
-        (ref_pass, ref_pass_s),
+        b.paired("ref_pass", &udp, XDP_PASS),
     );
     push(
         "reference: XDP_DROP",
         "ref_drop",
         "drop",
-        (ref_drop, ref_drop_s),
+        b.paired("ref_drop", &udp, XDP_DROP),
     );
     push(
         "reference: parser, then XDP_PASS",
         "ref_parse",
         "pass",
-        b.measure("ref_parse", &udp, XDP_PASS),
+        b.paired("ref_parse", &udp, XDP_PASS),
     );
     push(
         "ours: pass (rule matched, under threshold)",
         "ratelimit",
         "pass",
-        b.measure("ratelimit", &udp, XDP_PASS),
+        b.paired("ratelimit", &udp, XDP_PASS),
     );
     push(
         "ours: pass (no rule matches)",
         "ratelimit",
         "pass",
-        b.measure("ratelimit", &frame_udp_port([198, 18, 1, 1], 53), XDP_PASS),
+        b.paired("ratelimit", &frame_udp_port([198, 18, 1, 1], 53), XDP_PASS),
     );
     push(
         "ours: throttle drop",
         "ratelimit",
         "drop",
-        b.measure("ratelimit", &frame_syn([198, 18, 3, 3]), XDP_DROP),
+        b.paired("ratelimit", &frame_syn([198, 18, 3, 3]), XDP_DROP),
     );
     // The same refusal judged in full: 4096 sources over their limit in turn, far more than
     // the 64 slots of the tick's fast-drop table, so nearly every run looks its client up.
@@ -328,7 +363,7 @@ fn main() {
         "ours: throttle drop, 4096 sources in turn (judged in full)",
         "ratelimit",
         "drop",
-        b.measure("ratelimit", &syn, XDP_DROP),
+        b.paired("ratelimit", &syn, XDP_DROP),
     );
     set_vary(&mut b.dp, 0, 0, 0);
     // The drop path with nothing ahead of the rules: no allow or deny list and no ban in
@@ -348,7 +383,7 @@ fn main() {
         "ours: throttle drop, rules only (no list, no ban in force)",
         "ratelimit",
         "drop",
-        b.measure("ratelimit", &frame_syn([198, 18, 3, 3]), XDP_DROP),
+        b.paired("ratelimit", &frame_syn([198, 18, 3, 3]), XDP_DROP),
     );
     apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
     maps.insert_ban(
@@ -360,49 +395,49 @@ fn main() {
         "ours: banned",
         "ratelimit",
         "drop",
-        b.measure("ratelimit", &frame_udp([198, 18, 202, 9]), XDP_DROP),
+        b.paired("ratelimit", &frame_udp([198, 18, 202, 9]), XDP_DROP),
     );
     push(
         "ours: allow-listed",
         "ratelimit",
         "pass",
-        b.measure("ratelimit", &frame_udp([198, 18, 200, 1]), XDP_PASS),
+        b.paired("ratelimit", &frame_udp([198, 18, 200, 1]), XDP_PASS),
     );
     push(
         "ours: deny-listed",
         "ratelimit",
         "drop",
-        b.measure("ratelimit", &frame_udp([198, 18, 201, 1]), XDP_DROP),
+        b.paired("ratelimit", &frame_udp([198, 18, 201, 1]), XDP_DROP),
     );
     push(
         "floor: the clock (bpf_ktime_get_ns), then XDP_PASS",
         "ref_clock",
         "pass",
-        b.measure("ref_clock", &udp, XDP_PASS),
+        b.paired("ref_clock", &udp, XDP_PASS),
     );
     push(
         "floor: the coarse clock (bpf_ktime_get_coarse_ns), then XDP_PASS",
         "ref_clock_coarse",
         "pass",
-        b.measure("ref_clock_coarse", &udp, XDP_PASS),
+        b.paired("ref_clock_coarse", &udp, XDP_PASS),
     );
     push(
         "floor: the coarse clock as ours reads it (once per tick and CPU), then XDP_PASS",
         "ref_clock_tick",
         "pass",
-        b.measure("ref_clock_tick", &udp, XDP_PASS),
+        b.paired("ref_clock_tick", &udp, XDP_PASS),
     );
     push(
         "floor: parse, one per-client lookup, one atomic add, XDP_DROP",
         "ref_lookup",
         "drop",
-        b.measure("ref_lookup", &udp, XDP_DROP),
+        b.paired("ref_lookup", &udp, XDP_DROP),
     );
     push(
         "floor: parse, clock, one per-client lookup, one atomic add, XDP_DROP",
         "ref_floor",
         "drop",
-        b.measure("ref_floor", &udp, XDP_DROP),
+        b.paired("ref_floor", &udp, XDP_DROP),
     );
 
     // Scale: the same pass path with more and more sources tracked. (The measured source is
@@ -615,19 +650,19 @@ fn main() {
             XDP_PASS,
         ),
     ] {
-        let (ns, samples) = b.measure("ratelimit", &frame, want);
+        let p = b.paired("ratelimit", &frame, want);
         println!(
-            "  {name:<42} {ns:>8.1} ns   (+{:>6.1} over XDP_PASS)",
-            ns - ref_pass
+            "  {name:<42} {:>8.1} ns   (+{:>6.1} over XDP_PASS)",
+            p.ns, p.over_pass
         );
         cases.push(CaseResult {
             name: name.into(),
             program: "ratelimit".into(),
             verdict: if want == XDP_DROP { "drop" } else { "pass" },
-            ns,
-            samples,
-            over_ref_pass: ns - ref_pass,
-            over_ref_drop: ns - ref_drop,
+            ns: p.ns,
+            samples: p.samples,
+            over_ref_pass: p.over_pass,
+            over_ref_drop: p.over_drop,
         });
     }
 
@@ -844,7 +879,7 @@ fn write_reports(ctx: &Ctx, r: &Results, sections: &[Section]) {
         "# Benchmarks\n\nGenerated by `cargo xtask bench` (do not edit by hand). Figures are ratios and differences measured within one run on one machine; the machine is shared and noisy, so absolute ns are not comparable across runs.\n\n",
     );
     md.push_str(&format!(
-        "Kernel {}, {} CPUs, BPF_PROG_TEST_RUN repeat {}, median of {} samples, thread pinned.\n\n",
+        "Kernel {}, {} CPUs, BPF_PROG_TEST_RUN repeat {}, median of {} samples, thread pinned. In the program-cost table each sample of a case runs right after a sample of each reference program, and its cost over a reference is the median of the per-sample differences, so load that comes and goes on this shared machine moves a case and its references together.\n\n",
         r.kernel, r.cpus, r.repeat, r.samples
     ));
     md.push_str(
