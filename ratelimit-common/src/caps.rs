@@ -24,6 +24,8 @@ pub const MAX_IFACES: u32 = 16;
 /// Interfaces with an ifindex below this find their counter slot in an array (one indexed
 /// load); higher ones in a hash map.
 pub const IFSLOT_ARRAY_LEN: u32 = 4096;
+/// States of shared keys (`key = "all"`: one per rule; `"region"`: one per rule and region).
+pub const MAX_SHARED_STATES: u32 = MAX_RULES * 512;
 /// Default bound on per-client state when the config does not set `tracking.max_sources`.
 pub const DEFAULT_MAX_SOURCES: u32 = 1_000_000;
 /// Events ring buffer size in bytes (a power of two, a multiple of the page size).

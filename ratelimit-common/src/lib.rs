@@ -31,6 +31,8 @@ mod pod {
         GlobalConfig,
         ClientKey,
         ClientState,
+        SharedState,
+        Slot,
         BanEntry,
         OverrideValue,
         OverrideKey,

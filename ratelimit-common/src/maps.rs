@@ -145,7 +145,10 @@ pub struct GlobalConfig {
     /// Most new states one CPU inserts in one timer tick ([`admission_tick_cap`]), 0 for no
     /// cap: a budget's burst is spread over ticks instead of stalling the receive ring.
     pub admission_tick_cap: u32,
-    pub _pad: u32,
+    /// Sets of the per-source store (`RL_CLIENTS` entries / [`STORE_WAYS`]), written by the
+    /// daemon from the map it holds; 0 until then (no per-source state: sources are limited
+    /// in their rule's overflow state).
+    pub store_sets: u32,
 }
 
 /// The per-CPU, per-tick cap on new states for a budget of `rate` per second, on a kernel
@@ -333,18 +336,18 @@ pub fn known_bit(hash: u64, log2: u64) -> (u64, u64) {
     (idx >> 6, idx & 63)
 }
 
-/// `ClientState::flags` (a u64: the BPF target has 64-bit atomics only).
-pub const STATE_THROTTLING: u64 = 1 << 0;
-pub const STATE_SOFT_REPORTED: u64 = 1 << 1;
+/// `ClientState::drops`: bit 63 is the soft-limit episode flag (a soft_limit event was sent
+/// and usage has not fallen back below the soft limit since); the count is in bits 0..62.
+/// One word instead of two: a packet count cannot reach 2^63, so no add carries into it.
+pub const DROPS_SOFT_REPORTED: u64 = 1 << 63;
 
 /// Per-client limiter state. Shared by all CPUs (not per-CPU): the program updates it with
 /// atomic instructions so a client's limit is not multiplied by the number of CPUs.
 ///
-/// Field order is for the cache: a hash element is the kernel's 48-byte header, the 24-byte
-/// key, then this value, so the first 56 bytes here share the key's cache lines. Every
-/// packet of a throttle rule touches only those (the limiter's word(s), the totals, the
-/// last-seen time and the episode flags); what refusals, ban rules and aggregate bans touch
-/// comes after.
+/// 88 bytes: with the slot's 24-byte header it makes a per-source slot of 112 bytes
+/// ([`Slot`]). Every packet of a throttle rule touches the first 56 bytes (the limiter's
+/// word(s), the totals, the last-seen time and the drop count), which share the header's
+/// cache lines; what ban rules touch comes after.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ClientState {
@@ -360,19 +363,123 @@ pub struct ClientState {
     pub bytes: u64,
     /// Last packet (CLOCK_MONOTONIC ns).
     pub last_ns: u64,
-    /// `STATE_*` episode flags.
-    pub flags: u64,
-    /// Packets refused (a total, like `packets`).
+    /// Packets refused (a total, like `packets`) in bits 0..62, and
+    /// [`DROPS_SOFT_REPORTED`]. Read it with [`ClientState::drop_count`].
     pub drops: u64,
-    /// Last packet over the threshold.
+    /// Last packet over the threshold, 0 when the client is not in a throttle episode: the
+    /// refusal that swaps it away from 0 sends `throttle_start`, and the admitted packet that
+    /// swaps it back to 0 (an interval after the last refusal) sends `throttle_end`.
     pub last_exceed_ns: u64,
     /// Window index of the offered-rate (ban) meter.
     pub ban_stamp: u64,
     /// Offered cost (every matched packet) in the current / previous ban window.
     pub seen_cur: u64,
     pub seen_prev: u64,
-    /// For `KEY_ALL`/`KEY_REGION` bans (IP bans live in `BANS`): ban end, 0 when not banned.
+}
+
+impl ClientState {
+    /// Packets refused.
+    #[inline(always)]
+    pub const fn drop_count(&self) -> u64 {
+        self.drops & !DROPS_SOFT_REPORTED
+    }
+
+    /// In a throttle episode whose last refusal is less than `interval_ns` before `now`.
+    #[inline(always)]
+    pub const fn throttled_at(&self, now: u64, interval_ns: u64) -> bool {
+        self.last_exceed_ns != 0 && now.saturating_sub(self.last_exceed_ns) < interval_ns
+    }
+}
+
+/// The state of a shared key (`KEY_ALL`, `KEY_REGION`) in `RL_SHARED`: a client's state and
+/// the end of the key's ban (IP bans live in `RL_BANS`).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct SharedState {
+    pub state: ClientState,
+    /// Ban end, 0 when not banned, `u64::MAX` until lifted.
     pub banned_until_ns: u64,
+}
+
+/// Ways per set of the per-source store (`RL_CLIENTS`).
+pub const STORE_WAYS: usize = 8;
+
+/// A tag with this bit is being written by the CPU that claimed its slot.
+pub const SLOT_BUSY: u64 = 1 << 24;
+
+/// One per-source state of the per-source store: the key's (masked) address and the state.
+/// The rest of the key is in the set's tag for the slot.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct Slot {
+    pub addr: [u8; 16],
+    pub state: ClientState,
+}
+
+/// One set of the per-source store (`RL_CLIENTS`, an array of sets): [`STORE_WAYS`] slots
+/// and their tags. 896 bytes, 112 per source, and nothing else per source: no hash-table
+/// element header, no bucket array. 896 is 14 cache lines and the map's values start
+/// page-aligned, so the eight tags are always one line of their own: a lookup reads that
+/// line, then only the slot whose tag matches.
+///
+/// A key may live in either of two sets chosen by its hash ([`store_sets_of`]); a new key
+/// goes to the one with more free slots, so the store fills evenly (two choices).
+///
+/// A tag is 0 for an empty slot; otherwise byte 0 is the rule, byte 1 `KEY_IP`, byte 2 the
+/// prefix length (0..=128), bit 24 [`SLOT_BUSY`] while a CPU writes the slot, and the upper
+/// 32 bits the upper half of the key's hash ([`slot_tag`]). A CPU claims a slot by
+/// compare-and-swap of its tag to the busy tag, writes the address and a zeroed state, and
+/// publishes the tag by an atomic swap; see the program's `store.rs`.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct StoreSet {
+    pub tags: [u64; STORE_WAYS],
+    pub slots: [Slot; STORE_WAYS],
+}
+
+/// The tag of a ready slot holding `rule`'s per-source key of prefix `prefix_len` whose hash
+/// ([`known_hash`]) is `hash`.
+#[inline(always)]
+pub const fn slot_tag(rule: u8, prefix_len: u32, hash: u64) -> u64 {
+    (hash & 0xffff_ffff_0000_0000)
+        | ((prefix_len as u64 & 0xff) << 16)
+        | ((KEY_IP as u64) << 8)
+        | rule as u64
+}
+
+/// The key of a ready slot's tag and address.
+pub const fn slot_key(tag: u64, addr: [u8; 16]) -> ClientKey {
+    ClientKey {
+        rule: tag as u8,
+        kind: KEY_IP,
+        _pad: [0; 2],
+        prefix_len: ((tag >> 16) & 0xff) as u32,
+        addr,
+    }
+}
+
+/// Whether a tag holds a key (not empty, not being written).
+#[inline(always)]
+pub const fn slot_ready(tag: u64) -> bool {
+    tag != 0 && tag & SLOT_BUSY == 0
+}
+
+/// The two sets a key whose hash is `hash` may live in, in a store of `sets` sets: the low
+/// half of the hash, and of a remix of it, scaled to `sets` (no division; the tag holds the
+/// upper half). They may coincide.
+#[inline(always)]
+pub const fn store_sets_of(hash: u64, sets: u32) -> (u32, u32) {
+    let b = (hash ^ (hash >> 29)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    (
+        (((hash & 0xffff_ffff) * sets as u64) >> 32) as u32,
+        (((b >> 32) * sets as u64) >> 32) as u32,
+    )
+}
+
+/// Sets of a store holding `max_sources` states: `max_sources` rounded up to whole sets.
+pub const fn store_sets(max_sources: u32) -> u32 {
+    let s = max_sources.div_ceil(STORE_WAYS as u32);
+    if s == 0 { 1 } else { s }
 }
 
 /// `BanEntry::flags`.
@@ -473,6 +580,86 @@ mod tests {
         assert_eq!(admission_tick_cap(10_000, 1_000_000), 64);
         assert_eq!(admission_tick_cap(1_000_000, 4_000_000), 8000);
         assert_eq!(admission_tick_cap(u64::MAX, u64::MAX), u32::MAX);
+    }
+
+    #[test]
+    fn store_layout_is_112_bytes_a_source_with_the_tags_in_one_line() {
+        assert_eq!(size_of::<ClientState>(), 88);
+        assert_eq!(size_of::<Slot>(), 104);
+        assert_eq!(size_of::<StoreSet>(), 896);
+        assert_eq!(size_of::<StoreSet>() / STORE_WAYS, 112);
+        // Set i starts at 896 i, a multiple of 64, and its tags are the first 64 bytes.
+        assert_eq!(size_of::<StoreSet>() % 64, 0);
+        assert_eq!(core::mem::offset_of!(StoreSet, slots), 64);
+        assert_eq!(store_sets(0), 1);
+        assert_eq!(store_sets(1), 1);
+        assert_eq!(store_sets(8), 1);
+        assert_eq!(store_sets(9), 2);
+        assert_eq!(store_sets(1_000_000), 125_000);
+    }
+
+    #[test]
+    fn slot_tags_round_trip_and_never_look_empty_or_busy() {
+        for (rule, plen, hash) in [
+            (0u8, 0u32, 0u64),
+            (15, 128, u64::MAX),
+            (3, 127, 0x1234_5678_9abc_def0),
+            (1, 1, u64::MAX),
+        ] {
+            let t = slot_tag(rule, plen, hash);
+            assert!(slot_ready(t), "{t:#x}");
+            let addr = [7u8; 16];
+            let k = slot_key(t, addr);
+            assert_eq!(
+                (k.rule, k.kind, k.prefix_len, k.addr),
+                (rule, KEY_IP, plen, addr)
+            );
+            assert!(!slot_ready(t | SLOT_BUSY));
+        }
+        assert!(!slot_ready(0));
+    }
+
+    /// Two choices fill the store evenly: of distinct sources making 90% of its capacity,
+    /// fewer than 1 in 100 find both their sets full (with one choice, about 1 in 10 would),
+    /// and the two sets of a key are independent of each other.
+    #[test]
+    fn two_choices_place_90_percent_of_capacity_nearly_without_an_eviction() {
+        let sets = 4096u32;
+        let n = (sets as usize * STORE_WAYS) * 90 / 100;
+        let place = |two: bool| {
+            let mut used = std::vec![0usize; sets as usize];
+            let mut homeless = 0;
+            let mut same = 0;
+            for i in 0..n as u32 {
+                let mut a = [0u8; 16];
+                a[10] = 0xff;
+                a[11] = 0xff;
+                a[12..].copy_from_slice(&(0x0a00_0000u32 + i).to_be_bytes());
+                let (x, y) = store_sets_of(known_hash(0, 128, &a), sets);
+                same += usize::from(x == y);
+                let s = if two && used[y as usize] < used[x as usize] {
+                    y
+                } else {
+                    x
+                } as usize;
+                if used[s] < STORE_WAYS {
+                    used[s] += 1;
+                } else {
+                    homeless += 1;
+                }
+            }
+            (homeless, same)
+        };
+        let (two, same) = place(true);
+        let (one, _) = place(false);
+        assert!(
+            two < n / 100,
+            "two choices: {two} of {n} found both sets full"
+        );
+        assert!(one > n / 20, "one choice: {one} of {n}");
+        std::println!("two choices: {two} of {n} homeless; one choice: {one}");
+        // Coinciding sets: about n / sets of them.
+        assert!(same < 3 * n / sets as usize + 3, "{same}");
     }
 
     #[test]

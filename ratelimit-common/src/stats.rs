@@ -71,7 +71,9 @@ pub mod global {
     pub const CONTENDED: u32 = 23;
     /// New sources whose per-client lookup the known-sources filter skipped (no state).
     pub const LOOKUP_SKIPPED: u32 = 24;
-    pub const COUNT: u32 = 25;
+    /// A new per-client state took the slot of another (the one idle longest in its set).
+    pub const STATE_EVICTED: u32 = 25;
+    pub const COUNT: u32 = 26;
 
     /// Names used in reports and metric labels, by index.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -100,6 +102,7 @@ pub mod global {
         "ipv6_ext_limit",
         "contended",
         "lookup_skipped",
+        "state_evicted",
     ];
 }
 

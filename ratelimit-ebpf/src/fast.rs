@@ -124,8 +124,11 @@ fn add_pending(st: *mut ClientState, packets: u64, bytes: u64, now_ns: u64) {
         if (*st).last_ns < now_ns {
             (*st).last_ns = now_ns;
         }
-        if (*st).last_exceed_ns < now_ns {
-            (*st).last_exceed_ns = now_ns;
+        // Only within an episode (0: none; the refusal that made the entry started one, and
+        // an admitted packet may have ended it since): a lost race leaves the newer time.
+        let le = atomic::load(&raw const (*st).last_exceed_ns);
+        if le != 0 && le < now_ns {
+            atomic::cas(&raw mut (*st).last_exceed_ns, le, now_ns);
         }
     }
 }
@@ -222,7 +225,7 @@ pub extern "C" fn rl_fast_flush(e: *mut FastEntry) -> u64 {
     if packets == 0 {
         return 0;
     }
-    if let Some(st) = limit::client_state(&e.key) {
+    if let Some(st) = limit::client_state(&e.key, crate::policy::global().store_sets) {
         add_pending(st, packets, e.pending_bytes, e.now_ns);
     }
     e.pending_packets = 0;

@@ -6,8 +6,8 @@ use aya_ebpf::{bindings::BPF_F_MMAPABLE, macros::map, maps::Array};
 use ratelimit_common::{
     caps::DEFAULT_MAX_SOURCES,
     maps::{
-        ClientKey, KNOWN_ENABLED, KNOWN_HALF, KNOWN_LOG2_SHIFT, KNOWN_MAX_LOG2, KNOWN_MIN_LOG2,
-        known_bit, known_hash, known_map_entries,
+        KNOWN_ENABLED, KNOWN_HALF, KNOWN_LOG2_SHIFT, KNOWN_MAX_LOG2, KNOWN_MIN_LOG2, known_bit,
+        known_map_entries,
     },
 };
 
@@ -41,15 +41,16 @@ fn control() -> u64 {
     }
 }
 
-/// False only if `key` (a `KEY_IP` key) certainly has no per-client state.
+/// False only if the `KEY_IP` key whose hash (`known_hash`) is `hash` certainly has no
+/// per-client state.
 #[inline(always)]
-pub fn may_be_tracked(key: &ClientKey) -> bool {
+pub fn may_be_tracked(hash: u64) -> bool {
     let ctl = control();
     let log2 = log2_of(ctl);
     if ctl & KNOWN_ENABLED == 0 || log2 == 0 {
         return true;
     }
-    let (word, bit) = known_bit(known_hash(key.rule, key.prefix_len, &key.addr), log2);
+    let (word, bit) = known_bit(hash, log2);
     let half = if ctl & KNOWN_HALF != 0 {
         1u64 << (log2 - KNOWN_MIN_LOG2)
     } else {
@@ -62,14 +63,15 @@ pub fn may_be_tracked(key: &ClientKey) -> bool {
     }
 }
 
-/// Before `key`'s state is inserted: set its bit in both halves (the one being rebuilt too).
+/// Before the state of the key whose hash is `hash` is inserted: set its bit in both halves
+/// (the one being rebuilt too).
 #[inline(always)]
-pub fn note(key: &ClientKey) {
+pub fn note(hash: u64) {
     let log2 = log2_of(control());
     if log2 == 0 {
         return;
     }
-    let (word, bit) = known_bit(known_hash(key.rule, key.prefix_len, &key.addr), log2);
+    let (word, bit) = known_bit(hash, log2);
     let words = 1u64 << (log2 - KNOWN_MIN_LOG2);
     for half in [0, words] {
         if let Some(p) = KNOWN.get_ptr_mut(1 + (half + word) as u32) {

@@ -1,6 +1,6 @@
 //! Rules, per-client state, bans and the new-source admission budget.
 //!
-//! Concurrency: per-client state (`CLIENTS`) is one shared entry per client, not per-CPU, so a
+//! Concurrency: per-client state (`store`, `SHARED`) is one shared entry per client, not per-CPU, so a
 //! client whose packets arrive on several CPUs gets its threshold once, not once per CPU. It is
 //! updated with atomic instructions only (BPF_ATOMIC: add, xchg, cmpxchg, or), never a lock:
 //! * window counters are admitted by compare-and-swap: read the count, decide, commit only if
@@ -20,11 +20,11 @@ use aya_ebpf::{
     bindings::BPF_NOEXIST,
     helpers::bpf_ktime_get_ns,
     macros::map,
-    maps::{Array, LpmTrie, LruHashMap, lpm_trie::Key},
+    maps::{Array, HashMap, LpmTrie, lpm_trie::Key},
 };
 use ratelimit_common::{
     addr::{IpKey, V4_MAPPED_PREFIX},
-    caps::{DEFAULT_MAX_SOURCES, MAX_BANS, MAX_RULES},
+    caps::{MAX_BANS, MAX_RULES, MAX_SHARED_STATES},
     event::{EV_BAN, EV_SOFT_LIMIT, EV_THROTTLE_END, EV_THROTTLE_START, EV_UNBAN},
     limiter,
     maps::*,
@@ -36,14 +36,16 @@ use crate::{
     parse::Parsed,
     policy,
     stats::{self, Slot},
+    store::{self, NONE},
 };
 
-/// Per-client limiter state. LRU: when `tracking.max_sources` (set at load) is reached, the
-/// least recently used state is evicted, so a flood cannot exhaust memory; which sources get
-/// state at all is decided by the admission budget below, so a random-source flood churns only
-/// its own entries. Shared (not per-CPU): see the module comment.
-#[map(name = "RL_CLIENTS")]
-static CLIENTS: LruHashMap<ClientKey, ClientState> = LruHashMap::pinned(DEFAULT_MAX_SOURCES, 0);
+/// The states of shared keys (`KEY_ALL`: one per rule; `KEY_REGION`: one per rule and
+/// region), with their bans. Per-source states live in the per-source store (`store.rs`),
+/// bounded by `tracking.max_sources`; which sources get one at all is decided by the
+/// admission budget below, so a random-source flood churns only its own entries. Shared (not
+/// per-CPU): see the module comment. Not LRU: churn must not evict a shared key's ban.
+#[map(name = "RL_SHARED")]
+static SHARED: HashMap<ClientKey, SharedState> = HashMap::pinned(MAX_SHARED_STATES, 0);
 
 /// Active bans, operator- and rule-issued. Its own bounded map, so per-client churn cannot
 /// evict a ban; an LPM trie so a ban may cover a prefix. Expiry is enforced here, in the
@@ -178,6 +180,8 @@ pub struct Env {
     pub admission_burst_ns: u64,
     /// `GlobalConfig::admission_tick_cap`.
     pub admission_tick_cap: u32,
+    /// `GlobalConfig::store_sets`.
+    pub store_sets: u32,
 }
 
 /// New states this CPU inserted in its current tick (kept across packets in the scratch
@@ -210,6 +214,11 @@ pub struct RuleLoop {
     pub ban_epoch: u64,
     /// Not reset per packet: see [`TickInserts`].
     pub inserts: TickInserts,
+    /// The ban end of the rule's shared key when it has one, else a word no one reads (so the
+    /// ban stages always get a valid pointer).
+    pub no_ban: u64,
+    /// Scratch space of the per-source store's insert.
+    pub scan: store::Scan,
 }
 
 #[map(name = "RL_SCRATCH")]
@@ -249,6 +258,7 @@ pub fn evaluate_rules(
             admission_inc_ns: g.admission_inc_ns,
             admission_burst_ns: g.admission_burst_ns,
             admission_tick_cap: g.admission_tick_cap,
+            store_sets: g.store_sets,
         };
         (*rl).pkt = pkt;
         (*rl).src_mask_known = src_mask.0;
@@ -405,28 +415,31 @@ pub extern "C" fn rl_admit(now: u64, inc: u64, burst_ns: u64, fine: u64) -> u64 
     0
 }
 
-/// Initial state of a new client. A static, so the map update reads it from .rodata instead of
-/// a stack copy the compiler would zero with a byte-wise memset loop.
-static ZERO_STATE: ClientState = ClientState {
-    stamp: 0,
-    cur: 0,
-    prev: 0,
-    ban_stamp: 0,
-    seen_cur: 0,
-    seen_prev: 0,
-    last_ns: 0,
-    last_exceed_ns: 0,
-    packets: 0,
-    bytes: 0,
-    drops: 0,
+/// Initial state of a new shared key. A static, so the map update reads it from .rodata
+/// instead of a stack copy the compiler would zero with a byte-wise memset loop.
+static ZERO_SHARED: SharedState = SharedState {
+    state: ClientState {
+        stamp: 0,
+        cur: 0,
+        prev: 0,
+        ban_stamp: 0,
+        seen_cur: 0,
+        seen_prev: 0,
+        last_ns: 0,
+        last_exceed_ns: 0,
+        packets: 0,
+        bytes: 0,
+        drops: 0,
+    },
     banned_until_ns: 0,
-    flags: 0,
 };
 
 /// What [`state_for`] found.
 enum Got {
-    /// The client's own state (found or created), or for a shared key its state.
+    /// The client's own state (found or created).
     State(*mut ClientState),
+    /// A shared key's state (found or created).
+    Shared(*mut SharedState),
     /// A new source the admission budget refused: the rule's overflow state.
     Refused(*mut ClientState),
     /// A new source refused in a tick whose overflow state already refused one
@@ -436,18 +449,8 @@ enum Got {
     Nothing,
 }
 
-impl Got {
-    #[inline(always)]
-    fn state(p: Option<*mut ClientState>) -> Self {
-        match p {
-            Some(p) => Got::State(p),
-            None => Got::Nothing,
-        }
-    }
-}
-
-/// The state for `key`, creating it if the admission budget allows; otherwise (or if the map
-/// refuses) the rule's aggregate overflow state, and `key` is rewritten to say so.
+/// The state for `key`, creating it if the admission budget allows; otherwise (or if the
+/// store refuses) the rule's aggregate overflow state, and `key` is rewritten to say so.
 #[inline(always)]
 fn state_for(
     env: &Env,
@@ -455,54 +458,80 @@ fn state_for(
     coarse_now: u64,
     tick: u64,
     inserts: &mut TickInserts,
+    scan: *mut store::Scan,
 ) -> Got {
-    let per_client = key.kind == KEY_IP;
+    if key.kind != KEY_IP {
+        return shared_state(env, key);
+    }
+    let hash = known_hash(key.rule, key.prefix_len, &key.addr);
+    let tag = slot_tag(key.rule, key.prefix_len, hash);
+    let sets = store_sets_of(hash, env.store_sets);
     // A source the known-sources filter has never seen has no state: skip the lookup (in a
-    // random-source flood, a hash-chain walk that misses for nearly every packet).
-    if per_client && !known::may_be_tracked(key) {
+    // random-source flood, a look at a set no cache holds, for nearly every packet).
+    if !known::may_be_tracked(hash) {
         stats::add(env.slot, global::LOOKUP_SKIPPED, env.len);
-    } else if let Some(p) = CLIENTS.get_ptr_mut(&*key) {
+    } else if let Some(p) = store::lookup(key, tag, sets) {
         return Got::State(p);
     }
-    if per_client && fast::overflow_closed(key.rule as u32, env, tick) {
+    if fast::overflow_closed(key.rule as u32, env, tick) {
         stats::add(env.slot, global::ADMISSION_REFUSED, env.len);
         overflow(key);
         return Got::Closed;
     }
-    if per_client && env.admission_tick_cap != 0 && inserts.tick != tick {
+    if env.admission_tick_cap != 0 && inserts.tick != tick {
         inserts.tick = tick;
         inserts.count = 0;
     }
     // This CPU's share of the tick is spent (a burst spread over ticks), or the budget is.
-    if per_client
-        && ((env.admission_tick_cap != 0 && inserts.count >= env.admission_tick_cap as u64)
-            || !admit_new_source(env, coarse_now))
+    if (env.admission_tick_cap != 0 && inserts.count >= env.admission_tick_cap as u64)
+        || !admit_new_source(env, coarse_now)
     {
         stats::add(env.slot, global::ADMISSION_REFUSED, env.len);
-        return match overflow_state(key) {
-            Some(p) => Got::Refused(p),
-            None => Got::Nothing,
-        };
+        return refused(key);
     }
-    if per_client {
-        inserts.count += 1;
+    inserts.count += 1;
+    // Before the insert, so no CPU can find the state while the filter denies it.
+    known::note(hash);
+    let i = if env.store_sets == 0 {
+        NONE
+    } else {
+        store::rl_store_insert(key, tag, store::pack(sets), env.slot as u64, scan)
+    };
+    match store::state(i) {
+        Some(p) => Got::State(p),
+        _ => {
+            stats::add(env.slot, global::STATE_INSERT_FAILED, env.len);
+            refused(key)
+        }
     }
-    if per_client {
-        // Before the insert, so no CPU can find the state while the filter denies it.
-        known::note(key);
+}
+
+/// The state of a shared key, created on its first packet.
+#[inline(always)]
+fn shared_state(env: &Env, key: &mut ClientKey) -> Got {
+    if let Some(p) = SHARED.get_ptr_mut(&*key) {
+        return Got::Shared(p);
     }
-    match CLIENTS.insert(&*key, &ZERO_STATE, BPF_NOEXIST as u64) {
+    match SHARED.insert(&*key, &ZERO_SHARED, BPF_NOEXIST as u64) {
         Ok(()) => stats::add(env.slot, global::STATE_CREATED, 0),
         Err(EEXIST) => {}
         Err(_) => {
             stats::add(env.slot, global::STATE_INSERT_FAILED, env.len);
-            return Got::state(overflow_state(key));
+            return Got::Nothing;
         }
     }
-    match CLIENTS.get_ptr_mut(&*key) {
-        Some(p) => Got::State(p),
-        // Evicted between the insert and the lookup (the map is churning at its bound).
-        None => Got::state(overflow_state(key)),
+    match SHARED.get_ptr_mut(&*key) {
+        Some(p) => Got::Shared(p),
+        None => Got::Nothing,
+    }
+}
+
+/// A source refused a state of its own: the rule's overflow state.
+#[inline(always)]
+fn refused(key: &mut ClientKey) -> Got {
+    match overflow_state(key) {
+        Some(p) => Got::Refused(p),
+        None => Got::Nothing,
     }
 }
 
@@ -661,17 +690,24 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
     }
     let preview = env.preview_all != 0 || rule.flags & RULE_PREVIEW != 0;
     let exceed_pass = rule.flags & RULE_EXCEED_PASS != 0;
-    let (st, refused_admission) = match state_for(env, key, rl.coarse_now, rl.tick, &mut rl.inserts)
-    {
-        Got::State(p) => (p, false),
-        Got::Refused(p) => (p, true),
-        Got::Closed => return exceeded(env, i, preview, exceed_pass, rc::DROPPED),
-        Got::Nothing => {
-            // The map refused even the aggregate state: fail open, counted.
-            stats::add(env.slot, global::STATE_INSERT_FAILED, 0);
-            return RuleVerdict::Pass;
-        }
-    };
+    let mut until = &raw mut rl.no_ban;
+    let scan = &raw mut rl.scan;
+    let (st, refused_admission) =
+        match state_for(env, key, rl.coarse_now, rl.tick, &mut rl.inserts, scan) {
+            Got::State(p) => (p, false),
+            Got::Shared(p) => {
+                // SAFETY: fields of a live map value.
+                until = unsafe { &raw mut (*p).banned_until_ns };
+                (unsafe { &raw mut (*p).state }, false)
+            }
+            Got::Refused(p) => (p, true),
+            Got::Closed => return exceeded(env, i, preview, exceed_pass, rc::DROPPED),
+            Got::Nothing => {
+                // The map refused even the aggregate state: fail open, counted.
+                stats::add(env.slot, global::STATE_INSERT_FAILED, 0);
+                return RuleVerdict::Pass;
+            }
+        };
     let j = &mut rl.judge;
     j.now = env.now;
     j.cost = cost;
@@ -696,17 +732,17 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
     let is_ban = rule.action == ACTION_BAN && key.kind != KEY_OVERFLOW;
     let key = &rl.key;
     let j = &mut rl.judge;
-    if is_ban && key.kind != KEY_IP && rl_aggregate_ban(st, key, j) != 0 {
+    if is_ban && key.kind != KEY_IP && rl_aggregate_ban(until, st, key, j) != 0 {
         return exceeded(env, i, preview, exceed_pass, rc::BANNED_DROPPED);
     }
     // Banned only if the ban is in force: if the ban map refused it (full), the client is
     // throttled by the rule instead of losing all its traffic with no expiry.
-    if is_ban && rl_ban_meter(st, lim, j) != 0 && rl_ban(st, lim, key, j) != 0 {
+    if is_ban && rl_ban_meter(st, lim, j) != 0 && rl_ban(st, until, lim, key, j) != 0 {
         return exceeded(env, i, preview, exceed_pass, rc::DROPPED);
     }
     let admitted = rl_limit(st, lim, j);
     rl_after(st, lim, key, j, admitted);
-    if admitted != 0 {
+    if admitted == 1 {
         stats::add_rule(env.slot, i, rc::ADMITTED, env.len);
         return RuleVerdict::Pass;
     }
@@ -742,16 +778,16 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
 #[unsafe(no_mangle)]
 #[inline(never)]
 pub extern "C" fn rl_aggregate_ban(
+    until: *mut u64,
     st: *mut ClientState,
     key: *const ClientKey,
     j: *mut Judge,
 ) -> u64 {
-    if st.is_null() || key.is_null() || j.is_null() {
+    if until.is_null() || st.is_null() || key.is_null() || j.is_null() {
         return 0;
     }
     // SAFETY: non-null pointers to a live map value and to the caller's stack.
     unsafe {
-        let until = &raw mut (*st).banned_until_ns;
         let u = atomic::load(until);
         if u == 0 {
             return 0;
@@ -794,7 +830,8 @@ pub extern "C" fn rl_ban_meter(st: *mut ClientState, lim: *const Limit, j: *mut 
     }
 }
 
-/// The limiter: 1 if the packet is within the threshold. Sets `usage` and `capacity`.
+/// The limiter: 1 if the packet is within the threshold, 0 if not, [`REFUSED_STARTS`] if not
+/// and the refusal starts a throttle episode. Sets `usage` and `capacity`.
 #[unsafe(no_mangle)]
 #[inline(never)]
 pub extern "C" fn rl_limit(st: *mut ClientState, lim: *const Limit, j: *mut Judge) -> u64 {
@@ -815,14 +852,22 @@ pub extern "C" fn rl_limit(st: *mut ClientState, lim: *const Limit, j: *mut Judg
         (*j).capacity = capacity;
         (*j).contended = contended as u32;
         if !admitted {
-            (*st).last_exceed_ns = (*j).now;
             atomic::add(&raw mut (*st).drops, 1);
+            // The refusal that starts an episode swaps `last_exceed_ns` away from 0.
+            if atomic::swap(&raw mut (*st).last_exceed_ns, (*j).now) == 0 {
+                return REFUSED_STARTS;
+            }
         }
         admitted as u64
     }
 }
 
-/// Throttle and soft-limit episodes: flags in the state, one event at each edge.
+/// [`rl_limit`]: refused, and the refusal starts a throttle episode.
+const REFUSED_STARTS: u64 = 2;
+
+/// Throttle and soft-limit episodes, one event at each edge: a throttle episode runs while
+/// `last_exceed_ns` is not 0 (see [`ClientState::last_exceed_ns`]); the soft-limit episode
+/// flag is [`DROPS_SOFT_REPORTED`]. `admitted` is [`rl_limit`]'s answer.
 #[unsafe(no_mangle)]
 #[inline(never)]
 pub extern "C" fn rl_after(
@@ -840,8 +885,8 @@ pub extern "C" fn rl_after(
         let j = &*j;
         let lim = &*lim;
         let key = &*key;
-        let flags = &raw mut (*st).flags;
-        let f = atomic::load(flags);
+        let drops = &raw mut (*st).drops;
+        let soft = atomic::load(drops) & DROPS_SOFT_REPORTED != 0;
         // Token bucket usage is in ns of bucket time; events report units.
         let usage_units = || {
             if j.algorithm == ALG_TOKEN_BUCKET as u32 {
@@ -852,26 +897,30 @@ pub extern "C" fn rl_after(
             }
         };
         if admitted == 0 {
-            if f & STATE_THROTTLING == 0
-                && atomic::fetch_or(flags, STATE_THROTTLING | STATE_SOFT_REPORTED)
-                    & STATE_THROTTLING
-                    == 0
-            {
-                events::emit(
-                    j.slot,
-                    EV_THROTTLE_START,
-                    key,
-                    j.now,
-                    usage_units(),
-                    lim.threshold,
-                    0,
-                );
-            }
             return 0;
         }
-        if f & STATE_THROTTLING != 0
-            && j.now.saturating_sub((*st).last_exceed_ns) >= lim.interval_ns
-            && atomic::fetch_and(flags, !STATE_THROTTLING) & STATE_THROTTLING != 0
+        if admitted == REFUSED_STARTS {
+            if !soft {
+                atomic::fetch_or(drops, DROPS_SOFT_REPORTED);
+            }
+            events::emit(
+                j.slot,
+                EV_THROTTLE_START,
+                key,
+                j.now,
+                usage_units(),
+                lim.threshold,
+                0,
+            );
+            return 0;
+        }
+        let exceed = &raw mut (*st).last_exceed_ns;
+        let last = atomic::load(exceed);
+        let throttling = last != 0;
+        // A refusal on another CPU since the load fails the swap back to 0.
+        if throttling
+            && j.now.saturating_sub(last) >= lim.interval_ns
+            && atomic::cas(exceed, last, 0)
         {
             events::emit(
                 j.slot,
@@ -884,9 +933,7 @@ pub extern "C" fn rl_after(
             );
         }
         if limiter::above_share(j.usage, j.capacity, j.soft_permille) {
-            if f & STATE_SOFT_REPORTED == 0
-                && atomic::fetch_or(flags, STATE_SOFT_REPORTED) & STATE_SOFT_REPORTED == 0
-            {
+            if !soft && atomic::fetch_or(drops, DROPS_SOFT_REPORTED) & DROPS_SOFT_REPORTED == 0 {
                 events::emit(
                     j.slot,
                     EV_SOFT_LIMIT,
@@ -897,8 +944,8 @@ pub extern "C" fn rl_after(
                     0,
                 );
             }
-        } else if f & STATE_SOFT_REPORTED != 0 && f & STATE_THROTTLING == 0 {
-            atomic::fetch_and(flags, !STATE_SOFT_REPORTED);
+        } else if soft && !throttling {
+            atomic::fetch_and(drops, !DROPS_SOFT_REPORTED);
         }
     }
     0
@@ -1043,11 +1090,12 @@ unsafe fn limit_check(
 #[inline(never)]
 pub extern "C" fn rl_ban(
     st: *mut ClientState,
+    until: *mut u64,
     lim: *const Limit,
     key: *const ClientKey,
     j: *mut Judge,
 ) -> u64 {
-    if st.is_null() || lim.is_null() || key.is_null() || j.is_null() {
+    if st.is_null() || until.is_null() || lim.is_null() || key.is_null() || j.is_null() {
         return 0;
     }
     // SAFETY: non-null pointers to live map values and the caller's stack.
@@ -1089,11 +1137,7 @@ pub extern "C" fn rl_ban(
                 }
             }
         } else {
-            atomic::cas(
-                &raw mut (*st).banned_until_ns,
-                0,
-                if expires == 0 { u64::MAX } else { expires },
-            )
+            atomic::cas(until, 0, if expires == 0 { u64::MAX } else { expires })
         };
         if !issued {
             return 2;
@@ -1122,10 +1166,21 @@ pub extern "C" fn rl_ban(
     1
 }
 
-/// The state of `key`, if it has one (no admission, no insert).
+/// The state of `key`, if it has one (no admission, no insert), in a store of `sets` sets.
 #[inline(always)]
-pub fn client_state(key: &ClientKey) -> Option<*mut ClientState> {
-    CLIENTS.get_ptr_mut(key)
+pub fn client_state(key: &ClientKey, sets: u32) -> Option<*mut ClientState> {
+    if key.kind == KEY_IP {
+        let hash = known_hash(key.rule, key.prefix_len, &key.addr);
+        store::lookup(
+            key,
+            slot_tag(key.rule, key.prefix_len, hash),
+            store_sets_of(hash, sets),
+        )
+    } else {
+        let p = SHARED.get_ptr_mut(key)?;
+        // SAFETY: a field of a live map value.
+        Some(unsafe { &raw mut (*p).state })
+    }
 }
 
 /// The floor reference (`bench` feature): the `cur` counter of rule 0's state of `src` as a
@@ -1134,7 +1189,8 @@ pub fn client_state(key: &ClientKey) -> Option<*mut ClientState> {
 #[inline(always)]
 pub fn bench_client_counter(src: &IpKey) -> Option<*mut u64> {
     let key = client_key(0, KEY_IP, 128, src.addr);
-    let st = CLIENTS.get_ptr_mut(&key)?;
+    let sets = policy::global().store_sets;
+    let st = store::bench_lookup(&key, sets)?;
     // SAFETY: a live map value.
     Some(unsafe { &raw mut (*st).cur })
 }

@@ -33,6 +33,8 @@ mod parse;
 mod policy;
 #[cfg(target_arch = "bpf")]
 mod stats;
+#[cfg(target_arch = "bpf")]
+mod store;
 
 #[cfg(target_arch = "bpf")]
 mod program {

@@ -51,7 +51,7 @@ const EMPTY: GlobalConfig = GlobalConfig {
     flags: 0,
     generation: 0,
     admission_tick_cap: 0,
-    _pad: 0,
+    store_sets: 0,
 };
 
 #[inline(always)]

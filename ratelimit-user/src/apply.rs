@@ -201,7 +201,7 @@ pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
             cfg.tracking.new_sources_per_sec,
             timer_tick_ns(),
         ),
-        _pad: 0,
+        store_sets: 0,
     };
     let mut own: Vec<(Prefix, ListValue)> = Vec::new();
     for n in &cfg.lists.allow {
@@ -454,6 +454,7 @@ pub fn apply(maps: &mut Maps, plan: &Plan) -> anyhow::Result<()> {
     // void from then on.
     let mut global = plan.global;
     global.generation = old.generation.wrapping_add(1);
+    global.store_sets = maps.clients.sets();
     if shrinking {
         maps.global
             .set(0, global, 0)

@@ -237,14 +237,15 @@ fn restore_aggregate(
             _ => return Ok(false),
         }
     }
-    if maps.clients.get(&key, 0).is_ok() {
+    if maps.clients.shared.get(&key, 0).is_ok() {
         return Ok(false);
     }
-    let state = ClientState {
+    let state = SharedState {
         banned_until_ns: now + Duration::from_millis(ms - now_wall).as_nanos() as u64,
-        ..ClientState::default()
+        ..SharedState::default()
     };
     maps.clients
+        .shared
         .insert(key, state, 0)
         .with_context(|| format!("restoring the aggregate ban of rule {}", rules[i].0))?;
     Ok(true)

@@ -459,20 +459,21 @@ impl State {
             Some(cc) => format!("rule {rule:?} in region {}", cc.to_ascii_uppercase()),
             None => format!("rule {rule:?}"),
         };
-        let st = match self.maps.clients.get(&key, 0) {
+        let st = match self.maps.clients.shared.get(&key, 0) {
             Ok(st) if st.banned_until_ns > now => st,
             _ => bail!("no ban in force for {what}"),
         };
         // The meters are clean already: the program clears them when it issues a ban, and a
         // banned key's packets are not metered.
-        let lifted = ClientState {
+        let lifted = SharedState {
             banned_until_ns: 0,
             ..st
         };
-        // BPF_EXIST: the state must still be there (an expiry or eviction in between would
-        // have lifted it already).
+        // BPF_EXIST: the state must still be there (an expiry in between would have lifted
+        // it already).
         self.maps
             .clients
+            .shared
             .insert(key, lifted, 2)
             .with_context(|| format!("lifting the ban of {what}"))?;
         self.sink.write(&crate::events::EventLine {
@@ -589,15 +590,13 @@ pub fn retire_rule_slots(maps: &mut Maps, old: &[String], new: &[String]) -> usi
     if stale.is_empty() {
         return 0;
     }
-    let keys: Vec<ClientKey> = maps
-        .clients
-        .keys()
-        .filter_map(|k| k.ok())
-        .filter(|k| stale.contains(&k.rule))
-        .collect();
-    for k in &keys {
-        let _ = maps.clients.remove(k);
-    }
+    let retired = match maps.clients.retire_rules(&stale) {
+        Ok(n) => n as usize,
+        Err(e) => {
+            warn!("retiring the states of changed rule positions: {e:#}");
+            0
+        }
+    };
     for &r in &stale {
         let _ = maps.overflow.set(r as u32, ClientState::default(), 0);
         // Its pending totals and closed tick go with it.
@@ -649,8 +648,8 @@ pub fn retire_rule_slots(maps: &mut Maps, old: &[String], new: &[String]) -> usi
             }
         }
     }
-    info!(positions = ?stale, states = keys.len(), "rules changed position: their per-client state and counters were cleared");
-    keys.len()
+    info!(positions = ?stale, states = retired, "rules changed position: their per-client state and counters were cleared");
+    retired
 }
 
 const RULES_FILE: &str = "rules.json";

@@ -50,7 +50,7 @@ pub struct Maps {
     pub overrides: LpmTrie<MapData, OverrideKey, OverrideValue>,
     pub region_overrides: HashMap<MapData, RegionOverrideKey, OverrideValue>,
     pub regions: LpmTrie<MapData, IpKey, [u8; 4]>,
-    pub clients: HashMap<MapData, ClientKey, ClientState>,
+    pub clients: crate::clients::ClientStore,
     /// Per rule: the aggregate state of sources that got none of their own.
     pub overflow: Array<MapData, ClientState>,
     /// Per CPU: this tick's fast-drop entries, with per-client counts not yet in `clients`.
@@ -149,7 +149,7 @@ pub fn ifindex(iface: &str) -> anyhow::Result<u32> {
 
 /// The layout of every pinned map's keys and values. `LAYOUT_VERSION` is bumped by hand
 /// whenever one changes (a reordered field included); the sizes follow as a check.
-const LAYOUT_VERSION: u32 = 2;
+const LAYOUT_VERSION: u32 = 3;
 
 /// File in `daemon.state_dir` recording the layout of the maps pinned in `daemon.bpffs_dir`.
 pub const LAYOUT_FILE: &str = "pinned-layout";
@@ -157,9 +157,11 @@ pub const LAYOUT_FILE: &str = "pinned-layout";
 pub fn layout() -> String {
     use std::mem::size_of;
     format!(
-        "v{LAYOUT_VERSION} client_key={} client_state={} fast_entry={} global={} rule={} ban={} stats={}",
+        "v{LAYOUT_VERSION} client_key={} client_state={} store_set={} shared={} fast_entry={} global={} rule={} ban={} stats={}",
         size_of::<ClientKey>(),
         size_of::<ClientState>(),
+        size_of::<ratelimit_common::maps::StoreSet>(),
+        size_of::<ratelimit_common::maps::SharedState>(),
         size_of::<FastEntry>(),
         size_of::<GlobalConfig>(),
         size_of::<RuleConfig>(),
@@ -221,7 +223,10 @@ impl Datapath {
         let adopted = pin_dir.join("RL_STATS").exists();
         let ebpf = EbpfLoader::new()
             .default_map_pin_directory(pin_dir)
-            .map_max_entries("RL_CLIENTS", max_sources)
+            .map_max_entries(
+                "RL_CLIENTS",
+                ratelimit_common::maps::store_sets(max_sources),
+            )
             .map_max_entries(
                 "RL_KNOWN",
                 ratelimit_common::maps::known_map_entries(max_sources),
@@ -396,12 +401,9 @@ impl Datapath {
         }
     }
 
-    /// A second handle on the per-client map, from its pin (for a thread of its own).
-    pub fn open_clients(&self) -> anyhow::Result<HashMap<MapData, ClientKey, ClientState>> {
-        let path = self.pin_dir.join("RL_CLIENTS");
-        let data =
-            MapData::from_pin(&path).with_context(|| format!("opening {}", path.display()))?;
-        Ok(HashMap::try_from(aya::maps::Map::LruHashMap(data))?)
+    /// A second handle on the per-client state, from its pins (for a thread of its own).
+    pub fn open_clients(&self) -> anyhow::Result<crate::clients::ClientStore> {
+        crate::clients::ClientStore::open(&self.pin_dir)
     }
 
     /// Take typed handles on every map (once).
@@ -418,7 +420,7 @@ impl Datapath {
             overrides: LpmTrie::try_from(take("RL_OVERRIDES")?)?,
             region_overrides: HashMap::try_from(take("RL_REGION_OVERRIDES")?)?,
             regions: LpmTrie::try_from(take("RL_REGIONS")?)?,
-            clients: HashMap::try_from(take("RL_CLIENTS")?)?,
+            clients: crate::clients::ClientStore::new(take("RL_SHARED")?, take("RL_CLIENTS")?)?,
             overflow: Array::try_from(take("RL_OVERFLOW")?)?,
             fast: PerCpuArray::try_from(take("RL_FAST")?)?,
             ovf_tick: PerCpuArray::try_from(take("RL_OVF_TICK")?)?,

@@ -286,12 +286,9 @@ pub fn render_metrics(stats: &Stats, gauges: &Gauges) -> String {
     } else {
         tracked as f64 / capacity as f64
     };
-    // The kernel counts no evictions for LRU hash maps. Every per-client state the program
-    // creates is counted (`state_created`) and stays in the map until the LRU evicts it (the
-    // daemon deletes none), so what was created and is no longer there was evicted. Clamped
-    // at 0: the counters and the map walk are not one atomic reading, and the per-rule
-    // overflow entries are not counted as created.
-    let evictions = reason(stats, "state_created").saturating_sub(tracked);
+    // The program counts each state that took another's slot (the one idle longest in its
+    // set of the per-source store).
+    let evictions = reason(stats, "state_evicted");
 
     let families = vec![
         packets,
@@ -338,7 +335,7 @@ pub fn render_metrics(stats: &Stats, gauges: &Gauges) -> String {
         Family::new(
             "ratelimit_evictions",
             Counter,
-            "Per-client states evicted from the full map (LRU), computed as states created minus states tracked now, clamped at 0; the kernel does not count LRU evictions",
+            "Per-client states evicted: a new source took the slot of the state idle longest in its set of the full per-source store",
         )
         .with(vec![], Value::Counter(evictions)),
         Family::new(
@@ -490,6 +487,7 @@ mod tests {
     fn synthetic() -> Stats {
         let mut all = counters(pb(30, 3000), pb(7, 700));
         all.reasons.insert("state_created", pb(12, 0));
+        all.reasons.insert("state_evicted", pb(7, 0));
         all.reasons.insert("bans_issued", pb(2, 0));
         all.reasons.insert("admission_refused", pb(4, 240));
         all.reasons.insert("events_lost", pb(1, 0));
@@ -598,9 +596,9 @@ mod tests {
     }
 
     #[test]
-    fn http_metrics_evictions_clamp_and_empty_map() {
+    fn http_metrics_evictions_and_empty_map() {
         let mut stats = synthetic();
-        stats.all.reasons.insert("state_created", pb(3, 0));
+        stats.all.reasons.insert("state_evicted", pb(0, 0));
         let text = render_metrics(
             &stats,
             &Gauges {

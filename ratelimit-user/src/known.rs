@@ -23,10 +23,10 @@ use std::{
 };
 
 use anyhow::{Context as _, bail};
-use aya::maps::{HashMap, MapData};
+use aya::maps::MapData;
 use ratelimit_common::maps::{
-    ClientKey, ClientState, KEY_IP, KNOWN_ENABLED, KNOWN_HALF, KNOWN_LOG2_SHIFT, KNOWN_MAX_LOG2,
-    KNOWN_MIN_LOG2, known_bit, known_hash,
+    ClientKey, KNOWN_ENABLED, KNOWN_HALF, KNOWN_LOG2_SHIFT, KNOWN_MAX_LOG2, KNOWN_MIN_LOG2,
+    known_bit, known_hash, slot_key,
 };
 use serde::Serialize;
 
@@ -145,10 +145,7 @@ impl KnownFilter {
 
     /// Rebuild the inactive half from `clients` and make it the active one (see the module
     /// comment).
-    pub fn rebuild(
-        &self,
-        clients: &HashMap<MapData, ClientKey, ClientState>,
-    ) -> anyhow::Result<Rebuilt> {
+    pub fn rebuild(&self, clients: &crate::clients::ClientStore) -> anyhow::Result<Rebuilt> {
         let t = Instant::now();
         let ctl = self.control();
         if (ctl >> KNOWN_LOG2_SHIFT) & 0xff != self.log2 {
@@ -163,12 +160,11 @@ impl KnownFilter {
         std::sync::atomic::fence(Ordering::SeqCst);
         std::thread::sleep(SETTLE);
         let mut states = 0u64;
-        crate::report::walk_clients(clients, &mut |k: &ClientKey, _: &ClientState| {
-            if k.kind == KEY_IP {
-                let (w, bit) = known_bit(known_hash(k.rule, k.prefix_len, &k.addr), self.log2);
-                self.word(base + w).fetch_or(1 << bit, Ordering::Relaxed);
-                states += 1;
-            }
+        clients.walk_slots(&mut |_, tag, s| {
+            let k = slot_key(tag, s.addr);
+            let (w, bit) = known_bit(known_hash(k.rule, k.prefix_len, &k.addr), self.log2);
+            self.word(base + w).fetch_or(1 << bit, Ordering::Relaxed);
+            states += 1;
         })?;
         std::sync::atomic::fence(Ordering::SeqCst);
         let half_flag = if target == 1 { KNOWN_HALF } else { 0 };
@@ -231,7 +227,7 @@ pub fn needs_rebuild(
 /// time), a rebuild if [`needs_rebuild`] says so.
 pub fn spawn_rebuilder(
     filter: KnownFilter,
-    clients: HashMap<MapData, ClientKey, ClientState>,
+    clients: crate::clients::ClientStore,
     period: Duration,
     status: std::sync::Arc<std::sync::Mutex<Option<Rebuilt>>>,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {

@@ -5,6 +5,7 @@
 pub mod apply;
 pub mod bans;
 pub mod cli;
+pub mod clients;
 pub mod config;
 pub mod control;
 pub mod daemon;

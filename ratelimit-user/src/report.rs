@@ -235,15 +235,14 @@ pub fn describe(
         limiter::sliding_estimate(prev, cur, limiter::prev_weight(now, bi)) as f64
             / (bi as f64 / 1e9)
     });
-    let throttled =
-        s.flags & STATE_THROTTLING != 0 && now.saturating_sub(s.last_exceed_ns) < interval;
+    let throttled = s.throttled_at(now, interval);
     Some(Client {
         rule: name.clone(),
         key: key_name(k.kind),
         client: client_label(k),
         packets: s.packets,
         bytes: s.bytes,
-        drops: s.drops,
+        drops: s.drop_count(),
         usage,
         limit,
         admitted_per_sec: if rc.algorithm == ALG_TOKEN_BUCKET {
@@ -285,7 +284,7 @@ pub fn top(
     let metric = |s: &ClientState| match by {
         Rank::Packets => s.packets,
         Rank::Bytes => s.bytes,
-        Rank::Drops => s.drops,
+        Rank::Drops => s.drop_count(),
     };
     // Keep at most 2n candidates; trim to the best n whenever full (amortised O(N log n)).
     // Entries `describe` drops (states of retired rule positions) are kept as candidates too,
@@ -411,10 +410,10 @@ pub fn for_each_client_raced(
         }
         held.retain(|k, _| moved.contains(k));
         for (k, s) in held.iter_mut() {
-            match maps.clients.get(k, 0) {
-                Ok(now) => *s = now,
+            match maps.clients.get(k) {
+                Some(now) => *s = now,
                 // Gone since (evicted or retired): so are its counts.
-                Err(_) => *s = ClientState::default(),
+                None => *s = ClientState::default(),
             }
         }
         held.retain(|_, s| s.packets != 0);
@@ -547,86 +546,7 @@ fn for_each_client_state(
     maps: &Maps,
     f: &mut impl FnMut(&ClientKey, &ClientState),
 ) -> anyhow::Result<()> {
-    walk_clients(&maps.clients, f)
-}
-
-/// Call `f` on every entry of a per-client map (see [`for_each_client`]; no pending counts,
-/// no overflow states).
-pub fn walk_clients(
-    clients: &aya::maps::HashMap<aya::maps::MapData, ClientKey, ClientState>,
-    f: &mut impl FnMut(&ClientKey, &ClientState),
-) -> anyhow::Result<()> {
-    use std::os::fd::{AsFd as _, AsRawFd as _};
-
-    use aya::maps::IterableMap as _;
-    /// `union bpf_attr`'s `batch` member.
-    #[repr(C)]
-    struct BatchAttr {
-        in_batch: u64,
-        out_batch: u64,
-        keys: u64,
-        values: u64,
-        count: u32,
-        map_fd: u32,
-        elem_flags: u64,
-        flags: u64,
-    }
-    const BPF_MAP_LOOKUP_BATCH: libc::c_long = 24;
-    const CHUNK: usize = 8192;
-    let fd = clients.map().fd().as_fd().as_raw_fd();
-    let mut keys = vec![ClientKey::default(); CHUNK];
-    let mut vals = vec![ClientState::default(); CHUNK];
-    let mut token: u32 = 0;
-    let mut next: u32 = 0;
-    let mut first = true;
-    loop {
-        let mut attr = BatchAttr {
-            in_batch: if first { 0 } else { &raw const token as u64 },
-            out_batch: &raw mut next as u64,
-            keys: keys.as_mut_ptr() as u64,
-            values: vals.as_mut_ptr() as u64,
-            count: CHUNK as u32,
-            map_fd: fd as u32,
-            elem_flags: 0,
-            flags: 0,
-        };
-        // SAFETY: the attr points at buffers of CHUNK keys and values of the map's key and
-        // value sizes, and at two u32 batch tokens, all alive for the call.
-        let r = unsafe {
-            libc::syscall(
-                libc::SYS_bpf,
-                BPF_MAP_LOOKUP_BATCH,
-                &raw mut attr,
-                std::mem::size_of::<BatchAttr>() as u32,
-            )
-        };
-        let err = (r < 0).then(std::io::Error::last_os_error);
-        let n = (attr.count as usize).min(CHUNK);
-        for i in 0..n {
-            f(&keys[i], &vals[i]);
-        }
-        match err {
-            None => {}
-            Some(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(()),
-            Some(e)
-                if first
-                    && matches!(
-                        e.raw_os_error(),
-                        Some(libc::EINVAL) | Some(524 /* ENOTSUPP */)
-                    ) =>
-            {
-                for r in clients.iter() {
-                    let (k, s) =
-                        r.map_err(|e| anyhow::anyhow!("walking the per-client map: {e}"))?;
-                    f(&k, &s);
-                }
-                return Ok(());
-            }
-            Some(e) => return Err(anyhow::anyhow!("reading the per-client map: {e}")),
-        }
-        token = next;
-        first = false;
-    }
+    maps.clients.walk(f)
 }
 
 #[derive(Serialize, Debug, Clone)]
@@ -730,7 +650,7 @@ pub fn aggregate_bans(maps: &Maps, rules: &[(String, RuleConfig)], now: u64) -> 
                 .collect()
         };
         for (k, region) in keys {
-            let Ok(st) = maps.clients.get(&k, 0) else {
+            let Ok(st) = maps.clients.shared.get(&k, 0) else {
                 continue;
             };
             let until = st.banned_until_ns;

@@ -483,7 +483,7 @@ fn main() {
         }
         set_vary(&mut b.dp, 0, 0, 0);
         let t = Instant::now();
-        let walked = maps.clients.keys().count();
+        let walked = maps.clients.keys().expect("walk the store").len();
         let walk_secs = t.elapsed().as_secs_f64();
         println!(
             "  {n:>9} tracked sources: {ns:>8.1} ns (+{:.1} over XDP_PASS) across them, {ns_same:.1} ns one source, floor {floor_ns:.1} ns, a line per source {line64_ns:.1} ns (64 B) {line16_ns:.1} ns (16 B); populate {populate_secs:.2}s, walk of {walked} keys {walk_secs:.2}s",
@@ -861,7 +861,7 @@ fn populate_more(maps: &mut Maps, from: u64, to: u64) -> f64 {
             prefix_len: 128,
             addr: IpKey::from_v4(a).addr,
         };
-        maps.clients.insert(k, state, 0).expect("populate");
+        maps.clients.put(&k, &state).expect("populate");
     }
     t.elapsed().as_secs_f64()
 }

@@ -1,0 +1,349 @@
+//! The per-source store (`RL_CLIENTS`): the state of every `KEY_IP` client, in an array of
+//! sets of `STORE_WAYS` slots of 112 bytes (see `ratelimit_common::maps::Slot`). A key's set
+//! is chosen by its hash; a lookup compares the set's tags and addresses, with no hash-table
+//! element header, bucket array or chain. When a set is full, a new source takes the slot
+//! of the state idle the longest in its set (the oldest `last_ns`): the set's least
+//! recently used, counted in `STATE_EVICTED`.
+//!
+//! Concurrency, without locks:
+//! * A CPU claims a slot by compare-and-swap of its tag (the old tag, or 0 for an empty slot)
+//!   to the busy tag of the new key, writes the address and a zeroed state, and publishes the
+//!   key's tag by an atomic swap (a full barrier). A lookup matches only a published tag and
+//!   the full address, so it never sees a half-written slot as a client.
+//! * Two CPUs inserting the same new source at once: after its claim, each looks at the other
+//!   ways of the set, and one that sees the other's claim (busy with the same tag, or
+//!   published) gives its slot back. The claims are atomic and each look comes after its own
+//!   claim, so at least the later of the two sees the other: a key is never held twice. A
+//!   packet whose CPU gave its slot back is limited in its rule's overflow state.
+//! * A CPU that found a state before it was evicted may add one packet to the slot's next
+//!   state (as with the kernel's LRU hash, which reuses an element without a grace period):
+//!   eviction takes the state idle longest, so this needs a packet of a source idle longer
+//!   than every other source of its set.
+
+use aya_ebpf::{bindings::BPF_F_MMAPABLE, macros::map, maps::Array};
+use ratelimit_common::{
+    caps::DEFAULT_MAX_SOURCES,
+    maps::{ClientKey, ClientState, SLOT_BUSY, STORE_WAYS, StoreSet, store_sets},
+    stats::global,
+};
+
+use crate::{atomic, stats};
+
+/// Sized at load for `tracking.max_sources` (`store_sets`). Mmap-able, so the daemon can
+/// retire a state with an atomic compare-and-swap of its tag.
+#[map(name = "RL_CLIENTS")]
+static CLIENTS: Array<StoreSet> =
+    Array::pinned(store_sets(DEFAULT_MAX_SOURCES), BPF_F_MMAPABLE as u32);
+
+/// No slot. A slot is named by `set * STORE_WAYS + way`.
+pub const NONE: u64 = u64::MAX;
+
+const WAYS: u32 = STORE_WAYS as u32;
+
+/// Whether slot `w` of set `s` holds the address `addr` (two 8-byte loads each).
+#[inline(always)]
+fn same_addr(s: *const StoreSet, w: usize, addr: &[u8; 16]) -> bool {
+    let a = addr as *const [u8; 16] as *const u64;
+    // SAFETY: `s` is a live map value, `w` a way; both addresses are 8-aligned 16-byte arrays.
+    unsafe {
+        let b = &raw const (*s).slots[w].addr as *const u64;
+        core::ptr::read_volatile(b) == core::ptr::read_unaligned(a)
+            && core::ptr::read_volatile(b.add(1)) == core::ptr::read_unaligned(a.add(1))
+    }
+}
+
+#[inline(always)]
+fn tag_of(s: *const StoreSet, w: usize) -> u64 {
+    // SAFETY: a live map value, `w` a way.
+    unsafe { atomic::load(&raw const (*s).tags[w]) }
+}
+
+/// The slot of `key` (whose tag is `tag`) in `set`, or `NONE`.
+#[inline(always)]
+fn find_in(set: u32, key: &ClientKey, tag: u64) -> u64 {
+    let Some(s) = CLIENTS.get_ptr(set) else {
+        return NONE;
+    };
+    for w in 0..STORE_WAYS {
+        if tag_of(s, w) == tag && same_addr(s, w, &key.addr) {
+            return set as u64 * WAYS as u64 + w as u64;
+        }
+    }
+    NONE
+}
+
+/// The slot of `key` (whose tag is `tag`) in either of its sets (`sets`: the first in the low
+/// 32 bits, the second in the high), or `NONE`. (A global BPF function: verified once, not
+/// at each caller.)
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn rl_store_find(key: *const ClientKey, tag: u64, sets: u64) -> u64 {
+    if key.is_null() {
+        return NONE;
+    }
+    // SAFETY: non-null pointer to the caller's key.
+    let key = unsafe { &*key };
+    let (a, b) = (sets as u32, (sets >> 32) as u32);
+    let i = find_in(a, key, tag);
+    if i != NONE || a == b {
+        return i;
+    }
+    find_in(b, key, tag)
+}
+
+/// Both sets in one word, as [`rl_store_find`] and [`rl_store_insert`] take them.
+#[inline(always)]
+pub fn pack(sets: (u32, u32)) -> u64 {
+    sets.0 as u64 | (sets.1 as u64) << 32
+}
+
+/// The state of `key` (whose tag is `tag`), in either of its sets.
+#[inline(always)]
+pub fn lookup(key: &ClientKey, tag: u64, sets: (u32, u32)) -> Option<*mut ClientState> {
+    state(rl_store_find(key, tag, pack(sets)))
+}
+
+/// The state in slot `i` (as [`rl_store_insert`] names it).
+#[inline(always)]
+pub fn state(i: u64) -> Option<*mut ClientState> {
+    if i == NONE {
+        return None;
+    }
+    let s = CLIENTS.get_ptr_mut((i / WAYS as u64) as u32)?;
+    let w = (i % WAYS as u64) as usize;
+    if w >= STORE_WAYS {
+        return None;
+    }
+    // SAFETY: a field of a live map value, `w` a way.
+    Some(unsafe { &raw mut (*s).slots[w].state })
+}
+
+/// What [`rl_store_scan`] found in a set; in the caller's per-CPU scratch record, so the
+/// verifier does not carry each way's outcome into the next way as a state of its own.
+#[repr(C)]
+pub struct Scan {
+    /// The slot holding the key, or `NONE`.
+    pub found: u64,
+    /// Non-zero: a slot of the set is being written for the key's tag (most likely this key,
+    /// by another CPU).
+    pub busy: u64,
+    /// Free slots in the set, and the first of them (`NONE` if none).
+    pub free: u64,
+    pub first_free: u64,
+    /// The ready slot idle longest so far (over the sets scanned into this record), its
+    /// last-seen time and its tag.
+    pub oldest_slot: u64,
+    pub oldest_ns: u64,
+    pub oldest_tag: u64,
+}
+
+#[inline(always)]
+fn put(p: *mut u64, v: u64) {
+    // SAFETY: a field of the caller's scratch record.
+    unsafe { core::ptr::write_volatile(p, v) }
+}
+
+#[inline(always)]
+fn get(p: *const u64) -> u64 {
+    // SAFETY: a field of the caller's scratch record.
+    unsafe { core::ptr::read_volatile(p) }
+}
+
+/// Scan `set` for `key` (tag `tag`) into `sc` (its `oldest_*` carried over from an earlier
+/// set). A global BPF function, verified once.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn rl_store_scan(set: u64, key: *const ClientKey, tag: u64, sc: *mut Scan) -> u64 {
+    if key.is_null() || sc.is_null() || set > u32::MAX as u64 {
+        return 0;
+    }
+    // SAFETY: non-null pointers to the caller's key and scratch record.
+    let (key, sc) = unsafe { (&*key, &mut *sc) };
+    put(&raw mut sc.found, NONE);
+    put(&raw mut sc.busy, 0);
+    put(&raw mut sc.free, 0);
+    put(&raw mut sc.first_free, NONE);
+    let Some(s) = CLIENTS.get_ptr(set as u32) else {
+        return 0;
+    };
+    let busy = tag | SLOT_BUSY;
+    for w in 0..STORE_WAYS {
+        let t = tag_of(s, w);
+        let i = set * WAYS as u64 + w as u64;
+        if t == tag && same_addr(s, w, &key.addr) {
+            put(&raw mut sc.found, i);
+            return 1;
+        }
+        if t == busy {
+            put(&raw mut sc.busy, 1);
+            return 1;
+        }
+        if t == 0 {
+            put(&raw mut sc.free, get(&raw const sc.free) + 1);
+            if get(&raw const sc.first_free) == NONE {
+                put(&raw mut sc.first_free, i);
+            }
+        } else if t & SLOT_BUSY == 0 {
+            // SAFETY: a field of a live map value.
+            let last = unsafe { core::ptr::read_volatile(&raw const (*s).slots[w].state.last_ns) };
+            if last < get(&raw const sc.oldest_ns) {
+                put(&raw mut sc.oldest_ns, last);
+                put(&raw mut sc.oldest_slot, i);
+                put(&raw mut sc.oldest_tag, t);
+            }
+        }
+    }
+    1
+}
+
+/// Whether another slot of `set` than `mine` holds `key` (tag `tag`) or is being written for
+/// its tag: the slot, or `NONE` if none. A global BPF function, verified once.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn rl_store_rival(set: u64, key: *const ClientKey, tag: u64, mine: u64) -> u64 {
+    if key.is_null() || set > u32::MAX as u64 {
+        return NONE;
+    }
+    // SAFETY: non-null pointer to the caller's key.
+    let key = unsafe { &*key };
+    let Some(s) = CLIENTS.get_ptr(set as u32) else {
+        return NONE;
+    };
+    for w in 0..STORE_WAYS {
+        let i = set * WAYS as u64 + w as u64;
+        let t = tag_of(s, w);
+        if i != mine && (t == tag | SLOT_BUSY || (t == tag && same_addr(s, w, &key.addr))) {
+            return i;
+        }
+    }
+    NONE
+}
+
+/// Give `key` (tag `tag`) a slot in one of its sets (`sets` as for [`rl_store_find`]): the
+/// slot already holding it (another CPU inserted it since the caller's lookup), else an
+/// empty slot of the set with more of them, else the slot of the state idle longest in the
+/// two sets. `NONE` if another CPU is inserting the same key, or won a race for the slot.
+/// Counts `STATE_CREATED`, and `STATE_EVICTED` when the slot held another client. `sc` is
+/// scratch space. (A global BPF function: its branches are verified once.)
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn rl_store_insert(
+    key: *const ClientKey,
+    tag: u64,
+    sets: u64,
+    slot: u64,
+    sc: *mut Scan,
+) -> u64 {
+    if key.is_null() || sc.is_null() {
+        return NONE;
+    }
+    let (a, b) = (sets & 0xffff_ffff, sets >> 32);
+    // SAFETY: non-null pointer to the caller's scratch record.
+    unsafe {
+        put(&raw mut (*sc).oldest_slot, NONE);
+        put(&raw mut (*sc).oldest_ns, u64::MAX);
+        put(&raw mut (*sc).oldest_tag, 0);
+    }
+    let mut free = [0u64; 2];
+    let mut first_free = [NONE; 2];
+    for (k, set) in [a, b].into_iter().enumerate() {
+        if k == 1 && b == a {
+            break;
+        }
+        if rl_store_scan(set, key, tag, sc) == 0 {
+            return NONE;
+        }
+        // SAFETY: the caller's scratch record.
+        unsafe {
+            let found = get(&raw const (*sc).found);
+            if found != NONE {
+                return found;
+            }
+            if get(&raw const (*sc).busy) != 0 {
+                return NONE;
+            }
+            free[k] = get(&raw const (*sc).free);
+            first_free[k] = get(&raw const (*sc).first_free);
+        }
+    }
+    // SAFETY: the caller's scratch record.
+    let (victim, victim_tag) = if free[0] != 0 && free[0] >= free[1] {
+        (first_free[0], 0)
+    } else if free[1] != 0 {
+        (first_free[1], 0)
+    } else {
+        unsafe {
+            (
+                get(&raw const (*sc).oldest_slot),
+                get(&raw const (*sc).oldest_tag),
+            )
+        }
+    };
+    if victim == NONE {
+        return NONE;
+    }
+    let Some(s) = CLIENTS.get_ptr_mut((victim / WAYS as u64) as u32) else {
+        return NONE;
+    };
+    let vw = (victim % WAYS as u64) as usize;
+    if vw >= STORE_WAYS {
+        return NONE;
+    }
+    // SAFETY: non-null key; a live map value, which the claim makes this CPU's alone to
+    // write until it publishes.
+    unsafe {
+        let key = &*key;
+        let vtag = &raw mut (*s).tags[vw];
+        if !atomic::cas(vtag, victim_tag, tag | SLOT_BUSY) {
+            return NONE;
+        }
+        let src = &key.addr as *const [u8; 16] as *const u64;
+        let dst = &raw mut (*s).slots[vw].addr as *mut u64;
+        core::ptr::write_volatile(dst, core::ptr::read_unaligned(src));
+        core::ptr::write_volatile(dst.add(1), core::ptr::read_unaligned(src.add(1)));
+        let st = &raw mut (*s).slots[vw].state;
+        atomic::store(&raw mut (*st).stamp, 0);
+        atomic::store(&raw mut (*st).cur, 0);
+        atomic::store(&raw mut (*st).prev, 0);
+        atomic::store(&raw mut (*st).packets, 0);
+        atomic::store(&raw mut (*st).bytes, 0);
+        atomic::store(&raw mut (*st).last_ns, 0);
+        atomic::store(&raw mut (*st).drops, 0);
+        atomic::store(&raw mut (*st).last_exceed_ns, 0);
+        atomic::store(&raw mut (*st).ban_stamp, 0);
+        atomic::store(&raw mut (*st).seen_cur, 0);
+        atomic::store(&raw mut (*st).seen_prev, 0);
+        // Another CPU may have claimed another slot for the same key since the scan.
+        let mut rival = rl_store_rival(a, key, tag, victim);
+        if rival == NONE && b != a {
+            rival = rl_store_rival(b, key, tag, victim);
+        }
+        if rival != NONE {
+            atomic::store(vtag, 0);
+            // Published already: use it (busy: give way, this packet goes to the overflow).
+            return match state(rival) {
+                Some(_) if rl_store_find(key, tag, sets) == rival => rival,
+                _ => NONE,
+            };
+        }
+        atomic::swap(vtag, tag);
+    }
+    stats::add(slot as u32, global::STATE_CREATED, 0);
+    if victim_tag != 0 {
+        stats::add(slot as u32, global::STATE_EVICTED, 0);
+    }
+    victim
+}
+
+/// The bench's floor: the state of `key`, found as every packet finds it.
+#[cfg(feature = "bench")]
+#[inline(always)]
+pub fn bench_lookup(key: &ClientKey, sets: u32) -> Option<*mut ClientState> {
+    use ratelimit_common::maps::{known_hash, slot_tag, store_sets_of};
+    let hash = known_hash(key.rule, key.prefix_len, &key.addr);
+    lookup(
+        key,
+        slot_tag(key.rule, key.prefix_len, hash),
+        store_sets_of(hash, sets),
+    )
+}
