@@ -1,8 +1,9 @@
 //! The per-source store (`RL_CLIENTS`): the state of every `KEY_IP` client, in an array of
-//! sets of `STORE_WAYS` slots of 112 bytes (see `ratelimit_common::maps::Slot`). A key's set
-//! is chosen by its hash; a lookup compares the set's tags and addresses, with no hash-table
-//! element header, bucket array or chain. When a set is full, a new source takes the slot
-//! of the state idle the longest in its set (the oldest `last_ns`): the set's least
+//! sets of `STORE_WAYS` slots (see `ratelimit_common::maps::StoreSet`). A key may live in
+//! either of two sets chosen by its hash; a lookup reads a set's line of tags, then the
+//! address of the slot whose tag matches: no hash-table element header, bucket array or
+//! chain. A new key takes a free slot of the set with more of them; when both are full, the
+//! slot of the state idle the longest (the oldest `last_ns`) in the two sets: their least
 //! recently used, counted in `STATE_EVICTED`.
 //!
 //! Concurrency, without locks:
@@ -10,15 +11,19 @@
 //!   to the busy tag of the new key, writes the address and a zeroed state, and publishes the
 //!   key's tag by an atomic swap (a full barrier). A lookup matches only a published tag and
 //!   the full address, so it never sees a half-written slot as a client.
-//! * Two CPUs inserting the same new source at once: after its claim, each looks at the other
-//!   ways of the set, and one that sees the other's claim (busy with the same tag, or
-//!   published) gives its slot back. The claims are atomic and each look comes after its own
-//!   claim, so at least the later of the two sees the other: a key is never held twice. A
-//!   packet whose CPU gave its slot back is limited in its rule's overflow state.
+//! * Two CPUs inserting the same new source at once: both choose the same slot from the same
+//!   view, and the one whose claim fails (or that finds the slot busy with the key's tag)
+//!   waits a bounded number of reads for the other to publish, then uses that slot. Should
+//!   their views differ (a third CPU filled a slot in between, so they choose different
+//!   slots), each looks at the two sets again after its claim, and one that sees the other's
+//!   claim gives its slot back: the claims are atomic and each look follows its own claim,
+//!   so at least the later of the two sees the other, and a key is never held twice. A packet
+//!   whose CPU gave way or waited in vain is limited in its rule's overflow state
+//!   (`STATE_INSERT_FAILED`).
 //! * A CPU that found a state before it was evicted may add one packet to the slot's next
 //!   state (as with the kernel's LRU hash, which reuses an element without a grace period):
-//!   eviction takes the state idle longest, so this needs a packet of a source idle longer
-//!   than every other source of its set.
+//!   eviction takes the state idle longest in 16 slots, so this needs a packet of a source
+//!   idle longer than the 15 others at the moment a new source takes its slot.
 
 use aya_ebpf::{bindings::BPF_F_MMAPABLE, macros::map, maps::Array};
 use ratelimit_common::{
@@ -124,8 +129,8 @@ pub fn state(i: u64) -> Option<*mut ClientState> {
 pub struct Scan {
     /// The slot holding the key, or `NONE`.
     pub found: u64,
-    /// Non-zero: a slot of the set is being written for the key's tag (most likely this key,
-    /// by another CPU).
+    /// A slot of the set being written for the key's tag (most likely this key, by another
+    /// CPU), or `NONE`.
     pub busy: u64,
     /// Free slots in the set, and the first of them (`NONE` if none).
     pub free: u64,
@@ -160,7 +165,7 @@ pub extern "C" fn rl_store_scan(set: u64, key: *const ClientKey, tag: u64, sc: *
     // SAFETY: non-null pointers to the caller's key and scratch record.
     let (key, sc) = unsafe { (&*key, &mut *sc) };
     put(&raw mut sc.found, NONE);
-    put(&raw mut sc.busy, 0);
+    put(&raw mut sc.busy, NONE);
     put(&raw mut sc.free, 0);
     put(&raw mut sc.first_free, NONE);
     let Some(s) = CLIENTS.get_ptr(set as u32) else {
@@ -175,7 +180,7 @@ pub extern "C" fn rl_store_scan(set: u64, key: *const ClientKey, tag: u64, sc: *
             return 1;
         }
         if t == busy {
-            put(&raw mut sc.busy, 1);
+            put(&raw mut sc.busy, i);
             return 1;
         }
         if t == 0 {
@@ -194,6 +199,37 @@ pub extern "C" fn rl_store_scan(set: u64, key: *const ClientKey, tag: u64, sc: *
         }
     }
     1
+}
+
+/// Slot `i` is being written for `key`'s tag by another CPU: wait (a bounded number of
+/// reads, a fraction of a microsecond) for it to publish `key` there, and return `i`; `NONE`
+/// if it does not (it gave the slot back, or is slow), and this packet is limited in its
+/// rule's overflow state. A global BPF function, verified once.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn rl_store_await(i: u64, key: *const ClientKey, tag: u64) -> u64 {
+    if key.is_null() || i == NONE {
+        return NONE;
+    }
+    // SAFETY: non-null pointer to the caller's key.
+    let key = unsafe { &*key };
+    let Some(s) = CLIENTS.get_ptr((i / WAYS as u64) as u32) else {
+        return NONE;
+    };
+    let w = (i % WAYS as u64) as usize;
+    if w >= STORE_WAYS {
+        return NONE;
+    }
+    for _ in 0..1024 {
+        let t = tag_of(s, w);
+        if t == tag {
+            return if same_addr(s, w, &key.addr) { i } else { NONE };
+        }
+        if t != tag | SLOT_BUSY {
+            return NONE;
+        }
+    }
+    NONE
 }
 
 /// Whether another slot of `set` than `mine` holds `key` (tag `tag`) or is being written for
@@ -259,8 +295,9 @@ pub extern "C" fn rl_store_insert(
             if found != NONE {
                 return found;
             }
-            if get(&raw const (*sc).busy) != 0 {
-                return NONE;
+            let busy = get(&raw const (*sc).busy);
+            if busy != NONE {
+                return rl_store_await(busy, key, tag);
             }
             free[k] = get(&raw const (*sc).free);
             first_free[k] = get(&raw const (*sc).first_free);
@@ -295,7 +332,8 @@ pub extern "C" fn rl_store_insert(
         let key = &*key;
         let vtag = &raw mut (*s).tags[vw];
         if !atomic::cas(vtag, victim_tag, tag | SLOT_BUSY) {
-            return NONE;
+            // Another CPU took the slot first: most likely for this key.
+            return rl_store_await(victim, key, tag);
         }
         let src = &key.addr as *const [u8; 16] as *const u64;
         let dst = &raw mut (*s).slots[vw].addr as *mut u64;

@@ -1549,3 +1549,199 @@ algorithm = "fixed_window"
     plain.sort();
     assert_eq!(plain, [(KEY_IP, 152, 147), (KEY_OVERFLOW, 152, 147)]);
 }
+
+/// The per-source store, against a model of it: in a store of 4 sets of 8 slots, each new
+/// source takes a free slot of the one of its two sets with more of them, and when both are
+/// full, the slot of the state idle longest in the two; a source seen again is the most
+/// recent. After 300 sources (every fifth packet a tracked source seen again), every slot
+/// holds exactly the source the model puts there, and `state_created` / `state_evicted` are
+/// the model's counts.
+#[test]
+fn the_store_evicts_the_state_idle_longest_in_a_new_sources_two_sets() {
+    if skip_unless_kernel() {
+        return;
+    }
+    use ratelimit_common::maps::{STORE_WAYS, known_hash, slot_tag, store_sets_of};
+    // An interval under a second: judged on the precise clock, so every packet's last-seen
+    // time is its own.
+    const STORE_CONFIG: &str = r#"
+[tracking]
+new_sources_per_sec = 0
+max_sources = 32
+
+[[rule]]
+name = "udp"
+match = { protocol = "udp", dst_ports = ["9000"] }
+threshold = { count = 1000, interval = "100ms" }
+algorithm = "fixed_window"
+"#;
+    let pins = Pins::new();
+    let mut dp = Datapath::load(&pins.0, 32).expect("load program");
+    let mut maps = dp.take_maps().expect("maps");
+    let cfg = config::parse("store.toml", STORE_CONFIG).expect("config");
+    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
+    let sets = maps.clients.sets();
+    assert_eq!((sets, maps.clients.capacity()), (4, 32));
+    let rules = vec!["udp".to_string()];
+    let addr_of = |a: [u8; 4]| ratelimit_common::addr::IpKey::from_v4(a).addr;
+
+    // The model: per slot, (source, time of its last packet).
+    let mut model: Vec<Option<([u8; 4], u64)>> = vec![None; 32];
+    let (mut created, mut evicted) = (0u64, 0u64);
+    let mut model_packet = |model: &mut Vec<Option<([u8; 4], u64)>>, a: [u8; 4], now: u64| {
+        if let Some(s) = model.iter_mut().flatten().find(|s| s.0 == a) {
+            s.1 = now;
+            return;
+        }
+        let (x, y) = store_sets_of(known_hash(0, 128, &addr_of(a)), sets);
+        let ways = |set: u32| (set as usize * STORE_WAYS)..(set as usize + 1) * STORE_WAYS;
+        let scan: Vec<std::ops::Range<usize>> = if x == y {
+            vec![ways(x)]
+        } else {
+            vec![ways(x), ways(y)]
+        };
+        let free: Vec<usize> = scan
+            .iter()
+            .map(|r| r.clone().filter(|&i| model[i].is_none()).count())
+            .collect();
+        let first_free = |k: usize| scan[k].clone().find(|&i| model[i].is_none());
+        let oldest = scan
+            .iter()
+            .flat_map(|r| r.clone())
+            .filter(|&i| model[i].is_some())
+            .fold(None, |best: Option<usize>, i| match best {
+                Some(b) if model[b].unwrap().1 <= model[i].unwrap().1 => Some(b),
+                _ => Some(i),
+            });
+        let second = free.get(1).copied().unwrap_or(0);
+        let victim = if free[0] != 0 && free[0] >= second {
+            first_free(0).unwrap()
+        } else if second != 0 {
+            first_free(1).unwrap()
+        } else {
+            evicted += 1;
+            oldest.unwrap()
+        };
+        created += 1;
+        model[victim] = Some((a, now));
+    };
+
+    let send = |dp: &Datapath, a: [u8; 4]| {
+        let f = v4(a).udp(40000, 9000).build();
+        assert_eq!(dp.test_run(&f, 1).unwrap().0, XDP_PASS);
+    };
+    let before = counters(&maps, &rules);
+    let mut now = 0u64;
+    for i in 0..300u32 {
+        now += 1;
+        if i % 5 == 4 {
+            // A tracked source seen again: the one the model holds idle longest.
+            let again = model.iter().flatten().min_by_key(|s| s.1).unwrap().0;
+            send(&dp, again);
+            model_packet(&mut model, again, now);
+        } else {
+            let a = (0xc612_0000u32 + i).to_be_bytes();
+            send(&dp, a);
+            model_packet(&mut model, a, now);
+        }
+    }
+    let d = delta(&before, &counters(&maps, &rules));
+    let mut got: Vec<Option<[u8; 4]>> = vec![None; 32];
+    maps.clients
+        .walk_slots(&mut |i, tag, s| {
+            let a = [s.addr[12], s.addr[13], s.addr[14], s.addr[15]];
+            assert_eq!(tag, slot_tag(0, 128, known_hash(0, 128, &s.addr)));
+            got[i as usize] = Some(a);
+        })
+        .unwrap();
+    let want: Vec<Option<[u8; 4]>> = model.iter().map(|s| s.map(|s| s.0)).collect();
+    assert_eq!(got, want);
+    assert_eq!(d.get("state_created"), Some(&created), "{d:?}");
+    assert_eq!(d.get("state_evicted"), Some(&evicted), "{d:?}");
+    assert_eq!(d.get("state_insert_failed"), None, "{d:?}");
+    assert!(evicted > 150, "{evicted}");
+    println!("300 packets: {created} states created, {evicted} evicted, as the model says");
+    assert_eq!(report::tracked_clients(&maps).unwrap(), 32);
+}
+
+/// Two CPUs sending the same 4000 new sources at once: a source never holds two slots, and
+/// every packet is counted once, in its source's state or (a CPU that gave way to the other's
+/// insert, `state_insert_failed`) the rule's overflow state.
+#[test]
+fn two_cpus_inserting_the_same_sources_keep_one_state_each() {
+    if skip_unless_kernel() {
+        return;
+    }
+    const RACE_CONFIG: &str = r#"
+[tracking]
+new_sources_per_sec = 0
+
+[[rule]]
+name = "udp"
+match = { protocol = "udp", dst_ports = ["9000"] }
+threshold = { count = 1000000, interval = "1h" }
+algorithm = "fixed_window"
+"#;
+    if std::thread::available_parallelism().map_or(1, |n| n.get()) < 2 {
+        eprintln!("skipped: one CPU");
+        return;
+    }
+    let pins = Pins::new();
+    let mut dp = Datapath::load(&pins.0, 65536).expect("load program");
+    let mut maps = dp.take_maps().expect("maps");
+    let cfg = config::parse("race.toml", RACE_CONFIG).expect("config");
+    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
+    let rules = vec!["udp".to_string()];
+    const N: u32 = 4000;
+    let frames: Vec<Vec<u8>> = (0..N)
+        .map(|i| {
+            v4((0x0a10_0000u32 + i).to_be_bytes())
+                .udp(40000, 9000)
+                .build()
+        })
+        .collect();
+    let before = counters(&maps, &rules);
+    let go = std::sync::Barrier::new(2);
+    std::thread::scope(|sc| {
+        for cpu in 0..2 {
+            let (dp, frames, go) = (&dp, &frames, &go);
+            sc.spawn(move || {
+                ratelimit_tests::sender::pin_current_thread(cpu).expect("pin");
+                go.wait();
+                for f in frames {
+                    assert_eq!(dp.test_run(f, 1).unwrap().0, XDP_PASS);
+                }
+            });
+        }
+    });
+    let d = delta(&before, &counters(&maps, &rules));
+    let mut seen = std::collections::HashMap::new();
+    let (mut own, mut overflow) = (0u64, 0u64);
+    report::for_each_client(&maps, |k, s| {
+        if k.kind == ratelimit_common::maps::KEY_OVERFLOW {
+            overflow += s.packets;
+        } else {
+            *seen.entry(k.addr).or_insert(0u32) += 1;
+            own += s.packets;
+            assert_eq!(s.drop_count(), 0, "{k:?}");
+        }
+    })
+    .unwrap();
+    let twice = seen.values().filter(|&&n| n > 1).count();
+    assert_eq!(twice, 0, "{twice} sources hold two slots");
+    assert_eq!(own + overflow, 2 * N as u64, "{own} + {overflow}");
+    assert_eq!(
+        d.get("state_created").copied().unwrap_or(0),
+        seen.len() as u64,
+        "{d:?}"
+    );
+    assert_eq!(
+        d.get("state_insert_failed").copied().unwrap_or(0),
+        overflow,
+        "{d:?}"
+    );
+    println!(
+        "{} sources tracked, {overflow} packets gave way to the other CPU's insert",
+        seen.len()
+    );
+}
