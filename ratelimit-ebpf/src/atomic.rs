@@ -102,3 +102,27 @@ pub unsafe fn swap(p: *mut u64, v: u64) -> u64 {
 pub unsafe fn cas(p: *mut u64, old: u64, new: u64) -> bool {
     unsafe { intrinsics::atomic_cxchg::<u64, { Relaxed }, { Relaxed }>(p, old, new).1 }
 }
+
+/// A relaxed 32-bit load (see `load`).
+#[inline(always)]
+pub unsafe fn load32(p: *const u32) -> u32 {
+    unsafe { core::ptr::read_volatile(p) }
+}
+
+/// A relaxed 32-bit store (see `load`).
+#[inline(always)]
+pub unsafe fn store32(p: *mut u32, v: u32) {
+    unsafe { core::ptr::write_volatile(p, v) }
+}
+
+/// 32-bit BPF_XCHG (cpu v3, which the linker targets).
+#[inline(always)]
+pub unsafe fn swap32(p: *mut u32, v: u32) -> u32 {
+    unsafe { intrinsics::atomic_xchg::<u32, { Relaxed }>(p, v) }
+}
+
+/// 32-bit compare-and-swap (cpu v3): true if `*p` was `old` and is now `new`.
+#[inline(always)]
+pub unsafe fn cas32(p: *mut u32, old: u32, new: u32) -> bool {
+    unsafe { intrinsics::atomic_cxchg::<u32, { Relaxed }, { Relaxed }>(p, old, new).1 }
+}

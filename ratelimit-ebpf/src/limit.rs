@@ -495,7 +495,7 @@ fn state_for(
     let i = if env.store_sets == 0 {
         NONE
     } else {
-        store::rl_store_insert(key, tag, store::pack(sets), env.slot as u64, scan)
+        store::rl_store_insert(key, tag as u64, store::pack(sets), env.slot as u64, scan)
     };
     match store::state(i) {
         Some(p) => Got::State(p),

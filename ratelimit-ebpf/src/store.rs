@@ -58,14 +58,14 @@ fn same_addr(s: *const StoreSet, w: usize, addr: &[u8; 16]) -> bool {
 }
 
 #[inline(always)]
-fn tag_of(s: *const StoreSet, w: usize) -> u64 {
+fn tag_of(s: *const StoreSet, w: usize) -> u32 {
     // SAFETY: a live map value, `w` a way.
-    unsafe { atomic::load(&raw const (*s).tags[w]) }
+    unsafe { atomic::load32(&raw const (*s).tags[w]) }
 }
 
 /// The slot of `key` (whose tag is `tag`) in `set`, or `NONE`.
 #[inline(always)]
-fn find_in(set: u32, key: &ClientKey, tag: u64) -> u64 {
+fn find_in(set: u32, key: &ClientKey, tag: u32) -> u64 {
     let Some(s) = CLIENTS.get_ptr(set) else {
         return NONE;
     };
@@ -88,6 +88,7 @@ pub extern "C" fn rl_store_find(key: *const ClientKey, tag: u64, sets: u64) -> u
     }
     // SAFETY: non-null pointer to the caller's key.
     let key = unsafe { &*key };
+    let tag = tag as u32;
     let (a, b) = (sets as u32, (sets >> 32) as u32);
     let i = find_in(a, key, tag);
     if i != NONE || a == b {
@@ -104,8 +105,8 @@ pub fn pack(sets: (u32, u32)) -> u64 {
 
 /// The state of `key` (whose tag is `tag`), in either of its sets.
 #[inline(always)]
-pub fn lookup(key: &ClientKey, tag: u64, sets: (u32, u32)) -> Option<*mut ClientState> {
-    state(rl_store_find(key, tag, pack(sets)))
+pub fn lookup(key: &ClientKey, tag: u32, sets: (u32, u32)) -> Option<*mut ClientState> {
+    state(rl_store_find(key, tag as u64, pack(sets)))
 }
 
 /// The state in slot `i` (as [`rl_store_insert`] names it).
@@ -164,6 +165,7 @@ pub extern "C" fn rl_store_scan(set: u64, key: *const ClientKey, tag: u64, sc: *
     }
     // SAFETY: non-null pointers to the caller's key and scratch record.
     let (key, sc) = unsafe { (&*key, &mut *sc) };
+    let tag = tag as u32;
     put(&raw mut sc.found, NONE);
     put(&raw mut sc.busy, NONE);
     put(&raw mut sc.free, 0);
@@ -194,7 +196,7 @@ pub extern "C" fn rl_store_scan(set: u64, key: *const ClientKey, tag: u64, sc: *
             if last < get(&raw const sc.oldest_ns) {
                 put(&raw mut sc.oldest_ns, last);
                 put(&raw mut sc.oldest_slot, i);
-                put(&raw mut sc.oldest_tag, t);
+                put(&raw mut sc.oldest_tag, t as u64);
             }
         }
     }
@@ -213,6 +215,7 @@ pub extern "C" fn rl_store_await(i: u64, key: *const ClientKey, tag: u64) -> u64
     }
     // SAFETY: non-null pointer to the caller's key.
     let key = unsafe { &*key };
+    let tag = tag as u32;
     let Some(s) = CLIENTS.get_ptr((i / WAYS as u64) as u32) else {
         return NONE;
     };
@@ -242,6 +245,7 @@ pub extern "C" fn rl_store_rival(set: u64, key: *const ClientKey, tag: u64, mine
     }
     // SAFETY: non-null pointer to the caller's key.
     let key = unsafe { &*key };
+    let tag = tag as u32;
     let Some(s) = CLIENTS.get_ptr(set as u32) else {
         return NONE;
     };
@@ -304,7 +308,7 @@ pub extern "C" fn rl_store_insert(
         }
     }
     // SAFETY: the caller's scratch record.
-    let (victim, victim_tag) = if free[0] != 0 && free[0] >= free[1] {
+    let (victim, victim_tag): (u64, u64) = if free[0] != 0 && free[0] >= free[1] {
         (first_free[0], 0)
     } else if free[1] != 0 {
         (first_free[1], 0)
@@ -331,7 +335,8 @@ pub extern "C" fn rl_store_insert(
     unsafe {
         let key = &*key;
         let vtag = &raw mut (*s).tags[vw];
-        if !atomic::cas(vtag, victim_tag, tag | SLOT_BUSY) {
+        let tag32 = tag as u32;
+        if !atomic::cas32(vtag, victim_tag as u32, tag32 | SLOT_BUSY) {
             // Another CPU took the slot first: most likely for this key.
             return rl_store_await(victim, key, tag);
         }
@@ -357,14 +362,14 @@ pub extern "C" fn rl_store_insert(
             rival = rl_store_rival(b, key, tag, victim);
         }
         if rival != NONE {
-            atomic::store(vtag, 0);
+            atomic::store32(vtag, 0);
             // Published already: use it (busy: give way, this packet goes to the overflow).
             return match state(rival) {
                 Some(_) if rl_store_find(key, tag, sets) == rival => rival,
                 _ => NONE,
             };
         }
-        atomic::swap(vtag, tag);
+        atomic::swap32(vtag, tag32);
     }
     stats::add(slot as u32, global::STATE_CREATED, 0);
     if victim_tag != 0 {

@@ -11,7 +11,7 @@ use std::{
     os::fd::{AsFd as _, AsRawFd as _},
     path::Path,
     ptr::NonNull,
-    sync::atomic::{AtomicU64, Ordering},
+    sync::atomic::{AtomicU32, Ordering},
 };
 
 use anyhow::{Context as _, anyhow, bail};
@@ -123,11 +123,11 @@ impl ClientStore {
         unsafe { self.base.as_ptr().add(set as usize) }
     }
 
-    fn tag(&self, i: SlotIndex) -> &AtomicU64 {
+    fn tag(&self, i: SlotIndex) -> &AtomicU32 {
         let s = self.set((i / STORE_WAYS as u64) as u32);
         // SAFETY: an 8-aligned word inside the mapping, shared with the program, which
         // accesses it atomically too.
-        unsafe { AtomicU64::from_ptr(&raw mut (*s).tags[(i % STORE_WAYS as u64) as usize]) }
+        unsafe { AtomicU32::from_ptr(&raw mut (*s).tags[(i % STORE_WAYS as u64) as usize]) }
     }
 
     fn slot(&self, i: SlotIndex) -> *mut ratelimit_common::maps::Slot {
@@ -137,7 +137,7 @@ impl ClientStore {
     }
 
     /// The slots of `key`'s two sets (the second's only if it is another set) and its tag.
-    fn place(&self, key: &ClientKey) -> (Vec<SlotIndex>, u64) {
+    fn place(&self, key: &ClientKey) -> (Vec<SlotIndex>, u32) {
         let hash = known_hash(key.rule, key.prefix_len, &key.addr);
         let (a, b) = store_sets_of(hash, self.sets);
         let w = STORE_WAYS as u64;
@@ -177,7 +177,7 @@ impl ClientStore {
             bail!("only per-source keys live in the store");
         }
         let (slots, tag) = self.place(key);
-        let claim = |i: SlotIndex, from: u64| {
+        let claim = |i: SlotIndex, from: u32| {
             self.tag(i)
                 .compare_exchange(from, tag | SLOT_BUSY, Ordering::AcqRel, Ordering::Relaxed)
                 .is_ok()
@@ -238,8 +238,8 @@ impl ClientStore {
             let _ = self.shared.remove(k);
         }
         let mut ready = Vec::new();
-        self.walk_slots(&mut |i, tag, _| {
-            if stale.contains(&(tag as u8)) {
+        self.walk_slots(&mut |i, tag, s| {
+            if stale.contains(&slot_key(tag, s.addr).rule) {
                 ready.push((i, tag));
             }
         })?;
@@ -277,7 +277,7 @@ impl ClientStore {
     /// Call `f` on every ready slot: its index, tag and contents.
     pub fn walk_slots(
         &self,
-        f: &mut dyn FnMut(SlotIndex, u64, &ratelimit_common::maps::Slot),
+        f: &mut dyn FnMut(SlotIndex, u32, &ratelimit_common::maps::Slot),
     ) -> anyhow::Result<()> {
         batch_walk::<u32, StoreSet>(&self.sets_map, 1024, &mut |set, s| {
             for (w, (&tag, slot)) in s.tags.iter().zip(&s.slots).enumerate() {
