@@ -153,7 +153,8 @@ pub struct GlobalConfig {
 
 /// The per-CPU, per-tick cap on new states for a budget of `rate` per second, on a kernel
 /// whose timer tick is `tick_ns`: twice the budget's share of a tick, and at least 64. An
-/// insert into a full LRU map costs about a microsecond; a burst of 10,000 at once holds a
+/// insert into a full store costs up to a microsecond (it reads the last-seen times of the
+/// 16 slots of two sets no cache holds); a burst of 10,000 at once holds a
 /// CPU for ~10 ms, longer than a 256-frame receive ring lasts at a million frames per second,
 /// while 64 take well under 0.1 ms.
 pub fn admission_tick_cap(rate: u64, tick_ns: u64) -> u32 {

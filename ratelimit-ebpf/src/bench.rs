@@ -27,12 +27,6 @@ static VARY: Array<[u64; 3]> = Array::with_max_entries(1, 0);
 #[map(name = "RL_BENCH_SEQ")]
 static SEQ: PerCpuArray<u64> = PerCpuArray::with_max_entries(1, 0);
 
-/// Probe of the kernel's per-element cost of an LRU hash: 8-byte keys and values, so the
-/// bench can subtract them from the map's accounting (`max_entries` set at load).
-#[map(name = "RL_BENCH_PROBE")]
-static PROBE: aya_ebpf::maps::LruHashMap<u64, u64> =
-    aya_ebpf::maps::LruHashMap::with_max_entries(1 << 20, 0);
-
 /// Memory-latency floors of any per-client store: one line per tracked source in an array
 /// indexed directly by the source's place in the populated set (no hashing, no key to
 /// compare), a 64-byte cache line or a 16-byte sliver of one (`max_entries` set at load, to
@@ -96,8 +90,6 @@ pub fn vary_source(ctx: &XdpContext) -> u32 {
 #[xdp]
 pub fn ref_clock(_ctx: XdpContext) -> u32 {
     core::hint::black_box(unsafe { bpf_ktime_get_ns() });
-    // Reference the probe map so it is part of the object.
-    core::hint::black_box(unsafe { PROBE.get(&0) }.is_some());
     xdp_action::XDP_PASS
 }
 

@@ -1152,7 +1152,7 @@ algorithm = "fixed_window"
     }
     println!("{rebuilds} rebuilds during the inserts; {states} states, {hidden} hidden");
     assert!(rebuilds >= 2, "{rebuilds} rebuilds");
-    assert!(states > 2048, "the map is nearly full (LRU): {states}");
+    assert!(states > 2048, "the store is nearly full: {states}");
     assert_eq!(hidden, 0);
 }
 

@@ -226,11 +226,11 @@ fn draw_scale(path: &Path, results: &Value) -> Result<bool, String> {
             .draw_series(one.iter().map(|p| Circle::new(*p, 4, green.filled())))
             .map_err(err)?;
     }
-    // The floors over the same spread: the hash map's, and a directly indexed line per source.
+    // The floors over the same spread: the store's, and a directly indexed line per source.
     let floors = [
         (
             "floor_ns",
-            "floor: one hash-map lookup and atomic add",
+            "floor: one store lookup and atomic add",
             PALETTE[1],
         ),
         (
