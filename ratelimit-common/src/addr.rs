@@ -1,5 +1,16 @@
-//! Addresses as the maps see them: every address is 16 bytes, IPv4 mapped into `::ffff:0:0/96`,
-//! so one LPM trie serves both families and an IPv4 /N prefix is an IPv6 /(96+N) prefix.
+//! Addresses as the maps see them.
+//!
+//! Every address is 16 bytes, IPv4 mapped into `::ffff:0:0/96` ([`IpKey`]), so the per-source
+//! store and the per-client keys hold both families in one shape and an IPv4 /N prefix is a
+//! /(96+N) prefix of the 16 bytes. That alone would let an IPv6 prefix such as `::/64` or
+//! `::/8` cover every IPv4 address, so the LPM tries are keyed by [`LpmAddr`] instead: a
+//! family byte, then the 16 bytes, with the family's 8 bits in front of every prefix. No IPv6
+//! prefix can then cover an IPv4 key, nor an IPv4 prefix an IPv6 one.
+//!
+//! The family of a 16-byte key is read from the key itself ([`IpKey::is_v4`]): the program
+//! drops IPv6 packets whose source is IPv4-mapped (or any other IPv6 bogon, see
+//! [`is_v6_bogon`]) before giving them any key, and an IPv6 source masked to fewer than 96
+//! bits keeps fewer than all of bits 80..96 set, so an IPv6 key never looks IPv4-mapped.
 
 /// Prefix length of the IPv4-mapped range `::ffff:0:0/96`.
 pub const V4_MAPPED_PREFIX: u32 = 96;
@@ -32,7 +43,10 @@ impl IpKey {
     /// True when the address is in the IPv4-mapped range.
     #[inline(always)]
     pub fn is_v4(&self) -> bool {
-        self.addr[..10] == [0u8; 10] && self.addr[10] == 0xff && self.addr[11] == 0xff
+        let a = &self.addr;
+        let hi = u64::from_ne_bytes([a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]]);
+        let mid = u32::from_be_bytes([a[8], a[9], a[10], a[11]]);
+        hi == 0 && mid == 0x0000_ffff
     }
 
     /// Zeroes every bit after the first `prefix_len` bits (0..=128).
@@ -52,9 +66,118 @@ impl IpKey {
     }
 }
 
+/// `LpmAddr::family` of an IPv4 key.
+pub const FAMILY_V4: u8 = 4;
+/// `LpmAddr::family` of an IPv6 key.
+pub const FAMILY_V6: u8 = 6;
+/// Prefix bits taken by `LpmAddr::family` in front of every trie prefix.
+pub const FAMILY_BITS: u32 = 8;
+
+/// Data part of the LPM tries' keys (lists, bans, regions): the family, then the address as
+/// [`IpKey`] holds it. The trie prefix is `FAMILY_BITS` + the prefix over the 16 bytes.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, PartialOrd, Ord)]
+pub struct LpmAddr {
+    pub family: u8,
+    pub addr: [u8; 16],
+}
+
+impl LpmAddr {
+    /// The trie address of a 16-byte key, its family read from the key.
+    #[inline(always)]
+    pub fn of(key: &IpKey) -> Self {
+        Self {
+            family: if key.is_v4() { FAMILY_V4 } else { FAMILY_V6 },
+            addr: key.addr,
+        }
+    }
+}
+
+/// The trie prefix length of a prefix of `prefix_len` bits over the 16-byte address.
+#[inline(always)]
+pub const fn lpm_prefix(prefix_len: u32) -> u32 {
+    FAMILY_BITS + prefix_len
+}
+
+/// Whether an IPv6 source address is a bogon no real packet from the outside carries:
+/// unspecified (`::`), loopback (`::1`), IPv4-compatible (`::/96`, which holds both),
+/// IPv4-mapped (`::ffff:0:0/96`, which would alias an IPv4 client) or multicast (`ff00::/8`).
+#[inline(always)]
+pub fn is_v6_bogon(addr: &[u8; 16]) -> bool {
+    if addr[0] == 0xff {
+        return true;
+    }
+    let hi = u64::from_be_bytes([
+        addr[0], addr[1], addr[2], addr[3], addr[4], addr[5], addr[6], addr[7],
+    ]);
+    let mid = u32::from_be_bytes([addr[8], addr[9], addr[10], addr[11]]);
+    hi == 0 && (mid == 0 || mid == 0x0000_ffff)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn v6_bogons_are_exactly_the_listed_classes() {
+        let v6 = |s: &str| s.parse::<core::net::Ipv6Addr>().unwrap().octets();
+        for a in [
+            "::",
+            "::1",
+            "::203.0.113.9",
+            "::ffff:203.0.113.9",
+            "::ffff:0:0",
+            "ff02::1",
+            "ff0e::1234",
+        ] {
+            assert!(is_v6_bogon(&v6(a)), "{a}");
+        }
+        for a in [
+            "2001:db8::1",
+            "fe80::1",
+            "fc00::1",
+            "::1:0:0:1",
+            "::fffe:0:1",
+            "0:0:0:1::",
+            "64:ff9b::203.0.113.9",
+            "fe00::1",
+        ] {
+            assert!(!is_v6_bogon(&v6(a)), "{a}");
+        }
+    }
+
+    #[test]
+    fn masked_ipv6_keys_of_non_bogon_sources_never_look_ipv4() {
+        // A non-bogon source masked to any length: never in `::ffff:0:0/96`, so its trie
+        // family is IPv6 and the per-source store never holds it where an IPv4 key lives.
+        let sources: [[u8; 16]; 4] = [
+            "::1:0:0:1".parse::<core::net::Ipv6Addr>().unwrap().octets(),
+            "::1:ffff:0:1"
+                .parse::<core::net::Ipv6Addr>()
+                .unwrap()
+                .octets(),
+            "0:0:0:0:0:fffe:ffff:ffff"
+                .parse::<core::net::Ipv6Addr>()
+                .unwrap()
+                .octets(),
+            "2001:db8::ffff:1:2"
+                .parse::<core::net::Ipv6Addr>()
+                .unwrap()
+                .octets(),
+        ];
+        for src in sources {
+            assert!(!is_v6_bogon(&src));
+            for len in 0..=128 {
+                let k = IpKey::from_v6(src).masked(len);
+                assert!(!k.is_v4(), "{src:?}/{len}");
+                assert_eq!(LpmAddr::of(&k).family, FAMILY_V6);
+            }
+        }
+        for len in 0..=32 {
+            let k = IpKey::from_v4([203, 0, 113, 9]).masked(V4_MAPPED_PREFIX + len);
+            assert_eq!(LpmAddr::of(&k).family, FAMILY_V4);
+        }
+    }
 
     #[test]
     fn v4_mapping_and_masking() {

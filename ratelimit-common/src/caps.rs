@@ -9,8 +9,15 @@ pub const MAX_LIST_ENTRIES: u32 = 65_536;
 pub const MAX_RULE_SRC_ENTRIES: u32 = 16_384;
 /// The sources trie holds the allow list, the deny list and every rule's `src` list.
 pub const MAX_SOURCES_ENTRIES: u32 = 2 * MAX_LIST_ENTRIES + MAX_RULE_SRC_ENTRIES;
-/// Active bans. Bans have their own map so that churn in per-client state cannot evict them.
+/// Active rule-issued bans that drop. Bans have their own maps so that churn in per-client
+/// state cannot evict them. A rule ban that finds this table full is held in the client's
+/// own state instead (`maps::BAN_HELD_MARK`).
 pub const MAX_BANS: u32 = 262_144;
+/// The operator's bans (`ratelimit ban add`): a table of their own, kept for the operator,
+/// so that rules filling theirs can never stop `ban add`.
+pub const MAX_OPERATOR_BANS: u32 = 262_144;
+/// Active rule-issued bans that let packets through (preview, `exceed_action = "pass"`).
+pub const MAX_PASSING_BANS: u32 = 65_536;
 /// Per-CIDR threshold overrides, all rules together.
 pub const MAX_OVERRIDES: u32 = 65_536;
 /// Per-region threshold overrides, all rules together.
@@ -30,8 +37,11 @@ pub const MAX_SHARED_STATES: u32 = MAX_RULES * 512;
 pub const DEFAULT_MAX_SOURCES: u32 = 1_000_000;
 /// Events ring buffer size in bytes (a power of two, a multiple of the page size).
 pub const EVENTS_RING_BYTES: u32 = 1 << 20;
-/// VLAN tags the parser walks (802.1ad outer + 802.1Q inner).
+/// VLAN tags a valid frame carries (802.1ad outer + 802.1Q inner).
 pub const MAX_VLAN_DEPTH: usize = 2;
+/// VLAN tags the parser walks to find the source of a frame with more than `MAX_VLAN_DEPTH`
+/// (judged by its source and counted as malformed); a frame with more is unreadable.
+pub const MAX_VLAN_WALK: usize = 8;
 /// IPv6 extension headers the parser walks before giving up and keying by L3 alone.
 pub const MAX_IPV6_EXT_HEADERS: usize = 6;
 /// Longest interval a threshold may use: keeps the sliding-window weight arithmetic in u64.

@@ -18,13 +18,19 @@ mod pod {
     //! `aya::Pod` marks types that may be copied byte-for-byte into and out of BPF maps. Every
     //! type listed is `#[repr(C)]`, has no padding the kernel could leak, and is valid for any
     //! bit pattern.
-    use crate::{addr::IpKey, event::Event, maps::*, stats::Counter};
+    use crate::{
+        addr::{IpKey, LpmAddr},
+        event::Event,
+        maps::*,
+        stats::Counter,
+    };
 
     macro_rules! pod {
         ($($t:ty),* $(,)?) => { $( unsafe impl aya::Pod for $t {} )* };
     }
     pod!(
         IpKey,
+        LpmAddr,
         Counter,
         Event,
         RuleConfig,

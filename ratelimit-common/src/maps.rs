@@ -516,6 +516,37 @@ pub struct BanEntry {
 /// `BanEntry::rule` of a manual ban.
 pub const BAN_RULE_NONE: u32 = u32::MAX;
 
+/// The ban tables, by what their bans do. A ban that drops is never in the same trie as one
+/// that lets packets through, so a longest match that passes can never hide a wider one that
+/// drops (the strictest ban in force wins); and the operator's bans have a table of their
+/// own, which no number of rule-issued bans can fill.
+/// `BAN_TABLE_OPERATOR`: `ratelimit ban add` and restored manual bans (they always drop).
+pub const BAN_TABLE_OPERATOR: u32 = 0;
+/// `BAN_TABLE_RULE`: rule-issued bans that drop.
+pub const BAN_TABLE_RULE: u32 = 1;
+/// `BAN_TABLE_PASSING`: rule-issued bans that let packets on (preview, `exceed_action = pass`).
+pub const BAN_TABLE_PASSING: u32 = 2;
+/// Number of ban tables (`RL_BANS_PRESENT` has one flag for each).
+pub const BAN_TABLES: u32 = 3;
+
+/// The table a ban belongs in, from its flags.
+#[inline(always)]
+pub const fn ban_table(flags: u32) -> u32 {
+    if flags & BAN_MANUAL != 0 {
+        BAN_TABLE_OPERATOR
+    } else if flags & (BAN_PREVIEW | BAN_EXCEED_PASS) != 0 {
+        BAN_TABLE_PASSING
+    } else {
+        BAN_TABLE_RULE
+    }
+}
+
+/// `ClientState::ban_stamp` of a client whose rule ban is held in its own state, because the
+/// rule bans' table was full: `seen_prev` is then the ban's end (`u64::MAX`: until removed)
+/// and `seen_cur` its `BAN_*` flags. The ban meter is not running while a client is banned,
+/// so its words are free; no window index ever reaches this value.
+pub const BAN_HELD_MARK: u64 = u64::MAX;
+
 impl BanEntry {
     /// An operator's ban of `addr/prefix_len` issued at `now_ns`, ending at `expires_ns`
     /// (0 = until removed).
@@ -532,18 +563,23 @@ impl BanEntry {
     }
 }
 
-/// Data part of the per-CIDR override LPM trie key: the rule index first (always matched in
-/// full, so the trie's prefix length is `32 + address prefix`), then the address.
+/// Data part of the per-CIDR override LPM trie key: the rule index first, then the family
+/// (both always matched in full, so the trie's prefix length is `OVERRIDE_RULE_BITS +
+/// address prefix`), then the address.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct OverrideKey {
     /// Rule index, big-endian so it forms the leading bits of the trie key.
     pub rule_be: u32,
+    /// `addr::FAMILY_V4` or `FAMILY_V6`: an IPv6 override never covers an IPv4 client.
+    pub family: u8,
     pub addr: [u8; 16],
+    pub _pad: [u8; 3],
 }
 
-/// Prefix bits taken by `OverrideKey::rule_be`.
-pub const OVERRIDE_RULE_BITS: u32 = 32;
+/// Prefix bits taken by `OverrideKey::rule_be` and `OverrideKey::family`: an override of a
+/// prefix of `N` bits over the 16-byte address has the trie prefix `OVERRIDE_RULE_BITS + N`.
+pub const OVERRIDE_RULE_BITS: u32 = 32 + crate::addr::FAMILY_BITS;
 
 /// Key of the per-region override hash map.
 #[repr(C)]

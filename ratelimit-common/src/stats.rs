@@ -31,49 +31,55 @@ pub mod global {
     pub const DROP_BAN: u32 = 5;
     /// Dropped by a rule's throttle.
     pub const DROP_RULE: u32 = 6;
+    /// Dropped: an IPv6 source no real client has (unspecified, loopback, multicast,
+    /// IPv4-mapped, IPv4-compatible: `addr::is_v6_bogon`). Never given state or a ban.
+    pub const DROP_BOGON: u32 = 7;
     /// Number of verdict counters.
-    pub const VERDICTS: u32 = 7;
+    pub const VERDICTS: u32 = 8;
 
     // Detail counters (a packet may be in several, or none).
     /// Would have been dropped by a preview rule or a preview ban; passed.
-    pub const PREVIEW_WOULD_DROP: u32 = 7;
+    pub const PREVIEW_WOULD_DROP: u32 = 8;
     /// Exceeded a rule whose `exceed_action` is `pass`; passed.
-    pub const EXCEED_PASS: u32 = 8;
+    pub const EXCEED_PASS: u32 = 9;
     /// Banned source whose ban has `exceed_action = pass` or preview; passed on to the rules.
-    pub const BAN_PASS: u32 = 9;
+    pub const BAN_PASS: u32 = 10;
     /// New per-client state created.
-    pub const STATE_CREATED: u32 = 10;
+    pub const STATE_CREATED: u32 = 11;
     /// New source refused per-client state by the admission budget; limited in aggregate.
-    pub const ADMISSION_REFUSED: u32 = 11;
+    pub const ADMISSION_REFUSED: u32 = 12;
     /// Per-client state could not be created (map error); limited in aggregate.
-    pub const STATE_INSERT_FAILED: u32 = 12;
+    pub const STATE_INSERT_FAILED: u32 = 13;
     /// Bans issued by the kernel program.
-    pub const BANS_ISSUED: u32 = 13;
+    pub const BANS_ISSUED: u32 = 14;
     /// Ban could not be recorded because the ban map is full.
-    pub const BAN_INSERT_FAILED: u32 = 14;
+    pub const BAN_INSERT_FAILED: u32 = 15;
     /// Expired bans removed by the kernel program.
-    pub const BANS_EXPIRED: u32 = 15;
+    pub const BANS_EXPIRED: u32 = 16;
     /// Events dropped because the ring buffer was full.
-    pub const EVENTS_LOST: u32 = 16;
+    pub const EVENTS_LOST: u32 = 17;
     /// Non-first fragments (keyed by L3 alone).
-    pub const FRAGMENTS: u32 = 17;
+    pub const FRAGMENTS: u32 = 18;
     /// Malformed: truncated Ethernet or VLAN header, or more VLAN tags than the parser walks.
-    pub const MALFORMED_L2: u32 = 18;
+    pub const MALFORMED_L2: u32 = 19;
     /// Malformed: truncated IPv4 header, IHL < 5, or total length shorter than the header.
-    pub const MALFORMED_IPV4: u32 = 19;
+    pub const MALFORMED_IPV4: u32 = 20;
     /// Malformed: truncated IPv6 header or extension header.
-    pub const MALFORMED_IPV6: u32 = 20;
+    pub const MALFORMED_IPV6: u32 = 21;
     /// Malformed: truncated TCP/UDP/ICMP header on a first fragment.
-    pub const MALFORMED_L4: u32 = 21;
+    pub const MALFORMED_L4: u32 = 22;
     /// IPv6 extension chain longer than the parser walks: keyed by L3 alone.
-    pub const IPV6_EXT_LIMIT: u32 = 22;
+    pub const IPV6_EXT_LIMIT: u32 = 23;
     /// Lock-free update lost its race too many times; counted as exceeding (never over-admits).
-    pub const CONTENDED: u32 = 23;
+    pub const CONTENDED: u32 = 24;
     /// New sources whose per-client lookup the known-sources filter skipped (no state).
-    pub const LOOKUP_SKIPPED: u32 = 24;
+    pub const LOOKUP_SKIPPED: u32 = 25;
     /// A new per-client state took the slot of another (the one idle longest in its set).
-    pub const STATE_EVICTED: u32 = 25;
-    pub const COUNT: u32 = 26;
+    pub const STATE_EVICTED: u32 = 26;
+    /// A rule ban found the rules' share of the ban table full (`caps::RULE_BAN_SHARE`): the
+    /// ban is held in the client's own state instead, and still drops it for its duration.
+    pub const BAN_HELD_IN_STATE: u32 = 27;
+    pub const COUNT: u32 = 28;
 
     /// Names used in reports and metric labels, by index.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -84,6 +90,7 @@ pub mod global {
         "drop_deny",
         "drop_ban",
         "drop_rule",
+        "drop_bogon",
         "preview_would_drop",
         "exceed_pass",
         "ban_pass",
@@ -103,6 +110,7 @@ pub mod global {
         "contended",
         "lookup_skipped",
         "state_evicted",
+        "ban_held_in_state",
     ];
 }
 

@@ -23,8 +23,8 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, lpm_trie::Key},
 };
 use ratelimit_common::{
-    addr::{IpKey, V4_MAPPED_PREFIX},
-    caps::{MAX_BANS, MAX_RULES, MAX_SHARED_STATES},
+    addr::{FAMILY_V4, FAMILY_V6, IpKey, LpmAddr, V4_MAPPED_PREFIX, lpm_prefix},
+    caps::{MAX_BANS, MAX_OPERATOR_BANS, MAX_PASSING_BANS, MAX_RULES, MAX_SHARED_STATES},
     event::{EV_BAN, EV_SOFT_LIMIT, EV_THROTTLE_END, EV_THROTTLE_START, EV_UNBAN},
     limiter,
     maps::*,
@@ -47,19 +47,31 @@ use crate::{
 #[map(name = "RL_SHARED")]
 static SHARED: HashMap<ClientKey, SharedState> = HashMap::pinned(MAX_SHARED_STATES, 0);
 
-/// Active bans, operator- and rule-issued. Its own bounded map, so per-client churn cannot
-/// evict a ban; an LPM trie so a ban may cover a prefix. Expiry is enforced here, in the
-/// kernel: a ban ends on time with no daemon running. When full, new bans fail and are counted
-/// (`BAN_INSERT_FAILED`); the client stays throttled by its rule.
-#[map(name = "RL_BANS")]
-static BANS: LpmTrie<IpKey, BanEntry> = LpmTrie::pinned(MAX_BANS, 0);
+/// Active bans, in three tables by what they do (`maps::ban_table`): the operator's, rule
+/// bans that drop, and rule bans that let packets on (preview, `exceed_action = pass`). Their
+/// own bounded maps, so per-client churn cannot evict a ban; LPM tries so a ban may cover a
+/// prefix. A ban that drops never shares a trie with one that passes, so no passing ban can
+/// hide or block a dropping one; the operator's table is theirs alone, so rules filling
+/// theirs never stop `ratelimit ban add`. Expiry is enforced here, in the kernel: a ban ends
+/// on time with no daemon running. A rule ban that finds its table full is held in the
+/// client's own state (`BAN_HELD_MARK`).
+#[map(name = "RL_BANS_OPERATOR")]
+static OPERATOR_BANS: LpmTrie<LpmAddr, BanEntry> = LpmTrie::pinned(MAX_OPERATOR_BANS, 0);
 
-/// `[0]`: non-zero when `BANS` may hold an entry; zero only after the daemon saw it empty.
-/// Whoever inserts a ban sets it *after* the insert; the daemon clears it only when the map is
-/// empty, and sets it again if a ban arrived meanwhile. While it is zero the ban lookup (an
-/// LPM-trie walk) is skipped.
+/// Rule-issued bans that drop (`BAN_TABLE_RULE`).
+#[map(name = "RL_BANS")]
+static BANS: LpmTrie<LpmAddr, BanEntry> = LpmTrie::pinned(MAX_BANS, 0);
+
+/// Rule-issued bans that let packets on to the rules (`BAN_TABLE_PASSING`).
+#[map(name = "RL_BANS_PASSING")]
+static PASSING_BANS: LpmTrie<LpmAddr, BanEntry> = LpmTrie::pinned(MAX_PASSING_BANS, 0);
+
+/// `[table]`: non-zero when that ban table may hold an entry; zero only after the daemon saw
+/// it empty. Whoever inserts a ban sets it *after* the insert; the daemon clears it only when
+/// the table is empty, and sets it again if a ban arrived meanwhile. While it is zero that
+/// table's lookup (an LPM-trie walk) is skipped.
 #[map(name = "RL_BANS_PRESENT")]
-static BANS_PRESENT: Array<u64> = Array::pinned(1, 0);
+static BANS_PRESENT: Array<u64> = Array::pinned(BAN_TABLES, 0);
 
 /// `[0]`: bumped after every ban insert, the program's and the daemon's. A fast-drop entry
 /// (made for a packet no ban matched) is void once it moved, so a source banned since is
@@ -106,58 +118,117 @@ const CAS_RETRIES: u32 = 3;
 
 /// `-EEXIST` from a map update with `BPF_NOEXIST`.
 const EEXIST: i32 = -17;
+/// `-ENOSPC` from an LPM trie update: the trie holds `max_entries` already.
+const ENOSPC: i32 = -28;
 
-/// The flags of the active ban that decides for `src`, removing expired ones on the way.
-/// The longest match decides, except that a ban that lets the packet through (preview, or
-/// `exceed_action = pass`) must not hide a broader ban that drops: then the lookup goes on
-/// above it (bounded).
+/// The flags of the active ban that decides for `src`, removing expired ones on the way: the
+/// operator's and the rules' bans that drop first, so a ban that drops always wins; then the
+/// bans that pass (whose flags tell the caller so).
 #[inline(always)]
 pub fn active_ban(slot: Slot, src: &IpKey, now: u64) -> Option<u32> {
-    if let Some(&0) = BANS_PRESENT.get(0) {
-        return None;
+    let p = src.addr.as_ptr() as *const [u8; 8];
+    // SAFETY: two 8-byte halves of a 16-byte array, read unaligned.
+    let (hi, lo) = unsafe {
+        (
+            u64::from_ne_bytes(core::ptr::read_unaligned(p)),
+            u64::from_ne_bytes(core::ptr::read_unaligned(p.add(1))),
+        )
+    };
+    let found = rl_active_ban(slot as u64, hi, lo, now);
+    if found & BAN_FOUND != 0 {
+        Some(found as u32)
+    } else {
+        None
     }
-    let mut plen: u32 = 128;
-    let mut passing: u32 = 0;
-    let mut found: u32 = 0;
-    for _ in 0..4 {
-        let Some(entry) = BANS.get(Key::new(plen, *src)) else {
-            break;
-        };
-        if !limiter::ban_active(entry.expires_ns, now) {
-            // Expired: remove exactly the entry that matched, then look again.
-            rl_unban(slot as u64, now, entry as *const BanEntry);
-            continue;
-        }
-        if entry.flags & (BAN_PREVIEW | BAN_EXCEED_PASS) == 0 {
-            return Some(entry.flags);
-        }
-        if found == 0 {
-            passing = entry.flags;
-            found = 1;
-        }
-        if entry.prefix_len == 0 || entry.prefix_len > 128 {
-            break;
-        }
-        plen = entry.prefix_len - 1;
-    }
-    if found != 0 { Some(passing) } else { None }
 }
 
-/// Remove an expired ban and report it (a global BPF function: verified once, and its stack
-/// is not added to the XDP entry's).
+/// [`rl_active_ban`]: a ban matched; its flags are the low 32 bits.
+const BAN_FOUND: u64 = 1 << 32;
+
+/// The ban lookup of [`active_ban`] (a global BPF function: verified once, its key on its
+/// own stack). The address comes as two words (in memory order), not a pointer: a key must
+/// be the function's own memory for the map helpers on every kernel from 6.1.
 #[unsafe(no_mangle)]
 #[inline(never)]
-pub extern "C" fn rl_unban(slot: u64, now: u64, entry: *const BanEntry) -> u64 {
+pub extern "C" fn rl_active_ban(slot: u64, hi: u64, lo: u64, now: u64) -> u64 {
+    let mut src = IpKey { addr: [0; 16] };
+    let p = src.addr.as_mut_ptr() as *mut [u8; 8];
+    // SAFETY: two 8-byte halves of a 16-byte array, written unaligned.
+    unsafe {
+        core::ptr::write_unaligned(p, hi.to_ne_bytes());
+        core::ptr::write_unaligned(p.add(1), lo.to_ne_bytes());
+    }
+    let slot = slot as u32 & (ratelimit_common::caps::MAX_IFACES - 1);
+    let key = Key::new(lpm_prefix(128), LpmAddr::of(&src));
+    if table_present(BAN_TABLE_OPERATOR)
+        && let Some(flags) = find_ban(&OPERATOR_BANS, BAN_TABLE_OPERATOR, slot, &key, now)
+    {
+        return BAN_FOUND | flags as u64;
+    }
+    if table_present(BAN_TABLE_RULE)
+        && let Some(flags) = find_ban(&BANS, BAN_TABLE_RULE, slot, &key, now)
+    {
+        return BAN_FOUND | flags as u64;
+    }
+    if table_present(BAN_TABLE_PASSING)
+        && let Some(flags) = find_ban(&PASSING_BANS, BAN_TABLE_PASSING, slot, &key, now)
+    {
+        return BAN_FOUND | flags as u64;
+    }
+    0
+}
+
+#[inline(always)]
+fn table_present(table: u32) -> bool {
+    !matches!(BANS_PRESENT.get(table), Some(&0))
+}
+
+/// Expired bans a lookup removes before it gives up for this packet (the next packets go on
+/// removing). Only bans at nested prefixes of one source, all expired and not yet swept, can
+/// need more.
+const EXPIRED_PER_LOOKUP: u32 = 4;
+
+/// The longest active ban of one table covering `key`, removing expired ones on the way.
+#[inline(always)]
+fn find_ban(
+    trie: &LpmTrie<LpmAddr, BanEntry>,
+    table: u32,
+    slot: Slot,
+    key: &Key<LpmAddr>,
+    now: u64,
+) -> Option<u32> {
+    for _ in 0..EXPIRED_PER_LOOKUP {
+        let entry = trie.get(key)?;
+        if limiter::ban_active(entry.expires_ns, now) {
+            return Some(entry.flags);
+        }
+        // Expired: remove exactly the entry that matched, then look again.
+        rl_unban(slot as u64, now, entry as *const BanEntry, table as u64);
+    }
+    None
+}
+
+/// Remove an expired ban from its table and report it (a global BPF function: verified once,
+/// and its stack is not added to the XDP entry's).
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn rl_unban(slot: u64, now: u64, entry: *const BanEntry, table: u64) -> u64 {
     if entry.is_null() {
         return 0;
     }
     // SAFETY: non-null pointer to a live map value.
     let entry = unsafe { &*entry };
     let slot = slot as u32 & (ratelimit_common::caps::MAX_IFACES - 1);
-    let key = Key::new(entry.prefix_len, IpKey { addr: entry.addr });
+    let ip = IpKey { addr: entry.addr };
+    let key = Key::new(lpm_prefix(entry.prefix_len), LpmAddr::of(&ip));
     let ck = client_key(entry.rule as u8, KEY_IP, entry.prefix_len, entry.addr);
     let expires = entry.expires_ns;
-    if BANS.remove(key).is_ok() {
+    let removed = match table as u32 {
+        BAN_TABLE_OPERATOR => OPERATOR_BANS.remove(key).is_ok(),
+        BAN_TABLE_RULE => BANS.remove(key).is_ok(),
+        _ => PASSING_BANS.remove(key).is_ok(),
+    };
+    if removed {
         stats::add(slot, global::BANS_EXPIRED, 0);
         events::emit(slot, EV_UNBAN, &ck, now, 0, 0, expires);
         return 1;
@@ -219,6 +290,10 @@ pub struct RuleLoop {
     pub no_ban: u64,
     /// Scratch space of the per-source store's insert.
     pub scan: store::Scan,
+    /// Scratch space of a ban insert ([`rl_ban`]): the entry and its trie key live here, not
+    /// on the stack, which the rule evaluation's call chain has little of.
+    pub ban_entry: BanEntry,
+    pub ban_key: Key<LpmAddr>,
 }
 
 #[map(name = "RL_SCRATCH")]
@@ -735,9 +810,18 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
     if is_ban && key.kind != KEY_IP && rl_aggregate_ban(until, st, key, j) != 0 {
         return exceeded(env, i, preview, exceed_pass, rc::BANNED_DROPPED);
     }
-    // Banned only if the ban is in force: if the ban map refused it (full), the client is
-    // throttled by the rule instead of losing all its traffic with no expiry.
-    if is_ban && rl_ban_meter(st, lim, j) != 0 && rl_ban(st, until, lim, key, j) != 0 {
+    if is_ban && key.kind == KEY_IP {
+        match rl_ban_meter(st, lim, key, j) {
+            BAN_HELD => return exceeded(env, i, preview, exceed_pass, rc::BANNED_DROPPED),
+            // Banned only if the ban is in force (in a ban table, or held in the client's
+            // state when the table is full): on any other failure the client is throttled
+            // by the rule instead of losing all its traffic with no expiry.
+            1 if rl_ban(st, until, lim, key, j) != 0 => {
+                return exceeded(env, i, preview, exceed_pass, rc::DROPPED);
+            }
+            _ => {}
+        }
+    } else if is_ban && rl_ban_meter(st, lim, key, j) == 1 && rl_ban(st, until, lim, key, j) != 0 {
         return exceeded(env, i, preview, exceed_pass, rc::DROPPED);
     }
     let admitted = rl_limit(st, lim, j);
@@ -803,22 +887,45 @@ pub extern "C" fn rl_aggregate_ban(
     0
 }
 
+/// [`rl_ban_meter`]: the client is banned by a ban held in its own state.
+const BAN_HELD: u64 = 2;
+
 /// Offered-rate meter of rate_based_ban (every matched packet counts): 1 if the client is now
-/// above its ban threshold.
+/// above its ban threshold, [`BAN_HELD`] if a ban held in its state (`BAN_HELD_MARK`) is in
+/// force. A held ban that has ended is cleared (and its unban reported) on the way.
 #[unsafe(no_mangle)]
 #[inline(never)]
-pub extern "C" fn rl_ban_meter(st: *mut ClientState, lim: *const Limit, j: *mut Judge) -> u64 {
-    if st.is_null() || lim.is_null() || j.is_null() {
+pub extern "C" fn rl_ban_meter(
+    st: *mut ClientState,
+    lim: *const Limit,
+    key: *const ClientKey,
+    j: *mut Judge,
+) -> u64 {
+    if st.is_null() || lim.is_null() || key.is_null() || j.is_null() {
         return 0;
     }
     // SAFETY: non-null pointers to live map values and the caller's stack.
     unsafe {
+        let stamp = &raw mut (*st).ban_stamp;
+        if atomic::load(stamp) == BAN_HELD_MARK {
+            let end = atomic::load(&raw mut (*st).seen_prev);
+            if (*j).now < end {
+                atomic::add(&raw mut (*st).drops, 1);
+                return BAN_HELD;
+            }
+            // Ended: the client starts clean. The swap back decides who reports it.
+            if atomic::cas(stamp, BAN_HELD_MARK, 0) {
+                atomic::store(&raw mut (*st).seen_cur, 0);
+                atomic::store(&raw mut (*st).seen_prev, 0);
+                events::emit((*j).slot, EV_UNBAN, &*key, (*j).now, 0, 0, end);
+            }
+        }
         let interval = (*lim).ban_interval_ns;
         if interval == 0 {
             return 0;
         }
         let seen = meter(
-            &raw mut (*st).ban_stamp,
+            stamp,
             &raw mut (*st).seen_cur,
             &raw mut (*st).seen_prev,
             (*j).now,
@@ -976,8 +1083,10 @@ unsafe fn rotate(stamp: *mut u64, cur: *mut u64, prev: *mut u64, now: u64, inter
     let s = unsafe { atomic::load(stamp) };
     // Forward only: a CPU whose `now` was read just before another CPU rotated must not
     // rotate back (that would reset the window). A jump far backwards means the interval
-    // changed: start clean.
-    if (w > s || w.wrapping_add(1) < s) && unsafe { atomic::cas(stamp, s, w) } {
+    // changed: start clean. A ban meter holding a ban (`BAN_HELD_MARK`, set by another CPU
+    // since this one looked) is not a window: leave it.
+    if (w > s || w.wrapping_add(1) < s) && s != BAN_HELD_MARK && unsafe { atomic::cas(stamp, s, w) }
+    {
         let c = unsafe { atomic::swap(cur, 0) };
         let (_, p) = limiter::rotate(s, w, c, 0);
         unsafe { atomic::store(prev, p) };
@@ -1085,7 +1194,9 @@ unsafe fn limit_check(
 }
 
 /// Issue a ban for `key` (rate_based_ban crossed `ban_threshold`): 1 if this call issued it,
-/// 2 if it was already there (another CPU, or a preview ban), 0 if the ban map refused it.
+/// 2 if it was already there (another CPU, or another rule of the same kind), 0 if it could
+/// not be recorded (then the client is throttled by its rule, not banned). A full table holds
+/// the ban in the client's state instead ([`BAN_HELD_MARK`]).
 #[unsafe(no_mangle)]
 #[inline(never)]
 pub extern "C" fn rl_ban(
@@ -1104,23 +1215,46 @@ pub extern "C" fn rl_ban(
         let key = &*key;
         let now = j.now;
         let expires = limiter::ban_expiry(now, (*lim).ban_duration_ns);
+        let mut held = false;
         let issued = if key.kind == KEY_IP {
-            let entry = BanEntry {
-                expires_ns: expires,
-                since_ns: now,
-                rule: j.rule,
-                flags: j.ban_flags,
-                prefix_len: key.prefix_len,
-                _pad: 0,
-                addr: key.addr,
+            // The entry and its key in this CPU's scratch record (a map value, which every
+            // kernel accepts as a helper's key and value).
+            let Some(rl) = SCRATCH.get_ptr_mut(0) else {
+                return 0;
             };
-            match BANS.insert(
-                Key::new(key.prefix_len, IpKey { addr: key.addr }),
-                &entry,
-                BPF_NOEXIST as u64,
-            ) {
+            let entry = &raw mut (*rl).ban_entry;
+            (*entry).expires_ns = expires;
+            (*entry).since_ns = now;
+            (*entry).rule = j.rule;
+            (*entry).flags = j.ban_flags;
+            (*entry).prefix_len = key.prefix_len;
+            (*entry)._pad = 0;
+            (*entry).addr = key.addr;
+            let lpm = &raw mut (*rl).ban_key;
+            let family = if (IpKey { addr: key.addr }).is_v4() {
+                FAMILY_V4
+            } else {
+                FAMILY_V6
+            };
+            core::ptr::write_unaligned(
+                lpm,
+                Key::new(
+                    lpm_prefix(key.prefix_len),
+                    LpmAddr {
+                        family,
+                        addr: key.addr,
+                    },
+                ),
+            );
+            let table = ban_table(j.ban_flags);
+            let inserted = if table == BAN_TABLE_PASSING {
+                PASSING_BANS.insert(&*lpm, &*entry, BPF_NOEXIST as u64)
+            } else {
+                BANS.insert(&*lpm, &*entry, BPF_NOEXIST as u64)
+            };
+            match inserted {
                 Ok(()) => {
-                    if let Some(p) = BANS_PRESENT.get_ptr_mut(0)
+                    if let Some(p) = BANS_PRESENT.get_ptr_mut(table)
                         && atomic::load(p) == 0
                     {
                         atomic::store(p, 1);
@@ -1131,6 +1265,12 @@ pub extern "C" fn rl_ban(
                     true
                 }
                 Err(EEXIST) => return 2,
+                // The rules' table is full: hold the ban in the client's own state, which
+                // this rule checks before its meter ([`rl_ban_meter`]).
+                Err(ENOSPC) => {
+                    held = true;
+                    true
+                }
                 Err(_) => {
                     stats::add(j.slot, global::BAN_INSERT_FAILED, 0);
                     return 0;
@@ -1142,11 +1282,26 @@ pub extern "C" fn rl_ban(
         if !issued {
             return 2;
         }
+        if held {
+            // The end first, then the mark that makes it read (a CPU that sees the mark
+            // sees the end); the swap tells a second CPU holding the same ban that it was
+            // not the one to issue it. The ban ends on its own (`rl_ban_meter`).
+            atomic::store(
+                &raw mut (*st).seen_prev,
+                if expires == 0 { u64::MAX } else { expires },
+            );
+            atomic::store(&raw mut (*st).seen_cur, 0);
+            if atomic::swap(&raw mut (*st).ban_stamp, BAN_HELD_MARK) == BAN_HELD_MARK {
+                return 2;
+            }
+            stats::add(j.slot, global::BAN_HELD_IN_STATE, 0);
+        } else {
+            atomic::store(&raw mut (*st).seen_cur, 0);
+            atomic::store(&raw mut (*st).seen_prev, 0);
+        }
         // The client starts clean when the ban ends.
         atomic::store(&raw mut (*st).cur, 0);
         atomic::store(&raw mut (*st).prev, 0);
-        atomic::store(&raw mut (*st).seen_cur, 0);
-        atomic::store(&raw mut (*st).seen_prev, 0);
         if j.algorithm == ALG_TOKEN_BUCKET as u32 {
             atomic::store(&raw mut (*st).stamp, 0);
         }

@@ -49,7 +49,7 @@ mod program {
     use crate::{
         clock, fast,
         limit::{self, RuleVerdict},
-        parse::{self, Parsed},
+        parse::{self, Frame, Parsed},
         policy,
         stats::{self, Slot},
     };
@@ -61,9 +61,10 @@ mod program {
         let len = (ctx.data_end() - ctx.data()) as u64;
         let slot = stats::slot(ctx.ingress_ifindex() as u32);
         let pkt = match parse::parse(&ctx) {
-            Ok(Some(pkt)) => pkt,
-            Ok(None) => return finish(slot, global::PASS_NON_IP, len),
-            Err(reason) => {
+            Frame::Ip(pkt) => pkt,
+            Frame::NonIp => return finish(slot, global::PASS_NON_IP, len),
+            Frame::Bogon => return finish(slot, global::DROP_BOGON, len),
+            Frame::Unreadable(reason) => {
                 stats::add(slot, reason, len);
                 return finish(slot, global::PASS_MALFORMED, len);
             }
@@ -161,13 +162,13 @@ mod program {
     #[xdp]
     pub fn ref_parse(ctx: XdpContext) -> u32 {
         match parse::parse(&ctx) {
-            Ok(Some(p)) => {
+            Frame::Ip(p) => {
                 // Keep the parse from being optimised away.
                 core::hint::black_box(p.dport);
                 xdp_action::XDP_PASS
             }
-            Ok(None) => xdp_action::XDP_PASS,
-            Err(_) => xdp_action::XDP_ABORTED,
+            Frame::NonIp => xdp_action::XDP_PASS,
+            Frame::Bogon | Frame::Unreadable(_) => xdp_action::XDP_ABORTED,
         }
     }
 
@@ -176,7 +177,9 @@ mod program {
     fn finish(slot: Slot, verdict: u32, len: u64) -> u32 {
         stats::add(slot, verdict, len);
         match verdict {
-            global::DROP_DENY | global::DROP_BAN | global::DROP_RULE => xdp_action::XDP_DROP,
+            global::DROP_DENY | global::DROP_BAN | global::DROP_RULE | global::DROP_BOGON => {
+                xdp_action::XDP_DROP
+            }
             _ => xdp_action::XDP_PASS,
         }
     }

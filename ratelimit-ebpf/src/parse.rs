@@ -11,8 +11,8 @@ use network_types::{
     vlan::VlanHdr,
 };
 use ratelimit_common::{
-    addr::IpKey,
-    caps::{MAX_IPV6_EXT_HEADERS, MAX_VLAN_DEPTH},
+    addr::{IpKey, is_v6_bogon},
+    caps::{MAX_IPV6_EXT_HEADERS, MAX_VLAN_DEPTH, MAX_VLAN_WALK},
     stats::global,
 };
 
@@ -59,6 +59,21 @@ pub struct Parsed {
 
 type Reason = u32;
 
+/// What the parser made of a frame.
+pub enum Frame {
+    /// Not IPv4 or IPv6 (ARP, LLDP, ...).
+    NonIp,
+    /// An IP frame whose source address cannot be read (a `stats::global::MALFORMED_*`
+    /// reason): nothing to judge it by.
+    Unreadable(Reason),
+    /// An IPv6 frame from a bogon source (`addr::is_v6_bogon`): dropped before it reaches
+    /// any list, ban or state.
+    Bogon,
+    /// A frame whose source could be read: judged by the lists, bans and rules, however
+    /// malformed the rest of it is (`Parsed::note` says what was wrong).
+    Ip(Parsed),
+}
+
 /// The one bounds check: a header of `len` bytes at `off`, or `reason`. Fields are then read
 /// at constant offsets from the returned pointer (`field`, `field16`), which is the shape the
 /// verifier can follow: a pointer it has range-checked plus a constant.
@@ -89,45 +104,64 @@ impl Hdr {
     }
 }
 
-/// `Ok(None)`: not IP. `Err(reason)`: an IP frame the parser could not read (a
-/// `stats::global::MALFORMED_*` reason).
 #[inline(always)]
-pub fn parse(ctx: &XdpContext) -> Result<Option<Parsed>, Reason> {
-    let (ethertype, off) = parse_l2(ctx)?;
-    match ethertype {
-        ETH_P_IP => parse_ipv4(ctx, off).map(Some),
-        ETH_P_IPV6 => parse_ipv6(ctx, off).map(Some),
-        _ => Ok(None),
+pub fn parse(ctx: &XdpContext) -> Frame {
+    let (ethertype, off, note) = match parse_l2(ctx) {
+        Ok(l2) => l2,
+        Err(reason) => return Frame::Unreadable(reason),
+    };
+    let parsed = match ethertype {
+        ETH_P_IP => parse_ipv4(ctx, off),
+        ETH_P_IPV6 => parse_ipv6(ctx, off),
+        _ => return Frame::NonIp,
+    };
+    match parsed {
+        Ok(mut pkt) => {
+            if pkt.note == 0 {
+                pkt.note = note;
+            }
+            Frame::Ip(pkt)
+        }
+        Err(global::DROP_BOGON) => Frame::Bogon,
+        Err(reason) => Frame::Unreadable(reason),
     }
 }
 
-/// Ethernet and up to `MAX_VLAN_DEPTH` 802.1Q / 802.1ad tags: the inner ethertype and offset.
+/// Ethernet and up to `MAX_VLAN_WALK` 802.1Q / 802.1ad tags: the inner ethertype, its offset,
+/// and `MALFORMED_L2` as a note when there were more tags than the `MAX_VLAN_DEPTH` a valid
+/// frame has (such a frame is still judged by its source: a tag more must not buy a pass).
 #[inline(always)]
-fn parse_l2(ctx: &XdpContext) -> Result<(u16, usize), Reason> {
+fn parse_l2(ctx: &XdpContext) -> Result<(u16, usize, Reason), Reason> {
     let mut ethertype = hdr(ctx, 0, EthHdr::LEN, global::MALFORMED_L2)?.field16(12);
     let mut off = EthHdr::LEN;
-    for _ in 0..MAX_VLAN_DEPTH {
+    let mut tags = 0usize;
+    for _ in 0..MAX_VLAN_WALK {
         if ethertype != ETH_P_8021Q && ethertype != ETH_P_8021AD {
             break;
         }
         ethertype = hdr(ctx, off, VlanHdr::LEN, global::MALFORMED_L2)?.field16(2);
         off += VlanHdr::LEN;
+        tags += 1;
     }
     if ethertype == ETH_P_8021Q || ethertype == ETH_P_8021AD {
         return Err(global::MALFORMED_L2);
     }
-    Ok((ethertype, off))
+    let note = if tags > MAX_VLAN_DEPTH {
+        global::MALFORMED_L2
+    } else {
+        0
+    };
+    Ok((ethertype, off, note))
 }
 
+/// IPv4: the source is read from the fixed 20-byte header; a bad version, IHL or total
+/// length is noted and the frame judged by L3 alone.
 #[inline(always)]
 fn parse_ipv4(ctx: &XdpContext, off: usize) -> Result<Parsed, Reason> {
     const R: Reason = global::MALFORMED_IPV4;
     let h = hdr(ctx, off, Ipv4Hdr::LEN, R)?;
     let ver_ihl: u8 = h.field(0);
     let ihl = ((ver_ihl & 0x0f) as usize) * 4;
-    if ver_ihl >> 4 != 4 || ihl < Ipv4Hdr::LEN || (h.field16(2) as usize) < ihl {
-        return Err(R);
-    }
     let mut pkt = Parsed {
         src: IpKey::from_v4(h.field(12)),
         dport: 0,
@@ -135,16 +169,18 @@ fn parse_ipv4(ctx: &XdpContext, off: usize) -> Result<Parsed, Reason> {
         tcp_flags: 0,
         v4: true,
         l4: false,
-        fragment: h.field16(6) & 0x1fff != 0,
+        fragment: false,
         l4_cut: false,
         note: 0,
     };
+    if ver_ihl >> 4 != 4 || ihl < Ipv4Hdr::LEN || (h.field16(2) as usize) < ihl {
+        return Ok(cut(pkt, R));
+    }
+    pkt.fragment = h.field16(6) & 0x1fff != 0;
     // The options must be present too; from here on the source is known, so problems are
     // noted and the packet is still judged.
     if hdr(ctx, off, ihl, R).is_err() {
-        pkt.l4_cut = true;
-        pkt.note = R;
-        return Ok(pkt);
+        return Ok(cut(pkt, R));
     }
     if !pkt.fragment {
         parse_l4(ctx, off + ihl, &mut pkt);
@@ -156,11 +192,12 @@ fn parse_ipv4(ctx: &XdpContext, off: usize) -> Result<Parsed, Reason> {
 fn parse_ipv6(ctx: &XdpContext, off: usize) -> Result<Parsed, Reason> {
     const R: Reason = global::MALFORMED_IPV6;
     let h = hdr(ctx, off, Ipv6Hdr::LEN, R)?;
-    if h.field::<u8>(0) >> 4 != 6 {
-        return Err(R);
+    let src: [u8; 16] = h.field(8);
+    if is_v6_bogon(&src) {
+        return Err(global::DROP_BOGON);
     }
     let mut pkt = Parsed {
-        src: IpKey::from_v6(h.field(8)),
+        src: IpKey::from_v6(src),
         dport: 0,
         proto: h.field(6),
         tcp_flags: 0,
@@ -170,6 +207,10 @@ fn parse_ipv6(ctx: &XdpContext, off: usize) -> Result<Parsed, Reason> {
         l4_cut: false,
         note: 0,
     };
+    if h.field::<u8>(0) >> 4 != 6 {
+        // Not IPv6 after all, but the source is where IPv6 has it: judged by it.
+        return Ok(cut(pkt, R));
+    }
     let mut off = off + Ipv6Hdr::LEN;
     let mut done = false;
     for _ in 0..MAX_IPV6_EXT_HEADERS {

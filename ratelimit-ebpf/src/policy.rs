@@ -7,7 +7,7 @@ use aya_ebpf::{
     maps::{Array, HashMap, LpmTrie, lpm_trie::Key},
 };
 use ratelimit_common::{
-    addr::IpKey,
+    addr::{IpKey, LpmAddr, lpm_prefix},
     caps::{
         MAX_OVERRIDES, MAX_REGION_OVERRIDES, MAX_REGION_PREFIXES, MAX_RULES, MAX_SOURCES_ENTRIES,
     },
@@ -28,7 +28,7 @@ static RULES: Array<RuleConfig> = Array::pinned(MAX_RULES, 0);
 /// The allow list (never limited nor banned), the deny list (always dropped) and the rules'
 /// source lists, in one LPM trie so that one lookup answers all three (see `ListValue`).
 #[map(name = "RL_SOURCES")]
-static SOURCES: LpmTrie<IpKey, ListValue> = LpmTrie::pinned(MAX_SOURCES_ENTRIES, 0);
+static SOURCES: LpmTrie<LpmAddr, ListValue> = LpmTrie::pinned(MAX_SOURCES_ENTRIES, 0);
 
 /// Per-CIDR threshold overrides: key = (rule, address), most specific prefix wins.
 #[map(name = "RL_OVERRIDES")]
@@ -41,7 +41,7 @@ static REGION_OVERRIDES: HashMap<RegionOverrideKey, OverrideValue> =
 
 /// CIDR → country code (two ASCII bytes, zero-padded to 4), from the GeoIP database.
 #[map(name = "RL_REGIONS")]
-static REGIONS: LpmTrie<IpKey, [u8; 4]> = LpmTrie::pinned(MAX_REGION_PREFIXES, 0);
+static REGIONS: LpmTrie<LpmAddr, [u8; 4]> = LpmTrie::pinned(MAX_REGION_PREFIXES, 0);
 
 const EMPTY: GlobalConfig = GlobalConfig {
     rule_count: 0,
@@ -64,9 +64,10 @@ pub fn rule(i: u32) -> Option<&'static RuleConfig> {
     RULES.get(i)
 }
 
+/// The full-length trie key of a source: its family, then all 128 bits.
 #[inline(always)]
-fn full(src: &IpKey) -> Key<IpKey> {
-    Key::new(128, *src)
+pub fn full(src: &IpKey) -> Key<LpmAddr> {
+    Key::new(lpm_prefix(128), LpmAddr::of(src))
 }
 
 /// What the sources trie says of `src`: (`LIST_*` flags, mask of the rules whose source list
@@ -85,7 +86,9 @@ pub fn cidr_override(rule: u32, src: &IpKey) -> Option<&'static OverrideValue> {
         OVERRIDE_RULE_BITS + 128,
         OverrideKey {
             rule_be: rule.to_be(),
+            family: LpmAddr::of(src).family,
             addr: src.addr,
+            _pad: [0; 3],
         },
     );
     OVERRIDES.get(key)

@@ -12,7 +12,7 @@ use anyhow::Context as _;
 use aya::maps::lpm_trie::Key;
 use ipnet::IpNet;
 use ratelimit_common::{
-    addr::{IpKey, V4_MAPPED_PREFIX},
+    addr::{FAMILY_BITS, IpKey, LpmAddr, V4_MAPPED_PREFIX, lpm_prefix},
     caps::{MAX_PORT_RANGES, MAX_SOURCES_ENTRIES},
     maps::*,
 };
@@ -25,8 +25,27 @@ use crate::{
     datapath::Maps,
 };
 
-/// An address prefix as the tries see it: (prefix length over 16 bytes, address).
+/// An address prefix over the 16-byte address: (prefix length, address). An IPv4 /N is the
+/// /(96+N) of its `::ffff:0:0/96` form; an IPv6 prefix of that range is read as the IPv4
+/// prefix it spells (no IPv6 packet from it is ever judged: such sources are bogons). The
+/// tries key it with its family in front ([`lpm_key`]), so that an IPv6 prefix never covers
+/// an IPv4 address.
 pub type Prefix = (u32, IpKey);
+
+/// The LPM trie key of a prefix: its family, then the address.
+pub fn lpm_key(p: &Prefix) -> Key<LpmAddr> {
+    Key::new(lpm_prefix(p.0), LpmAddr::of(&p.1))
+}
+
+/// Back from an LPM trie key to a prefix.
+pub fn prefix_of_lpm(k: &Key<LpmAddr>) -> Prefix {
+    (
+        k.prefix_len().saturating_sub(FAMILY_BITS),
+        IpKey {
+            addr: k.data().addr,
+        },
+    )
+}
 
 pub fn prefix(net: &IpNet) -> Prefix {
     match net {
@@ -305,9 +324,19 @@ pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
 /// (itself included), so that a longest-prefix match alone is complete. Prefixes form a
 /// laminar family: sorted by (address, length), the prefixes covering one are exactly the
 /// chain left on a stack after popping those that do not cover it. O(n log n).
+///
+/// Each family is closed on its own: an IPv6 prefix never covers an IPv4 one (`::/64` holds
+/// `::ffff:0:0/96` as bits, not as addresses).
 pub fn close_over_covering(own: &[(Prefix, ListValue)]) -> BTreeMap<Prefix, ListValue> {
+    let (v4, v6): (Vec<_>, Vec<_>) = own.iter().partition(|((_, key), _)| key.is_v4());
+    let mut out = close_one_family(&v4);
+    out.extend(close_one_family(&v6));
+    out
+}
+
+fn close_one_family(own: &[&(Prefix, ListValue)]) -> BTreeMap<Prefix, ListValue> {
     let mut merged: BTreeMap<(u128, u32), ListValue> = BTreeMap::new();
-    for ((len, key), v) in own {
+    for ((len, key), v) in own.iter().copied() {
         let e = merged
             .entry((u128::from_be_bytes(key.addr), *len))
             .or_default();
@@ -349,7 +378,7 @@ pub fn close_over_covering(own: &[(Prefix, ListValue)]) -> BTreeMap<Prefix, List
 /// address is ever briefly unlisted — unless old and new together would not fit the map
 /// (`capacity`), in which case the stale ones are removed first.
 fn sync_list(
-    trie: &mut aya::maps::LpmTrie<aya::maps::MapData, IpKey, ListValue>,
+    trie: &mut aya::maps::LpmTrie<aya::maps::MapData, LpmAddr, ListValue>,
     want: &BTreeMap<Prefix, ListValue>,
     capacity: u32,
     what: &str,
@@ -357,22 +386,22 @@ fn sync_list(
     let have: BTreeSet<Prefix> = trie
         .keys()
         .filter_map(|k| k.ok())
-        .map(|k| (k.prefix_len(), k.data()))
+        .map(|k| prefix_of_lpm(&k))
         .collect();
     let added = want.keys().filter(|p| !have.contains(p)).count();
     if have.len() + added > capacity as usize {
         for p in have.iter().filter(|p| !want.contains_key(p)) {
-            trie.remove(&Key::new(p.0, p.1))
+            trie.remove(&lpm_key(p))
                 .with_context(|| format!("pruning the {what} map"))?;
         }
     }
     for (p, v) in want {
-        trie.insert(&Key::new(p.0, p.1), *v, 0)
+        trie.insert(&lpm_key(p), *v, 0)
             .with_context(|| format!("writing the {what} map"))?;
     }
     for p in have {
-        if !want.contains_key(&p) && trie.get(&Key::new(p.0, p.1), 0).is_ok() {
-            trie.remove(&Key::new(p.0, p.1))
+        if !want.contains_key(&p) && trie.get(&lpm_key(&p), 0).is_ok() {
+            trie.remove(&lpm_key(&p))
                 .with_context(|| format!("pruning the {what} map"))?;
         }
     }
@@ -385,7 +414,9 @@ fn override_key(rule: u32, p: &Prefix) -> Key<OverrideKey> {
         OVERRIDE_RULE_BITS + p.0,
         OverrideKey {
             rule_be: rule.to_be(),
+            family: LpmAddr::of(&p.1).family,
             addr: p.1.addr,
+            _pad: [0; 3],
         },
     )
 }

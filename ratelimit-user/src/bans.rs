@@ -12,7 +12,6 @@ use std::{
 };
 
 use anyhow::Context as _;
-use aya::maps::lpm_trie::Key;
 use ratelimit_common::maps::*;
 use serde::{Deserialize, Serialize};
 
@@ -164,9 +163,6 @@ fn restore_all(
             Some(ms) => now + Duration::from_millis(ms - now_wall).as_nanos() as u64,
         };
         let (plen, key) = prefix(&net);
-        if maps.bans.get(&Key::new(plen, key), 0).is_ok() {
-            continue; // still pinned: the kernel's copy is authoritative
-        }
         let rule = b
             .rule
             .as_ref()
@@ -183,6 +179,9 @@ fn restore_all(
         if b.exceed_pass {
             flags |= BAN_EXCEED_PASS;
         }
+        if maps.ban_at(ban_table(flags), plen, &key).is_some() {
+            continue; // still pinned: the kernel's copy is authoritative
+        }
         let entry = BanEntry {
             expires_ns,
             since_ns: now,
@@ -192,7 +191,7 @@ fn restore_all(
             _pad: 0,
             addr: key.addr,
         };
-        maps.insert_ban_deferred(&Key::new(plen, key), entry)
+        maps.insert_ban_deferred(entry)
             .with_context(|| format!("restoring ban {net}"))?;
         out.restored += 1;
     }

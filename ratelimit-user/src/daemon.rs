@@ -11,8 +11,9 @@ use std::{
 };
 
 use anyhow::{Context as _, bail};
-use aya::maps::{MapData, RingBuf, lpm_trie::Key};
+use aya::maps::{MapData, RingBuf};
 use ipnet::IpNet;
+use ratelimit_common::addr::IpKey;
 use ratelimit_common::{
     event::{EV_BAN, EV_UNBAN, Event},
     maps::*,
@@ -147,9 +148,9 @@ impl State {
         }
         let mut expired = Vec::new();
         let mut next = u64::MAX;
-        for (k, b) in self.maps.bans.iter().filter_map(|r| r.ok()) {
+        for b in self.maps.all_bans() {
             if !ratelimit_common::limiter::ban_active(b.expires_ns, now) {
-                expired.push((k, b));
+                expired.push(b);
             } else if b.expires_ns != 0 {
                 next = next.min(b.expires_ns);
             }
@@ -157,16 +158,18 @@ impl State {
         self.next_ban_expiry = next;
         let names = self.rule_names();
         let mut n = 0;
-        for (k, b) in expired {
+        for b in expired {
             // The program may have lifted it and issued a fresh ban at the same key since the
             // walk: remove only the entry we saw.
-            match self.maps.bans.get(&k, 0) {
-                Ok(now_there)
+            let table = ban_table(b.flags);
+            let addr = IpKey { addr: b.addr };
+            match self.maps.ban_at(table, b.prefix_len, &addr) {
+                Some(now_there)
                     if now_there.since_ns == b.since_ns && now_there.expires_ns == b.expires_ns => {
                 }
                 _ => continue,
             }
-            if self.maps.bans.remove(&k).is_err() {
+            if !matches!(self.maps.remove_ban(table, b.prefix_len, &addr), Ok(true)) {
                 continue; // the program lifted it first and reported it
             }
             n += 1;
@@ -324,14 +327,12 @@ impl State {
                 self.next_ban_expiry = self.next_ban_expiry.min(expires);
             }
             let entry = BanEntry::manual(plen, key.addr, now, expires);
-            self.maps
-                .insert_ban_deferred(&Key::new(plen, key), entry)
-                .map_err(|e| {
-                    anyhow::anyhow!(
-                        "adding the ban for {net}: {e} (the ban map holds {} entries)",
-                        ratelimit_common::caps::MAX_BANS
-                    )
-                })?;
+            self.maps.insert_ban_deferred(entry).map_err(|e| {
+                anyhow::anyhow!(
+                    "adding the ban for {net}: {e} (the operator's ban table holds {} entries)",
+                    ratelimit_common::caps::MAX_OPERATOR_BANS
+                )
+            })?;
             added.push(ban_event(EV_BAN, &entry, now));
             match &s.reason {
                 Some(r) => {
@@ -391,15 +392,17 @@ impl State {
         for c in cidrs {
             let net = parse_cidr(c)?;
             let (plen, key) = prefix(&net);
-            let k = Key::new(plen, key);
-            let entry = self.maps.bans.get(&k, 0).ok();
-            match (entry, self.maps.bans.remove(&k)) {
-                (Some(b), Ok(())) => {
-                    removed += 1;
+            let mut found = false;
+            for b in self.maps.bans_at(plen, &key) {
+                if let Ok(true) = self.maps.remove_ban(ban_table(b.flags), plen, &key) {
+                    found = true;
                     lifted.push(ban_event(EV_UNBAN, &b, report::mono_ns()));
                 }
-                (None, Ok(())) => removed += 1,
-                (_, Err(_)) => missing.push(net.to_string()),
+            }
+            if found {
+                removed += 1;
+            } else {
+                missing.push(net.to_string());
             }
             self.ban_reasons.remove(&net.to_string());
         }

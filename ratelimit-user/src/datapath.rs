@@ -16,7 +16,7 @@ use std::{
 use anyhow::{Context as _, anyhow, bail};
 use aya::{
     Ebpf, EbpfLoader,
-    maps::{Array, HashMap, LpmTrie, MapData, PerCpuArray, RingBuf},
+    maps::{Array, HashMap, LpmTrie, MapData, PerCpuArray, RingBuf, lpm_trie::Key},
     programs::{
         Xdp, XdpMode,
         links::{FdLink, PinnedLink},
@@ -24,11 +24,11 @@ use aya::{
     },
 };
 use ratelimit_common::{
-    addr::IpKey,
+    addr::{IpKey, LpmAddr, lpm_prefix},
     caps::{IFSLOT_ARRAY_LEN, MAX_IFACES},
     maps::{
-        BanEntry, ClientKey, ClientState, FastEntry, GlobalConfig, ListValue, OverrideKey,
-        OverrideValue, RegionOverrideKey, RuleConfig,
+        BAN_TABLES, BanEntry, ClientKey, ClientState, FastEntry, GlobalConfig, ListValue,
+        OverrideKey, OverrideValue, RegionOverrideKey, RuleConfig, ban_table,
     },
     stats::Counter,
 };
@@ -46,10 +46,10 @@ const BPF_FS_MAGIC: i64 = 0xcafe4a11;
 pub struct Maps {
     pub global: Array<MapData, GlobalConfig>,
     pub rules: Array<MapData, RuleConfig>,
-    pub sources: LpmTrie<MapData, IpKey, ListValue>,
+    pub sources: LpmTrie<MapData, LpmAddr, ListValue>,
     pub overrides: LpmTrie<MapData, OverrideKey, OverrideValue>,
     pub region_overrides: HashMap<MapData, RegionOverrideKey, OverrideValue>,
-    pub regions: LpmTrie<MapData, IpKey, [u8; 4]>,
+    pub regions: LpmTrie<MapData, LpmAddr, [u8; 4]>,
     pub clients: crate::clients::ClientStore,
     /// Per rule: the aggregate state of sources that got none of their own.
     pub overflow: Array<MapData, ClientState>,
@@ -58,18 +58,21 @@ pub struct Maps {
     /// Per CPU and rule: the tick its overflow state is closed to new sources, with the
     /// overflow state's pending totals.
     pub ovf_tick: PerCpuArray<MapData, FastEntry>,
-    pub bans: LpmTrie<MapData, IpKey, BanEntry>,
+    /// The ban tables, indexed by `BAN_TABLE_*` (operator, rule bans that drop, rule bans that
+    /// pass): read and written only through the `Maps` ban methods below.
+    pub bans: [LpmTrie<MapData, LpmAddr, BanEntry>; BAN_TABLES as usize],
     pub stats: PerCpuArray<MapData, Counter>,
     pub ifaces: HashMap<MapData, u32, u32>,
     pub ifslots: Array<MapData, u32>,
-    /// Whether `bans` may hold an entry (see `Maps::insert_ban`).
+    /// Per ban table: whether it may hold an entry (see `Maps::insert_ban`).
     pub bans_present: Array<MapData, u64>,
     /// Bumped after every ban insert (see the program's `RL_BAN_EPOCH`).
     pub ban_epoch: Array<MapData, u64>,
     /// A ban was inserted and `ban_epoch` not bumped yet.
     ban_epoch_pending: bool,
-    /// What this process last wrote to `bans_present` (only the daemon ever clears it).
-    bans_flag_set: bool,
+    /// Per ban table: what this process last wrote to `bans_present` (only the daemon ever
+    /// clears it).
+    bans_flag_set: [bool; BAN_TABLES as usize],
     pub events: Option<RingBuf<MapData>>,
 }
 
@@ -149,7 +152,7 @@ pub fn ifindex(iface: &str) -> anyhow::Result<u32> {
 
 /// The layout of every pinned map's keys and values. `LAYOUT_VERSION` is bumped by hand
 /// whenever one changes (a reordered field included); the sizes follow as a check.
-const LAYOUT_VERSION: u32 = 3;
+const LAYOUT_VERSION: u32 = 4;
 
 /// File in `daemon.state_dir` recording the layout of the maps pinned in `daemon.bpffs_dir`.
 pub const LAYOUT_FILE: &str = "pinned-layout";
@@ -424,17 +427,23 @@ impl Datapath {
             overflow: Array::try_from(take("RL_OVERFLOW")?)?,
             fast: PerCpuArray::try_from(take("RL_FAST")?)?,
             ovf_tick: PerCpuArray::try_from(take("RL_OVF_TICK")?)?,
-            bans: LpmTrie::try_from(take("RL_BANS")?)?,
+            bans: [
+                LpmTrie::try_from(take("RL_BANS_OPERATOR")?)?,
+                LpmTrie::try_from(take("RL_BANS")?)?,
+                LpmTrie::try_from(take("RL_BANS_PASSING")?)?,
+            ],
             stats: PerCpuArray::try_from(take("RL_STATS")?)?,
             ifaces: HashMap::try_from(take("RL_IFACES")?)?,
             ifslots: Array::try_from(take("RL_IFSLOTS")?)?,
             bans_present: {
                 // Conservative at every start: the sweep clears it once the map is empty.
                 let mut a = Array::try_from(take("RL_BANS_PRESENT")?)?;
-                a.set(0, 1, 0)?;
+                for t in 0..BAN_TABLES {
+                    a.set(t, 1, 0)?;
+                }
                 a
             },
-            bans_flag_set: true,
+            bans_flag_set: [true; BAN_TABLES as usize],
             ban_epoch: Array::try_from(take("RL_BAN_EPOCH")?)?,
             ban_epoch_pending: false,
             events: Some(RingBuf::try_from(take("RL_EVENTS")?)?),
@@ -442,33 +451,68 @@ impl Datapath {
     }
 }
 
+/// The trie key of a ban of `addr/prefix_len` (a prefix over the 16-byte address).
+pub fn ban_key(prefix_len: u32, addr: &IpKey) -> Key<LpmAddr> {
+    Key::new(lpm_prefix(prefix_len), LpmAddr::of(addr))
+}
+
 impl Maps {
-    /// Insert (or replace) a ban, then note that bans exist (in that order: the program skips
-    /// the ban lookup while the flag is clear).
-    pub fn insert_ban(
-        &mut self,
-        key: &aya::maps::lpm_trie::Key<IpKey>,
-        entry: BanEntry,
-    ) -> Result<(), aya::maps::MapError> {
-        self.insert_ban_deferred(key, entry)?;
+    /// Insert (or replace) a ban in the table its flags name, then note that bans exist (in
+    /// that order: the program skips the ban lookup while the flag is clear).
+    pub fn insert_ban(&mut self, entry: BanEntry) -> Result<(), aya::maps::MapError> {
+        self.insert_ban_deferred(entry)?;
         self.flush_ban_epoch()
     }
 
     /// [`Maps::insert_ban`] without the ban-epoch bump, for a batch: the caller must call
     /// [`Maps::flush_ban_epoch`] after the batch, whatever its outcome (two system calls per
     /// ban otherwise, a third of the time of 100k bans).
-    pub fn insert_ban_deferred(
-        &mut self,
-        key: &aya::maps::lpm_trie::Key<IpKey>,
-        entry: BanEntry,
-    ) -> Result<(), aya::maps::MapError> {
-        self.bans.insert(key, entry, 0)?;
+    pub fn insert_ban_deferred(&mut self, entry: BanEntry) -> Result<(), aya::maps::MapError> {
+        let t = ban_table(entry.flags) as usize;
+        let key = ban_key(entry.prefix_len, &IpKey { addr: entry.addr });
+        self.bans[t].insert(&key, entry, 0)?;
         self.ban_epoch_pending = true;
-        if !self.bans_flag_set {
-            self.bans_present.set(0, 1, 0)?;
-            self.bans_flag_set = true;
+        if !self.bans_flag_set[t] {
+            self.bans_present.set(t as u32, 1, 0)?;
+            self.bans_flag_set[t] = true;
         }
         Ok(())
+    }
+
+    /// The ban in table `table` at exactly `addr/prefix_len`, if any.
+    pub fn ban_at(&self, table: u32, prefix_len: u32, addr: &IpKey) -> Option<BanEntry> {
+        self.bans[table as usize]
+            .get(&ban_key(prefix_len, addr), 0)
+            .ok()
+    }
+
+    /// The bans at exactly `addr/prefix_len`, whatever their table.
+    pub fn bans_at(&self, prefix_len: u32, addr: &IpKey) -> Vec<BanEntry> {
+        (0..BAN_TABLES)
+            .filter_map(|t| self.ban_at(t, prefix_len, addr))
+            .collect()
+    }
+
+    /// Remove the ban in table `table` at exactly `addr/prefix_len`: whether there was one.
+    pub fn remove_ban(
+        &mut self,
+        table: u32,
+        prefix_len: u32,
+        addr: &IpKey,
+    ) -> Result<bool, aya::maps::MapError> {
+        match self.bans[table as usize].remove(&ban_key(prefix_len, addr)) {
+            Ok(()) => Ok(true),
+            Err(aya::maps::MapError::KeyNotFound) => Ok(false),
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Every ban in every table (the entry repeats its own key).
+    pub fn all_bans(&self) -> Vec<BanEntry> {
+        self.bans
+            .iter()
+            .flat_map(|t| t.iter().filter_map(|r| r.ok()).map(|(_, b)| b))
+            .collect()
     }
 
     /// Void the program's fast-drop entries (they skip the ban lookup) if a ban was inserted
@@ -482,19 +526,21 @@ impl Maps {
         Ok(())
     }
 
-    /// Clear the bans flag if the map is empty; set it again if a ban arrived meanwhile (the
+    /// Per table: clear its flag if it is empty; set it again if a ban arrived meanwhile (the
     /// program sets it after its own inserts, so no ban is ever left unlooked-up).
     pub fn refresh_bans_present(&mut self) {
-        if self.bans.keys().next().is_some() {
-            self.bans_flag_set = self.bans_present.set(0, 1, 0).is_ok();
-            return;
-        }
-        if self.bans_present.set(0, 0, 0).is_err() {
-            return;
-        }
-        self.bans_flag_set = false;
-        if self.bans.keys().next().is_some() {
-            self.bans_flag_set = self.bans_present.set(0, 1, 0).is_ok();
+        for t in 0..BAN_TABLES as usize {
+            if self.bans[t].keys().next().is_some() {
+                self.bans_flag_set[t] = self.bans_present.set(t as u32, 1, 0).is_ok();
+                continue;
+            }
+            if self.bans_present.set(t as u32, 0, 0).is_err() {
+                continue;
+            }
+            self.bans_flag_set[t] = false;
+            if self.bans[t].keys().next().is_some() {
+                self.bans_flag_set[t] = self.bans_present.set(t as u32, 1, 0).is_ok();
+            }
         }
     }
 }

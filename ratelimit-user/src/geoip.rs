@@ -18,12 +18,12 @@ use std::{
 };
 
 use anyhow::{Context as _, bail, ensure};
-use aya::maps::{LpmTrie, MapData, lpm_trie::Key};
+use aya::maps::{LpmTrie, MapData};
 use ipnet::IpNet;
 use maxminddb::{Reader, WithinOptions, geoip2};
-use ratelimit_common::{addr::IpKey, caps::MAX_REGION_PREFIXES};
+use ratelimit_common::{addr::LpmAddr, caps::MAX_REGION_PREFIXES};
 
-use crate::apply::{Prefix, prefix};
+use crate::apply::{Prefix, lpm_key, prefix, prefix_of_lpm};
 
 /// A GeoIP database flattened into disjoint networks and their country codes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -91,7 +91,7 @@ pub fn load(path: &Path) -> anyhow::Result<RegionTable> {
 /// number of prefixes the trie holds afterwards. A table larger than the map is rejected before
 /// anything is written.
 pub fn apply(
-    trie: &mut LpmTrie<MapData, IpKey, [u8; 4]>,
+    trie: &mut LpmTrie<MapData, LpmAddr, [u8; 4]>,
     table: &RegionTable,
 ) -> anyhow::Result<usize> {
     let want: BTreeMap<Prefix, [u8; 4]> = table
@@ -102,16 +102,16 @@ pub fn apply(
     check_capacity(want.len())?;
     let have: Vec<Prefix> = trie
         .keys()
-        .map(|k| k.map(|k| (k.prefix_len(), k.data())))
+        .map(|k| k.map(|k| prefix_of_lpm(&k)))
         .collect::<Result<_, _>>()
         .context("reading the regions map")?;
     for ((len, key), value) in &want {
-        trie.insert(&Key::new(*len, *key), value, 0)
+        trie.insert(&lpm_key(&(*len, *key)), value, 0)
             .context("writing the regions map")?;
     }
     for p in have {
         if !want.contains_key(&p) {
-            trie.remove(&Key::new(p.0, p.1))
+            trie.remove(&lpm_key(&p))
                 .context("pruning the regions map")?;
         }
     }

@@ -575,11 +575,10 @@ pub struct Ban {
 /// Every ban in force now, as (CIDR, entry).
 pub fn active_bans(maps: &Maps) -> Vec<(ipnet::IpNet, BanEntry)> {
     let now = mono_ns();
-    maps.bans
-        .iter()
-        .filter_map(|r| r.ok())
-        .filter(|(_, b)| limiter::ban_active(b.expires_ns, now))
-        .map(|(k, b)| (net_of(k.prefix_len(), &k.data()), b))
+    maps.all_bans()
+        .into_iter()
+        .filter(|b| limiter::ban_active(b.expires_ns, now))
+        .map(|b| (net_of(b.prefix_len, &IpKey { addr: b.addr }), b))
         .collect()
 }
 

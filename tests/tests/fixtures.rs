@@ -32,7 +32,7 @@ const SERVER6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 1);
 const CONFIG: &str = r#"
 [lists]
 allow = ["198.18.50.7/32"]
-deny = ["198.18.50.0/24", "2001:db8:dead::/48"]
+deny = ["198.18.50.0/24", "2001:db8:dead::/48", "::/8"]
 
 [[rule]]
 name = "syn80"
@@ -187,12 +187,45 @@ fn fixture_table() {
             XDP_PASS,
             &[("pass_malformed", 1), ("malformed_l2", 1)],
         ),
+        // More tags than a valid frame has: counted as malformed, but judged by its source,
+        // so a tag more cannot carry a denied or banned source past the lists and bans.
         case(
             "three VLAN tags",
             v4([198, 18, 1, 1])
                 .vlan(0x88a8, 1)
                 .vlan(0x8100, 2)
                 .vlan(0x8100, 3)
+                .udp(1, 53)
+                .build(),
+            XDP_PASS,
+            &[("pass", 1), ("malformed_l2", 1)],
+        ),
+        case(
+            "three VLAN tags from a denied source",
+            v4([198, 18, 50, 1])
+                .vlan(0x88a8, 1)
+                .vlan(0x8100, 2)
+                .vlan(0x8100, 3)
+                .udp(1, 53)
+                .build(),
+            XDP_DROP,
+            &[("drop_deny", 1), ("malformed_l2", 1)],
+        ),
+        case(
+            "three VLAN tags from a banned source",
+            v4([198, 18, 60, 1])
+                .vlan(0x88a8, 1)
+                .vlan(0x8100, 2)
+                .vlan(0x8100, 3)
+                .udp(1, 53)
+                .build(),
+            XDP_DROP,
+            &[("drop_ban", 1), ("malformed_l2", 1)],
+        ),
+        case(
+            "nine VLAN tags: no source to read",
+            (0..9)
+                .fold(v4([198, 18, 50, 1]), |f, i| f.vlan(0x8100, i + 1))
                 .udp(1, 53)
                 .build(),
             XDP_PASS,
@@ -204,11 +237,88 @@ fn fixture_table() {
             XDP_PASS,
             &[("pass_malformed", 1), ("malformed_ipv4", 1)],
         ),
+        // A bad IHL, total length or version: the L4 header cannot be found, so every L4
+        // condition counts as met (as for a cut-off header), and the source decides.
         case(
             "IPv4 IHL < 5",
-            ihl(v4([198, 18, 1, 1]).udp(1, 53).build(), 4),
+            ihl(v4([198, 18, 7, 7]).udp(1, 53).build(), 4),
             XDP_PASS,
-            &[("pass_malformed", 1), ("malformed_ipv4", 1)],
+            &[
+                ("pass", 1),
+                ("malformed_ipv4", 1),
+                ("state_created", 1),
+                ("udp-range/matched", 1),
+                ("udp-range/admitted", 1),
+            ],
+        ),
+        case(
+            "IPv4 IHL < 5 from a denied source",
+            ihl(v4([198, 18, 50, 2]).udp(1, 53).build(), 4),
+            XDP_DROP,
+            &[("drop_deny", 1), ("malformed_ipv4", 1)],
+        ),
+        case(
+            "IPv4 total length < header from a banned source",
+            set_u16(v4([198, 18, 60, 2]).udp(1, 53).build(), 14 + 2, 19),
+            XDP_DROP,
+            &[("drop_ban", 1), ("malformed_ipv4", 1)],
+        ),
+        case(
+            "IPv4 ethertype, version 6, from a denied source",
+            version(v4([198, 18, 50, 4]).udp(1, 53).build(), 6),
+            XDP_DROP,
+            &[("drop_deny", 1), ("malformed_ipv4", 1)],
+        ),
+        case(
+            "IPv6 ethertype, version 4, from a denied source",
+            version(v6("2001:db8:dead::7").udp(1, 53).build(), 4),
+            XDP_DROP,
+            &[("drop_deny", 1), ("malformed_ipv6", 1)],
+        ),
+        // IPv6 bogon sources: dropped before any list, ban or state (`::ffff:a.b.c.d` would
+        // otherwise be the IPv4 client a.b.c.d to every per-source key).
+        case(
+            "IPv6 from ::1",
+            v6("::1").udp(1, 8000).build(),
+            XDP_DROP,
+            &[("drop_bogon", 1)],
+        ),
+        case(
+            "IPv6 from ::",
+            v6("::").udp(1, 8000).build(),
+            XDP_DROP,
+            &[("drop_bogon", 1)],
+        ),
+        case(
+            "IPv6 from an IPv4-mapped address",
+            v6("::ffff:198.18.1.1").udp(1, 8000).build(),
+            XDP_DROP,
+            &[("drop_bogon", 1)],
+        ),
+        case(
+            "IPv6 from an IPv4-compatible address",
+            v6("::198.18.1.1").udp(1, 8000).build(),
+            XDP_DROP,
+            &[("drop_bogon", 1)],
+        ),
+        case(
+            "IPv6 from a multicast address",
+            v6("ff02::1").udp(1, 8000).build(),
+            XDP_DROP,
+            &[("drop_bogon", 1)],
+        ),
+        case(
+            "IPv6 from ::ffff:198.18.50.1 is a bogon, not the denied IPv4 client",
+            v6("::ffff:198.18.50.1").udp(1, 53).build(),
+            XDP_DROP,
+            &[("drop_bogon", 1)],
+        ),
+        // `deny = ["::/8"]` (a common IPv6 bogon entry) covers IPv6 sources only.
+        case(
+            "IPv6 in ::/8 (not a bogon) is denied by ::/8",
+            v6("::1:0:0:1").udp(1, 53).build(),
+            XDP_DROP,
+            &[("drop_deny", 1)],
         ),
         case(
             "IPv4 options cut off",
@@ -595,14 +705,24 @@ fn ihl(mut frame: Vec<u8>, ihl: u8) -> Vec<u8> {
     frame
 }
 
+/// The IP version nibble of an untagged frame set to `v`.
+fn version(mut frame: Vec<u8>, v: u8) -> Vec<u8> {
+    frame[14] = (v << 4) | (frame[14] & 0x0f);
+    frame
+}
+
+fn set_u16(mut frame: Vec<u8>, at: usize, value: u16) -> Vec<u8> {
+    frame[at..at + 2].copy_from_slice(&value.to_be_bytes());
+    frame
+}
+
 fn ban(maps: &mut Maps, cidr: &str) {
     let net = ratelimit_user::daemon::parse_cidr(cidr).unwrap();
     let (plen, key) = apply::prefix(&net);
     let now = report::mono_ns();
     let entry =
         ratelimit_common::maps::BanEntry::manual(plen, key.addr, now, now + 3_600_000_000_000);
-    maps.insert_ban(&aya::maps::lpm_trie::Key::new(plen, key), entry)
-        .unwrap();
+    maps.insert_ban(entry).unwrap();
     let _ = BanSpec {
         cidr: cidr.into(),
         duration_ms: None,
@@ -634,10 +754,21 @@ algorithm = "fixed_window"
     let cfg = config::parse("bans.toml", BAN_CONFIG).expect("config");
     apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
     let rules = vec!["udp-ban".to_string()];
-    let flag = |maps: &Maps| maps.bans_present.get(&0, 0).unwrap();
-    assert_eq!(flag(&maps), 1, "set at start, before the daemon has looked");
+    use ratelimit_common::maps::{BAN_TABLE_OPERATOR, BAN_TABLE_RULE, BAN_TABLES};
+    let flags = |maps: &Maps| -> Vec<u64> {
+        (0..BAN_TABLES)
+            .map(|t| maps.bans_present.get(&t, 0).unwrap())
+            .collect()
+    };
+    let flag = |maps: &Maps| maps.bans_present.get(&BAN_TABLE_RULE, 0).unwrap();
+    let op_flag = |maps: &Maps| maps.bans_present.get(&BAN_TABLE_OPERATOR, 0).unwrap();
+    assert_eq!(
+        flags(&maps),
+        [1, 1, 1],
+        "set at start, before the daemon has looked"
+    );
     maps.refresh_bans_present();
-    assert_eq!(flag(&maps), 0, "cleared: no ban exists");
+    assert_eq!(flags(&maps), [0, 0, 0], "cleared: no ban exists");
 
     // A rule issues a ban: 4 packets cross the ban threshold of 3; the 5th is dropped as banned.
     let frame = v4([198, 18, 9, 9]).udp(40000, 9000).build();
@@ -655,23 +786,24 @@ algorithm = "fixed_window"
     assert_eq!(flag(&maps), 1, "kept: a ban exists");
 
     // Remove the ban: the flag clears; an operator ban sets it again and is enforced.
-    let keys: Vec<_> = maps.bans.keys().filter_map(|k| k.ok()).collect();
-    for k in keys {
-        maps.bans.remove(&k).unwrap();
+    for b in maps.all_bans() {
+        let table = ratelimit_common::maps::ban_table(b.flags);
+        let addr = ratelimit_common::addr::IpKey { addr: b.addr };
+        assert!(maps.remove_ban(table, b.prefix_len, &addr).unwrap());
     }
     maps.refresh_bans_present();
-    assert_eq!(flag(&maps), 0);
+    assert_eq!(flags(&maps), [0, 0, 0]);
     let other = v4([198, 18, 10, 10]).udp(40000, 53).build();
     assert_eq!(dp.test_run(&other, 1).unwrap().0, XDP_PASS);
     let net = ratelimit_user::daemon::parse_cidr("198.18.10.0/24").unwrap();
     let (plen, key) = apply::prefix(&net);
     let now = report::mono_ns();
-    maps.insert_ban(
-        &aya::maps::lpm_trie::Key::new(plen, key),
-        ratelimit_common::maps::BanEntry::manual(plen, key.addr, now, 0),
-    )
+    maps.insert_ban(ratelimit_common::maps::BanEntry::manual(
+        plen, key.addr, now, 0,
+    ))
     .unwrap();
-    assert_eq!(flag(&maps), 1);
+    assert_eq!(op_flag(&maps), 1);
+    assert_eq!(flag(&maps), 0, "an operator ban is in the operator's table");
     assert_eq!(dp.test_run(&other, 1).unwrap().0, XDP_DROP);
 }
 
@@ -693,8 +825,7 @@ fn a_passing_ban_does_not_hide_a_broader_dropping_ban() {
         let (plen, key) = apply::prefix(&net);
         let mut e = ratelimit_common::maps::BanEntry::manual(plen, key.addr, now, 0);
         e.flags = flags;
-        maps.insert_ban(&aya::maps::lpm_trie::Key::new(plen, key), e)
-            .unwrap();
+        maps.insert_ban(e).unwrap();
     };
     use ratelimit_common::maps::{BAN_EXCEED_PASS, BAN_MANUAL, BAN_PREVIEW};
     put("198.18.20.0/24", BAN_MANUAL);
@@ -1359,8 +1490,7 @@ algorithm = "fixed_window"
     let mut entry =
         ratelimit_common::maps::BanEntry::manual(plen, key.addr, now, now + 3_600_000_000_000);
     entry.flags |= ratelimit_common::maps::BAN_PREVIEW;
-    maps.insert_ban(&aya::maps::lpm_trie::Key::new(plen, key), entry)
-        .unwrap();
+    maps.insert_ban(entry).unwrap();
     let pending = fast_pending_total(&maps);
     let before = counters(&maps, &rules);
     let frame = v4(src).udp(40000, 9000).build();
@@ -1744,4 +1874,266 @@ algorithm = "fixed_window"
         "{} sources tracked, {overflow} packets gave way to the other CPU's insert",
         seen.len()
     );
+}
+
+/// IPv4 and IPv6 never alias. A rule ban keyed per IPv6 /64 from a source in `::/64` (not a
+/// bogon) bans `::/64`, which as 16-byte bits holds every IPv4 client's `::ffff:a.b.c.d` key:
+/// IPv4 clients must still pass. Sources that would be those keys themselves (`::ffff:…`,
+/// `::1`) are bogons: dropped, never given state or a ban. Operator bans of `::/0` and
+/// `0.0.0.0/0` each stay in their own family.
+#[test]
+fn ipv6_bans_and_sources_never_cover_ipv4_clients() {
+    if skip_unless_kernel() {
+        return;
+    }
+    const CONFIG: &str = r#"
+[[rule]]
+name = "udp-ban"
+action = "rate_based_ban"
+match = { protocol = "udp", dst_ports = ["9000"] }
+threshold = { count = 10, interval = "1h" }
+ban_threshold = { count = 20, interval = "1h" }
+ban_duration = "1h"
+algorithm = "fixed_window"
+ipv6_prefix = 64
+"#;
+    let pins = Pins::new();
+    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
+    let mut maps = dp.take_maps().expect("maps");
+    let cfg = config::parse("families.toml", CONFIG).expect("config");
+    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
+    let rules = vec!["udp-ban".to_string()];
+    let v4a = v4([198, 18, 40, 1]).udp(40000, 9000).build();
+    let v4b = v4([203, 0, 113, 9]).udp(40000, 9000).build();
+
+    // The reported attack: 30 packets each from ::1 and ::ffff:203.0.113.9.
+    let before = counters(&maps, &rules);
+    for src in ["::1", "::ffff:203.0.113.9"] {
+        let f = v6(src).udp(40000, 9000).build();
+        assert_eq!(dp.test_run(&f, 30).unwrap().0, XDP_DROP);
+    }
+    let d = delta(&before, &counters(&maps, &rules));
+    assert_eq!(d.get("drop_bogon"), Some(&60), "{d:?}");
+    assert_eq!(d.get("bans_issued"), None, "{d:?}");
+    assert_eq!(d.get("state_created"), None, "{d:?}");
+    assert!(maps.all_bans().is_empty());
+
+    // A real IPv6 source in ::/64 crosses the ban threshold: `::/64` is banned.
+    let before = counters(&maps, &rules);
+    let f = v6("::1:0:0:1").udp(40000, 9000).build();
+    assert_eq!(dp.test_run(&f, 30).unwrap().0, XDP_DROP);
+    let d = delta(&before, &counters(&maps, &rules));
+    assert_eq!(d.get("bans_issued"), Some(&1), "{d:?}");
+    let bans = maps.all_bans();
+    assert_eq!(bans.len(), 1);
+    assert_eq!(bans[0].prefix_len, 64);
+    assert_eq!(bans[0].addr, [0; 16]);
+    // Every IPv4 client still passes; another IPv6 source in ::/64 is banned.
+    let before = counters(&maps, &rules);
+    assert_eq!(dp.test_run(&v4a, 3).unwrap().0, XDP_PASS);
+    assert_eq!(dp.test_run(&v4b, 3).unwrap().0, XDP_PASS);
+    let other6 = v6("::2:0:0:2").udp(40000, 53).build();
+    assert_eq!(dp.test_run(&other6, 1).unwrap().0, XDP_DROP);
+    let d = delta(&before, &counters(&maps, &rules));
+    assert_eq!(d.get("pass"), Some(&6), "{d:?}");
+    assert_eq!(d.get("drop_ban"), Some(&1), "{d:?}");
+
+    // Operator bans of a whole family: ::/0 spares IPv4, 0.0.0.0/0 spares IPv6.
+    ban(&mut maps, "::/0");
+    let v6c = v6("2001:db8:7::1").udp(40000, 53).build();
+    let v4c = v4([198, 18, 41, 1]).udp(40000, 53).build();
+    assert_eq!(dp.test_run(&v6c, 1).unwrap().0, XDP_DROP);
+    assert_eq!(dp.test_run(&v4c, 1).unwrap().0, XDP_PASS);
+    let net = ratelimit_user::daemon::parse_cidr("::/0").unwrap();
+    let (plen, key) = apply::prefix(&net);
+    assert!(
+        maps.remove_ban(ratelimit_common::maps::BAN_TABLE_OPERATOR, plen, &key)
+            .unwrap()
+    );
+    ban(&mut maps, "0.0.0.0/0");
+    assert_eq!(dp.test_run(&v4c, 1).unwrap().0, XDP_DROP);
+    assert_eq!(dp.test_run(&v6c, 1).unwrap().0, XDP_PASS);
+}
+
+/// Per-CIDR overrides and rule source lists keep the families apart too: an override of
+/// `::/0` raises no IPv4 client's threshold.
+#[test]
+fn an_ipv6_override_never_applies_to_an_ipv4_client() {
+    if skip_unless_kernel() {
+        return;
+    }
+    const CONFIG: &str = r#"
+[[rule]]
+name = "udp"
+match = { protocol = "udp", dst_ports = ["9000"] }
+threshold = { count = 2, interval = "1h" }
+algorithm = "fixed_window"
+
+[[rule.override]]
+cidr = "::/0"
+threshold = { count = 1000, interval = "1h" }
+"#;
+    let pins = Pins::new();
+    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
+    let mut maps = dp.take_maps().expect("maps");
+    let cfg = config::parse("overrides.toml", CONFIG).expect("config");
+    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
+    let rules = vec!["udp".to_string()];
+    let before = counters(&maps, &rules);
+    dp.test_run(&v4([198, 18, 42, 1]).udp(40000, 9000).build(), 10)
+        .unwrap();
+    dp.test_run(&v6("2001:db8:42::1").udp(40000, 9000).build(), 10)
+        .unwrap();
+    let d = delta(&before, &counters(&maps, &rules));
+    assert_eq!(d.get("udp/admitted"), Some(&12), "2 IPv4 + 10 IPv6: {d:?}");
+    assert_eq!(d.get("udp/dropped"), Some(&8), "{d:?}");
+}
+
+/// The strictest ban in force wins: a preview rule's ban of a client does not stop an
+/// enforcing rule from banning it too (before, the second insert met `EEXIST` and the client
+/// was only dropped while the enforcing rule's meter stayed high); and passing bans nested
+/// deeper than any walk bound never hide a wider ban that drops.
+#[test]
+fn a_preview_ban_never_blocks_or_hides_an_enforcing_one() {
+    if skip_unless_kernel() {
+        return;
+    }
+    const CONFIG: &str = r#"
+[[rule]]
+name = "watch"
+action = "rate_based_ban"
+match = { protocol = "udp", dst_ports = ["9000"] }
+threshold = { count = 100, interval = "1h" }
+ban_threshold = { count = 2, interval = "1h" }
+ban_duration = "1h"
+algorithm = "fixed_window"
+preview = true
+
+[[rule]]
+name = "enforce"
+action = "rate_based_ban"
+match = { protocol = "udp", dst_ports = ["9000"] }
+threshold = { count = 100, interval = "1h" }
+ban_threshold = { count = 5, interval = "1h" }
+ban_duration = "1h"
+algorithm = "fixed_window"
+"#;
+    let pins = Pins::new();
+    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
+    let mut maps = dp.take_maps().expect("maps");
+    let cfg = config::parse("strictest.toml", CONFIG).expect("config");
+    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
+    let rules = vec!["watch".to_string(), "enforce".to_string()];
+    let f = v4([198, 18, 43, 1]).udp(40000, 9000).build();
+    let before = counters(&maps, &rules);
+    // Packets 1-2: under both. 3: "watch" issues its preview ban. 4-5: banned in preview,
+    // counted by both rules. 6: "enforce" crosses 5 and bans.
+    for _ in 0..6 {
+        dp.test_run(&f, 1).unwrap();
+    }
+    let d = delta(&before, &counters(&maps, &rules));
+    assert_eq!(d.get("watch/bans"), Some(&1), "{d:?}");
+    assert_eq!(d.get("enforce/bans"), Some(&1), "{d:?}");
+    assert_eq!(d.get("bans_issued"), Some(&2), "{d:?}");
+    // From now on every packet is dropped as banned, whatever the meters say.
+    let before = counters(&maps, &rules);
+    assert_eq!(dp.test_run(&f, 50).unwrap().0, XDP_DROP);
+    let d = delta(&before, &counters(&maps, &rules));
+    assert_eq!(d.get("drop_ban"), Some(&50), "{d:?}");
+    assert_eq!(d.get("enforce/matched"), None, "{d:?}");
+
+    // Passing bans at /128 down to /122 (seven, deeper than any walk bound) inside a /120
+    // that drops: the /120 wins.
+    let now = report::mono_ns();
+    for len in 122..=128u8 {
+        let low = 0xffu16 & (0xffffu16 << (128 - len as u32));
+        let net =
+            ratelimit_user::daemon::parse_cidr(&format!("2001:db8:44::{low:x}/{len}")).unwrap();
+        let (plen, key) = apply::prefix(&net);
+        let mut e = ratelimit_common::maps::BanEntry::manual(plen, key.addr, now, 0);
+        e.flags = ratelimit_common::maps::BAN_PREVIEW;
+        e.rule = 0;
+        maps.insert_ban(e).unwrap();
+    }
+    let mut e = {
+        let (plen, key) = apply::prefix(&"2001:db8:44::/120".parse().unwrap());
+        ratelimit_common::maps::BanEntry::manual(plen, key.addr, now, 0)
+    };
+    e.flags = 0;
+    e.rule = 1;
+    maps.insert_ban(e).unwrap();
+    let g = v6("2001:db8:44::ff").udp(40000, 53).build();
+    let before = counters(&maps, &rules);
+    assert_eq!(dp.test_run(&g, 1).unwrap().0, XDP_DROP);
+    let d = delta(&before, &counters(&maps, &rules));
+    assert_eq!(d.get("drop_ban"), Some(&1), "{d:?}");
+}
+
+/// Rules filling their ban table never lock the operator out, and a rule ban that finds the
+/// table full still drops its client for its ban_duration (held in the client's state,
+/// counted as `ban_held_in_state`), then lets it start clean.
+#[test]
+fn a_full_rule_ban_table_holds_bans_in_state_and_leaves_the_operator_room() {
+    if skip_unless_kernel() {
+        return;
+    }
+    use ratelimit_common::caps::MAX_BANS;
+    const CONFIG: &str = r#"
+[[rule]]
+name = "udp-ban"
+action = "rate_based_ban"
+match = { protocol = "udp", dst_ports = ["9000"] }
+threshold = { count = 100, interval = "1h" }
+ban_threshold = { count = 3, interval = "1h" }
+ban_duration = "3s"
+algorithm = "fixed_window"
+"#;
+    let pins = Pins::new();
+    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
+    let mut maps = dp.take_maps().expect("maps");
+    let cfg = config::parse("full.toml", CONFIG).expect("config");
+    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
+    let rules = vec!["udp-ban".to_string()];
+    // Fill the rules' table as a spoofed IPv6 flood would: one /64 ban each.
+    let now = report::mono_ns();
+    for i in 0..MAX_BANS {
+        let mut addr = [0u8; 16];
+        addr[0] = 0x20;
+        addr[1] = 0x01;
+        addr[4..8].copy_from_slice(&i.to_be_bytes());
+        let mut e = ratelimit_common::maps::BanEntry::manual(64, addr, now, 0);
+        e.flags = 0;
+        e.rule = 0;
+        maps.insert_ban_deferred(e).unwrap();
+    }
+    maps.flush_ban_epoch().unwrap();
+    // The operator can still ban.
+    ban(&mut maps, "198.18.45.0/24");
+    assert_eq!(
+        dp.test_run(&v4([198, 18, 45, 1]).udp(40000, 53).build(), 1)
+            .unwrap()
+            .0,
+        XDP_DROP
+    );
+    // A client crosses the ban threshold with the table full: banned all the same.
+    let f = v4([198, 18, 46, 1]).udp(40000, 9000).build();
+    let before = counters(&maps, &rules);
+    for _ in 0..4 {
+        dp.test_run(&f, 1).unwrap();
+    }
+    let d = delta(&before, &counters(&maps, &rules));
+    assert_eq!(d.get("bans_issued"), Some(&1), "{d:?}");
+    assert_eq!(d.get("ban_held_in_state"), Some(&1), "{d:?}");
+    assert_eq!(d.get("udp-ban/dropped"), Some(&1), "{d:?}");
+    let before = counters(&maps, &rules);
+    assert_eq!(dp.test_run(&f, 20).unwrap().0, XDP_DROP);
+    let d = delta(&before, &counters(&maps, &rules));
+    assert_eq!(d.get("udp-ban/banned_dropped"), Some(&20), "{d:?}");
+    assert_eq!(d.get("bans_issued"), None, "{d:?}");
+    // After ban_duration (3 s; the coarse clock is at most a tick behind) it starts clean.
+    std::thread::sleep(std::time::Duration::from_millis(3_500));
+    let before = counters(&maps, &rules);
+    assert_eq!(dp.test_run(&f, 3).unwrap().0, XDP_PASS);
+    let d = delta(&before, &counters(&maps, &rules));
+    assert_eq!(d.get("udp-ban/admitted"), Some(&3), "{d:?}");
 }

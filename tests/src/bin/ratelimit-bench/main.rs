@@ -21,7 +21,6 @@ use std::{collections::BTreeMap, net::Ipv4Addr, path::PathBuf, time::Instant};
 
 use part::{Ctx, Section};
 
-use aya::maps::lpm_trie::Key;
 use ratelimit_common::{
     addr::IpKey,
     maps::{BanEntry, ClientKey, ClientState, KEY_IP, STORE_WAYS, StoreSet},
@@ -313,11 +312,8 @@ fn main() {
     // A ban for the banned-path case.
     let (plen, key) = apply::prefix(&"198.18.202.0/24".parse().unwrap());
     let now = report::mono_ns();
-    maps.insert_ban(
-        &Key::new(plen, key),
-        BanEntry::manual(plen, key.addr, now, 0),
-    )
-    .unwrap();
+    maps.insert_ban(BanEntry::manual(plen, key.addr, now, 0))
+        .unwrap();
     let mut b = Bench {
         dp,
         repeat,
@@ -405,9 +401,11 @@ fn main() {
     let bare = config::parse("bench.toml", &rules_only).expect("bench policy without lists");
     assert!(bare.lists.allow.is_empty() && bare.lists.deny.is_empty());
     apply::apply(&mut maps, &apply::plan(&bare, false)).expect("apply");
-    maps.bans
-        .remove(&Key::new(plen, key))
-        .expect("remove the ban");
+    assert!(
+        maps.remove_ban(ratelimit_common::maps::BAN_TABLE_OPERATOR, plen, &key)
+            .expect("remove the ban"),
+        "the ban was there"
+    );
     maps.refresh_bans_present();
     push(
         "ours: throttle drop, rules only (no list, no ban in force)",
@@ -416,11 +414,8 @@ fn main() {
         b.paired("ratelimit", &frame_syn([198, 18, 3, 3]), XDP_DROP),
     );
     apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
-    maps.insert_ban(
-        &Key::new(plen, key),
-        BanEntry::manual(plen, key.addr, report::mono_ns(), 0),
-    )
-    .unwrap();
+    maps.insert_ban(BanEntry::manual(plen, key.addr, report::mono_ns(), 0))
+        .unwrap();
     push(
         "ours: banned",
         "ratelimit",
@@ -634,11 +629,8 @@ fn main() {
     let t = Instant::now();
     for i in 0..n_bans {
         let (plen, key) = (128, IpKey::from_v4((0x0c00_0000u32 | i).to_be_bytes()));
-        maps.insert_ban_deferred(
-            &Key::new(plen, key),
-            BanEntry::manual(plen, key.addr, now, 0),
-        )
-        .unwrap();
+        maps.insert_ban_deferred(BanEntry::manual(plen, key.addr, now, 0))
+            .unwrap();
     }
     maps.flush_ban_epoch().unwrap();
     let secs = t.elapsed().as_secs_f64();
@@ -812,11 +804,8 @@ fn measure_sized(
     let mut maps = dp.take_maps().expect("maps");
     apply::apply(&mut maps, &apply::plan(cfg, false)).expect("apply");
     let (plen, key) = apply::prefix(&"198.18.202.0/24".parse().unwrap());
-    maps.insert_ban(
-        &Key::new(plen, key),
-        BanEntry::manual(plen, key.addr, report::mono_ns(), 0),
-    )
-    .unwrap();
+    maps.insert_ban(BanEntry::manual(plen, key.addr, report::mono_ns(), 0))
+        .unwrap();
     let (_, untracked) = populate_more(&mut maps, 0, n);
     assert!(untracked * 1000 < n, "{untracked} of {n} sources untracked");
     set_vary(&mut dp, VARY_SPREAD, n, 0x0b00_0000);
