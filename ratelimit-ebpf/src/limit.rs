@@ -584,10 +584,11 @@ fn state_for(
 /// The state of a shared key, created on its first packet.
 #[inline(always)]
 fn shared_state(env: &Env, key: &mut ClientKey) -> Got {
-    if let Some(p) = SHARED.get_ptr_mut(&*key) {
+    let key = &on_stack(key);
+    if let Some(p) = SHARED.get_ptr_mut(key) {
         return Got::Shared(p);
     }
-    match SHARED.insert(&*key, &ZERO_SHARED, BPF_NOEXIST as u64) {
+    match SHARED.insert(key, &ZERO_SHARED, BPF_NOEXIST as u64) {
         Ok(()) => stats::add(env.slot, global::STATE_CREATED, 0),
         Err(EEXIST) => {}
         Err(_) => {
@@ -595,7 +596,7 @@ fn shared_state(env: &Env, key: &mut ClientKey) -> Got {
             return Got::Nothing;
         }
     }
-    match SHARED.get_ptr_mut(&*key) {
+    match SHARED.get_ptr_mut(key) {
         Some(p) => Got::Shared(p),
         None => Got::Nothing,
     }
@@ -648,6 +649,15 @@ fn client_key(rule: u8, kind: u8, prefix_len: u32, addr: [u8; 16]) -> ClientKey 
         core::ptr::write_volatile(a.add(3), w(12));
         k.assume_init()
     }
+}
+
+/// A copy of `key` on the stack, for a map helper. Inside a global BPF function every pointer
+/// argument (and what is derived from it) is untyped memory, which 6.1's verifier does not
+/// take as a map key: only the stack, a packet or a map ("R2 type=mem expected=fp, pkt,
+/// pkt_meta, map_key, map_value"; 6.12 takes it). Six word stores: no memcpy, no byte loop.
+#[inline(always)]
+fn on_stack(key: &ClientKey) -> ClientKey {
+    client_key(key.rule, key.kind, key.prefix_len, key.addr)
 }
 
 /// Keep the first `prefix_len` bits of a 16-byte address in place (two 64-bit words, no loop:
@@ -1332,7 +1342,7 @@ pub fn client_state(key: &ClientKey, sets: u32) -> Option<*mut ClientState> {
             store_sets_of(hash, sets),
         )
     } else {
-        let p = SHARED.get_ptr_mut(key)?;
+        let p = SHARED.get_ptr_mut(&on_stack(key))?;
         // SAFETY: a field of a live map value.
         Some(unsafe { &raw mut (*p).state })
     }

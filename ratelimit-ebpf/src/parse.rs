@@ -292,23 +292,23 @@ fn parse_l4(ctx: &XdpContext, off: usize, pkt: &mut Parsed) {
         pkt.note = R;
         return;
     }
-    let need = match pkt.proto {
-        IPPROTO_TCP => TcpHdr::LEN,
-        IPPROTO_UDP => UdpHdr::LEN,
-        IPPROTO_ICMP | IPPROTO_ICMPV6 => 4,
+    // One bounds check per protocol, read in the same arm: with one check of a length chosen
+    // by protocol and the reads after it, the 6.1 verifier (which loses the protocol when it
+    // reloads it from the stack) also walks an ICMP header's 4 checked bytes as TCP's 20.
+    let got = match pkt.proto {
+        IPPROTO_TCP => hdr(ctx, off, TcpHdr::LEN, R).map(|h| {
+            pkt.dport = h.field16(2);
+            pkt.tcp_flags = h.field(13);
+        }),
+        IPPROTO_UDP => hdr(ctx, off, UdpHdr::LEN, R).map(|h| pkt.dport = h.field16(2)),
+        IPPROTO_ICMP | IPPROTO_ICMPV6 => hdr(ctx, off, 4, R).map(drop),
         _ => return,
     };
-    let Ok(h) = hdr(ctx, off, need, R) else {
+    if got.is_err() {
         // Truncated (e.g. a tiny first fragment): judge by L3 with every L4 condition met.
         pkt.l4_cut = true;
         pkt.note = R;
         return;
-    };
-    if pkt.proto == IPPROTO_TCP || pkt.proto == IPPROTO_UDP {
-        pkt.dport = h.field16(2);
-    }
-    if pkt.proto == IPPROTO_TCP {
-        pkt.tcp_flags = h.field(13);
     }
     pkt.l4 = true;
 }

@@ -9,6 +9,7 @@ mod run;
 mod setup;
 mod test;
 mod util;
+mod vm;
 
 use std::process::ExitCode;
 
@@ -37,6 +38,9 @@ enum Command {
     Demo(demo::Options),
     /// The benchmark suite.
     Bench(bench::Options),
+    /// Boot another kernel (6.1, 6.12, the newest in trixie-backports) under qemu and run a
+    /// command in it: `cargo xtask vm --kernel 6.1 -- COMMAND ARGS`.
+    Vm(vm::Options),
 }
 
 fn main() -> ExitCode {
@@ -47,6 +51,7 @@ fn main() -> ExitCode {
         Command::Test(options) => test::run(options),
         Command::Demo(options) => demo::run(options),
         Command::Bench(options) => bench::run(options),
+        Command::Vm(options) => vm::run(options),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,

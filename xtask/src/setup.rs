@@ -28,6 +28,14 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "tcpdump",
     // The benchmark's plots draw their text with this font.
     "fonts-dejavu-core",
+    // `cargo xtask vm`: other kernels booted under qemu's software emulation, a static busybox
+    // as the initramfs's init, `cpio` to pack it, `depmod` (kmod) for the kernels' modules, and
+    // `xz` to take the uncompressed kernel out of its bzImage.
+    "qemu-system-x86",
+    "busybox-static",
+    "cpio",
+    "kmod",
+    "xz-utils",
 ];
 
 const LLVM_PREFIX: &str = "/usr/lib/llvm-22";
