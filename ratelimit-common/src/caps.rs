@@ -41,7 +41,7 @@ pub const EVENTS_RING_BYTES: u32 = 1 << 20;
 pub const MAX_VLAN_DEPTH: usize = 2;
 /// VLAN tags the parser walks to find the source of a frame with more than `MAX_VLAN_DEPTH`
 /// (judged by its source and counted as malformed); a frame with more is unreadable.
-pub const MAX_VLAN_WALK: usize = 8;
+pub const MAX_VLAN_WALK: usize = 3;
 /// IPv6 extension headers the parser walks before giving up and keying by L3 alone.
 pub const MAX_IPV6_EXT_HEADERS: usize = 6;
 /// Longest interval a threshold may use: keeps the sliding-window weight arithmetic in u64.

@@ -135,10 +135,24 @@ fn fixture_table() {
     let mut maps = dp.take_maps().expect("maps");
     let (xlated, verified) = dp.program_info().expect("program info");
     println!("program: {xlated} translated instructions, {verified} verified instructions");
-    // A guard against verifier blow-ups: far below the kernel's 1M budget.
+    // A guard against verifier blow-ups: far below the kernel's 1M budget. Verifiers before
+    // 6.8 prune fewer states (6.1 walks 3-4x what 6.12 walks for the same object), so they
+    // get a guard of their own.
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
+    let mut v = release
+        .trim()
+        .split(['.', '-'])
+        .map(|n| n.parse::<u32>().unwrap_or(0));
+    let (major, minor) = (v.next().unwrap_or(0), v.next().unwrap_or(0));
+    let guard = if (major, minor) < (6, 8) {
+        400_000
+    } else {
+        200_000
+    };
     assert!(
-        verified < 200_000,
-        "the verifier walked {verified} instructions"
+        verified < guard,
+        "the verifier of {} walked {verified} instructions (guard {guard})",
+        release.trim()
     );
     let cfg = config::parse("fixtures.toml", CONFIG).expect("config");
     apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
@@ -223,8 +237,8 @@ fn fixture_table() {
             &[("drop_ban", 1), ("malformed_l2", 1)],
         ),
         case(
-            "nine VLAN tags: no source to read",
-            (0..9)
+            "four VLAN tags: no source to read",
+            (0..4)
                 .fold(v4([198, 18, 50, 1]), |f, i| f.vlan(0x8100, i + 1))
                 .udp(1, 53)
                 .build(),
