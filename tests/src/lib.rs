@@ -13,6 +13,7 @@
 
 pub mod daemon;
 pub mod env;
+pub mod fuzz;
 pub mod link;
 pub mod mmdb;
 pub mod netns;
