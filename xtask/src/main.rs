@@ -5,6 +5,7 @@
 
 mod bench;
 mod demo;
+mod fuzz;
 mod run;
 mod setup;
 mod test;
@@ -37,6 +38,9 @@ enum Command {
     Demo(demo::Options),
     /// The benchmark suite.
     Bench(bench::Options),
+    /// Differential fuzzing of the data plane: generated frames through the XDP program
+    /// and its host model, compared frame by frame.
+    Fuzz(fuzz::Options),
 }
 
 fn main() -> ExitCode {
@@ -47,6 +51,7 @@ fn main() -> ExitCode {
         Command::Test(options) => test::run(options),
         Command::Demo(options) => demo::run(options),
         Command::Bench(options) => bench::run(options),
+        Command::Fuzz(options) => fuzz::run(options),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
