@@ -47,13 +47,13 @@ const BATCH: usize = 64;
 /// An epoch (one program load) lasts at most this long...
 const EPOCH_SECS: u64 = 300;
 /// ...and this many frames.
-const EPOCH_FRAMES: u64 = 250_000;
+const EPOCH_FRAMES: u64 = 50_000;
 /// Per-source store: far above the keys an epoch creates (at most a few per frame of the
 /// ~3% with a random source, plus the pools), so the two-choice store never finds both of a
 /// key's sets full.
 const MAX_SOURCES: u32 = 1 << 20;
 
-/// The fuzz config; `{I}` is the window interval in seconds (see `window_interval_s`).
+/// The first fuzz config; `{I}` is the window interval in seconds (see `window_interval_s`).
 /// Rule by rule: a SYN ban rule per /32 and /124 (fixed window), a token bucket of packets,
 /// one ICMP bucket for everyone (sliding window), a UDP ban rule in preview, a TCP/22 ban rule
 /// whose exceed action is pass, a source-list rule with an override for half its /24, a byte
@@ -61,7 +61,7 @@ const MAX_SOURCES: u32 = 1 << 20;
 /// long (/124, /120): IPv4 is stored IPv4-mapped, so a ban of an IPv4-mapped source's ::/64
 /// would cover every IPv4 client (see `fuzz-regressions/spec-gaps-*.hex`) and leave the rest of
 /// the epoch nothing but bans to compare.
-const CONFIG: &str = r#"
+const CONFIG_LISTS: &str = r#"
 [tracking]
 max_sources = 1048576
 new_sources_per_sec = 0
@@ -151,6 +151,80 @@ ban_threshold = { count = 500, interval = "{I}s" }
 ban_duration = "1h"
 "#;
 
+/// The second config, used by every other epoch: no allow or deny list (so a source-list
+/// rule looks its sources up itself), a key = all rule on SYN-ACK flags with an override, a
+/// byte threshold on a sliding window with exceed action pass and eight port ranges per /1,
+/// a token bucket of burst 1 per /28 and /100, a preview rule that matches every packet, an
+/// ICMP ban rule on bytes with an override, and a catch-all shared bucket.
+const CONFIG_NO_LISTS: &str = r#"
+[tracking]
+max_sources = 1048576
+new_sources_per_sec = 0
+
+[[rule]]
+name = "synack-all"
+match = { protocol = "tcp", tcp_flags = "syn,ack,!rst" }
+key = "all"
+threshold = { count = 150, interval = "{I}s" }
+algorithm = "fixed_window"
+
+[[rule.override]]
+cidr = "2001:db8:40::/48"
+threshold = { count = 1000, interval = "{I}s" }
+
+[[rule]]
+name = "udp-ports-bytes"
+match = { protocol = "udp", dst_ports = ["53", "123", "5000-5010", "5020-5030", "5040-5050", "7000-7100", "7200", "9999-65535"] }
+key = "ip"
+ipv4_prefix = 1
+ipv6_prefix = 1
+threshold = { bytes = 20000, interval = "{I}s" }
+algorithm = "sliding_window"
+exceed_action = "pass"
+
+[[rule]]
+name = "src-list-bucket"
+match = { src = ["198.18.50.0/28", "198.18.60.0/24", "2001:db8:dead::/48", "10.0.0.0/8"] }
+key = "ip"
+ipv4_prefix = 28
+ipv6_prefix = 100
+threshold = { count = 3, interval = "1h" }
+algorithm = "token_bucket"
+burst = 1
+
+[[rule]]
+name = "any-preview"
+key = "ip"
+threshold = { count = 8, interval = "{I}s" }
+algorithm = "fixed_window"
+preview = true
+
+[[rule]]
+name = "icmp-ban-bytes"
+match = { protocol = "icmp" }
+key = "ip"
+ipv4_prefix = 24
+ipv6_prefix = 112
+action = "rate_based_ban"
+threshold = { bytes = 2000, interval = "{I}s" }
+ban_threshold = { bytes = 3000, interval = "{I}s" }
+ban_duration = "1h"
+algorithm = "fixed_window"
+
+[[rule.override]]
+cidr = "10.0.0.0/8"
+threshold = { bytes = 200, interval = "{I}s" }
+
+[[rule]]
+name = "everything-shared"
+key = "all"
+threshold = { count = 5000, interval = "{I}s" }
+algorithm = "sliding_window"
+"#;
+
+/// The configs epochs take in turn.
+const CONFIGS: [&str; 2] = [CONFIG_LISTS, CONFIG_NO_LISTS];
+
 /// Operator bans, inserted as `ratelimit ban add` does (an hour: longer than any epoch).
 const BANS: [&str; 3] = [
     "198.18.70.0/24",
@@ -206,14 +280,15 @@ struct Lab {
 }
 
 impl Lab {
-    fn new() -> Self {
+    /// A fresh program with `CONFIGS[config]`.
+    fn new(config: usize) -> Self {
         let pins = Pins::new();
         let dp_err = "load the program (are you root, with bpffs at /sys/fs/bpf?)";
         let mut dp = Datapath::load(&pins.0, MAX_SOURCES).expect(dp_err);
         let mut maps = dp.take_maps().expect("maps");
         let now = report::mono_ns();
         let interval = window_interval_s(now);
-        let text = CONFIG.replace("{I}", &interval.to_string());
+        let text = CONFIGS[config].replace("{I}", &interval.to_string());
         let cfg = config::parse("fuzz.toml", &text).expect("the fuzz config parses");
         let plan = apply::plan(&cfg, false);
         apply::apply(&mut maps, &plan).expect("apply the fuzz config");
@@ -365,8 +440,8 @@ fn describe(
 }
 
 /// Whether `frames`, run on a fresh program and model, differ at the last frame or before.
-fn reproduces(frames: &[Vec<u8>]) -> Option<Difference> {
-    let mut lab = Lab::new();
+fn reproduces(config: usize, frames: &[Vec<u8>]) -> Option<Difference> {
+    let mut lab = Lab::new(config);
     first_difference(&mut lab, frames, &|k| {
         format!("frame {k} of {}", frames.len())
     })
@@ -374,7 +449,7 @@ fn reproduces(frames: &[Vec<u8>]) -> Option<Difference> {
 
 /// Shrink the last frame of `context` while the difference stays (fresh program each try,
 /// a bounded number of tries).
-fn shrink(mut context: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
+fn shrink(config: usize, mut context: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
     let mut tries = 0;
     'outer: while tries < 200 {
         let last = context.last().unwrap().clone();
@@ -382,7 +457,7 @@ fn shrink(mut context: Vec<Vec<u8>>) -> Vec<Vec<u8>> {
             tries += 1;
             let mut c = context.clone();
             *c.last_mut().unwrap() = candidate;
-            if reproduces(&c).is_some() {
+            if reproduces(config, &c).is_some() {
                 context = c;
                 continue 'outer;
             }
@@ -416,14 +491,14 @@ fn same_source_history(seed: u64, epoch_start: u64, at: u64, frame: &[u8]) -> Ve
 
 /// Minimise a difference found at frame `at` of the run, write it as a regression file, and
 /// return what to report.
-fn record(seed: u64, epoch_start: u64, at: u64, d: &Difference) -> String {
+fn record(config: usize, seed: u64, epoch_start: u64, at: u64, d: &Difference) -> String {
     let alone = vec![d.frame.clone()];
     let history = same_source_history(seed, epoch_start, at, &d.frame);
-    let (context, note) = if reproduces(&alone).is_some() {
-        (shrink(alone), "reproduces alone; shrunk")
-    } else if reproduces(&history).is_some() {
+    let (context, note) = if reproduces(config, &alone).is_some() {
+        (shrink(config, alone), "reproduces alone; shrunk")
+    } else if reproduces(config, &history).is_some() {
         (
-            shrink(history),
+            shrink(config, history),
             "needs the earlier frames of its source; last frame shrunk",
         )
     } else {
@@ -436,14 +511,14 @@ fn record(seed: u64, epoch_start: u64, at: u64, d: &Difference) -> String {
     let _ = std::fs::create_dir_all(&dir);
     let path = dir.join(format!("seed{seed}-frame{at}.hex"));
     let mut text = format!(
-        "# Found by the differential fuzz test: seed {seed}, frame {at} ({note}).\n# Replayed on a fresh program, frame by frame, by every run of tests/tests/fuzz.rs.\n"
+        "# Found by the differential fuzz test: seed {seed}, frame {at} ({note}).\n# Replayed on a fresh program, frame by frame, by every run of tests/tests/fuzz.rs.\n# config: {config}\n"
     );
     for f in &context {
         text.push_str(&fuzz::hex_line(f));
         text.push('\n');
     }
     let written = std::fs::write(&path, text).is_ok();
-    let minimal = reproduces(&context).map_or_else(
+    let minimal = reproduces(config, &context).map_or_else(
         || "(minimised frames no longer differ)".to_string(),
         |m| m.report,
     );
@@ -457,6 +532,15 @@ fn record(seed: u64, epoch_start: u64, at: u64, d: &Difference) -> String {
             String::new()
         }
     )
+}
+
+/// The config a regression file is replayed with: its `# config: N` line, else the first.
+fn config_of(text: &str) -> usize {
+    text.lines()
+        .find_map(|l| l.strip_prefix("# config: "))
+        .and_then(|n| n.trim().parse().ok())
+        .filter(|n| *n < CONFIGS.len())
+        .unwrap_or(0)
 }
 
 fn env_u64(name: &str, default: u64) -> u64 {
@@ -490,7 +574,7 @@ fn regressions_replay_without_difference() {
         let text = std::fs::read_to_string(path).expect("read a regression file");
         let frames =
             fuzz::parse_hex_frames(&text).unwrap_or_else(|e| panic!("{}: {e}", path.display()));
-        let mut lab = Lab::new();
+        let mut lab = Lab::new(config_of(&text));
         let name = path.file_name().unwrap_or_default().to_string_lossy();
         for (k, f) in frames.iter().enumerate() {
             let (action, want) = lab.step(f);
@@ -520,15 +604,16 @@ fn program_and_model_agree_on_generated_frames() {
     let seed = env_u64("RATELIMIT_FUZZ_SEED", 1);
     println!("fuzz: {frames} frames, seed {seed}");
     let started = Instant::now();
-    let mut lab = Lab::new();
+    let mut lab = Lab::new(0);
     let mut epoch_start = 0u64;
     let mut epochs = 1;
     let mut i = 0u64;
     let mut actions = [0u64; 3];
-    let mut total = Counters::default();
+    // Per config: rule counters mean different rules in each.
+    let mut totals = vec![Counters::default(); CONFIGS.len()];
     while i < frames {
         if lab.expired(i - epoch_start) {
-            lab = Lab::new();
+            lab = Lab::new(epochs % CONFIGS.len());
             epoch_start = i;
             epochs += 1;
         }
@@ -551,7 +636,8 @@ fn program_and_model_agree_on_generated_frames() {
         if bad_action.is_some() || got != want {
             // Replay the epoch on a fresh program up to this batch, then the batch frame by
             // frame, to find the frame.
-            let mut replay = Lab::new();
+            let config = (epochs - 1) % CONFIGS.len();
+            let mut replay = Lab::new(config);
             for k in epoch_start..i {
                 let f = fuzz::frame(seed, k);
                 replay.step(&f);
@@ -572,12 +658,19 @@ fn program_and_model_agree_on_generated_frames() {
                 );
             };
             let at = i + batch.iter().position(|f| *f == d.frame).unwrap_or(0) as u64;
-            panic!("{}", record(seed, epoch_start, at, &d));
+            panic!(
+                "config {config}: {}",
+                record(config, seed, epoch_start, at, &d)
+            );
         }
-        total.merge(&want);
+        totals[(epochs - 1) % CONFIGS.len()].merge(&want);
         i = end;
     }
     let secs = started.elapsed().as_secs_f64();
+    let mut total = Counters::default();
+    for t in &totals {
+        total.merge(t);
+    }
     let g = |c: u32| total.global[c as usize].0;
     println!(
         "fuzz: {frames} frames, seed {seed}, {epochs} epoch(s), {secs:.1} s ({:.0} frames/s), 0 differences",
@@ -612,19 +705,25 @@ fn program_and_model_agree_on_generated_frames() {
         })
         .sum::<usize>();
     let mut per_rule = String::new();
-    for r in 0..lab.rules {
-        let c = |k: u32| total.rules[r][k as usize].0;
-        let _ = write!(
-            per_rule,
-            " [{r}] {}/{}/{}/{}/{}/{}/{}",
-            c(rc::MATCHED),
-            c(rc::ADMITTED),
-            c(rc::DROPPED),
-            c(rc::WOULD_DROP),
-            c(rc::EXCEED_PASSED),
-            c(rc::BANS),
-            c(rc::BANNED_DROPPED)
-        );
+    for (config, total) in totals.iter().enumerate() {
+        let _ = write!(per_rule, "\n  config {config}:");
+        for r in 0..MAX_RULES as usize {
+            let c = |k: u32| total.rules[r][k as usize].0;
+            if c(rc::MATCHED) == 0 {
+                continue;
+            }
+            let _ = write!(
+                per_rule,
+                " [{r}] {}/{}/{}/{}/{}/{}/{}",
+                c(rc::MATCHED),
+                c(rc::ADMITTED),
+                c(rc::DROPPED),
+                c(rc::WOULD_DROP),
+                c(rc::EXCEED_PASSED),
+                c(rc::BANS),
+                c(rc::BANNED_DROPPED)
+            );
+        }
     }
     println!(
         "fuzz: rules (matched/admitted/dropped/would_drop/exceed_passed/bans/banned_dropped):{per_rule}; fast-drop entries in use at the end: {fast_entries}"
