@@ -8,8 +8,10 @@
 //!   within the epoch (`window_interval_s`), and an epoch ends after `EPOCH_SECS` or
 //!   `EPOCH_FRAMES` (a fresh program, maps and model for the next): the model's one `now` is
 //!   then in the window of every coarse `now` the program reads.
-//! * Token buckets count packets (not bytes) and emit one packet per 20 min, longer than an
-//!   epoch, so no token refills within one; bans last an hour.
+//! * Token buckets count packets and emit one packet per 20 min, longer than an epoch, so no
+//!   token refills within one (a bucket of bytes refills by the nanosecond, and a frame of
+//!   some length always fits in what the last few milliseconds refilled: none is used); bans
+//!   last an hour.
 //! * No admission budget and a store far larger than the sources sent: every new key gets
 //!   its state, nothing is evicted. One thread: no lost compare-and-swap race.
 //! * The events ring buffer is drained after every batch, so no event is lost (`events_lost`).
@@ -49,9 +51,10 @@ const EPOCH_SECS: u64 = 300;
 /// ...and this many frames.
 const EPOCH_FRAMES: u64 = 50_000;
 /// Per-source store: 32,768 sets of 8, for the few thousand keys an epoch creates (pools of
-/// sources, and ~3% of frames with a random one): a key finds both of its two sets full with
-/// a probability far below 1e-30, and an eviction would show as a `state_evicted` the model
-/// does not predict, not as a silent pass.
+/// sources, and ~3% of frames with a random one; ~3,400 measured): at under 0.25 keys a set,
+/// the chance that some key of a million-frame run finds both of its sets full (8 keys each)
+/// is below 1e-15, and an eviction would show as a `state_evicted` the model does not
+/// predict, not as a silent pass.
 const MAX_SOURCES: u32 = 1 << 18;
 
 /// The first fuzz config; `{I}` is the window interval in seconds (see `window_interval_s`).
