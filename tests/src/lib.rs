@@ -18,6 +18,7 @@ pub mod link;
 pub mod mmdb;
 pub mod netns;
 pub mod packet;
+pub mod pins;
 pub mod receiver;
 pub mod scenario;
 pub mod sender;

@@ -27,7 +27,6 @@
 use std::{
     fmt::Write as _,
     path::{Path, PathBuf},
-    sync::atomic::{AtomicU32, Ordering},
     time::{Duration, Instant},
 };
 
@@ -37,10 +36,10 @@ use ratelimit_common::{
     model::{self, Counters, Model, Policy, hex_dump},
     stats::{self, global, rule as rc},
 };
-use ratelimit_tests::{fuzz, kernel_test};
+use ratelimit_tests::{fuzz, kernel_test, pins::Pins};
 use ratelimit_user::{
     apply, config,
-    datapath::{self, Datapath, Maps},
+    datapath::{Datapath, Maps},
     report,
 };
 
@@ -236,27 +235,6 @@ const BANS: [&str; 3] = [
     "::ffff:198.18.40.77/128",
 ];
 
-/// A uniquely named bpffs directory for one program's pinned maps, removed on drop.
-struct Pins(PathBuf);
-
-impl Pins {
-    fn new() -> Self {
-        static N: AtomicU32 = AtomicU32::new(0);
-        Self(PathBuf::from(format!(
-            "/sys/fs/bpf/rl-fuzz-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        )))
-    }
-}
-
-impl Drop for Pins {
-    fn drop(&mut self) {
-        let _ = datapath::detach(&self.0, &[]);
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
-
 /// A window interval (seconds, at least an hour) whose current window has more than an
 /// epoch left, and began long enough ago that the coarse clock is in it too: every window
 /// meter of the epoch stays in one window, as the model assumes.
@@ -286,7 +264,7 @@ struct Lab {
 impl Lab {
     /// A fresh program with `CONFIGS[config]`.
     fn new(config: usize) -> Self {
-        let pins = Pins::new();
+        let pins = Pins::new("fuzz");
         let dp_err = "load the program (are you root, with bpffs at /sys/fs/bpf?)";
         let mut dp = Datapath::load(&pins.0, MAX_SOURCES).expect(dp_err);
         let mut maps = dp.take_maps().expect("maps");
