@@ -11,6 +11,9 @@ pub mod caps;
 pub mod event;
 pub mod limiter;
 pub mod maps;
+/// The program's verdict pipeline restated on the host, for differential tests (needs `std`).
+#[cfg(not(target_arch = "bpf"))]
+pub mod model;
 pub mod stats;
 
 #[cfg(feature = "user")]

@@ -13,10 +13,12 @@
 
 pub mod daemon;
 pub mod env;
+pub mod fuzz;
 pub mod link;
 pub mod mmdb;
 pub mod netns;
 pub mod packet;
+pub mod pins;
 pub mod receiver;
 pub mod scenario;
 pub mod sender;

@@ -6,18 +6,18 @@
 use std::{
     collections::BTreeMap,
     net::{Ipv4Addr, Ipv6Addr},
-    path::PathBuf,
-    sync::atomic::{AtomicU32, Ordering},
+    sync::atomic::Ordering,
 };
 
 use ratelimit_tests::{
     env::skip_unless_kernel,
     packet::{Frame, tcp_flags, truncate},
+    pins::Pins,
 };
 use ratelimit_user::{
     apply, config,
     control::BanSpec,
-    datapath::{self, Datapath, Maps},
+    datapath::{Datapath, Maps},
     report,
 };
 
@@ -47,27 +47,6 @@ threshold = { count = 3, interval = "1h" }
 algorithm = "fixed_window"
 preview = true
 "#;
-
-/// A uniquely named bpffs directory for this test's pinned maps, removed on drop.
-struct Pins(PathBuf);
-
-impl Pins {
-    fn new() -> Self {
-        static N: AtomicU32 = AtomicU32::new(0);
-        Self(PathBuf::from(format!(
-            "/sys/fs/bpf/rl-fixtures-{}-{}",
-            std::process::id(),
-            N.fetch_add(1, Ordering::Relaxed)
-        )))
-    }
-}
-
-impl Drop for Pins {
-    fn drop(&mut self) {
-        let _ = datapath::detach(&self.0, &[]);
-        let _ = std::fs::remove_dir_all(&self.0);
-    }
-}
 
 fn v4(src: [u8; 4]) -> Frame {
     Frame::new(CLIENT_MAC, SERVER_MAC).ipv4(Ipv4Addr::from(src), SERVER4)
@@ -130,7 +109,7 @@ fn fixture_table() {
     if skip_unless_kernel() {
         return;
     }
-    let pins = Pins::new();
+    let pins = Pins::new("fixtures");
     let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
     let mut maps = dp.take_maps().expect("maps");
     let (xlated, verified) = dp.program_info().expect("program info");
@@ -762,7 +741,7 @@ ban_threshold = { count = 3, interval = "1h" }
 ban_duration = "1h"
 algorithm = "fixed_window"
 "#;
-    let pins = Pins::new();
+    let pins = Pins::new("fixtures");
     let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
     let mut maps = dp.take_maps().expect("maps");
     let cfg = config::parse("bans.toml", BAN_CONFIG).expect("config");
@@ -828,7 +807,7 @@ fn a_passing_ban_does_not_hide_a_broader_dropping_ban() {
     if skip_unless_kernel() {
         return;
     }
-    let pins = Pins::new();
+    let pins = Pins::new("fixtures");
     let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
     let mut maps = dp.take_maps().expect("maps");
     let cfg = config::parse("empty.toml", "").expect("config");
@@ -902,7 +881,7 @@ match = { protocol = "udp", dst_ports = ["9000"] }
 threshold = { count = 1000000, interval = "1h" }
 algorithm = "fixed_window"
 "#;
-    let pins = Pins::new();
+    let pins = Pins::new("fixtures");
     let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
     let mut maps = dp.take_maps().expect("maps");
     let cfg = config::parse("clock.toml", CLOCK_CONFIG).expect("config");
@@ -963,7 +942,7 @@ match = { protocol = "udp", dst_ports = ["9000"] }
 threshold = { count = 3, interval = "1h" }
 algorithm = "fixed_window"
 "#;
-    let pins = Pins::new();
+    let pins = Pins::new("fixtures");
     let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
     let mut maps = dp.take_maps().expect("maps");
     let cfg = config::parse("overflow.toml", OVERFLOW_CONFIG).expect("config");
@@ -1057,7 +1036,7 @@ match = { protocol = "udp", dst_ports = ["9001"] }
 threshold = { count = 2, interval = "1h" }
 algorithm = "fixed_window"
 "#;
-    let pins = Pins::new();
+    let pins = Pins::new("fixtures");
     let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
     let mut maps = dp.take_maps().expect("maps");
     let cfg = config::parse("fast.toml", FAST_CONFIG).expect("config");
@@ -1169,7 +1148,7 @@ match = { protocol = "udp", dst_ports = ["9000"] }
 threshold = { count = 1000, interval = "1h" }
 algorithm = "fixed_window"
 "#;
-    let pins = Pins::new();
+    let pins = Pins::new("fixtures");
     let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
     let mut maps = dp.take_maps().expect("maps");
     let known = dp.take_known().expect("known filter");
@@ -1346,7 +1325,7 @@ algorithm = "fixed_window"
 cidr = "198.19.0.0/16"
 threshold = { count = 5, interval = "1h" }
 "#;
-    let pins = Pins::new();
+    let pins = Pins::new("fixtures");
     let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
     let mut maps = dp.take_maps().expect("maps");
     let cfg = config::parse("ovf.toml", OVF_CONFIG).expect("config");
@@ -1466,7 +1445,7 @@ match = { protocol = "udp", dst_ports = ["9000"] }
 threshold = { count = 5, interval = "1h" }
 algorithm = "fixed_window"
 "#;
-    let pins = Pins::new();
+    let pins = Pins::new("fixtures");
     let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
     let mut maps = dp.take_maps().expect("maps");
     let cfg = config::parse("fastban.toml", CFG).expect("config");
@@ -1547,7 +1526,7 @@ threshold = { count = 1000000, interval = "1h" }
 algorithm = "fixed_window"
 "#;
     ratelimit_tests::sender::pin_current_thread(0).expect("pin");
-    let pins = Pins::new();
+    let pins = Pins::new("fixtures");
     let mut dp = Datapath::load(&pins.0, 65536).expect("load program");
     let mut maps = dp.take_maps().expect("maps");
     let cfg = config::parse("cap.toml", CFG).expect("config");
@@ -1623,7 +1602,7 @@ algorithm = "fixed_window"
     use report::ReportPoint;
     // The fast-drop entries are per CPU: every run on one, so the racing packet meets them.
     ratelimit_tests::sender::pin_current_thread(0).expect("pin");
-    let pins = Pins::new();
+    let pins = Pins::new("fixtures");
     let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
     let mut maps = dp.take_maps().expect("maps");
     let cfg = config::parse("race.toml", RACE_CONFIG).expect("config");
@@ -1719,7 +1698,7 @@ match = { protocol = "udp", dst_ports = ["9000"] }
 threshold = { count = 1000, interval = "100ms" }
 algorithm = "fixed_window"
 "#;
-    let pins = Pins::new();
+    let pins = Pins::new("fixtures");
     let mut dp = Datapath::load(&pins.0, 32).expect("load program");
     let mut maps = dp.take_maps().expect("maps");
     let cfg = config::parse("store.toml", STORE_CONFIG).expect("config");
@@ -1830,7 +1809,7 @@ algorithm = "fixed_window"
         eprintln!("skipped: one CPU");
         return;
     }
-    let pins = Pins::new();
+    let pins = Pins::new("fixtures");
     let mut dp = Datapath::load(&pins.0, 65536).expect("load program");
     let mut maps = dp.take_maps().expect("maps");
     let cfg = config::parse("race.toml", RACE_CONFIG).expect("config");

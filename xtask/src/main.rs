@@ -5,6 +5,7 @@
 
 mod bench;
 mod demo;
+mod fuzz;
 mod run;
 mod setup;
 mod test;
@@ -41,6 +42,9 @@ enum Command {
     /// Boot another kernel (6.1, 6.12, the newest in trixie-backports) under qemu and run a
     /// command in it: `cargo xtask vm --kernel 6.1 -- COMMAND ARGS`.
     Vm(vm::Options),
+    /// Differential fuzzing of the data plane: generated frames through the XDP program
+    /// and its host model, compared frame by frame.
+    Fuzz(fuzz::Options),
 }
 
 fn main() -> ExitCode {
@@ -52,6 +56,7 @@ fn main() -> ExitCode {
         Command::Demo(options) => demo::run(options),
         Command::Bench(options) => bench::run(options),
         Command::Vm(options) => vm::run(options),
+        Command::Fuzz(options) => fuzz::run(options),
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
