@@ -31,8 +31,8 @@ extern crate std;
 use std::{collections::HashMap, format, string::String, vec::Vec};
 
 use crate::{
-    addr::{IpKey, V4_MAPPED_PREFIX},
-    caps::{MAX_IPV6_EXT_HEADERS, MAX_PORT_RANGES, MAX_RULES, MAX_VLAN_DEPTH},
+    addr::{IpKey, V4_MAPPED_PREFIX, is_v6_bogon},
+    caps::{MAX_IPV6_EXT_HEADERS, MAX_PORT_RANGES, MAX_RULES, MAX_VLAN_DEPTH, MAX_VLAN_WALK},
     limiter,
     maps::*,
     stats::{global, rule as rc},
@@ -90,25 +90,50 @@ fn be16(f: &[u8], at: usize) -> u16 {
     u16::from_be_bytes([f[at], f[at + 1]])
 }
 
-/// `Ok(None)`: not IP; `Err(reason)`: an IP frame the parser cannot read.
-pub fn parse(f: &[u8]) -> Result<Option<Parsed>, Reason> {
-    let (ethertype, off) = parse_l2(f)?;
-    match ethertype {
-        ETH_P_IP => parse_ipv4(f, off).map(Some),
-        ETH_P_IPV6 => parse_ipv6(f, off).map(Some),
-        _ => Ok(None),
+/// What the parser made of a frame (`parse::Frame`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Frame {
+    NonIp,
+    /// An IP frame whose source cannot be read: the `MALFORMED_*` reason.
+    Unreadable(Reason),
+    /// An IPv6 frame from a bogon source.
+    Bogon,
+    Ip(Parsed),
+}
+
+pub fn parse(f: &[u8]) -> Frame {
+    let (ethertype, off, note) = match parse_l2(f) {
+        Ok(l2) => l2,
+        Err(reason) => return Frame::Unreadable(reason),
+    };
+    let parsed = match ethertype {
+        ETH_P_IP => parse_ipv4(f, off),
+        ETH_P_IPV6 => parse_ipv6(f, off),
+        _ => return Frame::NonIp,
+    };
+    match parsed {
+        Ok(mut pkt) => {
+            if pkt.note == 0 {
+                pkt.note = note;
+            }
+            Frame::Ip(pkt)
+        }
+        Err(global::DROP_BOGON) => Frame::Bogon,
+        Err(reason) => Frame::Unreadable(reason),
     }
 }
 
-/// Ethernet and up to `MAX_VLAN_DEPTH` tags: (inner ethertype, its offset).
-pub fn parse_l2(f: &[u8]) -> Result<(u16, usize), Reason> {
+/// Ethernet and up to `MAX_VLAN_WALK` tags: (inner ethertype, its offset, `MALFORMED_L2` as a
+/// note when there were more than `MAX_VLAN_DEPTH`).
+pub fn parse_l2(f: &[u8]) -> Result<(u16, usize, Reason), Reason> {
     if !hdr(f, 0, ETH_LEN) {
         return Err(global::MALFORMED_L2);
     }
     let is_vlan = |t: u16| t == ETH_P_8021Q || t == ETH_P_8021AD;
     let mut ethertype = be16(f, 12);
     let mut off = ETH_LEN;
-    for _ in 0..MAX_VLAN_DEPTH {
+    let mut tags = 0;
+    for _ in 0..MAX_VLAN_WALK {
         if !is_vlan(ethertype) {
             break;
         }
@@ -117,13 +142,21 @@ pub fn parse_l2(f: &[u8]) -> Result<(u16, usize), Reason> {
         }
         ethertype = be16(f, off + 2);
         off += VLAN_LEN;
+        tags += 1;
     }
     if is_vlan(ethertype) {
         return Err(global::MALFORMED_L2);
     }
-    Ok((ethertype, off))
+    let note = if tags > MAX_VLAN_DEPTH {
+        global::MALFORMED_L2
+    } else {
+        0
+    };
+    Ok((ethertype, off, note))
 }
 
+/// The source from the fixed header; a bad version, IHL or total length is noted and the
+/// frame judged by L3 alone.
 pub fn parse_ipv4(f: &[u8], off: usize) -> Result<Parsed, Reason> {
     const R: Reason = global::MALFORMED_IPV4;
     if !hdr(f, off, IPV4_LEN) {
@@ -131,20 +164,18 @@ pub fn parse_ipv4(f: &[u8], off: usize) -> Result<Parsed, Reason> {
     }
     let ver_ihl = f[off];
     let ihl = ((ver_ihl & 0x0f) as usize) * 4;
-    if ver_ihl >> 4 != 4 || ihl < IPV4_LEN || (be16(f, off + 2) as usize) < ihl {
-        return Err(R);
-    }
     let mut pkt = Parsed {
         src: IpKey::from_v4([f[off + 12], f[off + 13], f[off + 14], f[off + 15]]),
         proto: f[off + 9],
         v4: true,
-        fragment: be16(f, off + 6) & 0x1fff != 0,
         ..Parsed::default()
     };
+    if ver_ihl >> 4 != 4 || ihl < IPV4_LEN || (be16(f, off + 2) as usize) < ihl {
+        return Ok(cut(pkt, R));
+    }
+    pkt.fragment = be16(f, off + 6) & 0x1fff != 0;
     if !hdr(f, off, ihl) {
-        pkt.l4_cut = true;
-        pkt.note = R;
-        return Ok(pkt);
+        return Ok(cut(pkt, R));
     }
     if !pkt.fragment {
         parse_l4(f, off + ihl, &mut pkt);
@@ -167,16 +198,23 @@ fn cut(mut pkt: Parsed, note: Reason) -> Parsed {
 
 pub fn parse_ipv6(f: &[u8], off: usize) -> Result<Parsed, Reason> {
     const R: Reason = global::MALFORMED_IPV6;
-    if !hdr(f, off, IPV6_LEN) || f[off] >> 4 != 6 {
+    if !hdr(f, off, IPV6_LEN) {
         return Err(R);
     }
     let mut src = [0u8; 16];
     src.copy_from_slice(&f[off + 8..off + 24]);
-    let mut pkt = Parsed {
+    if is_v6_bogon(&src) {
+        return Err(global::DROP_BOGON);
+    }
+    let pkt = Parsed {
         src: IpKey::from_v6(src),
         proto: f[off + 6],
         ..Parsed::default()
     };
+    if f[off] >> 4 != 6 {
+        return Ok(cut(pkt, R));
+    }
+    let mut pkt = pkt;
     let mut off = off + IPV6_LEN;
     let mut done = false;
     for _ in 0..MAX_IPV6_EXT_HEADERS {
@@ -287,9 +325,11 @@ pub fn rule_matches(rule: &RuleConfig, pkt: &Parsed) -> bool {
         .any(|r| pkt.dport >= r.lo && pkt.dport <= r.hi)
 }
 
-/// Whether `addr` lies in `prefix/plen` (16-byte keys, as in the LPM tries).
+/// Whether `addr` lies in `prefix/plen` (16-byte keys, as in the LPM tries, where each
+/// family is apart: an IPv6 prefix never covers an IPv4 address).
 pub fn covers(prefix: &[u8; 16], plen: u32, addr: &[u8; 16]) -> bool {
-    IpKey { addr: *addr }.masked(plen) == IpKey { addr: *prefix }.masked(plen)
+    let (p, a) = (IpKey { addr: *prefix }, IpKey { addr: *addr });
+    p.is_v4() == a.is_v4() && a.masked(plen) == p.masked(plen)
 }
 
 /// The policy as the daemon writes it into the maps.
@@ -388,10 +428,9 @@ enum RuleVerdict {
 #[derive(Clone, Debug)]
 pub struct Model {
     pub policy: Policy,
-    /// `RL_BANS`, keyed by (prefix length, masked address).
-    pub bans: HashMap<(u32, [u8; 16]), BanEntry>,
-    /// `RL_BANS_PRESENT`.
-    pub bans_present: bool,
+    /// The ban tables (`RL_BANS_OPERATOR`, `RL_BANS`, `RL_BANS_PASSING`: by `ban_table`),
+    /// keyed by (table, prefix length, masked address).
+    pub bans: HashMap<(u32, u32, [u8; 16]), BanEntry>,
     clients: HashMap<ClientKey, ClientState>,
     shared: HashMap<ClientKey, SharedState>,
 }
@@ -417,7 +456,6 @@ impl Model {
         Ok(Self {
             policy,
             bans: HashMap::new(),
-            bans_present: false,
             clients: HashMap::new(),
             shared: HashMap::new(),
         })
@@ -426,8 +464,8 @@ impl Model {
     /// An operator's ban, inserted as `ratelimit ban add` does.
     pub fn insert_ban(&mut self, entry: BanEntry) {
         let key = IpKey { addr: entry.addr }.masked(entry.prefix_len).addr;
-        self.bans.insert((entry.prefix_len, key), entry);
-        self.bans_present = true;
+        self.bans
+            .insert((ban_table(entry.flags), entry.prefix_len, key), entry);
     }
 
     /// Per-source keys (`KEY_IP`) holding state.
@@ -444,11 +482,15 @@ impl Model {
         };
         let len = frame.len() as u64;
         let verdict = match parse(frame) {
-            Ok(None) => {
+            Frame::NonIp => {
                 o.trace.push("parse: not IP".into());
                 global::PASS_NON_IP
             }
-            Err(reason) => {
+            Frame::Bogon => {
+                o.trace.push("parse: IPv6 bogon source".into());
+                global::DROP_BOGON
+            }
+            Frame::Unreadable(reason) => {
                 o.trace.push(format!(
                     "parse: malformed ({})",
                     global::NAMES[reason as usize]
@@ -456,7 +498,7 @@ impl Model {
                 o.counters.add(reason, len);
                 global::PASS_MALFORMED
             }
-            Ok(Some(pkt)) => {
+            Frame::Ip(pkt) => {
                 o.trace.push(format!("parse: {pkt:?}"));
                 if pkt.note != 0 {
                     o.counters.add(pkt.note, len);
@@ -469,7 +511,9 @@ impl Model {
         };
         o.counters.add(verdict, len);
         o.action = match verdict {
-            global::DROP_DENY | global::DROP_BAN | global::DROP_RULE => XDP_DROP,
+            global::DROP_DENY | global::DROP_BAN | global::DROP_RULE | global::DROP_BOGON => {
+                XDP_DROP
+            }
             _ => XDP_PASS,
         };
         o.trace
@@ -537,39 +581,27 @@ impl Model {
             .map_or((0, 0), |(_, _, v)| (v.flags, v.rule_src_mask))
     }
 
-    /// The ban trie's longest match at or under `plen`.
-    fn ban_lookup(&self, plen: u32, src: &IpKey) -> Option<BanEntry> {
-        (0..=plen.min(128))
-            .rev()
-            .find_map(|p| self.bans.get(&(p, src.masked(p).addr)).copied())
+    /// One ban table's longest match covering `src` (in its family).
+    fn ban_lookup(&self, table: u32, src: &IpKey) -> Option<BanEntry> {
+        (0..=128u32).rev().find_map(|p| {
+            let e = self.bans.get(&(table, p, src.masked(p).addr))?;
+            covers(&e.addr, p, &src.addr).then_some(*e)
+        })
     }
 
-    /// The flags of the ban that decides for `src` (`limit::active_ban`): the longest match,
-    /// unless it lets packets through, then a broader dropping one (four lookups at most).
+    /// The flags of the ban that decides for `src` (`limit::active_ban`): the operator's
+    /// table, then the rules' bans that drop, then those that pass; the first match decides.
     pub fn active_ban(&mut self, src: &IpKey, now: u64) -> Option<u32> {
-        if !self.bans_present {
-            return None;
-        }
-        let mut plen = 128;
-        let mut passing = None;
-        for _ in 0..4 {
-            let Some(entry) = self.ban_lookup(plen, src) else {
-                break;
-            };
-            if !limiter::ban_active(entry.expires_ns, now) {
-                // The caller keeps bans from expiring within a run (see the module comment).
-                panic!("a ban expired within the run: {entry:?}");
-            }
-            if entry.flags & (BAN_PREVIEW | BAN_EXCEED_PASS) == 0 {
+        for table in [BAN_TABLE_OPERATOR, BAN_TABLE_RULE, BAN_TABLE_PASSING] {
+            if let Some(entry) = self.ban_lookup(table, src) {
+                if !limiter::ban_active(entry.expires_ns, now) {
+                    // The caller keeps bans from expiring within a run (see the module comment).
+                    panic!("a ban expired within the run: {entry:?}");
+                }
                 return Some(entry.flags);
             }
-            passing.get_or_insert(entry.flags);
-            if entry.prefix_len == 0 || entry.prefix_len > 128 {
-                break;
-            }
-            plen = entry.prefix_len - 1;
         }
-        passing
+        None
     }
 
     /// The most specific per-CIDR override of rule `i` covering `src`.
@@ -660,8 +692,12 @@ impl Model {
             let expires = limiter::ban_expiry(now, limit.ban_duration_ns);
             let issued = match until {
                 None => {
-                    // BPF_NOEXIST: a ban already at this exact prefix is left as it is.
-                    match self.bans.entry((key.prefix_len, key.addr)) {
+                    // BPF_NOEXIST: a ban already at this exact prefix, in the table this
+                    // one belongs in, is left as it is.
+                    match self
+                        .bans
+                        .entry((ban_table(ban_flags), key.prefix_len, key.addr))
+                    {
                         std::collections::hash_map::Entry::Occupied(_) => false,
                         std::collections::hash_map::Entry::Vacant(v) => {
                             v.insert(BanEntry {
@@ -673,7 +709,6 @@ impl Model {
                                 _pad: 0,
                                 addr: key.addr,
                             });
-                            self.bans_present = true;
                             true
                         }
                     }
@@ -830,28 +865,69 @@ mod tests {
         f
     }
 
+    fn ip(p: Frame) -> Parsed {
+        match p {
+            Frame::Ip(p) => p,
+            other => panic!("not judged: {other:?}"),
+        }
+    }
+
     #[test]
     fn parser_branches() {
-        assert_eq!(parse(&eth(0x0806)), Ok(None));
-        assert_eq!(parse(&eth(ETH_P_IP)), Err(global::MALFORMED_IPV4));
-        assert_eq!(parse(&eth(ETH_P_8021Q)), Err(global::MALFORMED_L2));
+        assert_eq!(parse(&eth(0x0806)), Frame::NonIp);
+        assert_eq!(
+            parse(&eth(ETH_P_IP)),
+            Frame::Unreadable(global::MALFORMED_IPV4)
+        );
+        assert_eq!(
+            parse(&eth(ETH_P_8021Q)),
+            Frame::Unreadable(global::MALFORMED_L2)
+        );
         let udp = ipv4_udp([198, 18, 1, 1], 53);
-        let p = parse(&udp).unwrap().unwrap();
+        let p = ip(parse(&udp));
         assert!(p.v4 && p.l4 && !p.l4_cut && p.dport == 53 && p.proto == IPPROTO_UDP);
         // Truncated UDP: judged by L3 with every L4 condition met.
-        let p = parse(&udp[..udp.len() - 1]).unwrap().unwrap();
+        let p = ip(parse(&udp[..udp.len() - 1]));
         assert!(p.l4_cut && !p.l4 && p.note == global::MALFORMED_L4);
-        // Total length shorter than the header.
+        // Total length shorter than the header: still judged by its source.
         let mut bad = udp.clone();
         bad[17] = 19;
-        assert_eq!(parse(&bad), Err(global::MALFORMED_IPV4));
-        // Three tags: one more than the parser walks.
-        let mut q = eth(ETH_P_8021AD);
-        for t in [ETH_P_8021Q, ETH_P_8021Q, ETH_P_IP] {
+        let p = ip(parse(&bad));
+        assert!(p.l4_cut && p.note == global::MALFORMED_IPV4);
+        assert_eq!(p.src, IpKey::from_v4([198, 18, 1, 1]));
+        // Three tags: one more than a valid frame has, judged by its source.
+        let tagged = |n: usize| {
+            let mut q = eth(ETH_P_8021AD);
+            for _ in 1..n {
+                q.extend_from_slice(&[0, 1]);
+                q.extend_from_slice(&ETH_P_8021Q.to_be_bytes());
+            }
             q.extend_from_slice(&[0, 1]);
-            q.extend_from_slice(&t.to_be_bytes());
-        }
-        assert_eq!(parse(&q), Err(global::MALFORMED_L2));
+            q.extend_from_slice(&ETH_P_IP.to_be_bytes());
+            q.extend_from_slice(&udp[14..]);
+            q
+        };
+        assert_eq!(ip(parse(&tagged(2))).note, 0);
+        assert_eq!(ip(parse(&tagged(3))).note, global::MALFORMED_L2);
+        assert_eq!(
+            parse(&tagged(MAX_VLAN_WALK + 1)),
+            Frame::Unreadable(global::MALFORMED_L2)
+        );
+    }
+
+    #[test]
+    fn ipv6_bogon_sources_are_dropped_first() {
+        let mut f = eth(ETH_P_IPV6);
+        f.extend_from_slice(&[0x60, 0, 0, 0, 0, 8, IPPROTO_UDP, 64]);
+        f.extend_from_slice(&[0u8; 15]);
+        f.push(1); // ::1
+        f.extend_from_slice(&[0x20, 0x01, 0x0d, 0xb8]);
+        f.extend_from_slice(&[0u8; 12]);
+        f.extend_from_slice(&[0x9c, 0x40, 0x23, 0x28, 0, 8, 0, 0]);
+        assert_eq!(parse(&f), Frame::Bogon);
+        f[14 + 8 + 15] = 0;
+        f[14 + 8 + 7] = 1; // ::1:0:0:0:0 is no bogon
+        assert!(matches!(parse(&f), Frame::Ip(_)));
     }
 
     fn policy(rule: RuleConfig) -> Policy {

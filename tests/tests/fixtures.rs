@@ -1890,7 +1890,7 @@ ban_duration = "1h"
 algorithm = "fixed_window"
 ipv6_prefix = 64
 "#;
-    let pins = Pins::new();
+    let pins = Pins::new("fixtures");
     let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
     let mut maps = dp.take_maps().expect("maps");
     let cfg = config::parse("families.toml", CONFIG).expect("config");
@@ -1966,7 +1966,7 @@ algorithm = "fixed_window"
 cidr = "::/0"
 threshold = { count = 1000, interval = "1h" }
 "#;
-    let pins = Pins::new();
+    let pins = Pins::new("fixtures");
     let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
     let mut maps = dp.take_maps().expect("maps");
     let cfg = config::parse("overrides.toml", CONFIG).expect("config");
@@ -2011,7 +2011,7 @@ ban_threshold = { count = 5, interval = "1h" }
 ban_duration = "1h"
 algorithm = "fixed_window"
 "#;
-    let pins = Pins::new();
+    let pins = Pins::new("fixtures");
     let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
     let mut maps = dp.take_maps().expect("maps");
     let cfg = config::parse("strictest.toml", CONFIG).expect("config");
@@ -2081,7 +2081,7 @@ ban_threshold = { count = 3, interval = "1h" }
 ban_duration = "3s"
 algorithm = "fixed_window"
 "#;
-    let pins = Pins::new();
+    let pins = Pins::new("fixtures");
     let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
     let mut maps = dp.take_maps().expect("maps");
     let cfg = config::parse("full.toml", CONFIG).expect("config");
