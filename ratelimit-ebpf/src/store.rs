@@ -6,6 +6,9 @@
 //! slot of the state idle the longest (the oldest `last_ns`) in the two sets: their least
 //! recently used, counted in `STATE_EVICTED`.
 //!
+//! Where a key lives is keyed per load (`known_hash` under `RL_HASH_KEY`), so no one outside
+//! can compute sources that share a client's sets.
+//!
 //! Concurrency, without locks:
 //! * A CPU claims a slot by compare-and-swap of its tag (the old tag, or 0 for an empty slot)
 //!   to the busy tag of the new key, writes the address and a zeroed state, and publishes the
@@ -28,7 +31,10 @@
 use aya_ebpf::{bindings::BPF_F_MMAPABLE, macros::map, maps::Array};
 use ratelimit_common::{
     caps::DEFAULT_MAX_SOURCES,
-    maps::{ClientKey, ClientState, SLOT_BUSY, STORE_WAYS, StoreSet, store_sets},
+    maps::{
+        ClientKey, ClientState, HashKey, SLOT_BUSY, STORE_WAYS, StoreSet, known_hash, slot_tag,
+        store_sets, store_sets_of,
+    },
     stats::global,
 };
 
@@ -40,8 +46,44 @@ use crate::{atomic, stats};
 static CLIENTS: Array<StoreSet> =
     Array::pinned(store_sets(DEFAULT_MAX_SOURCES), BPF_F_MMAPABLE as u32);
 
+/// `[0]`: the key of the placement hash, drawn by the daemon when it creates the maps and
+/// never changed while they are pinned (see `HashKey`). Zero until then, when the store has
+/// no sets (`GlobalConfig::store_sets` is written after the key) and holds no state.
+#[map(name = "RL_HASH_KEY")]
+static HASH_KEY: Array<HashKey> = Array::pinned(1, 0);
+
 /// No slot. A slot is named by `set * STORE_WAYS + way`.
 pub const NONE: u64 = u64::MAX;
+
+/// The keyed hash of per-source `key` (`known_hash` under `RL_HASH_KEY`). A global BPF
+/// function: its seven SipHash rounds (some 250 instructions) are in the program once,
+/// verified once, instead of at every caller.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn rl_store_hash(key: *const ClientKey) -> u64 {
+    if key.is_null() {
+        return 0;
+    }
+    // SAFETY: non-null pointer to the caller's key.
+    let key = unsafe { &*key };
+    let k = match HASH_KEY.get(0) {
+        Some(k) => *k,
+        None => [0, 0],
+    };
+    known_hash(&k, key.rule, key.prefix_len, &key.addr)
+}
+
+/// Where per-source `key` lives in a store of `sets` sets: its keyed hash (for the
+/// known-sources filter), its tag and its two sets.
+#[inline(always)]
+pub fn place(key: &ClientKey, sets: u32) -> (u64, u32, (u32, u32)) {
+    let hash = rl_store_hash(key);
+    (
+        hash,
+        slot_tag(key.rule, key.prefix_len, hash),
+        store_sets_of(hash, sets),
+    )
+}
 
 const WAYS: u32 = STORE_WAYS as u32;
 
@@ -382,11 +424,6 @@ pub extern "C" fn rl_store_insert(
 #[cfg(feature = "bench")]
 #[inline(always)]
 pub fn bench_lookup(key: &ClientKey, sets: u32) -> Option<*mut ClientState> {
-    use ratelimit_common::maps::{known_hash, slot_tag, store_sets_of};
-    let hash = known_hash(key.rule, key.prefix_len, &key.addr);
-    lookup(
-        key,
-        slot_tag(key.rule, key.prefix_len, hash),
-        store_sets_of(hash, sets),
-    )
+    let (_, tag, sets) = place(key, sets);
+    lookup(key, tag, sets)
 }

@@ -1550,6 +1550,22 @@ algorithm = "fixed_window"
     assert_eq!(plain, [(KEY_IP, 152, 147), (KEY_OVERFLOW, 152, 147)]);
 }
 
+/// Rule 0's key of IPv4 source `a` (a /32: 128 bits of the mapped address).
+fn key_v4(a: [u8; 4]) -> ratelimit_common::maps::ClientKey {
+    ratelimit_common::maps::ClientKey {
+        rule: 0,
+        kind: ratelimit_common::maps::KEY_IP,
+        _pad: [0; 2],
+        prefix_len: 128,
+        addr: ratelimit_common::addr::IpKey::from_v4(a).addr,
+    }
+}
+
+/// The two sets the program places `key` in, under the key of the loaded maps.
+fn sets_of(maps: &Maps, key: &ratelimit_common::maps::ClientKey) -> (u32, u32) {
+    ratelimit_common::maps::store_sets_of(maps.clients.hash(key), maps.clients.sets())
+}
+
 /// The per-source store, against a model of it: in a store of 4 sets of 8 slots, each new
 /// source takes a free slot of the one of its two sets with more of them, and when both are
 /// full, the slot of the state idle longest in the two; a source seen again is the most
@@ -1561,7 +1577,7 @@ fn the_store_evicts_the_state_idle_longest_in_a_new_sources_two_sets() {
     if skip_unless_kernel() {
         return;
     }
-    use ratelimit_common::maps::{STORE_WAYS, known_hash, slot_tag, store_sets_of};
+    use ratelimit_common::maps::{STORE_WAYS, slot_tag};
     // An interval under a second: judged on the precise clock, so every packet's last-seen
     // time is its own.
     const STORE_CONFIG: &str = r#"
@@ -1583,7 +1599,6 @@ algorithm = "fixed_window"
     let sets = maps.clients.sets();
     assert_eq!((sets, maps.clients.capacity()), (4, 32));
     let rules = vec!["udp".to_string()];
-    let addr_of = |a: [u8; 4]| ratelimit_common::addr::IpKey::from_v4(a).addr;
 
     // The model: per slot, (source, time of its last packet).
     let mut model: Vec<Option<([u8; 4], u64)>> = vec![None; 32];
@@ -1593,7 +1608,7 @@ algorithm = "fixed_window"
             s.1 = now;
             return;
         }
-        let (x, y) = store_sets_of(known_hash(0, 128, &addr_of(a)), sets);
+        let (x, y) = sets_of(&maps, &key_v4(a));
         let ways = |set: u32| (set as usize * STORE_WAYS)..(set as usize + 1) * STORE_WAYS;
         let scan: Vec<std::ops::Range<usize>> = if x == y {
             vec![ways(x)]
@@ -1650,7 +1665,7 @@ algorithm = "fixed_window"
     maps.clients
         .walk_slots(&mut |i, tag, s| {
             let a = [s.addr[12], s.addr[13], s.addr[14], s.addr[15]];
-            assert_eq!(tag, slot_tag(0, 128, known_hash(0, 128, &s.addr)));
+            assert_eq!(tag, slot_tag(0, 128, maps.clients.hash(&key_v4(a))));
             got[i as usize] = Some(a);
         })
         .unwrap();
@@ -1662,6 +1677,98 @@ algorithm = "fixed_window"
     assert!(evicted > 150, "{evicted}");
     println!("300 packets: {created} states created, {evicted} evicted, as the model says");
     assert_eq!(report::tracked_clients(&maps).unwrap(), 32);
+}
+
+/// The placement hash is keyed per load: two loads draw different keys, and the same 64
+/// sources land in other sets; a load that adopts the pinned maps (a restarted daemon)
+/// reads the key back, and every source finds its state again, in the program (no new
+/// state, its packet counted in its own) and in the daemon's reader.
+#[test]
+fn the_placement_key_differs_per_load_and_survives_adoption() {
+    if skip_unless_kernel() {
+        return;
+    }
+    const KEY_CONFIG: &str = r#"
+[tracking]
+new_sources_per_sec = 0
+max_sources = 1024
+
+[[rule]]
+name = "udp"
+match = { protocol = "udp", dst_ports = ["9000"] }
+threshold = { count = 1000, interval = "1h" }
+algorithm = "fixed_window"
+"#;
+    let cfg = config::parse("key.toml", KEY_CONFIG).expect("config");
+    let rules = vec!["udp".to_string()];
+    let sources: Vec<[u8; 4]> = (0..64u32)
+        .map(|i| (0xc633_6400u32 + i).to_be_bytes())
+        .collect();
+    let send = |dp: &Datapath, a: [u8; 4]| {
+        let f = v4(a).udp(40000, 9000).build();
+        assert_eq!(dp.test_run(&f, 1).unwrap().0, XDP_PASS);
+    };
+    // Where each source's state sits, by set.
+    let placement = |maps: &Maps| {
+        let mut at = BTreeMap::new();
+        maps.clients
+            .walk_slots(&mut |i, _, s| {
+                let a = [s.addr[12], s.addr[13], s.addr[14], s.addr[15]];
+                at.insert(a, i / ratelimit_common::maps::STORE_WAYS as u64);
+            })
+            .unwrap();
+        assert_eq!(at.len(), sources.len());
+        at
+    };
+
+    let pins_a = Pins::new();
+    let pins_b = Pins::new();
+    let mut a = Datapath::load(&pins_a.0, 1024).expect("load a");
+    let mut b = Datapath::load(&pins_b.0, 1024).expect("load b");
+    assert!(!a.adopted && !b.adopted);
+    assert_ne!(a.hash_key, [0, 0]);
+    assert_ne!(a.hash_key, b.hash_key, "two loads drew the same key");
+    let mut maps_a = a.take_maps().expect("maps a");
+    let mut maps_b = b.take_maps().expect("maps b");
+    assert_eq!(maps_a.clients.hash_key(), a.hash_key);
+    apply::apply(&mut maps_a, &apply::plan(&cfg, false)).expect("apply a");
+    apply::apply(&mut maps_b, &apply::plan(&cfg, false)).expect("apply b");
+    for &s in &sources {
+        send(&a, s);
+        send(&b, s);
+    }
+    let (at_a, at_b) = (placement(&maps_a), placement(&maps_b));
+    let moved = sources.iter().filter(|s| at_a[*s] != at_b[*s]).count();
+    // Under independent keys a source keeps its set with a chance of about 1 in 64 (either
+    // of its two sets of 128, either way round): 64 sources keep about 1.
+    assert!(moved >= 56, "only {moved} of 64 sources placed elsewhere");
+    println!("two loads: {moved} of 64 sources in another set");
+
+    // A restart: the program reloaded against the pinned maps.
+    let key = a.hash_key;
+    let before = counters(&maps_a, &rules);
+    drop(maps_a);
+    drop(a);
+    let mut a2 = Datapath::load(&pins_a.0, 1024).expect("reload a");
+    assert!(a2.adopted);
+    assert_eq!(a2.hash_key, key, "the adopted maps' key");
+    let mut maps_a2 = a2.take_maps().expect("maps a2");
+    apply::apply(&mut maps_a2, &apply::plan(&cfg, false)).expect("apply a2");
+    assert_eq!(placement(&maps_a2), at_a);
+    for &s in &sources {
+        send(&a2, s);
+        let st = maps_a2
+            .clients
+            .get(&key_v4(s))
+            .expect("the state, found by the daemon");
+        assert_eq!(st.packets, 2, "{s:?}");
+    }
+    let d = delta(&before, &counters(&maps_a2, &rules));
+    assert_eq!(d.get("state_created"), None, "{d:?}");
+    assert_eq!(d.get("pass"), Some(&64), "{d:?}");
+    // The daemon's second handle (its known-sources thread) reads the same key from the pins.
+    let reader = a2.open_clients().expect("open clients");
+    assert_eq!(reader.hash_key(), key);
 }
 
 /// Two CPUs sending the same 4000 new sources at once: a source never holds two slots, and
