@@ -101,7 +101,10 @@ pub struct RuleConfig {
     pub limit: Limit,
     /// Fraction of the threshold (per mille) above which a client is reported as an offender.
     pub soft_limit_permille: u32,
-    pub _pad2: u32,
+    /// How long, in ms, after its last packet a per-source state of this rule is kept from
+    /// eviction while it is throttled or metered toward a ban: [`state_memory_ns`] of the
+    /// rule and its overrides, the longest (see the program's `store.rs`).
+    pub protect_ms: u32,
 }
 
 /// Thresholds in force for a client: the rule's, or an override's.
@@ -122,6 +125,30 @@ pub struct Limit {
     /// tolerance (`limiter::gcra_burst_ns(burst, ..)`).
     pub gcra_inc_ns: u64,
     pub gcra_burst_ns: u64,
+}
+
+/// How long after its last packet a state under `limit` still differs from a fresh one, so
+/// that evicting it would reset something: the sliding window (and the ban meter, a sliding
+/// window too) forgets a packet two intervals after the window it fell in began, a fixed
+/// window one interval after, and a token bucket is full again once its theoretical arrival
+/// time, at most the burst tolerance and one increment ahead of the last packet, has passed.
+pub const fn state_memory_ns(limit: &Limit) -> u64 {
+    let a = limit.interval_ns.saturating_mul(2);
+    let b = limit.gcra_burst_ns.saturating_add(limit.gcra_inc_ns);
+    let c = limit.ban_interval_ns.saturating_mul(2);
+    let m = if a > b { a } else { b };
+    if m > c { m } else { c }
+}
+
+/// [`state_memory_ns`] as `RuleConfig::protect_ms`: whole ms, rounded up, at most `u32::MAX`
+/// (49 days).
+pub const fn protect_ms(memory_ns: u64) -> u32 {
+    let ms = memory_ns.div_ceil(1_000_000);
+    if ms > u32::MAX as u64 {
+        u32::MAX
+    } else {
+        ms as u32
+    }
 }
 
 /// Load-time-independent settings the daemon may change at any time (`GLOBAL[0]`).
@@ -676,6 +703,30 @@ mod tests {
             same += usize::from(p.0 == store_sets_of(known_hash(&other, 0, 64, &a), sets).0);
         }
         assert!(same < 16, "{same} of 4096 kept their set under another key");
+    }
+
+    #[test]
+    fn state_memory_is_the_longest_span_a_limiter_remembers() {
+        let l = Limit {
+            interval_ns: 1_000_000_000,
+            ..Limit::default()
+        };
+        assert_eq!(state_memory_ns(&l), 2_000_000_000);
+        let tb = Limit {
+            interval_ns: 1_000_000_000,
+            gcra_burst_ns: 5_000_000_000,
+            gcra_inc_ns: 1_000_000,
+            ..Limit::default()
+        };
+        assert_eq!(state_memory_ns(&tb), 5_001_000_000);
+        let ban = Limit {
+            ban_interval_ns: 3_000_000_000,
+            ..l
+        };
+        assert_eq!(state_memory_ns(&ban), 6_000_000_000);
+        assert_eq!(protect_ms(1), 1);
+        assert_eq!(protect_ms(2_000_000_000), 2000);
+        assert_eq!(protect_ms(u64::MAX), u32::MAX);
     }
 
     #[test]

@@ -73,7 +73,10 @@ pub mod global {
     pub const LOOKUP_SKIPPED: u32 = 24;
     /// A new per-client state took the slot of another (the one idle longest in its set).
     pub const STATE_EVICTED: u32 = 25;
-    pub const COUNT: u32 = 26;
+    /// A new source got no state because every state in its two sets was protected from
+    /// eviction (throttled or metered toward a ban, and recent); limited in aggregate.
+    pub const STATE_PROTECTED: u32 = 26;
+    pub const COUNT: u32 = 27;
 
     /// Names used in reports and metric labels, by index.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -103,6 +106,7 @@ pub mod global {
         "contended",
         "lookup_skipped",
         "state_evicted",
+        "state_protected",
     ];
 }
 

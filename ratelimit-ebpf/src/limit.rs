@@ -493,12 +493,15 @@ fn state_for(
     let i = if env.store_sets == 0 {
         NONE
     } else {
-        store::rl_store_insert(key, tag as u64, store::pack(sets), env.slot as u64, scan)
+        store::insert(key, tag, sets, env.slot, env.now, scan)
     };
     match store::state(i) {
         Some(p) => Got::State(p),
         _ => {
-            stats::add(env.slot, global::STATE_INSERT_FAILED, env.len);
+            // All its candidates protected: counted by the store (`STATE_PROTECTED`).
+            if i != store::PROTECTED {
+                stats::add(env.slot, global::STATE_INSERT_FAILED, env.len);
+            }
             refused(key)
         }
     }
