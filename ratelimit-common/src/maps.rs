@@ -101,7 +101,10 @@ pub struct RuleConfig {
     pub limit: Limit,
     /// Fraction of the threshold (per mille) above which a client is reported as an offender.
     pub soft_limit_permille: u32,
-    pub _pad2: u32,
+    /// How long, in ms, after its last packet a per-source state of this rule is kept from
+    /// eviction while it is throttled or metered toward a ban: [`state_memory_ns`] of the
+    /// rule and its overrides, the longest (see the program's `store.rs`).
+    pub protect_ms: u32,
 }
 
 /// Thresholds in force for a client: the rule's, or an override's.
@@ -122,6 +125,30 @@ pub struct Limit {
     /// tolerance (`limiter::gcra_burst_ns(burst, ..)`).
     pub gcra_inc_ns: u64,
     pub gcra_burst_ns: u64,
+}
+
+/// How long after its last packet a state under `limit` still differs from a fresh one, so
+/// that evicting it would reset something: the sliding window (and the ban meter, a sliding
+/// window too) forgets a packet two intervals after the window it fell in began, a fixed
+/// window one interval after, and a token bucket is full again once its theoretical arrival
+/// time, at most the burst tolerance and one increment ahead of the last packet, has passed.
+pub const fn state_memory_ns(limit: &Limit) -> u64 {
+    let a = limit.interval_ns.saturating_mul(2);
+    let b = limit.gcra_burst_ns.saturating_add(limit.gcra_inc_ns);
+    let c = limit.ban_interval_ns.saturating_mul(2);
+    let m = if a > b { a } else { b };
+    if m > c { m } else { c }
+}
+
+/// [`state_memory_ns`] as `RuleConfig::protect_ms`: whole ms, rounded up, at most `u32::MAX`
+/// (49 days).
+pub const fn protect_ms(memory_ns: u64) -> u32 {
+    let ms = memory_ns.div_ceil(1_000_000);
+    if ms > u32::MAX as u64 {
+        u32::MAX
+    } else {
+        ms as u32
+    }
 }
 
 /// Load-time-independent settings the daemon may change at any time (`GLOBAL[0]`).
@@ -311,23 +338,73 @@ pub const fn known_map_entries(max_sources: u32) -> u32 {
     1 + 2 * (1u32 << (known_log2_bits(max_sources) - KNOWN_MIN_LOG2))
 }
 
-/// The hash of a per-source key the filter indexes by its top bits (a SplitMix64 finish over
-/// the address and the rule and prefix length, so IPv4-mapped keys, whose first 10 bytes
-/// are zero, spread as well as IPv6 ones). The program and the daemon compute it alike.
+/// The per-load key of the placement hash ([`known_hash`]): 128 bits the daemon draws from
+/// the OS's random source when it creates the maps, and keeps in `RL_HASH_KEY` for as long
+/// as they are pinned (a daemon that adopts them reads it back: with another key, every
+/// state would sit in sets no lookup visits).
+pub type HashKey = [u64; 2];
+
+/// The hash of a per-source key: the known-sources filter indexes by its top bits, the store
+/// places the key by it ([`store_sets_of`]) and tags its slot with it ([`slot_tag`]). The
+/// program and the daemon compute it alike.
+///
+/// SipHash-1-3 under the per-load `key`, over the address (two words) and a word of the rule
+/// and the prefix length. A hash with public constants lets anyone who can choose source
+/// addresses (an IPv6 attacker holds 2^64 of them in a /64) compute, offline, sources whose
+/// two sets are a chosen client's and evict its state; SipHash is a pseudorandom function of
+/// its key, so without the key no such computation beats trying sources blind, and the
+/// placement of a source says nothing about another's. One compression round per word and
+/// three to finish (the variant Rust's `HashMap` uses against hash flooding): seven rounds of
+/// 14 add, rotate and xor operations, some 320 BPF instructions, about 20 ns a packet and
+/// `ip` rule on the development machine (BPF_PROG_TEST_RUN, against the unkeyed hash it
+/// replaced).
 #[inline(always)]
-pub fn known_hash(rule: u8, prefix_len: u32, addr: &[u8; 16]) -> u64 {
+pub fn known_hash(key: &HashKey, rule: u8, prefix_len: u32, addr: &[u8; 16]) -> u64 {
     let a = u64::from_le_bytes([
         addr[0], addr[1], addr[2], addr[3], addr[4], addr[5], addr[6], addr[7],
     ]);
     let b = u64::from_le_bytes([
         addr[8], addr[9], addr[10], addr[11], addr[12], addr[13], addr[14], addr[15],
     ]);
-    let mut h = a ^ ((rule as u64) << 56) ^ ((prefix_len as u64) << 48);
-    h = (h ^ (h >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    h ^= b;
-    h = (h ^ (h >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    h = (h ^ (h >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    h ^ (h >> 31)
+    let c = rule as u64 | (prefix_len as u64) << 8;
+    siphash::<1, 3>(key, [a, b, c])
+}
+
+/// SipHash-c-d of three little-endian words (a 24-byte message) under `key`.
+#[inline(always)]
+pub fn siphash<const C: usize, const D: usize>(key: &HashKey, m: [u64; 3]) -> u64 {
+    let (k0, k1) = (key[0], key[1]);
+    let mut v0 = k0 ^ 0x736f_6d65_7073_6575;
+    let mut v1 = k1 ^ 0x646f_7261_6e64_6f6d;
+    let mut v2 = k0 ^ 0x6c79_6765_6e65_7261;
+    let mut v3 = k1 ^ 0x7465_6462_7974_6573;
+    macro_rules! round {
+        () => {
+            v0 = v0.wrapping_add(v1);
+            v1 = v1.rotate_left(13) ^ v0;
+            v0 = v0.rotate_left(32);
+            v2 = v2.wrapping_add(v3);
+            v3 = v3.rotate_left(16) ^ v2;
+            v0 = v0.wrapping_add(v3);
+            v3 = v3.rotate_left(21) ^ v0;
+            v2 = v2.wrapping_add(v1);
+            v1 = v1.rotate_left(17) ^ v2;
+            v2 = v2.rotate_left(32);
+        };
+    }
+    // The message, then the last block: the length (24) in the top byte.
+    for w in [m[0], m[1], m[2], 24u64 << 56] {
+        v3 ^= w;
+        for _ in 0..C {
+            round!();
+        }
+        v0 ^= w;
+    }
+    v2 ^= 0xff;
+    for _ in 0..D {
+        round!();
+    }
+    v0 ^ v1 ^ v2 ^ v3
 }
 
 /// The bit of `hash` in a half of `2^log2` bits: (word within the half, bit within the word).
@@ -614,6 +691,80 @@ mod tests {
 
     use super::*;
 
+    /// A key as the daemon draws one (any key does for these tests).
+    const KEY: HashKey = [0x0706_0504_0302_0100, 0x0f0e_0d0c_0b0a_0908];
+
+    /// The SipHash rounds against the standard library's SipHash-2-4 over the same 24 bytes
+    /// (its 1-3 variant is not public; 1-3 differs only in how many times the same rounds
+    /// run), under the reference paper's key (bytes 0..16) and another.
+    #[test]
+    fn siphash_agrees_with_the_reference() {
+        #[expect(deprecated, reason = "the standard SipHash-2-4, the reference here")]
+        fn std_sip24(key: &HashKey, m: [u64; 3]) -> u64 {
+            use core::hash::Hasher as _;
+            let mut h = std::hash::SipHasher::new_with_keys(key[0], key[1]);
+            for w in m {
+                h.write(&w.to_le_bytes());
+            }
+            h.finish()
+        }
+        for m in [
+            [0, 0, 0],
+            [
+                0x0706_0504_0302_0100,
+                0x0f0e_0d0c_0b0a_0908,
+                0x1716_1514_1312_1110,
+            ],
+            [u64::MAX, 1, 128 << 8 | 3],
+        ] {
+            assert_eq!(siphash::<2, 4>(&KEY, m), std_sip24(&KEY, m), "{m:x?}");
+            assert_eq!(siphash::<2, 4>(&[7, 9], m), std_sip24(&[7, 9], m));
+        }
+    }
+
+    /// Another key, another placement: of 4096 sources, about 1 in `sets` keep their first
+    /// set (as two independent draws would), and a key's own placement is repeatable.
+    #[test]
+    fn the_placement_depends_on_the_key() {
+        let sets = 1024u32;
+        let other: HashKey = [KEY[0], KEY[1] ^ 1 << 40];
+        let mut same = 0;
+        for i in 0..4096u32 {
+            let mut a = [0u8; 16];
+            a[0] = 0x20;
+            a[1] = 0x01;
+            a[12..].copy_from_slice(&i.to_be_bytes());
+            let p = store_sets_of(known_hash(&KEY, 0, 64, &a), sets);
+            assert_eq!(p, store_sets_of(known_hash(&KEY, 0, 64, &a), sets));
+            same += usize::from(p.0 == store_sets_of(known_hash(&other, 0, 64, &a), sets).0);
+        }
+        assert!(same < 16, "{same} of 4096 kept their set under another key");
+    }
+
+    #[test]
+    fn state_memory_is_the_longest_span_a_limiter_remembers() {
+        let l = Limit {
+            interval_ns: 1_000_000_000,
+            ..Limit::default()
+        };
+        assert_eq!(state_memory_ns(&l), 2_000_000_000);
+        let tb = Limit {
+            interval_ns: 1_000_000_000,
+            gcra_burst_ns: 5_000_000_000,
+            gcra_inc_ns: 1_000_000,
+            ..Limit::default()
+        };
+        assert_eq!(state_memory_ns(&tb), 5_001_000_000);
+        let ban = Limit {
+            ban_interval_ns: 3_000_000_000,
+            ..l
+        };
+        assert_eq!(state_memory_ns(&ban), 6_000_000_000);
+        assert_eq!(protect_ms(1), 1);
+        assert_eq!(protect_ms(2_000_000_000), 2000);
+        assert_eq!(protect_ms(u64::MAX), u32::MAX);
+    }
+
     #[test]
     fn admission_tick_cap_is_twice_a_ticks_share_and_at_least_64() {
         assert_eq!(admission_tick_cap(0, 4_000_000), 0);
@@ -679,7 +830,7 @@ mod tests {
                 a[10] = 0xff;
                 a[11] = 0xff;
                 a[12..].copy_from_slice(&(0x0a00_0000u32 + i).to_be_bytes());
-                let (x, y) = store_sets_of(known_hash(0, 128, &a), sets);
+                let (x, y) = store_sets_of(known_hash(&KEY, 0, 128, &a), sets);
                 same += usize::from(x == y);
                 let s = if two && used[y as usize] < used[x as usize] {
                     y
@@ -730,7 +881,7 @@ mod tests {
         let count = |keys: &mut dyn Iterator<Item = (u8, u32, [u8; 16])>| {
             let mut bits = std::collections::HashSet::new();
             for (rule, plen, addr) in keys {
-                bits.insert(known_bit(known_hash(rule, plen, &addr), log2));
+                bits.insert(known_bit(known_hash(&KEY, rule, plen, &addr), log2));
             }
             bits.len() as f64
         };

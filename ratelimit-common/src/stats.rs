@@ -76,10 +76,13 @@ pub mod global {
     pub const LOOKUP_SKIPPED: u32 = 25;
     /// A new per-client state took the slot of another (the one idle longest in its set).
     pub const STATE_EVICTED: u32 = 26;
-    /// A rule ban found the rules' share of the ban table full (`caps::RULE_BAN_SHARE`): the
-    /// ban is held in the client's own state instead, and still drops it for its duration.
+    /// A rule ban found the rules' ban table full (`caps::MAX_BANS`): the ban is held in the
+    /// client's own state instead, and still drops it for its duration.
     pub const BAN_HELD_IN_STATE: u32 = 27;
-    pub const COUNT: u32 = 28;
+    /// A new source got no state because every state in its two sets was protected from
+    /// eviction (throttled or metered toward a ban, and recent); limited in aggregate.
+    pub const STATE_PROTECTED: u32 = 28;
+    pub const COUNT: u32 = 29;
 
     /// Names used in reports and metric labels, by index.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -111,6 +114,7 @@ pub mod global {
         "lookup_skipped",
         "state_evicted",
         "ban_held_in_state",
+        "state_protected",
     ];
 }
 

@@ -538,9 +538,7 @@ fn state_for(
     if key.kind != KEY_IP {
         return shared_state(env, key);
     }
-    let hash = known_hash(key.rule, key.prefix_len, &key.addr);
-    let tag = slot_tag(key.rule, key.prefix_len, hash);
-    let sets = store_sets_of(hash, env.store_sets);
+    let (hash, tag, sets) = store::place(key, env.store_sets);
     // A source the known-sources filter has never seen has no state: skip the lookup (in a
     // random-source flood, a look at a set no cache holds, for nearly every packet).
     if !known::may_be_tracked(hash) {
@@ -570,12 +568,15 @@ fn state_for(
     let i = if env.store_sets == 0 {
         NONE
     } else {
-        store::rl_store_insert(key, tag as u64, store::pack(sets), env.slot as u64, scan)
+        store::insert(key, tag, sets, env.slot, env.now, scan)
     };
     match store::state(i) {
         Some(p) => Got::State(p),
         _ => {
-            stats::add(env.slot, global::STATE_INSERT_FAILED, env.len);
+            // All its candidates protected: counted by the store (`STATE_PROTECTED`).
+            if i != store::PROTECTED {
+                stats::add(env.slot, global::STATE_INSERT_FAILED, env.len);
+            }
             refused(key)
         }
     }
@@ -1335,12 +1336,8 @@ pub extern "C" fn rl_ban(
 #[inline(always)]
 pub fn client_state(key: &ClientKey, sets: u32) -> Option<*mut ClientState> {
     if key.kind == KEY_IP {
-        let hash = known_hash(key.rule, key.prefix_len, &key.addr);
-        store::lookup(
-            key,
-            slot_tag(key.rule, key.prefix_len, hash),
-            store_sets_of(hash, sets),
-        )
+        let (_, tag, sets) = store::place(key, sets);
+        store::lookup(key, tag, sets)
     } else {
         let p = SHARED.get_ptr_mut(&on_stack(key))?;
         // SAFETY: a field of a live map value.

@@ -3,8 +3,22 @@
 //! either of two sets chosen by its hash; a lookup reads a set's line of tags, then the
 //! address of the slot whose tag matches: no hash-table element header, bucket array or
 //! chain. A new key takes a free slot of the set with more of them; when both are full, the
-//! slot of the state idle the longest (the oldest `last_ns`) in the two sets: their least
-//! recently used, counted in `STATE_EVICTED`.
+//! slot of the state idle the longest (the oldest `last_ns`) in the two sets that is not
+//! protected: their least recently used, counted in `STATE_EVICTED`.
+//!
+//! Where a key lives is keyed per load (`known_hash` under `RL_HASH_KEY`), so no one outside
+//! can compute sources that share a client's sets. Eviction can still be forced by chance
+//! (a flood of new sources lands in every set sooner or later), and it must not reset a
+//! client that is being limited: a state is protected while it is in a throttle episode
+//! (`last_exceed_ns != 0`) or its ban meter holds a count (`seen_cur` or `seen_prev`), and
+//! its last packet is less than its rule's `protect_ms` ago. That bound is what the state
+//! can still remember (`state_memory_ns`: two intervals for a sliding window, the burst for
+//! a token bucket, two ban intervals for the ban meter, the longest over the rule and its
+//! overrides): a state idle longer is worth no more than a fresh one, so evicting it resets
+//! nothing, and a spoofed source that was throttled once and never returns holds its slot
+//! no longer than that. A new source whose 16 candidates are all protected gets no state
+//! (`STATE_PROTECTED`): it is limited in its rule's overflow state, as one the admission
+//! budget refused.
 //!
 //! Concurrency, without locks:
 //! * A CPU claims a slot by compare-and-swap of its tag (the old tag, or 0 for an empty slot)
@@ -23,16 +37,21 @@
 //! * A CPU that found a state before it was evicted may add one packet to the slot's next
 //!   state (as with the kernel's LRU hash, which reuses an element without a grace period):
 //!   eviction takes the state idle longest in 16 slots, so this needs a packet of a source
-//!   idle longer than the 15 others at the moment a new source takes its slot.
+//!   idle longer than the 15 others at the moment a new source takes its slot. Likewise a
+//!   state whose client is refused (and so becomes protected) between an insert's scan and
+//!   its claim may still be evicted: the claim compares the tag, not the state.
 
 use aya_ebpf::{bindings::BPF_F_MMAPABLE, macros::map, maps::Array};
 use ratelimit_common::{
     caps::DEFAULT_MAX_SOURCES,
-    maps::{ClientKey, ClientState, SLOT_BUSY, STORE_WAYS, StoreSet, store_sets},
+    maps::{
+        ClientKey, ClientState, HashKey, SLOT_BUSY, STORE_WAYS, StoreSet, known_hash, slot_tag,
+        store_sets, store_sets_of,
+    },
     stats::global,
 };
 
-use crate::{atomic, stats};
+use crate::{atomic, policy, stats};
 
 /// Sized at load for `tracking.max_sources` (`store_sets`). Mmap-able, so the daemon can
 /// retire a state with an atomic compare-and-swap of its tag.
@@ -40,8 +59,47 @@ use crate::{atomic, stats};
 static CLIENTS: Array<StoreSet> =
     Array::pinned(store_sets(DEFAULT_MAX_SOURCES), BPF_F_MMAPABLE as u32);
 
+/// `[0]`: the key of the placement hash, drawn by the daemon when it creates the maps and
+/// never changed while they are pinned (see `HashKey`). Zero until then, when the store has
+/// no sets (`GlobalConfig::store_sets` is written after the key) and holds no state.
+#[map(name = "RL_HASH_KEY")]
+static HASH_KEY: Array<HashKey> = Array::pinned(1, 0);
+
 /// No slot. A slot is named by `set * STORE_WAYS + way`.
 pub const NONE: u64 = u64::MAX;
+
+/// No slot for a new key: every state in its two sets is protected from eviction.
+pub const PROTECTED: u64 = u64::MAX - 1;
+
+/// The keyed hash of per-source `key` (`known_hash` under `RL_HASH_KEY`). A global BPF
+/// function: its seven SipHash rounds (some 320 instructions) are in the program once,
+/// verified once, instead of at every caller.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn rl_store_hash(key: *const ClientKey) -> u64 {
+    if key.is_null() {
+        return 0;
+    }
+    // SAFETY: non-null pointer to the caller's key.
+    let key = unsafe { &*key };
+    let k = match HASH_KEY.get(0) {
+        Some(k) => *k,
+        None => [0, 0],
+    };
+    known_hash(&k, key.rule, key.prefix_len, &key.addr)
+}
+
+/// Where per-source `key` lives in a store of `sets` sets: its keyed hash (for the
+/// known-sources filter), its tag and its two sets.
+#[inline(always)]
+pub fn place(key: &ClientKey, sets: u32) -> (u64, u32, (u32, u32)) {
+    let hash = rl_store_hash(key);
+    (
+        hash,
+        slot_tag(key.rule, key.prefix_len, hash),
+        store_sets_of(hash, sets),
+    )
+}
 
 const WAYS: u32 = STORE_WAYS as u32;
 
@@ -136,11 +194,32 @@ pub struct Scan {
     /// Free slots in the set, and the first of them (`NONE` if none).
     pub free: u64,
     pub first_free: u64,
-    /// The ready slot idle longest so far (over the sets scanned into this record), its
-    /// last-seen time and its tag.
+    /// The ready slot idle longest so far (over the sets scanned into this record) and not
+    /// protected, its last-seen time and its tag.
     pub oldest_slot: u64,
     pub oldest_ns: u64,
     pub oldest_tag: u64,
+    /// The packet's time, set by [`insert`].
+    pub now: u64,
+}
+
+/// Whether the ready state `st` of a key of rule `rule` may not be evicted at `now` (see the
+/// module comment).
+#[inline(always)]
+fn protected(st: *const ClientState, rule: u32, last: u64, now: u64) -> bool {
+    // SAFETY: fields of a live map value.
+    let limited = unsafe {
+        core::ptr::read_volatile(&raw const (*st).last_exceed_ns) != 0
+            || core::ptr::read_volatile(&raw const (*st).seen_cur) != 0
+            || core::ptr::read_volatile(&raw const (*st).seen_prev) != 0
+    };
+    if !limited {
+        return false;
+    }
+    match policy::rule(rule) {
+        Some(r) => now.saturating_sub(last) < r.protect_ms as u64 * 1_000_000,
+        None => false,
+    }
 }
 
 #[inline(always)]
@@ -192,8 +271,12 @@ pub extern "C" fn rl_store_scan(set: u64, key: *const ClientKey, tag: u64, sc: *
             }
         } else if t & SLOT_BUSY == 0 {
             // SAFETY: a field of a live map value.
-            let last = unsafe { core::ptr::read_volatile(&raw const (*s).slots[w].state.last_ns) };
-            if last < get(&raw const sc.oldest_ns) {
+            let st = unsafe { &raw const (*s).slots[w].state };
+            // SAFETY: as above.
+            let last = unsafe { core::ptr::read_volatile(&raw const (*st).last_ns) };
+            if last < get(&raw const sc.oldest_ns)
+                && !protected(st, (t >> 2) & 0xf, last, get(&raw const sc.now))
+            {
                 put(&raw mut sc.oldest_ns, last);
                 put(&raw mut sc.oldest_slot, i);
                 put(&raw mut sc.oldest_tag, t as u64);
@@ -259,10 +342,32 @@ pub extern "C" fn rl_store_rival(set: u64, key: *const ClientKey, tag: u64, mine
     NONE
 }
 
+/// [`rl_store_insert`] at time `now` (the clock the rules write `last_ns` with).
+#[inline(always)]
+pub fn insert(
+    key: &ClientKey,
+    tag: u32,
+    sets: (u32, u32),
+    slot: u32,
+    now: u64,
+    sc: *mut Scan,
+) -> u64 {
+    if sc.is_null() {
+        return NONE;
+    }
+    put(
+        // SAFETY: non-null pointer to the caller's scratch record.
+        unsafe { &raw mut (*sc).now },
+        now,
+    );
+    rl_store_insert(key, tag as u64, pack(sets), slot as u64, sc)
+}
+
 /// Give `key` (tag `tag`) a slot in one of its sets (`sets` as for [`rl_store_find`]): the
 /// slot already holding it (another CPU inserted it since the caller's lookup), else an
 /// empty slot of the set with more of them, else the slot of the state idle longest in the
-/// two sets. `NONE` if another CPU is inserting the same key, or won a race for the slot.
+/// two sets that is not protected (see the module comment); `PROTECTED` if every state
+/// there is. `NONE` if another CPU is inserting the same key, or won a race for the slot.
 /// Counts `STATE_CREATED`, and `STATE_EVICTED` when the slot held another client. `sc` is
 /// scratch space. (A global BPF function: its branches are verified once.)
 #[unsafe(no_mangle)]
@@ -321,7 +426,10 @@ pub extern "C" fn rl_store_insert(
         }
     };
     if victim == NONE {
-        return NONE;
+        // Both sets full (a free slot would have been chosen), and every state in them
+        // protected (or, rarely, being written by another CPU).
+        stats::add(slot as u32, global::STATE_PROTECTED, 0);
+        return PROTECTED;
     }
     let Some(s) = CLIENTS.get_ptr_mut((victim / WAYS as u64) as u32) else {
         return NONE;
@@ -382,11 +490,6 @@ pub extern "C" fn rl_store_insert(
 #[cfg(feature = "bench")]
 #[inline(always)]
 pub fn bench_lookup(key: &ClientKey, sets: u32) -> Option<*mut ClientState> {
-    use ratelimit_common::maps::{known_hash, slot_tag, store_sets_of};
-    let hash = known_hash(key.rule, key.prefix_len, &key.addr);
-    lookup(
-        key,
-        slot_tag(key.rule, key.prefix_len, hash),
-        store_sets_of(hash, sets),
-    )
+    let (_, tag, sets) = place(key, sets);
+    lookup(key, tag, sets)
 }

@@ -184,7 +184,8 @@ pub fn rule_config(r: &Rule) -> RuleConfig {
             if is_ban { Some(r.ban_duration) } else { None },
         ),
         soft_limit_permille: (r.soft_limit * 1000.0).round().clamp(0.0, 1000.0) as u32,
-        _pad2: 0,
+        // The overrides' spans are added in `plan`.
+        protect_ms: 0,
     }
 }
 
@@ -291,12 +292,13 @@ pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
             }
         }
     }
-    // The precise clock only for the rules that need it (see `needs_fine_clock`).
+    // The precise clock only for the rules that need it (see `needs_fine_clock`), and how
+    // long a state stays protected from eviction: what the rule or any override remembers.
     let mut rules = rules;
     for (i, rc) in rules.iter_mut().enumerate() {
         let i = i as u32;
-        let fine = needs_fine_clock(&rc.limit, rc.algorithm)
-            || overrides
+        let own = || {
+            overrides
                 .iter()
                 .filter(|((r, _), _)| *r == i)
                 .map(|(_, o)| o)
@@ -306,10 +308,16 @@ pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
                         .filter(|((r, _), _)| *r == i)
                         .map(|(_, o)| o),
                 )
-                .any(|o| needs_fine_clock(&o.limit, rc.algorithm));
+        };
+        let fine = needs_fine_clock(&rc.limit, rc.algorithm)
+            || own().any(|o| needs_fine_clock(&o.limit, rc.algorithm));
         if fine {
             rc.flags |= RULE_FINE_CLOCK;
         }
+        let memory = own()
+            .map(|o| state_memory_ns(&o.limit))
+            .fold(state_memory_ns(&rc.limit), u64::max);
+        rc.protect_ms = protect_ms(memory);
     }
     Plan {
         global,
@@ -704,5 +712,47 @@ ban_duration = "1m""#
 cidr = "10.0.0.0/8"
 threshold = { count = 10, interval = "200ms" }"#
         ));
+    }
+
+    /// A state stays protected from eviction as long as the rule or any of its overrides
+    /// remembers a packet: two intervals, two ban intervals, or a token bucket's burst.
+    #[test]
+    fn protection_spans_what_the_rule_and_its_overrides_remember() {
+        let protect = |rule_body: &str| {
+            let text = format!("[[rule]]\nname = \"r\"\n{rule_body}");
+            let cfg = crate::config::parse("t.toml", &text).expect("config");
+            plan(&cfg, false).rules[0].protect_ms
+        };
+        assert_eq!(
+            protect(r#"threshold = { count = 100, interval = "1s" }"#),
+            2000
+        );
+        assert_eq!(
+            protect(
+                r#"threshold = { count = 100, interval = "1s" }
+action = "rate_based_ban"
+ban_threshold = { count = 300, interval = "20m" }
+ban_duration = "1m""#
+            ),
+            2 * 20 * 60 * 1000
+        );
+        // A burst of 10 s at 10 a second: refilled 10 s (and one 100 ms increment) later.
+        assert_eq!(
+            protect(
+                r#"threshold = { count = 10, interval = "1s" }
+algorithm = "token_bucket"
+burst = 100"#
+            ),
+            10_100
+        );
+        assert_eq!(
+            protect(
+                r#"threshold = { count = 100, interval = "1s" }
+[[rule.override]]
+cidr = "10.0.0.0/8"
+threshold = { count = 10, interval = "1h" }"#
+            ),
+            2 * 3600 * 1000
+        );
     }
 }

@@ -17,8 +17,8 @@ use std::{
 use anyhow::{Context as _, anyhow, bail};
 use aya::maps::{HashMap, Map, MapData};
 use ratelimit_common::maps::{
-    ClientKey, ClientState, KEY_IP, SLOT_BUSY, STORE_WAYS, SharedState, StoreSet, known_hash,
-    slot_key, slot_ready, slot_tag, store_sets_of,
+    ClientKey, ClientState, HashKey, KEY_IP, SLOT_BUSY, STORE_WAYS, SharedState, StoreSet,
+    known_hash, slot_key, slot_ready, slot_tag, store_sets_of,
 };
 
 /// A slot: `set * STORE_WAYS + way`, as the program names it.
@@ -31,6 +31,8 @@ pub struct ClientStore {
     sets: u32,
     base: NonNull<StoreSet>,
     len_bytes: usize,
+    /// The placement hash's key (`RL_HASH_KEY`), the program's.
+    hash_key: HashKey,
 }
 
 // SAFETY: the mapping is shared memory; tags are accessed through atomics, and other fields
@@ -47,8 +49,8 @@ impl Drop for ClientStore {
 }
 
 impl ClientStore {
-    /// From the program's maps `RL_SHARED` and `RL_CLIENTS`.
-    pub fn new(shared: Map, sets_map: Map) -> anyhow::Result<Self> {
+    /// From the program's maps `RL_SHARED` and `RL_CLIENTS`, placed under `hash_key`.
+    pub fn new(shared: Map, sets_map: Map, hash_key: HashKey) -> anyhow::Result<Self> {
         let sets_map = match sets_map {
             Map::Array(d) => d,
             _ => bail!(
@@ -92,6 +94,7 @@ impl ClientStore {
             sets,
             base: NonNull::new(p as *mut StoreSet).context("mmap returned null")?,
             len_bytes,
+            hash_key,
         })
     }
 
@@ -101,10 +104,24 @@ impl ClientStore {
             let path = pin_dir.join(name);
             MapData::from_pin(&path).with_context(|| format!("opening {}", path.display()))
         };
+        let keys: aya::maps::Array<MapData, HashKey> =
+            aya::maps::Array::try_from(Map::Array(open("RL_HASH_KEY")?))?;
+        let hash_key = keys.get(&0, 0).context("reading RL_HASH_KEY")?;
         Self::new(
             Map::HashMap(open("RL_SHARED")?),
             Map::Array(open("RL_CLIENTS")?),
+            hash_key,
         )
+    }
+
+    /// The placement hash's key.
+    pub fn hash_key(&self) -> HashKey {
+        self.hash_key
+    }
+
+    /// The keyed hash of per-source `key`, as the program computes it (`known_hash`).
+    pub fn hash(&self, key: &ClientKey) -> u64 {
+        known_hash(&self.hash_key, key.rule, key.prefix_len, &key.addr)
     }
 
     /// Sets in the store (what the program is told in `GlobalConfig::store_sets`).
@@ -138,7 +155,7 @@ impl ClientStore {
 
     /// The slots of `key`'s two sets (the second's only if it is another set) and its tag.
     fn place(&self, key: &ClientKey) -> (Vec<SlotIndex>, u32) {
-        let hash = known_hash(key.rule, key.prefix_len, &key.addr);
+        let hash = self.hash(key);
         let (a, b) = store_sets_of(hash, self.sets);
         let w = STORE_WAYS as u64;
         let mut slots: Vec<SlotIndex> = (a as u64 * w..(a as u64 + 1) * w).collect();

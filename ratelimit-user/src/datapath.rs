@@ -27,7 +27,7 @@ use ratelimit_common::{
     addr::{IpKey, LpmAddr, lpm_prefix},
     caps::{IFSLOT_ARRAY_LEN, MAX_IFACES},
     maps::{
-        BAN_TABLES, BanEntry, ClientKey, ClientState, FastEntry, GlobalConfig, ListValue,
+        BAN_TABLES, BanEntry, ClientKey, ClientState, FastEntry, GlobalConfig, HashKey, ListValue,
         OverrideKey, OverrideValue, RegionOverrideKey, RuleConfig, ban_table,
     },
     stats::Counter,
@@ -83,6 +83,9 @@ pub struct Datapath {
     pub attached: Vec<Attached>,
     /// True when pinned state from an earlier daemon was found and adopted.
     pub adopted: bool,
+    /// The placement hash's key (`RL_HASH_KEY`): drawn when the maps were created, read
+    /// back when they were adopted.
+    pub hash_key: HashKey,
 }
 
 #[derive(Clone, Debug, serde::Serialize)]
@@ -152,7 +155,7 @@ pub fn ifindex(iface: &str) -> anyhow::Result<u32> {
 
 /// The layout of every pinned map's keys and values. `LAYOUT_VERSION` is bumped by hand
 /// whenever one changes (a reordered field included); the sizes follow as a check.
-const LAYOUT_VERSION: u32 = 4;
+const LAYOUT_VERSION: u32 = 5;
 
 /// File in `daemon.state_dir` recording the layout of the maps pinned in `daemon.bpffs_dir`.
 pub const LAYOUT_FILE: &str = "pinned-layout";
@@ -244,7 +247,9 @@ impl Datapath {
             pin_dir: pin_dir.to_owned(),
             attached: Vec::new(),
             adopted,
+            hash_key: [0; 2],
         };
+        dp.hash_key = dp.ensure_hash_key()?;
         let prog: &mut Xdp = dp
             .ebpf
             .program_mut(PROGRAM_NAME)
@@ -256,6 +261,24 @@ impl Datapath {
             info!(dir = %pin_dir.display(), "adopted pinned maps: counters and bans carried over");
         }
         Ok(dp)
+    }
+
+    /// The placement hash's key: the pinned one, or (maps just created, or pinned by a
+    /// daemon that stopped before it drew one, and which therefore hold no state) a new one
+    /// from the OS's random source, written before any policy gives the store its sets.
+    fn ensure_hash_key(&mut self) -> anyhow::Result<HashKey> {
+        let map = self
+            .ebpf
+            .map_mut("RL_HASH_KEY")
+            .ok_or_else(|| anyhow!("map RL_HASH_KEY missing from the object"))?;
+        let mut a: Array<&mut MapData, HashKey> = Array::try_from(map)?;
+        let key = a.get(&0, 0).context("reading RL_HASH_KEY")?;
+        if key != [0, 0] {
+            return Ok(key);
+        }
+        let key = random_hash_key()?;
+        a.set(0, key, 0).context("writing RL_HASH_KEY")?;
+        Ok(key)
     }
 
     /// The loaded object, for the benchmark's extra programs and maps.
@@ -398,7 +421,9 @@ impl Datapath {
     /// The known-sources filter's map, mmapped (once).
     pub fn take_known(&mut self) -> anyhow::Result<crate::known::KnownFilter> {
         match self.ebpf.take_map("RL_KNOWN") {
-            Some(aya::maps::Map::Array(data)) => crate::known::KnownFilter::new(data),
+            Some(aya::maps::Map::Array(data)) => {
+                crate::known::KnownFilter::new(data, self.hash_key)
+            }
             Some(_) => bail!("map RL_KNOWN is not an array"),
             None => bail!("map RL_KNOWN missing"),
         }
@@ -423,7 +448,11 @@ impl Datapath {
             overrides: LpmTrie::try_from(take("RL_OVERRIDES")?)?,
             region_overrides: HashMap::try_from(take("RL_REGION_OVERRIDES")?)?,
             regions: LpmTrie::try_from(take("RL_REGIONS")?)?,
-            clients: crate::clients::ClientStore::new(take("RL_SHARED")?, take("RL_CLIENTS")?)?,
+            clients: crate::clients::ClientStore::new(
+                take("RL_SHARED")?,
+                take("RL_CLIENTS")?,
+                self.hash_key,
+            )?,
             overflow: Array::try_from(take("RL_OVERFLOW")?)?,
             fast: PerCpuArray::try_from(take("RL_FAST")?)?,
             ovf_tick: PerCpuArray::try_from(take("RL_OVF_TICK")?)?,
@@ -602,6 +631,33 @@ pub fn detach(pin_dir: &Path, only: &[String]) -> anyhow::Result<Vec<String>> {
         let _ = fs::remove_dir(pin_dir);
     }
     Ok(detached)
+}
+
+/// 128 bits from the kernel's random source (getrandom(2), which blocks only until the pool
+/// is first seeded).
+fn random_hash_key() -> anyhow::Result<HashKey> {
+    let mut b = [0u8; 16];
+    let mut got = 0;
+    while got < b.len() {
+        // SAFETY: writes at most `b.len() - got` bytes into `b` from `got` on.
+        let n = unsafe { libc::getrandom(b[got..].as_mut_ptr().cast(), b.len() - got, 0) };
+        if n < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.kind() == std::io::ErrorKind::Interrupted {
+                continue;
+            }
+            return Err(e).context("drawing the placement hash's key from getrandom(2)");
+        }
+        got += n as usize;
+    }
+    let key = [
+        u64::from_le_bytes(b[..8].try_into().expect("8 bytes")),
+        u64::from_le_bytes(b[8..].try_into().expect("8 bytes")),
+    ];
+    if key == [0, 0] {
+        bail!("getrandom(2) returned 16 zero bytes: the kernel's random source is broken");
+    }
+    Ok(key)
 }
 
 fn raise_memlock() -> std::io::Result<()> {

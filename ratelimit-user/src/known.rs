@@ -25,8 +25,8 @@ use std::{
 use anyhow::{Context as _, bail};
 use aya::maps::MapData;
 use ratelimit_common::maps::{
-    ClientKey, KNOWN_ENABLED, KNOWN_HALF, KNOWN_LOG2_SHIFT, KNOWN_MAX_LOG2, KNOWN_MIN_LOG2,
-    known_bit, known_hash, slot_key,
+    ClientKey, HashKey, KNOWN_ENABLED, KNOWN_HALF, KNOWN_LOG2_SHIFT, KNOWN_MAX_LOG2,
+    KNOWN_MIN_LOG2, known_bit, known_hash, slot_key,
 };
 use serde::Serialize;
 
@@ -39,6 +39,8 @@ pub struct KnownFilter {
     base: NonNull<AtomicU64>,
     len_bytes: usize,
     log2: u64,
+    /// The placement hash's key (`RL_HASH_KEY`): the filter indexes by the same hash.
+    hash_key: HashKey,
 }
 
 // SAFETY: the mapping is shared memory that is only accessed through atomics.
@@ -62,8 +64,9 @@ pub struct Rebuilt {
 }
 
 impl KnownFilter {
-    /// Map `RL_KNOWN` (an mmap-able array of u64 sized by `known_map_entries`).
-    pub fn new(map: MapData) -> anyhow::Result<Self> {
+    /// Map `RL_KNOWN` (an mmap-able array of u64 sized by `known_map_entries`), whose bits
+    /// are indexed by the hash under `hash_key`.
+    pub fn new(map: MapData, hash_key: HashKey) -> anyhow::Result<Self> {
         let info = map.info().context("reading RL_KNOWN's info")?;
         let entries = info.max_entries() as u64;
         let half = (entries.saturating_sub(1)) / 2;
@@ -99,6 +102,7 @@ impl KnownFilter {
             base: NonNull::new(p as *mut AtomicU64).context("mmap returned null")?,
             len_bytes,
             log2,
+            hash_key,
         })
     }
 
@@ -139,7 +143,10 @@ impl KnownFilter {
         } else {
             0
         };
-        let (w, bit) = known_bit(known_hash(key.rule, key.prefix_len, &key.addr), self.log2);
+        let (w, bit) = known_bit(
+            known_hash(&self.hash_key, key.rule, key.prefix_len, &key.addr),
+            self.log2,
+        );
         self.word(1 + half + w).load(Ordering::Relaxed) >> bit & 1 != 0
     }
 
@@ -162,7 +169,7 @@ impl KnownFilter {
         let mut states = 0u64;
         clients.walk_slots(&mut |_, tag, s| {
             let k = slot_key(tag, s.addr);
-            let (w, bit) = known_bit(known_hash(k.rule, k.prefix_len, &k.addr), self.log2);
+            let (w, bit) = known_bit(clients.hash(&k), self.log2);
             self.word(base + w).fetch_or(1 << bit, Ordering::Relaxed);
             states += 1;
         })?;

@@ -1673,20 +1673,71 @@ algorithm = "fixed_window"
     assert_eq!(plain, [(KEY_IP, 152, 147), (KEY_OVERFLOW, 152, 147)]);
 }
 
+/// Rule 0's key of IPv4 source `a` (a /32: 128 bits of the mapped address).
+fn key_v4(a: [u8; 4]) -> ratelimit_common::maps::ClientKey {
+    ratelimit_common::maps::ClientKey {
+        rule: 0,
+        kind: ratelimit_common::maps::KEY_IP,
+        _pad: [0; 2],
+        prefix_len: 128,
+        addr: ratelimit_common::addr::IpKey::from_v4(a).addr,
+    }
+}
+
+/// IPv6 source `2001:db8:<n>::1`, and rule 0's key of it (its /64, the default prefix).
+fn v6_source(n: u32) -> (String, ratelimit_common::maps::ClientKey) {
+    let src = format!("2001:db8:{:x}:{:x}::1", n >> 16, n & 0xffff);
+    let mut addr = [0u8; 16];
+    addr[..8].copy_from_slice(&src.parse::<Ipv6Addr>().unwrap().octets()[..8]);
+    let key = ratelimit_common::maps::ClientKey {
+        prefix_len: 64,
+        addr,
+        ..key_v4([0; 4])
+    };
+    (src, key)
+}
+
+/// The two sets the program places `key` in, under the key of the loaded maps.
+fn sets_of(maps: &Maps, key: &ratelimit_common::maps::ClientKey) -> (u32, u32) {
+    ratelimit_common::maps::store_sets_of(maps.clients.hash(key), maps.clients.sets())
+}
+
+/// The first `n` IPv6 sources (`v6_source`) whose two sets are the two distinct `sets`:
+/// what an attacker who knew the placement hash (with a fixed hash, anyone) would send to
+/// take a client's slots. Each of them sees the same 16 slots.
+fn colliding(
+    maps: &Maps,
+    sets: (u32, u32),
+    n: usize,
+) -> Vec<(String, ratelimit_common::maps::ClientKey)> {
+    assert_ne!(sets.0, sets.1);
+    (1..)
+        .map(v6_source)
+        .filter(|(_, k)| {
+            let (x, y) = sets_of(maps, k);
+            (x, y) == sets || (y, x) == sets
+        })
+        .take(n)
+        .collect()
+}
+
 /// The per-source store, against a model of it: in a store of 4 sets of 8 slots, each new
 /// source takes a free slot of the one of its two sets with more of them, and when both are
-/// full, the slot of the state idle longest in the two; a source seen again is the most
-/// recent. After 300 sources (every fifth packet a tracked source seen again), every slot
-/// holds exactly the source the model puts there, and `state_created` / `state_evicted` are
-/// the model's counts.
+/// full, the slot of the state idle longest in the two that is not protected (a throttled
+/// state, here: one of its packets was refused, and its protection, 20 s, outlasts the
+/// test); when all 16 are protected, none (`state_protected`). A source seen again is the
+/// most recent. After 300 sources (every fifth packet a tracked source seen again, every
+/// twelfth new source sending two packets at once, which a bucket of one refuses), every slot
+/// holds exactly the source the model puts there, and `state_created` / `state_evicted` /
+/// `state_protected` are the model's counts.
 #[test]
 fn the_store_evicts_the_state_idle_longest_in_a_new_sources_two_sets() {
     if skip_unless_kernel() {
         return;
     }
-    use ratelimit_common::maps::{STORE_WAYS, known_hash, slot_tag, store_sets_of};
-    // An interval under a second: judged on the precise clock, so every packet's last-seen
-    // time is its own.
+    use ratelimit_common::maps::{STORE_WAYS, slot_tag};
+    // A token bucket whose burst (one packet) refills in 10 ms: judged on the precise clock,
+    // so every packet's last-seen time is its own; a second packet within 10 ms is refused.
     const STORE_CONFIG: &str = r#"
 [tracking]
 new_sources_per_sec = 0
@@ -1695,28 +1746,32 @@ max_sources = 32
 [[rule]]
 name = "udp"
 match = { protocol = "udp", dst_ports = ["9000"] }
-threshold = { count = 1000, interval = "100ms" }
-algorithm = "fixed_window"
+threshold = { count = 1000, interval = "10s" }
+algorithm = "token_bucket"
+burst = 1
 "#;
     let pins = Pins::new("fixtures");
     let mut dp = Datapath::load(&pins.0, 32).expect("load program");
     let mut maps = dp.take_maps().expect("maps");
     let cfg = config::parse("store.toml", STORE_CONFIG).expect("config");
-    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
+    let plan = apply::plan(&cfg, false);
+    assert_eq!(plan.rules[0].protect_ms, 20_000);
+    apply::apply(&mut maps, &plan).expect("apply");
     let sets = maps.clients.sets();
     assert_eq!((sets, maps.clients.capacity()), (4, 32));
     let rules = vec!["udp".to_string()];
-    let addr_of = |a: [u8; 4]| ratelimit_common::addr::IpKey::from_v4(a).addr;
 
-    // The model: per slot, (source, time of its last packet).
-    let mut model: Vec<Option<([u8; 4], u64)>> = vec![None; 32];
-    let (mut created, mut evicted) = (0u64, 0u64);
-    let mut model_packet = |model: &mut Vec<Option<([u8; 4], u64)>>, a: [u8; 4], now: u64| {
+    // The model: per slot, (source, time of its last packet, protected).
+    type Model = Vec<Option<([u8; 4], u64, bool)>>;
+    let mut model: Model = vec![None; 32];
+    let (mut created, mut evicted, mut protected) = (0u64, 0u64, 0u64);
+    // Whether the packet gets a state of its own.
+    let mut model_packet = |model: &mut Model, a: [u8; 4], now: u64| -> bool {
         if let Some(s) = model.iter_mut().flatten().find(|s| s.0 == a) {
             s.1 = now;
-            return;
+            return true;
         }
-        let (x, y) = store_sets_of(known_hash(0, 128, &addr_of(a)), sets);
+        let (x, y) = sets_of(&maps, &key_v4(a));
         let ways = |set: u32| (set as usize * STORE_WAYS)..(set as usize + 1) * STORE_WAYS;
         let scan: Vec<std::ops::Range<usize>> = if x == y {
             vec![ways(x)]
@@ -1731,7 +1786,7 @@ algorithm = "fixed_window"
         let oldest = scan
             .iter()
             .flat_map(|r| r.clone())
-            .filter(|&i| model[i].is_some())
+            .filter(|&i| model[i].is_some_and(|s| !s.2))
             .fold(None, |best: Option<usize>, i| match best {
                 Some(b) if model[b].unwrap().1 <= model[i].unwrap().1 => Some(b),
                 _ => Some(i),
@@ -1741,31 +1796,44 @@ algorithm = "fixed_window"
             first_free(0).unwrap()
         } else if second != 0 {
             first_free(1).unwrap()
-        } else {
+        } else if let Some(v) = oldest {
             evicted += 1;
-            oldest.unwrap()
+            v
+        } else {
+            protected += 1;
+            return false;
         };
         created += 1;
-        model[victim] = Some((a, now));
+        model[victim] = Some((a, now, false));
+        true
     };
 
     let send = |dp: &Datapath, a: [u8; 4]| {
         let f = v4(a).udp(40000, 9000).build();
-        assert_eq!(dp.test_run(&f, 1).unwrap().0, XDP_PASS);
+        dp.test_run(&f, 1).unwrap().0
     };
     let before = counters(&maps, &rules);
     let mut now = 0u64;
-    for i in 0..300u32 {
+    let mut packet = |model: &mut Model, a: [u8; 4]| {
         now += 1;
+        let verdict = send(&dp, a);
+        assert!(verdict == XDP_PASS || verdict == XDP_DROP, "{verdict}");
+        if model_packet(model, a, now) && verdict == XDP_DROP {
+            // Refused by its own bucket: throttled, so protected.
+            model.iter_mut().flatten().find(|s| s.0 == a).unwrap().2 = true;
+        }
+    };
+    for i in 0..300u32 {
         if i % 5 == 4 {
             // A tracked source seen again: the one the model holds idle longest.
             let again = model.iter().flatten().min_by_key(|s| s.1).unwrap().0;
-            send(&dp, again);
-            model_packet(&mut model, again, now);
+            packet(&mut model, again);
         } else {
             let a = (0xc612_0000u32 + i).to_be_bytes();
-            send(&dp, a);
-            model_packet(&mut model, a, now);
+            packet(&mut model, a);
+            if i % 12 == 0 {
+                packet(&mut model, a);
+            }
         }
     }
     let d = delta(&before, &counters(&maps, &rules));
@@ -1773,7 +1841,7 @@ algorithm = "fixed_window"
     maps.clients
         .walk_slots(&mut |i, tag, s| {
             let a = [s.addr[12], s.addr[13], s.addr[14], s.addr[15]];
-            assert_eq!(tag, slot_tag(0, 128, known_hash(0, 128, &s.addr)));
+            assert_eq!(tag, slot_tag(0, 128, maps.clients.hash(&key_v4(a))));
             got[i as usize] = Some(a);
         })
         .unwrap();
@@ -1781,10 +1849,278 @@ algorithm = "fixed_window"
     assert_eq!(got, want);
     assert_eq!(d.get("state_created"), Some(&created), "{d:?}");
     assert_eq!(d.get("state_evicted"), Some(&evicted), "{d:?}");
+    assert_eq!(
+        d.get("state_protected"),
+        (protected != 0).then_some(&protected)
+    );
     assert_eq!(d.get("state_insert_failed"), None, "{d:?}");
-    assert!(evicted > 150, "{evicted}");
-    println!("300 packets: {created} states created, {evicted} evicted, as the model says");
-    assert_eq!(report::tracked_clients(&maps).unwrap(), 32);
+    let kept = model.iter().flatten().filter(|s| s.2).count();
+    assert!(
+        evicted > 100 && kept >= 8,
+        "{evicted} evicted, {kept} protected"
+    );
+    println!(
+        "300 packets: {created} states created, {evicted} evicted, {protected} refused (all \
+         protected), {kept} protected states held, as the model says"
+    );
+    // The 32 states, and the overflow state if a source was refused one.
+    assert_eq!(
+        report::tracked_clients(&maps).unwrap(),
+        32 + u64::from(protected != 0)
+    );
+}
+
+/// The attack: a client throttled by its rule pauses; an attacker who knows where the store
+/// places sources (with a fixed hash, anyone; here the test reads the load's key) sends new
+/// IPv6 sources that land in the client's two sets, more than they hold. The client's state
+/// is protected, so the flood evicts only its own states, and the client comes back still
+/// throttled: its bucket (10 an hour) refuses every packet.
+#[test]
+fn a_flood_aimed_at_a_throttled_clients_sets_does_not_reset_it() {
+    if skip_unless_kernel() {
+        return;
+    }
+    const ATTACK_CONFIG: &str = r#"
+[tracking]
+new_sources_per_sec = 0
+max_sources = 32
+
+[[rule]]
+name = "udp"
+match = { protocol = "udp", dst_ports = ["9000"] }
+threshold = { count = 10, interval = "1h" }
+algorithm = "token_bucket"
+burst = 10
+"#;
+    let pins = Pins::new();
+    let mut dp = Datapath::load(&pins.0, 32).expect("load program");
+    let mut maps = dp.take_maps().expect("maps");
+    let cfg = config::parse("attack.toml", ATTACK_CONFIG).expect("config");
+    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
+    let rules = vec!["udp".to_string()];
+    // A client whose two sets differ (with 4 sets, 1 in 4 have one set twice).
+    let client = (7u8..)
+        .map(|i| [198, 51, 100, i])
+        .find(|&a| {
+            let (x, y) = sets_of(&maps, &key_v4(a));
+            x != y
+        })
+        .unwrap();
+    let ck = key_v4(client);
+    let sets = sets_of(&maps, &ck);
+    let flood = colliding(&maps, sets, 24);
+    let run = |dp: &Datapath, f: &[u8], n: u32| {
+        let mut v = (0, 0);
+        for _ in 0..n {
+            match dp.test_run(f, 1).unwrap().0 {
+                XDP_PASS => v.0 += 1,
+                XDP_DROP => v.1 += 1,
+                x => panic!("verdict {x}"),
+            }
+        }
+        v
+    };
+    let cf = v4(client).udp(40000, 9000).build();
+    let before = counters(&maps, &rules);
+    assert_eq!(run(&dp, &cf, 15), (10, 5), "the client is throttled");
+    // The client pauses: the flood's states are younger than its own (more than a tick, the
+    // coarse clock's step).
+    std::thread::sleep(std::time::Duration::from_millis(50));
+    for (src, _) in &flood {
+        let f = v6(src).udp(40000, 9000).build();
+        assert_eq!(run(&dp, &f, 1), (1, 0), "{src}");
+    }
+    assert_eq!(
+        run(&dp, &cf, 5),
+        (0, 5),
+        "the client came back with a fresh state"
+    );
+    let d = delta(&before, &counters(&maps, &rules));
+    // The client and 24 sources in 16 slots: from the 16th flood source on, each evicts one
+    // of the flood's own states, never the client's.
+    assert_eq!(d.get("state_created"), Some(&25), "{d:?}");
+    assert_eq!(d.get("state_evicted"), Some(&9), "{d:?}");
+    assert_eq!(d.get("state_protected"), None, "{d:?}");
+    // Its totals, what the fast-drop table still holds for it included.
+    assert_eq!(client_totals(&maps).get(&(0, client)), Some(&(20, 10)));
+    assert_ne!(maps.clients.get(&ck).expect("its state").last_exceed_ns, 0);
+}
+
+/// When every state in a new source's two sets is protected (here a ban rule's meter holds
+/// a count for each), the new source gets no state of its own (`state_protected`) and is
+/// limited in the rule's overflow state; once the protection lapses (two ban intervals, 4 s,
+/// after a state's last packet: a source that never returns), the oldest is evicted again.
+#[test]
+fn protected_states_refuse_a_new_source_until_their_protection_lapses() {
+    if skip_unless_kernel() {
+        return;
+    }
+    const BAN_CONFIG: &str = r#"
+[tracking]
+new_sources_per_sec = 0
+max_sources = 32
+
+[[rule]]
+name = "udp"
+match = { protocol = "udp", dst_ports = ["9000"] }
+action = "rate_based_ban"
+threshold = { count = 1000, interval = "2s" }
+algorithm = "fixed_window"
+ban_threshold = { count = 1000, interval = "2s" }
+ban_duration = "1m"
+"#;
+    let pins = Pins::new();
+    let mut dp = Datapath::load(&pins.0, 32).expect("load program");
+    let mut maps = dp.take_maps().expect("maps");
+    let cfg = config::parse("ban.toml", BAN_CONFIG).expect("config");
+    let plan = apply::plan(&cfg, false);
+    assert_eq!(plan.rules[0].protect_ms, 4000);
+    apply::apply(&mut maps, &plan).expect("apply");
+    let rules = vec!["udp".to_string()];
+    // A pair of distinct sets, and 16 + 4 sources in them.
+    let (_, first) = v6_source(0x7000);
+    let mut sets = sets_of(&maps, &first);
+    let mut n = 0x7000;
+    while sets.0 == sets.1 {
+        n += 1;
+        sets = sets_of(&maps, &v6_source(n).1);
+    }
+    let sources = colliding(&maps, sets, 20);
+    let send = |src: &str| {
+        let f = v6(src).udp(40000, 9000).build();
+        assert_eq!(dp.test_run(&f, 1).unwrap().0, XDP_PASS, "{src}");
+    };
+    let before = counters(&maps, &rules);
+    let t = std::time::Instant::now();
+    for (i, (src, _)) in sources[..16].iter().enumerate() {
+        send(src);
+        if i == 0 {
+            // The first state the oldest by more than a tick of the coarse clock.
+            std::thread::sleep(std::time::Duration::from_millis(30));
+        }
+    }
+    for (src, _) in &sources[16..19] {
+        send(src);
+    }
+    let elapsed = t.elapsed();
+    let d = delta(&before, &counters(&maps, &rules));
+    assert!(
+        elapsed < std::time::Duration::from_secs(3),
+        "19 packets took {elapsed:?}: the machine is too slow for this test's 4 s protection"
+    );
+    assert_eq!(d.get("state_created"), Some(&16), "{d:?}");
+    assert_eq!(d.get("state_evicted"), None, "{d:?}");
+    assert_eq!(d.get("state_protected"), Some(&3), "{d:?}");
+    assert_eq!(d.get("state_insert_failed"), None, "{d:?}");
+    // The three went to the overflow state.
+    let ovf = maps.overflow.get(&0, 0).unwrap();
+    assert_eq!(ovf.packets, 3);
+    for (_, k) in &sources[16..19] {
+        assert!(maps.clients.get(k).is_none());
+    }
+
+    // Past the protection (4 s after the last packet, and a tick of the coarse clock), the
+    // state idle longest, the first source's, makes way for a new one.
+    std::thread::sleep(std::time::Duration::from_millis(4500));
+    send(&sources[19].0);
+    let d = delta(&before, &counters(&maps, &rules));
+    assert_eq!(d.get("state_created"), Some(&17), "{d:?}");
+    assert_eq!(d.get("state_evicted"), Some(&1), "{d:?}");
+    assert_eq!(d.get("state_protected"), Some(&3), "{d:?}");
+    assert!(maps.clients.get(&sources[0].1).is_none());
+    assert!(maps.clients.get(&sources[19].1).is_some());
+}
+
+/// The placement hash is keyed per load: two loads draw different keys, and the same 64
+/// sources land in other sets; a load that adopts the pinned maps (a restarted daemon)
+/// reads the key back, and every source finds its state again, in the program (no new
+/// state, its packet counted in its own) and in the daemon's reader.
+#[test]
+fn the_placement_key_differs_per_load_and_survives_adoption() {
+    if skip_unless_kernel() {
+        return;
+    }
+    const KEY_CONFIG: &str = r#"
+[tracking]
+new_sources_per_sec = 0
+max_sources = 1024
+
+[[rule]]
+name = "udp"
+match = { protocol = "udp", dst_ports = ["9000"] }
+threshold = { count = 1000, interval = "1h" }
+algorithm = "fixed_window"
+"#;
+    let cfg = config::parse("key.toml", KEY_CONFIG).expect("config");
+    let rules = vec!["udp".to_string()];
+    let sources: Vec<[u8; 4]> = (0..64u32)
+        .map(|i| (0xc633_6400u32 + i).to_be_bytes())
+        .collect();
+    let send = |dp: &Datapath, a: [u8; 4]| {
+        let f = v4(a).udp(40000, 9000).build();
+        assert_eq!(dp.test_run(&f, 1).unwrap().0, XDP_PASS);
+    };
+    // Where each source's state sits, by set.
+    let placement = |maps: &Maps| {
+        let mut at = BTreeMap::new();
+        maps.clients
+            .walk_slots(&mut |i, _, s| {
+                let a = [s.addr[12], s.addr[13], s.addr[14], s.addr[15]];
+                at.insert(a, i / ratelimit_common::maps::STORE_WAYS as u64);
+            })
+            .unwrap();
+        assert_eq!(at.len(), sources.len());
+        at
+    };
+
+    let pins_a = Pins::new();
+    let pins_b = Pins::new();
+    let mut a = Datapath::load(&pins_a.0, 1024).expect("load a");
+    let mut b = Datapath::load(&pins_b.0, 1024).expect("load b");
+    assert!(!a.adopted && !b.adopted);
+    assert_ne!(a.hash_key, [0, 0]);
+    assert_ne!(a.hash_key, b.hash_key, "two loads drew the same key");
+    let mut maps_a = a.take_maps().expect("maps a");
+    let mut maps_b = b.take_maps().expect("maps b");
+    assert_eq!(maps_a.clients.hash_key(), a.hash_key);
+    apply::apply(&mut maps_a, &apply::plan(&cfg, false)).expect("apply a");
+    apply::apply(&mut maps_b, &apply::plan(&cfg, false)).expect("apply b");
+    for &s in &sources {
+        send(&a, s);
+        send(&b, s);
+    }
+    let (at_a, at_b) = (placement(&maps_a), placement(&maps_b));
+    let moved = sources.iter().filter(|s| at_a[*s] != at_b[*s]).count();
+    // Under independent keys a source keeps its set with a chance of about 1 in 64 (either
+    // of its two sets of 128, either way round): 64 sources keep about 1.
+    assert!(moved >= 56, "only {moved} of 64 sources placed elsewhere");
+    println!("two loads: {moved} of 64 sources in another set");
+
+    // A restart: the program reloaded against the pinned maps.
+    let key = a.hash_key;
+    let before = counters(&maps_a, &rules);
+    drop(maps_a);
+    drop(a);
+    let mut a2 = Datapath::load(&pins_a.0, 1024).expect("reload a");
+    assert!(a2.adopted);
+    assert_eq!(a2.hash_key, key, "the adopted maps' key");
+    let mut maps_a2 = a2.take_maps().expect("maps a2");
+    apply::apply(&mut maps_a2, &apply::plan(&cfg, false)).expect("apply a2");
+    assert_eq!(placement(&maps_a2), at_a);
+    for &s in &sources {
+        send(&a2, s);
+        let st = maps_a2
+            .clients
+            .get(&key_v4(s))
+            .expect("the state, found by the daemon");
+        assert_eq!(st.packets, 2, "{s:?}");
+    }
+    let d = delta(&before, &counters(&maps_a2, &rules));
+    assert_eq!(d.get("state_created"), None, "{d:?}");
+    assert_eq!(d.get("pass"), Some(&64), "{d:?}");
+    // The daemon's second handle (its known-sources thread) reads the same key from the pins.
+    let reader = a2.open_clients().expect("open clients");
+    assert_eq!(reader.hash_key(), key);
 }
 
 /// Two CPUs sending the same 4000 new sources at once: a source never holds two slots, and
