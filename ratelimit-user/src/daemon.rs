@@ -14,6 +14,7 @@ use anyhow::{Context as _, bail};
 use aya::maps::{MapData, RingBuf, lpm_trie::Key};
 use ipnet::IpNet;
 use ratelimit_common::{
+    addr::IpKey,
     event::{EV_BAN, EV_UNBAN, Event},
     maps::*,
 };
@@ -166,7 +167,7 @@ impl State {
                 }
                 _ => continue,
             }
-            if self.maps.bans.remove(&k).is_err() {
+            if self.maps.remove_ban(&k).is_err() {
                 continue; // the program lifted it first and reported it
             }
             n += 1;
@@ -286,52 +287,39 @@ impl State {
         .unwrap_or_default()
     }
 
+    /// `ban add`, all or nothing: every entry is checked before any is applied, and if a
+    /// map write fails midway (the ban map is full) the bans this request inserted are
+    /// removed and the ones it replaced put back, with no event for any of them.
     fn ban_add(&mut self, specs: &[BanSpec]) -> anyhow::Result<serde_json::Value> {
-        // Validate everything first: a bad line rejects the whole request.
         let mut parsed = Vec::with_capacity(specs.len());
         for (n, s) in specs.iter().enumerate() {
             let net =
                 parse_cidr(&s.cidr).with_context(|| format!("entry {}: {:?}", n + 1, s.cidr))?;
+            if let Some(ms) = s.duration_ms {
+                crate::config::check_ban_duration(Duration::from_millis(ms)).map_err(|e| {
+                    anyhow::anyhow!("entry {}: {}: the ban's duration {e}", n + 1, s.cidr)
+                })?;
+            }
             parsed.push((net, s));
         }
         let now = report::mono_ns();
-        let mut added = Vec::with_capacity(parsed.len());
-        let inserted = self.insert_bans(&parsed, now, &mut added);
-        // Whatever was inserted, before any error is reported.
-        self.bans_changed();
-        self.write_events(&added);
+        let mut undo = Vec::new();
+        let inserted = self.insert_bans(&parsed, now, &mut undo);
+        if inserted.is_err() {
+            self.undo_ban_writes(undo);
+        }
+        // Whatever was written (and undone), before any error is reported.
         self.maps
             .flush_ban_epoch()
             .context("voiding the program's fast-drop entries")?;
         inserted?;
-        Ok(serde_json::json!({ "added": parsed.len() }))
-    }
-
-    /// Insert operator bans; `added` gets a `ban` event for each one inserted.
-    fn insert_bans(
-        &mut self,
-        parsed: &[(IpNet, &BanSpec)],
-        now: u64,
-        added: &mut Vec<Event>,
-    ) -> anyhow::Result<()> {
-        for (net, s) in parsed {
+        let mut added = Vec::with_capacity(parsed.len());
+        for (net, s) in &parsed {
             let (plen, key) = prefix(net);
-            let expires = s
-                .duration_ms
-                .map(|ms| now.saturating_add(ms.saturating_mul(1_000_000)))
-                .unwrap_or(0);
-            if expires != 0 {
-                self.next_ban_expiry = self.next_ban_expiry.min(expires);
+            let entry = BanEntry::manual(plen, key.addr, now, ban_end(now, s.duration_ms));
+            if entry.expires_ns != 0 {
+                self.next_ban_expiry = self.next_ban_expiry.min(entry.expires_ns);
             }
-            let entry = BanEntry::manual(plen, key.addr, now, expires);
-            self.maps
-                .insert_ban_deferred(&Key::new(plen, key), entry)
-                .map_err(|e| {
-                    anyhow::anyhow!(
-                        "adding the ban for {net}: {e} (the ban map holds {} entries)",
-                        ratelimit_common::caps::MAX_BANS
-                    )
-                })?;
             added.push(ban_event(EV_BAN, &entry, now));
             match &s.reason {
                 Some(r) => {
@@ -343,7 +331,50 @@ impl State {
                 None => {}
             }
         }
+        self.bans_changed();
+        self.write_events(&added);
+        Ok(serde_json::json!({ "added": parsed.len() }))
+    }
+
+    /// Insert operator bans; `undo` gets, for each one written, its key and the entry it
+    /// replaced. The error names the entry that failed and says nothing was applied (the
+    /// caller undoes the rest).
+    fn insert_bans(
+        &mut self,
+        parsed: &[(IpNet, &BanSpec)],
+        now: u64,
+        undo: &mut Vec<(Key<IpKey>, Option<BanEntry>)>,
+    ) -> anyhow::Result<()> {
+        for (n, (net, s)) in parsed.iter().enumerate() {
+            let (plen, key) = prefix(net);
+            let k = Key::new(plen, key);
+            let entry = BanEntry::manual(plen, key.addr, now, ban_end(now, s.duration_ms));
+            let before = self.maps.replace_ban_deferred(&k, entry).map_err(|e| {
+                anyhow::anyhow!(
+                    "entry {}: {net}: adding the ban failed: {e} (the ban map holds {} entries); \
+                     nothing of this request was applied",
+                    n + 1,
+                    ratelimit_common::caps::MAX_BANS
+                )
+            })?;
+            undo.push((k, before));
+        }
         Ok(())
+    }
+
+    /// Undo ban writes of a failed request, newest first: remove what it inserted, put back
+    /// what it replaced or removed (`None` = there was no ban at that key before).
+    fn undo_ban_writes(&mut self, undo: Vec<(Key<IpKey>, Option<BanEntry>)>) {
+        for (k, before) in undo.into_iter().rev() {
+            let res = match before {
+                Some(entry) => self.maps.insert_ban_deferred(&k, entry),
+                None => self.maps.remove_ban(&k),
+            };
+            if let Err(e) = res {
+                let net = crate::apply::net_of(k.prefix_len(), &k.data());
+                error!("undoing a failed ban request at {net}: {e}");
+            }
+        }
     }
 
     /// Event lines for the operator's own ban changes, written a few dozen kilobytes at a
@@ -384,25 +415,53 @@ impl State {
         self.sink.write_raw(&buf);
     }
 
+    /// `ban del`, all or nothing like `ban add`: every entry is parsed before any ban is
+    /// removed, and a removal that fails midway puts back the bans this request removed, with
+    /// no `unban` event for them. Entries with no ban are reported, not an error, unless none
+    /// of the entries had one.
     fn ban_del(&mut self, cidrs: &[String]) -> anyhow::Result<serde_json::Value> {
+        let mut nets = Vec::with_capacity(cidrs.len());
+        for (n, c) in cidrs.iter().enumerate() {
+            nets.push(parse_cidr(c).with_context(|| format!("entry {}: {c:?}", n + 1))?);
+        }
+        let mut undo = Vec::new();
         let mut lifted = Vec::new();
-        let mut removed = 0;
         let mut missing = Vec::new();
-        for c in cidrs {
-            let net = parse_cidr(c)?;
-            let (plen, key) = prefix(&net);
+        let mut failed = None;
+        for (n, net) in nets.iter().enumerate() {
+            let (plen, key) = prefix(net);
             let k = Key::new(plen, key);
-            let entry = self.maps.bans.get(&k, 0).ok();
-            match (entry, self.maps.bans.remove(&k)) {
-                (Some(b), Ok(())) => {
-                    removed += 1;
-                    lifted.push(ban_event(EV_UNBAN, &b, report::mono_ns()));
+            let Ok(entry) = self.maps.bans.get(&k, 0) else {
+                missing.push(net.to_string());
+                continue;
+            };
+            match self.maps.remove_ban(&k) {
+                Ok(()) => {
+                    undo.push((k, Some(entry)));
+                    lifted.push(ban_event(EV_UNBAN, &entry, report::mono_ns()));
                 }
-                (None, Ok(())) => removed += 1,
-                (_, Err(_)) => missing.push(net.to_string()),
+                // Expired and lifted by the program since the lookup: not an error.
+                Err(_) if self.maps.bans.get(&k, 0).is_err() => missing.push(net.to_string()),
+                Err(e) => {
+                    failed = Some(anyhow::anyhow!(
+                        "entry {}: {net}: removing the ban failed: {e}; nothing of this request was applied",
+                        n + 1
+                    ));
+                    break;
+                }
             }
+        }
+        if let Some(e) = failed {
+            self.undo_ban_writes(undo);
+            self.maps
+                .flush_ban_epoch()
+                .context("voiding the program's fast-drop entries")?;
+            return Err(e);
+        }
+        for net in &nets {
             self.ban_reasons.remove(&net.to_string());
         }
+        let removed = lifted.len();
         self.bans_changed();
         self.write_events(&lifted);
         if removed == 0 && !missing.is_empty() {
@@ -960,6 +1019,14 @@ async fn persist_bans(state: Shared) -> anyhow::Result<()> {
 }
 
 /// The event of a ban (`EV_BAN`) or its end (`EV_UNBAN`) by the operator, at `now`.
+/// The monotonic expiry of an operator's ban of `duration_ms` added at `now` (0 = until
+/// removed). Durations are checked to be at most 10 years; the sum saturates anyway.
+fn ban_end(now: u64, duration_ms: Option<u64>) -> u64 {
+    duration_ms
+        .map(|ms| now.saturating_add(ms.saturating_mul(1_000_000)).max(1))
+        .unwrap_or(0)
+}
+
 fn ban_event(kind: u32, b: &BanEntry, now: u64) -> Event {
     Event {
         kind,

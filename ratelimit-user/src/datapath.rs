@@ -462,13 +462,45 @@ impl Maps {
         key: &aya::maps::lpm_trie::Key<IpKey>,
         entry: BanEntry,
     ) -> Result<(), aya::maps::MapError> {
-        self.bans.insert(key, entry, 0)?;
+        self.replace_ban_deferred(key, entry).map(drop)
+    }
+
+    /// [`Maps::insert_ban_deferred`] that also returns the ban it replaced, for a caller that
+    /// may have to put it back. The daemon's one write of a ban into the map. A new key costs
+    /// one system call (an insert that must not replace); only an existing one is read first.
+    pub fn replace_ban_deferred(
+        &mut self,
+        key: &aya::maps::lpm_trie::Key<IpKey>,
+        entry: BanEntry,
+    ) -> Result<Option<BanEntry>, aya::maps::MapError> {
+        /// `BPF_NOEXIST` (uapi/linux/bpf.h): fail with EEXIST rather than replace.
+        const BPF_NOEXIST: u64 = 1;
+        let replaced = match self.bans.insert(key, entry, BPF_NOEXIST) {
+            Ok(()) => None,
+            Err(aya::maps::MapError::SyscallError(e))
+                if e.io_error.raw_os_error() == Some(libc::EEXIST) =>
+            {
+                let old = self.bans.get(key, 0).ok();
+                self.bans.insert(key, entry, 0)?;
+                old
+            }
+            Err(e) => return Err(e),
+        };
         self.ban_epoch_pending = true;
         if !self.bans_flag_set {
             self.bans_present.set(0, 1, 0)?;
             self.bans_flag_set = true;
         }
-        Ok(())
+        Ok(replaced)
+    }
+
+    /// Remove the ban at `key`: with [`Maps::replace_ban_deferred`], the daemon's only writes
+    /// to the ban map.
+    pub fn remove_ban(
+        &mut self,
+        key: &aya::maps::lpm_trie::Key<IpKey>,
+    ) -> Result<(), aya::maps::MapError> {
+        self.bans.remove(key)
     }
 
     /// Void the program's fast-drop entries (they skip the ban lookup) if a ban was inserted
