@@ -24,8 +24,6 @@
 /// Fraction bits of the sliding-window weight.
 pub const WEIGHT_BITS: u32 = 16;
 const WEIGHT_ONE: u64 = 1 << WEIGHT_BITS;
-/// Counts above this are clamped before weighting, so `count * weight` cannot overflow.
-const COUNT_CLAMP: u64 = 1 << (64 - WEIGHT_BITS - 1);
 
 /// Index of the window containing `now_ns`.
 #[inline(always)]
@@ -56,15 +54,20 @@ pub fn prev_weight_in(now_ns: u64, interval_ns: u64, window: u64) -> u64 {
     (((interval_ns - elapsed) << WEIGHT_BITS) + interval_ns - 1) / interval_ns
 }
 
-/// Sliding-window estimate of the cost in the interval ending now (rounded up).
+/// Sliding-window estimate of the cost in the interval ending now: exactly
+/// `ceil(prev * weight / 2^16) + cur`, saturated. `weight <= 2^16`. `prev` is split at bit 16 so
+/// neither product can overflow ((2^48 - 1) * 2^16 < 2^64): clamping `prev` instead would
+/// under-estimate a ban meter's long byte window and let its client escape the ban.
 #[inline(always)]
 pub fn sliding_estimate(prev: u64, cur: u64, weight: u64) -> u64 {
-    let prev = if prev > COUNT_CLAMP {
-        COUNT_CLAMP
+    let weight = if weight > WEIGHT_ONE {
+        WEIGHT_ONE
     } else {
-        prev
+        weight
     };
-    ((prev * weight + (WEIGHT_ONE - 1)) >> WEIGHT_BITS).saturating_add(cur)
+    let high = (prev >> WEIGHT_BITS) * weight;
+    let low = ((prev & (WEIGHT_ONE - 1)) * weight + (WEIGHT_ONE - 1)) >> WEIGHT_BITS;
+    high.saturating_add(low).saturating_add(cur)
 }
 
 /// Window counters after moving from window `stamp` to window `window`: `(cur, prev)`.
@@ -85,37 +88,56 @@ pub fn sliding_admits(estimate: u64, cost: u64, threshold: u64) -> bool {
     estimate.saturating_add(cost) <= threshold
 }
 
-/// Emission interval of `cost` units at `threshold` per `interval_ns` (GCRA increment).
+/// Emission interval of `cost` units at `threshold` per `interval_ns` (GCRA increment),
+/// rounded up: rounding down admitted more than the limit (19% more at 10 GiB/s with 64-byte
+/// frames, and no limit at all once a frame's increment fell below 1 ns). Validation keeps
+/// rates at or below 64 units per ns, so rounding up costs at most 1 ns a frame.
 #[inline(always)]
 pub fn gcra_increment(cost: u64, threshold: u64, interval_ns: u64) -> u64 {
-    // cost is a frame length or 1 (< 2^16) and interval <= MAX_INTERVAL_NS (< 2^47).
+    // cost is a frame length or 1 (< 2^16) and interval <= MAX_INTERVAL_NS (< 2^47), so the
+    // product fits; `(p - 1) / t + 1` is the ceiling with one division and no overflow.
     let cost = if cost > 0xffff { 0xffff } else { cost };
-    cost * interval_ns / threshold
+    let p = cost * interval_ns;
+    if p == 0 { 0 } else { (p - 1) / threshold + 1 }
 }
 
-/// Burst tolerance in ns for a bucket of `burst` units; computed once by the daemon in
-/// 128 bits and stored in the rule (`Limit::burst` holds units, the program gets this value
-/// through `gcra_burst_ns`).
-#[inline(always)]
+/// Burst tolerance in ns for a bucket of `burst` units, `burst * interval / threshold`
+/// rounded down (a bucket never larger than asked) and saturated; computed once by the daemon
+/// and stored in the rule (`Limit::burst` holds units, the program gets this value through
+/// `gcra_burst_ns`).
 pub fn gcra_burst_ns(burst: u64, threshold: u64, interval_ns: u64) -> u64 {
-    // burst * interval / threshold without 128-bit math (the BPF target has none): split burst
-    // into whole thresholds and the rest. interval <= MAX_INTERVAL_NS < 2^47, so
-    // rest * (interval / threshold) < interval, and a burst of 2^16 thresholds or more is
-    // effectively unlimited.
-    let whole = burst / threshold;
-    let rest = burst % threshold;
-    let per = interval_ns / threshold;
-    let per_rem = interval_ns % threshold;
-    let rest_ns = if threshold < (1 << 32) {
-        rest * per + rest * per_rem / threshold
-    } else {
-        rest * per
-    };
-    if whole >= (1 << 16) {
-        u64::MAX
-    } else {
-        (whole * interval_ns).saturating_add(rest_ns)
+    mul_div_floor(burst, interval_ns, threshold)
+}
+
+/// `floor(a * b / d)` for `d > 0`, saturated at `u64::MAX`, exact, in u64 arithmetic only (the
+/// BPF target has no 128-bit multiply or divide). For the daemon's once-per-rule constants:
+/// a loop of 64 steps is no per-packet cost.
+pub fn mul_div_floor(a: u64, b: u64, d: u64) -> u64 {
+    let (q, r) = (a / d, a % d);
+    if b != 0 && q > u64::MAX / b {
+        return u64::MAX;
     }
+    // r * b / d with r < d, by shift and add over b's bits: invariant fq * d + fr = r * (the
+    // bits of b seen so far), fr < d; fq <= r * b / d < b, so it cannot overflow.
+    let (mut fq, mut fr) = (0u64, 0u64);
+    for i in (0..64).rev() {
+        fq <<= 1;
+        if fr >= d - fr {
+            fr -= d - fr;
+            fq += 1;
+        } else {
+            fr <<= 1;
+        }
+        if (b >> i) & 1 == 1 {
+            if fr >= d - r {
+                fr -= d - r;
+                fq += 1;
+            } else {
+                fr += r;
+            }
+        }
+    }
+    (q * b).saturating_add(fq)
 }
 
 /// GCRA: the new TAT if `cost` is admitted at `now_ns`, `None` if it must be refused.

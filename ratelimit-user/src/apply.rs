@@ -107,7 +107,11 @@ pub fn limit_of(
         burst,
         ban_threshold: ban.amount,
         ban_interval_ns: ban.interval.as_nanos() as u64,
-        ban_duration_ns: ban_duration.map(|d| d.as_nanos() as u64).unwrap_or(0),
+        // Validation bounds ban durations to 10 years; saturate anyway rather than wrap (a
+        // wrapped duration could come out as 0, which the program reads as "until removed").
+        ban_duration_ns: ban_duration
+            .map(|d| u64::try_from(d.as_nanos()).unwrap_or(u64::MAX))
+            .unwrap_or(0),
         gcra_inc_ns,
         gcra_burst_ns,
     }
@@ -183,7 +187,9 @@ pub fn rule_config(r: &Rule) -> RuleConfig {
             if is_ban { Some(&r.ban_threshold) } else { None },
             if is_ban { Some(r.ban_duration) } else { None },
         ),
-        soft_limit_permille: (r.soft_limit * 1000.0).round().clamp(0.0, 1000.0) as u32,
+        // At least 1: a soft limit below 0.0005 rounded to 0, which turns reporting off
+        // instead of reporting every client.
+        soft_limit_permille: (r.soft_limit * 1000.0).round().clamp(1.0, 1000.0) as u32,
         // The overrides' spans are added in `plan`.
         protect_ms: 0,
     }
@@ -754,5 +760,21 @@ threshold = { count = 10, interval = "1h" }"#
             ),
             2 * 3600 * 1000
         );
+    }
+
+    #[test]
+    fn constants_round_toward_the_limit_and_saturate() {
+        let t: Threshold = "10GiB/1s".parse().unwrap();
+        // A ban of 1000 years in ns passes 2^64: it saturates instead of wrapping (to a short
+        // ban, or to 0, which the program reads as "until removed").
+        let year = std::time::Duration::from_secs(365 * 86_400);
+        let l = limit_of(&t, None, None, Some(year * 1000));
+        assert_eq!(l.ban_duration_ns, u64::MAX);
+        // 1 byte in 0.093 ns is rounded up to 1 ns, never down to 0 (no limit).
+        assert_eq!(l.gcra_inc_ns, 1);
+        // A soft limit below 0.0005 still reports (at 1 permille), it does not turn off.
+        let text = "[[rule]]\nname = \"r\"\nthreshold = { count = 10, interval = \"1s\" }\nsoft_limit = 0.0001\n";
+        let cfg = crate::config::parse("t.toml", text).unwrap();
+        assert_eq!(rule_config(&cfg.rules[0]).soft_limit_permille, 1);
     }
 }

@@ -17,6 +17,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     apply::prefix,
+    config::MAX_BAN_DURATION,
     datapath::Maps,
     report::{mono_ns, wall_of},
 };
@@ -48,6 +49,30 @@ pub struct SavedBan {
 
 fn unix_ms(t: SystemTime) -> u64 {
     t.duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64
+}
+
+/// The entries of a ban file (`ban add --file`, `ban del --file`): one address or CIDR a
+/// line, `#` starts a comment, blank lines are skipped. Checked by the daemon, whole.
+pub fn file_entries(text: &str) -> Vec<String> {
+    text.lines()
+        .map(|l| l.split('#').next().unwrap_or("").trim())
+        .filter(|l| !l.is_empty())
+        .map(str::to_string)
+        .collect()
+}
+
+/// The kernel's CLOCK_MONOTONIC expiry of a ban saved as Unix time `expires_unix_ms`, read at
+/// `now_wall_ms` (Unix time) and `now_mono_ns`: `None` if it has passed. The monotonic clock
+/// restarts at every boot, so only wall-clock time can carry an expiry across a reboot. The
+/// time left is held to [`MAX_BAN_DURATION`] (a file saved under a clock that ran ahead, or
+/// edited by hand) and the sum saturates: a wrapped expiry would end the ban at a random time.
+pub fn mono_expiry(expires_unix_ms: u64, now_wall_ms: u64, now_mono_ns: u64) -> Option<u64> {
+    let left_ms = expires_unix_ms
+        .checked_sub(now_wall_ms)
+        .filter(|&ms| ms > 0)?;
+    let left = Duration::from_millis(left_ms).min(MAX_BAN_DURATION);
+    let left_ns = u64::try_from(left.as_nanos()).unwrap_or(u64::MAX);
+    Some(now_mono_ns.saturating_add(left_ns).max(1))
 }
 
 pub fn save(
@@ -159,8 +184,10 @@ fn restore_all(
         }
         let expires_ns = match b.expires_unix_ms {
             None => 0,
-            Some(ms) if ms <= now_wall => continue,
-            Some(ms) => now + Duration::from_millis(ms - now_wall).as_nanos() as u64,
+            Some(ms) => match mono_expiry(ms, now_wall, now) {
+                Some(ns) => ns,
+                None => continue,
+            },
         };
         let (plen, key) = prefix(&net);
         let rule = b
@@ -213,7 +240,10 @@ fn restore_aggregate(
         Some("region") => KEY_REGION,
         _ => return Ok(false),
     };
-    let Some(ms) = b.expires_unix_ms.filter(|&ms| ms > now_wall) else {
+    let Some(banned_until_ns) = b
+        .expires_unix_ms
+        .and_then(|ms| mono_expiry(ms, now_wall, now))
+    else {
         return Ok(false);
     };
     let Some(i) = rules
@@ -240,7 +270,7 @@ fn restore_aggregate(
         return Ok(false);
     }
     let state = SharedState {
-        banned_until_ns: now + Duration::from_millis(ms - now_wall).as_nanos() as u64,
+        banned_until_ns,
         ..SharedState::default()
     };
     maps.clients
@@ -248,4 +278,59 @@ fn restore_aggregate(
         .insert(key, state, 0)
         .with_context(|| format!("restoring the aggregate ban of rule {}", rules[i].0))?;
     Ok(true)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(2000))]
+
+        /// No ban file panics the reader or the daemon's check of its entries, and every
+        /// entry accepted is a network without host bits.
+        #[test]
+        fn ban_files_never_panic(text in "([0-9a-fA-F.:/# \t\r]{0,45}\n){0,8}") {
+            for e in file_entries(&text) {
+                prop_assert!(!e.is_empty() && !e.contains('#') && !e.contains('\n'));
+                if let Ok(net) = crate::daemon::parse_cidr(&e) {
+                    prop_assert_eq!(net.trunc(), net);
+                }
+            }
+        }
+
+        /// Saved bans (a file from an older version, a clock that moved, a hand edit) never
+        /// panic the reader or the conversion, and no expiry lands more than 10 years ahead.
+        #[test]
+        fn saved_bans_never_panic(ms in any::<u64>(), wall in any::<u64>(), mono in any::<u64>(), junk in ".{0,40}") {
+            if let Some(ns) = mono_expiry(ms, wall, mono) {
+                prop_assert!(ns >= mono.max(1));
+                prop_assert!(ns - mono <= MAX_BAN_DURATION.as_nanos() as u64);
+            }
+            let text = format!(r#"[{{"cidr":"{}","expires_unix_ms":{ms},"manual":true,"preview":false}}]"#, junk.replace(['"', '\\'], ""));
+            let _ = serde_json::from_str::<Vec<SavedBan>>(&text);
+        }
+    }
+
+    #[test]
+    fn saved_expiries_convert_to_the_monotonic_clock_without_wrapping() {
+        let hour_ms = 3_600_000;
+        // An hour left after a reboot: an hour from the new boot's clock, whatever the old one.
+        assert_eq!(
+            mono_expiry(10 * hour_ms + hour_ms, 10 * hour_ms, 5_000),
+            Some(5_000 + 3_600_000_000_000)
+        );
+        // Passed, or passing now: dropped.
+        assert_eq!(mono_expiry(1_000, 2_000, 5_000), None);
+        assert_eq!(mono_expiry(2_000, 2_000, 5_000), None);
+        // The year 3000, and u64::MAX ms: held to 10 years (both wrapped before: 2^64 ns is
+        // 584 years).
+        let ten_years = MAX_BAN_DURATION.as_nanos() as u64;
+        assert_eq!(
+            mono_expiry(32_503_680_000_000, 1_700_000_000_000, 5_000),
+            Some(5_000 + ten_years)
+        );
+        assert_eq!(mono_expiry(u64::MAX, 0, u64::MAX - 1), Some(u64::MAX));
+    }
 }

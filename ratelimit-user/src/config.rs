@@ -34,10 +34,13 @@ mod validate;
 mod values;
 
 #[cfg(test)]
+mod proptests;
+#[cfg(test)]
 mod tests;
 
 pub use values::{
-    format_duration, parse_bytes, parse_duration, parse_net, parse_port_range, parse_tcp_flags,
+    MAX_BAN_DURATION, MIN_BYTE_AMOUNT, check_ban_duration, check_byte_burst, format_duration,
+    parse_ban_duration, parse_bytes, parse_duration, parse_net, parse_port_range, parse_tcp_flags,
 };
 
 /// Default `daemon.control_socket`.
@@ -287,6 +290,7 @@ impl FromStr for Threshold {
         }
         let interval = parse_duration(interval)?;
         values::check_interval(interval).map_err(|e| format!("the interval {e}"))?;
+        values::check_amount(amount, unit, interval)?;
         Ok(Threshold {
             amount,
             unit,

@@ -13,8 +13,8 @@ use std::{
 use anyhow::{Context as _, bail};
 use aya::maps::{MapData, RingBuf};
 use ipnet::IpNet;
-use ratelimit_common::addr::IpKey;
 use ratelimit_common::{
+    addr::IpKey,
     event::{EV_BAN, EV_UNBAN, Event},
     maps::*,
 };
@@ -68,6 +68,10 @@ pub struct State {
 pub const KNOWN_REBUILD_PERIOD: Duration = Duration::from_secs(10);
 
 pub type Shared = Arc<Mutex<State>>;
+
+/// One ban write of a request, to undo it: (table, prefix length, address, the ban that was
+/// there before: `None` = none).
+type BanUndo = (u32, u32, IpKey, Option<BanEntry>);
 
 fn load_config(path: Option<&PathBuf>) -> anyhow::Result<Config> {
     match path {
@@ -289,50 +293,39 @@ impl State {
         .unwrap_or_default()
     }
 
+    /// `ban add`, all or nothing: every entry is checked before any is applied, and if a
+    /// map write fails midway (the ban map is full) the bans this request inserted are
+    /// removed and the ones it replaced put back, with no event for any of them.
     fn ban_add(&mut self, specs: &[BanSpec]) -> anyhow::Result<serde_json::Value> {
-        // Validate everything first: a bad line rejects the whole request.
         let mut parsed = Vec::with_capacity(specs.len());
         for (n, s) in specs.iter().enumerate() {
             let net =
                 parse_cidr(&s.cidr).with_context(|| format!("entry {}: {:?}", n + 1, s.cidr))?;
+            if let Some(ms) = s.duration_ms {
+                crate::config::check_ban_duration(Duration::from_millis(ms)).map_err(|e| {
+                    anyhow::anyhow!("entry {}: {}: the ban's duration {e}", n + 1, s.cidr)
+                })?;
+            }
             parsed.push((net, s));
         }
         let now = report::mono_ns();
-        let mut added = Vec::with_capacity(parsed.len());
-        let inserted = self.insert_bans(&parsed, now, &mut added);
-        // Whatever was inserted, before any error is reported.
-        self.bans_changed();
-        self.write_events(&added);
+        let mut undo = Vec::new();
+        let inserted = self.insert_bans(&parsed, now, &mut undo);
+        if inserted.is_err() {
+            self.undo_ban_writes(undo);
+        }
+        // Whatever was written (and undone), before any error is reported.
         self.maps
             .flush_ban_epoch()
             .context("voiding the program's fast-drop entries")?;
         inserted?;
-        Ok(serde_json::json!({ "added": parsed.len() }))
-    }
-
-    /// Insert operator bans; `added` gets a `ban` event for each one inserted.
-    fn insert_bans(
-        &mut self,
-        parsed: &[(IpNet, &BanSpec)],
-        now: u64,
-        added: &mut Vec<Event>,
-    ) -> anyhow::Result<()> {
-        for (net, s) in parsed {
+        let mut added = Vec::with_capacity(parsed.len());
+        for (net, s) in &parsed {
             let (plen, key) = prefix(net);
-            let expires = s
-                .duration_ms
-                .map(|ms| now.saturating_add(ms.saturating_mul(1_000_000)))
-                .unwrap_or(0);
-            if expires != 0 {
-                self.next_ban_expiry = self.next_ban_expiry.min(expires);
+            let entry = BanEntry::manual(plen, key.addr, now, ban_end(now, s.duration_ms));
+            if entry.expires_ns != 0 {
+                self.next_ban_expiry = self.next_ban_expiry.min(entry.expires_ns);
             }
-            let entry = BanEntry::manual(plen, key.addr, now, expires);
-            self.maps.insert_ban_deferred(entry).map_err(|e| {
-                anyhow::anyhow!(
-                    "adding the ban for {net}: {e} (the operator's ban table holds {} entries)",
-                    ratelimit_common::caps::MAX_OPERATOR_BANS
-                )
-            })?;
             added.push(ban_event(EV_BAN, &entry, now));
             match &s.reason {
                 Some(r) => {
@@ -344,7 +337,49 @@ impl State {
                 None => {}
             }
         }
+        self.bans_changed();
+        self.write_events(&added);
+        Ok(serde_json::json!({ "added": parsed.len() }))
+    }
+
+    /// Insert operator bans; `undo` gets, for each one written, its key and the entry it
+    /// replaced. The error names the entry that failed and says nothing was applied (the
+    /// caller undoes the rest).
+    fn insert_bans(
+        &mut self,
+        parsed: &[(IpNet, &BanSpec)],
+        now: u64,
+        undo: &mut Vec<BanUndo>,
+    ) -> anyhow::Result<()> {
+        for (n, (net, s)) in parsed.iter().enumerate() {
+            let (plen, key) = prefix(net);
+            let entry = BanEntry::manual(plen, key.addr, now, ban_end(now, s.duration_ms));
+            let before = self.maps.replace_ban_deferred(entry).map_err(|e| {
+                anyhow::anyhow!(
+                    "entry {}: {net}: adding the ban failed: {e} (the operator's ban table holds \
+                     {} entries); nothing of this request was applied",
+                    n + 1,
+                    ratelimit_common::caps::MAX_OPERATOR_BANS
+                )
+            })?;
+            undo.push((ban_table(entry.flags), plen, key, before));
+        }
         Ok(())
+    }
+
+    /// Undo ban writes of a failed request, newest first: remove what it inserted, put back
+    /// what it replaced or removed (`None` = there was no ban at that key before).
+    fn undo_ban_writes(&mut self, undo: Vec<BanUndo>) {
+        for (table, plen, key, before) in undo.into_iter().rev() {
+            let res = match before {
+                Some(entry) => self.maps.insert_ban_deferred(entry),
+                None => self.maps.remove_ban(table, plen, &key).map(drop),
+            };
+            if let Err(e) = res {
+                let net = crate::apply::net_of(plen, &key);
+                error!("undoing a failed ban request at {net}: {e}");
+            }
+        }
     }
 
     /// Event lines for the operator's own ban changes, written a few dozen kilobytes at a
@@ -385,27 +420,57 @@ impl State {
         self.sink.write_raw(&buf);
     }
 
+    /// `ban del`, all or nothing like `ban add`: every entry is parsed before any ban is
+    /// removed, and a removal that fails midway puts back the bans this request removed, with
+    /// no `unban` event for them. Entries with no ban are reported, not an error, unless none
+    /// of the entries had one.
     fn ban_del(&mut self, cidrs: &[String]) -> anyhow::Result<serde_json::Value> {
+        let mut nets = Vec::with_capacity(cidrs.len());
+        for (n, c) in cidrs.iter().enumerate() {
+            nets.push(parse_cidr(c).with_context(|| format!("entry {}: {c:?}", n + 1))?);
+        }
+        let mut undo = Vec::new();
         let mut lifted = Vec::new();
-        let mut removed = 0;
         let mut missing = Vec::new();
-        for c in cidrs {
-            let net = parse_cidr(c)?;
-            let (plen, key) = prefix(&net);
+        let mut failed = None;
+        'nets: for (n, net) in nets.iter().enumerate() {
+            let (plen, key) = prefix(net);
             let mut found = false;
-            for b in self.maps.bans_at(plen, &key) {
-                if let Ok(true) = self.maps.remove_ban(ban_table(b.flags), plen, &key) {
-                    found = true;
-                    lifted.push(ban_event(EV_UNBAN, &b, report::mono_ns()));
+            // The bans at this prefix in every table (the operator's, and rule bans).
+            for entry in self.maps.bans_at(plen, &key) {
+                let table = ban_table(entry.flags);
+                match self.maps.remove_ban(table, plen, &key) {
+                    Ok(true) => {
+                        found = true;
+                        undo.push((table, plen, key, Some(entry)));
+                        lifted.push(ban_event(EV_UNBAN, &entry, report::mono_ns()));
+                    }
+                    // Expired and lifted by the program since the lookup: not an error.
+                    Ok(false) => {}
+                    Err(e) => {
+                        failed = Some(anyhow::anyhow!(
+                            "entry {}: {net}: removing the ban failed: {e}; nothing of this request was applied",
+                            n + 1
+                        ));
+                        break 'nets;
+                    }
                 }
             }
-            if found {
-                removed += 1;
-            } else {
+            if !found {
                 missing.push(net.to_string());
             }
+        }
+        if let Some(e) = failed {
+            self.undo_ban_writes(undo);
+            self.maps
+                .flush_ban_epoch()
+                .context("voiding the program's fast-drop entries")?;
+            return Err(e);
+        }
+        for net in &nets {
             self.ban_reasons.remove(&net.to_string());
         }
+        let removed = lifted.len();
         self.bans_changed();
         self.write_events(&lifted);
         if removed == 0 && !missing.is_empty() {
@@ -963,6 +1028,14 @@ async fn persist_bans(state: Shared) -> anyhow::Result<()> {
 }
 
 /// The event of a ban (`EV_BAN`) or its end (`EV_UNBAN`) by the operator, at `now`.
+/// The monotonic expiry of an operator's ban of `duration_ms` added at `now` (0 = until
+/// removed). Durations are checked to be at most 10 years; the sum saturates anyway.
+fn ban_end(now: u64, duration_ms: Option<u64>) -> u64 {
+    duration_ms
+        .map(|ms| now.saturating_add(ms.saturating_mul(1_000_000)).max(1))
+        .unwrap_or(0)
+}
+
 fn ban_event(kind: u32, b: &BanEntry, now: u64) -> Event {
     Event {
         kind,

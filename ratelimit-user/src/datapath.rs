@@ -497,15 +497,38 @@ impl Maps {
     /// [`Maps::flush_ban_epoch`] after the batch, whatever its outcome (two system calls per
     /// ban otherwise, a third of the time of 100k bans).
     pub fn insert_ban_deferred(&mut self, entry: BanEntry) -> Result<(), aya::maps::MapError> {
+        self.replace_ban_deferred(entry).map(drop)
+    }
+
+    /// [`Maps::insert_ban_deferred`] that also returns the ban it replaced, for a caller that
+    /// may have to put it back. The daemon's one write of a ban into a ban table (the one its
+    /// flags name). A new key costs one system call (an insert that must not replace); only
+    /// an existing one is read first.
+    pub fn replace_ban_deferred(
+        &mut self,
+        entry: BanEntry,
+    ) -> Result<Option<BanEntry>, aya::maps::MapError> {
+        /// `BPF_NOEXIST` (uapi/linux/bpf.h): fail with EEXIST rather than replace.
+        const BPF_NOEXIST: u64 = 1;
         let t = ban_table(entry.flags) as usize;
         let key = ban_key(entry.prefix_len, &IpKey { addr: entry.addr });
-        self.bans[t].insert(&key, entry, 0)?;
+        let replaced = match self.bans[t].insert(&key, entry, BPF_NOEXIST) {
+            Ok(()) => None,
+            Err(aya::maps::MapError::SyscallError(e))
+                if e.io_error.raw_os_error() == Some(libc::EEXIST) =>
+            {
+                let old = self.bans[t].get(&key, 0).ok();
+                self.bans[t].insert(&key, entry, 0)?;
+                old
+            }
+            Err(e) => return Err(e),
+        };
         self.ban_epoch_pending = true;
         if !self.bans_flag_set[t] {
             self.bans_present.set(t as u32, 1, 0)?;
             self.bans_flag_set[t] = true;
         }
-        Ok(())
+        Ok(replaced)
     }
 
     /// The ban in table `table` at exactly `addr/prefix_len`, if any.
@@ -523,6 +546,7 @@ impl Maps {
     }
 
     /// Remove the ban in table `table` at exactly `addr/prefix_len`: whether there was one.
+    /// With [`Maps::replace_ban_deferred`], the daemon's only writes to the ban tables.
     pub fn remove_ban(
         &mut self,
         table: u32,

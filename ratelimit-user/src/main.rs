@@ -123,11 +123,12 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
                     ..
                 },
         } => {
+            // Bounded to 10 years by the shared check, so the milliseconds fit.
             let duration_ms = duration
                 .as_deref()
                 .map(|d| {
-                    humantime::parse_duration(d)
-                        .with_context(|| format!("--for {d:?}: expected e.g. 30s, 20m, 1h, 1d"))
+                    ratelimit_user::config::parse_ban_duration(d)
+                        .map_err(|e| anyhow::anyhow!("--for: {e}"))
                 })
                 .transpose()?
                 .map(|d| d.as_millis() as u64);
@@ -215,12 +216,7 @@ fn cidr_list(one: Option<&str>, file: Option<&Path>) -> anyhow::Result<Vec<Strin
                 text = std::fs::read_to_string(f)
                     .with_context(|| format!("reading {}", f.display()))?;
             }
-            Ok(text
-                .lines()
-                .map(|l| l.split('#').next().unwrap_or("").trim())
-                .filter(|l| !l.is_empty())
-                .map(str::to_string)
-                .collect())
+            Ok(ratelimit_user::bans::file_entries(&text))
         }
         _ => anyhow::bail!("give one CIDR or --file FILE"),
     }

@@ -39,11 +39,8 @@ pub fn apply_changes(rule: &mut Rule, set: &RuleSetArgs) -> anyhow::Result<()> {
         if rule.action != Action::RateBasedBan {
             bail!("--ban-duration needs a rate_based_ban rule");
         }
-        let d = humantime::parse_duration(d).with_context(|| format!("--ban-duration {d:?}"))?;
-        if d.is_zero() {
-            bail!("--ban-duration must be greater than 0");
-        }
-        rule.ban_duration = d;
+        rule.ban_duration = crate::config::parse_ban_duration(d)
+            .map_err(|e| anyhow::anyhow!("--ban-duration: {e}"))?;
     }
     if let Some(b) = set.burst {
         if b == 0 {
@@ -55,6 +52,11 @@ pub fn apply_changes(rule: &mut Rule, set: &RuleSetArgs) -> anyhow::Result<()> {
         rule.burst = b;
     } else if burst_was_default && set.threshold.is_some() {
         rule.burst = rule.threshold.amount;
+    }
+    if rule.algorithm == crate::config::Algorithm::TokenBucket
+        && rule.threshold.unit == crate::config::Unit::Bytes
+    {
+        crate::config::check_byte_burst(rule.burst).map_err(|e| anyhow::anyhow!("--burst: {e}"))?;
     }
     for o in &rule.overrides {
         if o.threshold.unit != rule.threshold.unit {
@@ -104,6 +106,70 @@ mod tests {
         assert!(parse_threshold("10").is_err());
         assert!(parse_threshold("10/2d").is_err());
         assert!(parse_threshold("10 parsecs/1s").is_err());
-        assert_eq!(parse_threshold("5kB/1s").unwrap().amount, 5000);
+        assert_eq!(parse_threshold("500kB/1s").unwrap().amount, 500_000);
+    }
+
+    fn bytes_rule() -> Rule {
+        let text = "[[rule]]\nname = \"b\"\nthreshold = { bytes = \"1MiB\", interval = \"1s\" }\n\
+                    algorithm = \"token_bucket\"\naction = \"rate_based_ban\"\nban_duration = \"1h\"\n";
+        crate::config::parse("t.toml", text)
+            .unwrap()
+            .rules
+            .remove(0)
+    }
+
+    #[test]
+    fn a_byte_burst_below_the_largest_packet_is_rejected() {
+        let mut rule = bytes_rule();
+        let set = RuleSetArgs {
+            burst: Some(1500),
+            ..Default::default()
+        };
+        let e = apply_changes(&mut rule, &set).unwrap_err().to_string();
+        assert!(
+            e.starts_with("--burst: 1500 B is below the minimum of 64KiB"),
+            "{e}"
+        );
+        let e = apply_changes(
+            &mut rule,
+            &RuleSetArgs {
+                threshold: Some("1500B/1s".into()),
+                ..Default::default()
+            },
+        )
+        .unwrap_err();
+        assert!(
+            format!("{e:#}").contains("below the minimum of 64KiB"),
+            "{e:#}"
+        );
+    }
+
+    #[test]
+    fn ban_durations_are_bounded() {
+        let mut rule = bytes_rule();
+        for (d, want) in [
+            ("0s", "--ban-duration: must be greater than 0"),
+            (
+                "11y",
+                "--ban-duration: 96426h is longer than 10 years (3650d), the longest ban",
+            ),
+            (
+                "1000y",
+                "--ban-duration: 365250d is longer than 10 years (3650d)",
+            ),
+        ] {
+            let set = RuleSetArgs {
+                ban_duration: Some(d.into()),
+                ..Default::default()
+            };
+            let e = apply_changes(&mut rule, &set).unwrap_err().to_string();
+            assert!(e.starts_with(want), "{d}: {e}");
+        }
+        let set = RuleSetArgs {
+            ban_duration: Some("3650d".into()),
+            ..Default::default()
+        };
+        apply_changes(&mut rule, &set).unwrap();
+        assert_eq!(rule.ban_duration, crate::config::MAX_BAN_DURATION);
     }
 }

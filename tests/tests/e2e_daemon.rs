@@ -605,3 +605,241 @@ fn sighup_reloads_and_bans_read_from_stdin() {
     );
     assert_eq!(got.from(ip4(50, 9)), 5);
 }
+
+/// Every ban duration goes through one check: zero (a ban added already expired) and more
+/// than 10 years are refused with a message, and nothing is applied. Expiries are saved as
+/// Unix time and converted to the kernel's monotonic clock at restore, so after a reboot a
+/// ban keeps its remaining time, one saved too far ahead (a clock that ran ahead, a file
+/// edited by hand) is held to 10 years instead of wrapping, and an expired one is dropped.
+#[test]
+fn ban_durations_are_bounded_and_expiries_survive_a_reboot_as_unix_time() {
+    kernel_test!();
+    let mut s = Scenario::new("rldur");
+    s.start("");
+    for (arg, why) in [
+        ("0s", "--for: must be greater than 0"),
+        (
+            "500us",
+            "--for: 500us is shorter than 1ms, the shortest ban",
+        ),
+        (
+            "11y",
+            "--for: 96426h is longer than 10 years (3650d), the longest ban",
+        ),
+        (
+            "1000y",
+            "--for: 365250d is longer than 10 years (3650d), the longest ban",
+        ),
+    ] {
+        let out = s.daemon().cli(&["ban", "add", "198.19.43.1", "--for", arg]);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "--for {arg} must be refused");
+        assert!(err.contains(why), "--for {arg}: {err}");
+    }
+    assert_eq!(s.daemon().cli_json(&["status"])["active_bans"], 0);
+    assert!(
+        s.events().is_empty(),
+        "no ban event for a refused ban: {:?}",
+        s.events()
+    );
+    s.daemon()
+        .cli_ok(&["ban", "add", "198.19.43.0/24", "--for", "3650d"]);
+    s.daemon_mut().stop();
+    // Beside the saved ban, one that ends in the year 3000 and one that ended in 1970.
+    let state = s.daemon().config_dir().join("state/bans.json");
+    let mut saved: Vec<serde_json::Value> =
+        serde_json::from_str(&std::fs::read_to_string(&state).unwrap()).unwrap();
+    assert_eq!(saved.len(), 1, "{saved:?}");
+    let now_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as u64;
+    let saved_ms = saved[0]["expires_unix_ms"].as_u64().unwrap();
+    let ten_years_ms = 3650 * 86_400_000u64;
+    assert!(
+        saved_ms.abs_diff(now_ms + ten_years_ms) < 60_000,
+        "saved as Unix time: {saved_ms}"
+    );
+    for (cidr, ms) in [
+        ("198.19.44.0/24", 32_503_680_000_000u64),
+        ("198.19.45.0/24", 1_000),
+    ] {
+        let mut b = saved[0].clone();
+        b["cidr"] = cidr.into();
+        b["expires_unix_ms"] = ms.into();
+        saved.push(b);
+    }
+    std::fs::write(&state, serde_json::to_vec(&saved).unwrap()).unwrap();
+    // A reboot loses bpffs: detach removes every pin, bans.json stays.
+    assert!(s.daemon().detach().status.success());
+    s.daemon_mut().restart();
+    let bans = s.daemon().cli_json(&["bans"]);
+    let remaining: Vec<(&str, f64)> = bans
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|b| {
+            (
+                b["cidr"].as_str().unwrap(),
+                b["remaining_secs"].as_f64().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        remaining.len(),
+        2,
+        "the expired ban is dropped: {remaining:?}"
+    );
+    let ten_years = ten_years_ms as f64 / 1000.0;
+    for (cidr, secs) in &remaining {
+        // 60 s of tolerance for a slow restart on a busy machine.
+        assert!(
+            *secs <= ten_years && *secs > ten_years - 60.0,
+            "{cidr}: {secs} s left, expected 10 years"
+        );
+    }
+    assert_eq!(
+        remaining.iter().map(|r| r.0).collect::<Vec<_>>(),
+        ["198.19.43.0/24", "198.19.44.0/24"]
+    );
+    // Enforced.
+    let sink = s.sink(PORT);
+    let mut tx = s.sender();
+    tx.send_n(std::iter::repeat(s.udp(ip4(44, 3), PORT)), 10, None);
+    tx.send_n(std::iter::repeat(s.udp(ip4(45, 3), PORT)), 10, None);
+    sink.wait_quiet(Duration::from_millis(300));
+    let got = sink.stop();
+    assert_eq!((got.from(ip4(44, 3)), got.from(ip4(45, 3))), (0, 10));
+}
+
+/// Every ban as (prefix, whether it expires), and 198.19.50.1's time left.
+fn bans_of(s: &Scenario) -> (Vec<(String, bool)>, Option<f64>) {
+    let bans = s.daemon().cli_json(&["bans"]);
+    let list = bans.as_array().unwrap();
+    let left = list
+        .iter()
+        .find(|b| b["cidr"] == "198.19.50.1/32")
+        .and_then(|b| b["remaining_secs"].as_f64());
+    let mut v: Vec<(String, bool)> = list
+        .iter()
+        .map(|b| {
+            (
+                b["cidr"].as_str().unwrap_or("").to_owned(),
+                !b["expires"].is_null(),
+            )
+        })
+        .collect();
+    v.sort();
+    (v, left)
+}
+
+fn events_len(s: &Scenario) -> u64 {
+    std::fs::metadata(s.daemon().config_dir().join("events.jsonl"))
+        .map(|m| m.len())
+        .unwrap_or(0)
+}
+
+/// `ban add` and `ban del` apply a request whole or not at all: a bad entry anywhere (the
+/// CLI passes file lines through; any client of the control API can send one) rejects the
+/// request before anything is written, and the error names the entry.
+#[test]
+fn a_bad_entry_in_a_ban_batch_applies_nothing_and_writes_no_event() {
+    kernel_test!();
+    let mut s = Scenario::new("rlatom1");
+    s.start("");
+    let file = s.daemon().config_dir().join("bans.txt");
+    s.daemon()
+        .cli_ok(&["ban", "add", "198.19.50.1", "--for", "1h"]);
+    let (before, ev_before) = (bans_of(&s).0, events_len(&s));
+    for (cmd, lines, entry) in [
+        (
+            "add",
+            "198.19.50.2\n198.19.50.3\nnot-an-address\n",
+            "entry 3",
+        ),
+        ("del", "198.19.50.1\n198.19.50.999\n", "entry 2"),
+    ] {
+        std::fs::write(&file, lines).unwrap();
+        let out = s
+            .daemon()
+            .cli(&["ban", cmd, "--file", file.to_str().unwrap()]);
+        assert!(!out.status.success(), "ban {cmd}");
+        assert_eq!(
+            (bans_of(&s).0, events_len(&s)),
+            (before.clone(), ev_before),
+            "a rejected ban {cmd} changes no ban and writes no event"
+        );
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(err.contains(entry), "ban {cmd}: {err}");
+    }
+    // The control API checks durations as the CLI does.
+    let out = s
+        .daemon()
+        .cli(&["ban", "add", "198.19.50.2", "--for", "0s"]);
+    assert!(!out.status.success());
+    assert_eq!(bans_of(&s).0, before);
+}
+
+/// A `ban add` that fills the ban map midway is undone: the ban it inserted is removed, the
+/// ban it replaced gets its old entry back, no event is written for any of it, and the error
+/// names the entry that failed.
+#[test]
+fn a_ban_batch_that_fills_the_ban_map_midway_is_undone() {
+    kernel_test!();
+    let mut s = Scenario::new("rlatom2");
+    s.start("");
+    let dir = s.daemon().config_dir().to_path_buf();
+    let file = dir.join("bans.txt");
+    s.daemon()
+        .cli_ok(&["ban", "add", "198.19.50.1", "--for", "1h"]);
+    // Fill the ban map to one entry short of full.
+    let max = ratelimit_common::caps::MAX_BANS;
+    let mut text = String::new();
+    for i in 0..max - 2 {
+        text.push_str(&format!("{}\n", Ipv4Addr::from(0x0a00_0000 | i)));
+    }
+    std::fs::write(&file, text).unwrap();
+    s.daemon()
+        .cli_ok(&["ban", "add", "--file", file.to_str().unwrap()]);
+    assert_eq!(s.daemon().cli_json(&["status"])["active_bans"], max - 1);
+    let (before, ev_before) = (bans_of(&s).0, events_len(&s));
+    // Replaces 198.19.50.1's ban (1h -> until removed), takes the last free entry with
+    // 198.19.50.2, and fails at 198.19.50.3.
+    std::fs::write(
+        &file,
+        "198.19.50.1\n198.19.50.2\n198.19.50.3\n198.19.50.4\n",
+    )
+    .unwrap();
+    let out = s
+        .daemon()
+        .cli(&["ban", "add", "--file", file.to_str().unwrap()]);
+    assert!(!out.status.success(), "the map is full");
+    let (after, left) = bans_of(&s);
+    assert_eq!(s.daemon().cli_json(&["status"])["active_bans"], max - 1);
+    assert!(
+        after == before,
+        "the map holds exactly the bans it held before (198.19.50.2 is not banned)"
+    );
+    assert!(
+        left.is_some_and(|l| l > 3000.0 && l <= 3600.0),
+        "198.19.50.1 has its own 1h ban back: {left:?}"
+    );
+    assert_eq!(events_len(&s), ev_before, "no event for the undone bans");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("entry 3: 198.19.50.3/32: adding the ban failed")
+            && err.contains("nothing of this request was applied"),
+        "{err}"
+    );
+    // With room again, the same request applies whole: 198.19.50.1 is now banned until
+    // removed, and the events are written.
+    let del = dir.join("del.txt");
+    std::fs::write(&del, "10.0.0.1\n10.0.0.2\n10.0.0.3\n").unwrap();
+    s.daemon()
+        .cli_ok(&["ban", "del", "--file", del.to_str().unwrap()]);
+    s.daemon()
+        .cli_ok(&["ban", "add", "--file", file.to_str().unwrap()]);
+    assert_eq!(s.daemon().cli_json(&["status"])["active_bans"], max - 1);
+    assert_eq!(bans_of(&s).1, None, "replaced: until removed");
+    assert!(events_len(&s) > ev_before);
+}

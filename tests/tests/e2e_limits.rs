@@ -437,13 +437,14 @@ algorithm = "fixed_window"
 fn byte_thresholds_count_frame_lengths() {
     kernel_test!();
     let mut s = Scenario::new("rly2");
-    // 6000 bytes per hour: one hundred 60-byte frames, or fifty 120-byte frames.
+    // 66,000 bytes per hour (above the 64 KiB minimum): 1,100 60-byte frames, or 550
+    // 120-byte frames.
     s.start(
         r#"
 [[rule]]
 name = "bytes"
 match = { protocol = "udp" }
-threshold = { bytes = "6KB", interval = "1h" }
+threshold = { bytes = "66KB", interval = "1h" }
 algorithm = "fixed_window"
 "#,
     );
@@ -457,14 +458,14 @@ algorithm = "fixed_window"
         .udp(40000, PORT)
         .pad_to(120)
         .build();
-    tx.send_n(std::iter::repeat(&small), 150, None);
-    tx.send_n(std::iter::repeat(&big), 150, None);
+    tx.send_n(std::iter::repeat(&small), 1200, None);
+    tx.send_n(std::iter::repeat(&big), 600, None);
     sink.wait_quiet(Duration::from_millis(300));
     let got = sink.stop();
-    assert_eq!(got.from(ip4(8, 1)), 100);
-    assert_eq!(got.from(ip4(8, 2)), 50);
+    assert_eq!(got.from(ip4(8, 1)), 1100);
+    assert_eq!(got.from(ip4(8, 2)), 550);
     let st = s.stats();
-    assert_eq!(st["rules"][0]["counters"]["admitted"]["bytes"], 12_000);
+    assert_eq!(st["rules"][0]["counters"]["admitted"]["bytes"], 132_000);
 }
 
 #[test]

@@ -1892,7 +1892,7 @@ threshold = { count = 10, interval = "1h" }
 algorithm = "token_bucket"
 burst = 10
 "#;
-    let pins = Pins::new();
+    let pins = Pins::new("fixtures");
     let mut dp = Datapath::load(&pins.0, 32).expect("load program");
     let mut maps = dp.take_maps().expect("maps");
     let cfg = config::parse("attack.toml", ATTACK_CONFIG).expect("config");
@@ -1969,7 +1969,7 @@ algorithm = "fixed_window"
 ban_threshold = { count = 1000, interval = "2s" }
 ban_duration = "1m"
 "#;
-    let pins = Pins::new();
+    let pins = Pins::new("fixtures");
     let mut dp = Datapath::load(&pins.0, 32).expect("load program");
     let mut maps = dp.take_maps().expect("maps");
     let cfg = config::parse("ban.toml", BAN_CONFIG).expect("config");
@@ -2073,8 +2073,8 @@ algorithm = "fixed_window"
         at
     };
 
-    let pins_a = Pins::new();
-    let pins_b = Pins::new();
+    let pins_a = Pins::new("fixtures");
+    let pins_b = Pins::new("fixtures");
     let mut a = Datapath::load(&pins_a.0, 1024).expect("load a");
     let mut b = Datapath::load(&pins_b.0, 1024).expect("load b");
     assert!(!a.adopted && !b.adopted);

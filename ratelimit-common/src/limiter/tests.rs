@@ -266,3 +266,113 @@ proptest! {
         prop_assert_eq!(prev_weight_in(t, interval, window_of(t, interval)), prev_weight(t, interval));
     }
 }
+
+/// floor(a * b / d) in exact 128-bit arithmetic, saturated at u64::MAX.
+fn exact_floor(a: u64, b: u64, d: u64) -> u64 {
+    (a as u128 * b as u128 / d as u128).min(u64::MAX as u128) as u64
+}
+
+#[test]
+fn gcra_increment_rounds_toward_the_limit() {
+    // 10 GiB/s and 64-byte frames: 5.96 ns a frame. Rounding down to 5 ns admitted 12.8 B/ns,
+    // 19% over the limit; rounding up admits 10.67 B/ns, under it.
+    let gib10 = 10u64 << 30;
+    assert_eq!(gcra_increment(64, gib10, 1_000_000_000), 6);
+    // 100 GiB/s: 0.6 ns a frame rounded down to 0 was no limit at all.
+    assert_eq!(gcra_increment(64, 100 * (1 << 30), 1_000_000_000), 1);
+    // Exact division stays exact.
+    assert_eq!(gcra_increment(1, 1000, 1_000_000_000), 1_000_000);
+}
+
+#[test]
+fn sliding_estimate_is_exact_for_counts_above_2_pow_47() {
+    // A ban meter counting bytes over a long interval can pass 2^47; clamping it before
+    // weighting under-estimated (2^31 here instead of 2^34) and let the client escape its ban.
+    assert_eq!(sliding_estimate(1 << 50, 0, 1), 1 << 34);
+    assert_eq!(sliding_estimate(u64::MAX, 7, WEIGHT_ONE), u64::MAX);
+}
+
+#[test]
+fn burst_ns_saturates_instead_of_turning_unlimited() {
+    // 65,536 thresholds of burst is a large bucket, not an infinite one.
+    assert_eq!(
+        gcra_burst_ns(65_536 * 1000, 1000, 1_000_000_000),
+        65_536 * 1_000_000_000
+    );
+    // Above 2^32 the remainder was dropped: 1.5 thresholds came out as 1.
+    assert_eq!(
+        gcra_burst_ns((1 << 33) + (1 << 32), 1 << 33, 1_000_000_000),
+        1_500_000_000
+    );
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(500))]
+
+    /// The sliding estimate is the exact ceiling of `prev * weight / 2^16` plus `cur`.
+    #[test]
+    fn sliding_estimate_matches_exact_math(prev in any::<u64>(), cur in any::<u64>(), weight in 0u64..=WEIGHT_ONE) {
+        let exact = (prev as u128 * weight as u128).div_ceil(WEIGHT_ONE as u128) + cur as u128;
+        prop_assert_eq!(sliding_estimate(prev, cur, weight) as u128, exact.min(u64::MAX as u128));
+    }
+
+    /// The burst tolerance is `burst * interval / threshold` rounded down (a smaller bucket,
+    /// never a larger one), saturated.
+    #[test]
+    fn burst_ns_is_the_exact_floor(burst in any::<u64>(), threshold in 1u64.., interval in 1u64..=MAX_INTERVAL_NS) {
+        prop_assert_eq!(gcra_burst_ns(burst, threshold, interval), exact_floor(burst, interval, threshold));
+    }
+
+    #[test]
+    fn mul_div_floor_is_exact(a in any::<u64>(), b in any::<u64>(), d in 1u64..) {
+        prop_assert_eq!(mul_div_floor(a, b, d), exact_floor(a, b, d));
+    }
+
+    /// The increment is the exact ceiling of `cost * interval / threshold`.
+    #[test]
+    fn increment_is_the_exact_ceiling(cost in 1u64..=0xffff, threshold in 1u64.., interval in 1u64..=MAX_INTERVAL_NS) {
+        let exact = (cost as u128 * interval as u128).div_ceil(threshold as u128);
+        prop_assert_eq!(gcra_increment(cost, threshold, interval) as u128, exact);
+    }
+
+    /// Whatever the rate (bytes or packets, up to the validated 64 units per ns) and however
+    /// packets arrive, the token bucket admits over any span [a, b] at most
+    /// `burst + threshold * (b - a) / interval` units, checked in exact arithmetic.
+    #[test]
+    fn gcra_never_admits_over_rate_plus_burst(
+        interval in 1u64..=MAX_INTERVAL_NS,
+        // threshold = interval * milli_per_ns / 1000: from 0.001 to 64 units per ns.
+        milli_per_ns in 1u64..64_000,
+        burst_extra in 0u64..3_000,
+        // Gaps in thousandths of a 1500-unit packet's emission time: offered load about 1.7x.
+        gap_permille in proptest::collection::vec(0u64..600, 1..300),
+        costs in proptest::collection::vec(1u64..=1500, 300),
+    ) {
+        let threshold = ((interval as u128 * milli_per_ns as u128 / 1000) as u64).max(1);
+        let burst = 1500 + burst_extra;
+        let bns = gcra_burst_ns(burst, threshold, interval);
+        let mut tat = 0u64;
+        let mut now = 1_000_000_000u64;
+        // (time, cost) of every admitted packet.
+        let mut admitted: Vec<(u64, u64)> = Vec::new();
+        for (i, permille) in gap_permille.iter().enumerate() {
+            now += (1500 * *permille as u128 * interval as u128 / (1000 * threshold as u128)) as u64;
+            if let Some(t) = gcra_admit(tat, now, gcra_increment(costs[i], threshold, interval), bns) {
+                tat = t;
+                admitted.push((now, costs[i]));
+            }
+        }
+        for a in 0..admitted.len() {
+            let mut sum = 0u128;
+            for b in &admitted[a..] {
+                sum += b.1 as u128;
+                let span = (b.0 - admitted[a].0) as u128;
+                // sum <= burst + threshold * span / interval, multiplied out.
+                prop_assert!(
+                    sum * interval as u128 <= burst as u128 * interval as u128 + threshold as u128 * span,
+                    "{} units admitted in {} ns at {}/{} burst {}", sum, span, threshold, interval, burst
+                );
+            }
+        }
+    }
+}

@@ -61,7 +61,7 @@ fn spec_example_fixed() -> String {
         "{head}[[rule]]\nname = \"per-country\"\nkey = \"region\"\n\
          threshold = {{ bytes = \"10MiB\", interval = \"1s\" }}\n\
          [[rule.override]]\n{}",
-        region_override.replace("count = 10,", "bytes = 1000,")
+        region_override.replace("count = 10,", "bytes = 100000,")
     )
 }
 
@@ -223,7 +223,7 @@ fn spec_example_parses() {
         [Override {
             target: OverrideTarget::Region(*b"ZZ"),
             threshold: Threshold {
-                amount: 1000,
+                amount: 100_000,
                 unit: Unit::Bytes,
                 interval: Duration::from_secs(1)
             },
@@ -333,14 +333,14 @@ fn explicit_values() {
     // Dotted keys and sub-tables work as well as inline tables.
     let c = ok(&format!(
         "daemon.xdp_mode = \"native\"\n{}[rule.match]\nprotocol = \"icmp\"\n",
-        "[[rule]]\nname = \"r\"\n[rule.threshold]\nbytes = \"1 KB\"\ninterval = \"500ms\"\n"
+        "[[rule]]\nname = \"r\"\n[rule.threshold]\nbytes = \"100 KB\"\ninterval = \"500ms\"\n"
     ));
     assert_eq!(c.daemon.xdp_mode, XdpMode::Native);
     assert_eq!(c.rules[0].matcher.protocol, Some(Protocol::Icmp));
     assert_eq!(
         c.rules[0].threshold,
         Threshold {
-            amount: 1000,
+            amount: 100_000,
             unit: Unit::Bytes,
             interval: Duration::from_millis(500)
         }
@@ -693,7 +693,7 @@ fn override_targets_must_fit_the_key() {
              [[rule.override]]\ncidr = \"10.0.0.0/8\"\nthreshold = { count = 1, interval = \"1s\" }\n\
              [[rule.override]]\nregion = \"de\"\nthreshold = { count = 1, interval = \"1s\" }\n\
              [[rule.override]]\nregion = \"DEU\"\nthreshold = { count = 1, interval = \"1s\" }\n\
-             [[rule.override]]\nregion = \"FR\"\nthreshold = { bytes = 1, interval = \"1s\" }\n\
+             [[rule.override]]\nregion = \"FR\"\nthreshold = { bytes = 70000, interval = \"1s\" }\n\
              [[rule.override]]\nregion = \"FR\"\ncidr = \"10.0.0.0/8\"\nthreshold = { count = 1, interval = \"1s\" }\n\
              [[rule.override]]\nthreshold = { count = 1, interval = \"1s\" }\n\
              [[rule.override]]\nregion = \"FR\"\nthreshold = { count = 1, interval = \"1s\" }\n\
@@ -772,7 +772,7 @@ fn action_and_algorithm_dependent_fields() {
     );
     let text = rule(
         "r",
-        "action = \"rate_based_ban\"\nban_threshold = { bytes = 20, interval = \"1s\" }\n",
+        "action = \"rate_based_ban\"\nban_threshold = { bytes = 70000, interval = \"1s\" }\n",
     );
     assert_eq!(
         errors(&text),
@@ -986,7 +986,7 @@ fn tracking_errors() {
         errors(text),
         [
             "t.toml:2:15: tracking.max_sources must be between 1 and 4294967295",
-            "t.toml:4:23: tracking.new_sources_per_sec must not be negative",
+            "t.toml:4:23: tracking.new_sources_per_sec must be between 0 and 1000000000",
         ]
     );
     let text = "[tracking]\nnew_sources_burst = 5\n";
@@ -1260,7 +1260,11 @@ fn bytes_table() {
         Err("\"17179869184GiB\" is too large".into())
     );
     // In the file: integers or strings.
-    for (value, n) in [("4096", 4096), ("\"4KiB\"", 4096), ("\"4 kB\"", 4000)] {
+    for (value, n) in [
+        ("65536", 65_536),
+        ("\"64KiB\"", 65_536),
+        ("\"66 kB\"", 66_000),
+    ] {
         let c = ok(&format!(
             "[[rule]]\nname = \"r\"\nthreshold = {{ bytes = {value}, interval = \"1s\" }}\n"
         ));
@@ -1468,4 +1472,83 @@ fn keywords_round_trip() {
     );
     assert_eq!(XdpMode::default(), XdpMode::Auto);
     assert_eq!(Algorithm::default(), Algorithm::SlidingWindow);
+}
+
+#[test]
+fn byte_thresholds_and_byte_bursts_below_the_largest_packet_are_rejected() {
+    // A 1500 B threshold would drop every larger frame forever.
+    let text = "[[rule]]\nname = \"r\"\nthreshold = { bytes = 1500, interval = \"1s\" }\n";
+    assert_eq!(
+        error(text),
+        "t.toml:3:23: rule \"r\": threshold.bytes: 1500 B is below the minimum of 64KiB (65536 B): \
+         a frame larger than a byte threshold is never admitted, and an IP packet may be up to 65,535 B"
+    );
+    let text = "[[rule]]\nname = \"r\"\nthreshold = { bytes = \"1MiB\", interval = \"1s\" }\n\
+                algorithm = \"token_bucket\"\nburst = \"1500B\"\n";
+    assert_eq!(
+        error(text),
+        "t.toml:5:9: rule \"r\": burst: 1500 B is below the minimum of 64KiB (65536 B) for a byte \
+         threshold's bucket: a frame larger than the bucket is never admitted"
+    );
+    // The ban threshold and overrides are thresholds too.
+    let text = "[[rule]]\nname = \"r\"\nthreshold = { bytes = \"1MiB\", interval = \"1s\" }\n\
+                action = \"rate_based_ban\"\nban_duration = \"1h\"\n\
+                ban_threshold = { bytes = 65535, interval = \"1s\" }\n";
+    assert!(
+        error(text).contains("ban_threshold.bytes: 65535 B is below the minimum"),
+        "{}",
+        error(text)
+    );
+    // Exactly the minimum is accepted.
+    let text = "[[rule]]\nname = \"r\"\nthreshold = { bytes = \"64KiB\", interval = \"1s\" }\n\
+                algorithm = \"token_bucket\"\nburst = \"64KiB\"\n";
+    assert!(errors(text).is_empty(), "{:?}", errors(text));
+}
+
+#[test]
+fn rates_faster_than_the_limiter_meters_are_rejected() {
+    // More than one packet per ns: the token bucket's increment would be below 1 ns.
+    let text = "[[rule]]\nname = \"r\"\nthreshold = { count = 1_000_000_001, interval = \"1s\" }\n";
+    assert_eq!(
+        error(text),
+        "t.toml:3:23: rule \"r\": threshold.count: 1000000001 per 1s is faster than 1 packet per ns, \
+         the fastest rate the limiter meters exactly; use a longer interval or a smaller amount"
+    );
+    let text = "[[rule]]\nname = \"r\"\nthreshold = { count = 1_000_000_000, interval = \"1s\" }\n";
+    assert!(errors(text).is_empty());
+    // 64 bytes per ns is the byte limit (512 Gbit/s).
+    let text = "[[rule]]\nname = \"r\"\nthreshold = { bytes = \"64GB\", interval = \"1s\" }\n";
+    assert!(errors(text).is_empty());
+    let text = "[[rule]]\nname = \"r\"\nthreshold = { bytes = \"65GB\", interval = \"1s\" }\n";
+    assert!(
+        error(text).contains("is faster than 64 bytes per ns"),
+        "{}",
+        error(text)
+    );
+    // The same rules on the command line.
+    assert!(
+        "1000000001/1s"
+            .parse::<Threshold>()
+            .unwrap_err()
+            .contains("faster than 1 packet per ns")
+    );
+    assert!(
+        "1500B/1s"
+            .parse::<Threshold>()
+            .unwrap_err()
+            .contains("below the minimum of 64KiB")
+    );
+    assert!("1000000000/1s".parse::<Threshold>().is_ok());
+}
+
+#[test]
+fn admission_rates_faster_than_one_per_ns_are_rejected() {
+    let text = "[tracking]\nnew_sources_per_sec = 1_000_000_001\n";
+    assert!(
+        error(text).contains("tracking.new_sources_per_sec"),
+        "{}",
+        error(text)
+    );
+    let text = "[tracking]\nnew_sources_per_sec = 1_000_000_000\n";
+    assert!(errors(text).is_empty());
 }

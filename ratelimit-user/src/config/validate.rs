@@ -12,7 +12,9 @@ use ipnet::IpNet;
 use ratelimit_common::caps;
 
 use super::tree::{Checker, Field, Item, Node, Table};
-use super::values::{check_interval, check_port};
+use super::values::{
+    check_amount, check_ban_duration, check_byte_burst, check_interval, check_port,
+};
 use super::{
     Action, Algorithm, Config, Daemon, EventsSink, ExceedAction, GeoIp, KeyKind, Lists, Match,
     Override, OverrideTarget, Protocol, Rule, Threshold, Tracking, Unit, parse_bytes,
@@ -202,7 +204,8 @@ fn tracking(mut t: Table, ck: &mut Checker) -> Tracking {
         tr.max_sources = n as u32;
     }
     let rate_field = t.get("new_sources_per_sec");
-    let rate = rate_field.as_ref().map(|f| int_in(f, ck, 0, i64::MAX));
+    // At most one new source per ns: the budget is a token bucket metered in whole ns.
+    let rate = rate_field.as_ref().map(|f| int_in(f, ck, 0, 1_000_000_000));
     if let Some(Some(n)) = rate {
         tr.new_sources_per_sec = n as u64;
     }
@@ -422,12 +425,10 @@ fn rule(index: usize, mut t: Table, has_geoip: bool, tot: &mut Totals, ck: &mut 
                 f.error_at_key(ck, "only applies to action = \"rate_based_ban\"");
             }
             if let Some(d) = duration(&f, ck) {
-                if d.is_zero() {
-                    f.error(ck, "must be greater than 0");
-                } else if d.as_nanos() > u128::from(u64::MAX) {
-                    f.error(ck, "is too long");
-                } else {
-                    ban_duration = d;
+                match check_ban_duration(d) {
+                    Ok(()) => ban_duration = d,
+                    Err(e) if e.starts_with("must") => f.error(ck, e),
+                    Err(e) => f.invalid(ck, e),
                 }
             }
         }
@@ -611,10 +612,22 @@ fn threshold(f: &Field, ck: &mut Checker) -> Option<Threshold> {
     };
     t.finish(ck);
     let (amount, unit) = amount?;
+    let interval = interval?;
+    if let Err(e) = check_amount(amount, unit, interval) {
+        let field = match unit {
+            Unit::Packets => count.as_ref(),
+            Unit::Bytes => bytes.as_ref(),
+        };
+        match field {
+            Some(a) => a.invalid(ck, e),
+            None => f.invalid(ck, e),
+        }
+        return None;
+    }
     Some(Threshold {
         amount,
         unit,
-        interval: interval?,
+        interval,
     })
 }
 
@@ -636,6 +649,12 @@ fn burst(f: &Field, ctx: &RuleCtx, ck: &mut Checker) -> Option<u64> {
     }?;
     if n == 0 {
         f.error(ck, "must be at least 1");
+        return None;
+    }
+    if ctx.unit == Some(Unit::Bytes)
+        && let Err(e) = check_byte_burst(n)
+    {
+        f.invalid(ck, e);
         return None;
     }
     Some(n)

@@ -156,6 +156,41 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     })
 }
 
+/// The longest ban a rule or the operator may set: 10 years (of 365 days). Longer is not a
+/// duration but "until removed" (`ban add` without `--for`), and a bound keeps every expiry
+/// (now + duration, in ns of the monotonic clock and in ms of Unix time) far from wrapping.
+pub const MAX_BAN_DURATION: Duration = Duration::from_secs(10 * 365 * 86_400);
+
+/// A ban's duration, wherever it comes from (config `ban_duration`, `rule set --ban-duration`,
+/// `ban add --for`, the control API): at least 1 ms (the control API carries milliseconds, and
+/// a zero-length ban would be added already expired), at most [`MAX_BAN_DURATION`].
+pub fn check_ban_duration(d: Duration) -> Result<(), String> {
+    if d.is_zero() {
+        return Err("must be greater than 0".into());
+    }
+    if d < Duration::from_millis(1) {
+        return Err(format!(
+            "{} is shorter than 1ms, the shortest ban",
+            format_duration(d)
+        ));
+    }
+    if d > MAX_BAN_DURATION {
+        return Err(format!(
+            "{} is longer than 10 years ({}), the longest ban; a ban without a duration lasts until removed",
+            format_duration(d),
+            format_duration(MAX_BAN_DURATION)
+        ));
+    }
+    Ok(())
+}
+
+/// [`parse_duration`] then [`check_ban_duration`]: the one parser for every ban duration.
+pub fn parse_ban_duration(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    check_ban_duration(d)?;
+    Ok(d)
+}
+
 /// A threshold interval: greater than zero, at most `caps::MAX_INTERVAL_NS`. Errors follow
 /// "interval ".
 pub(super) fn check_interval(d: Duration) -> Result<(), String> {
@@ -166,6 +201,52 @@ pub(super) fn check_interval(d: Duration) -> Result<(), String> {
         return Err(format!(
             "must be at most {}",
             format_duration(Duration::from_nanos(caps::MAX_INTERVAL_NS))
+        ));
+    }
+    Ok(())
+}
+
+/// The smallest byte threshold or token-bucket byte burst: 64 KiB. A frame larger than the
+/// threshold (or the bucket) can never be admitted, so a smaller one would drop every larger
+/// frame forever. 64 KiB covers any frame native XDP hands the program (one page) and any IP
+/// packet (at most 65,535 B); only a generic-mode frame carrying a maximal IP packet with its
+/// link-layer header, or a BIG TCP aggregate, is larger.
+pub const MIN_BYTE_AMOUNT: u64 = 64 << 10;
+
+/// The fastest rates a threshold may state, in units per ns: 1 packet, 64 bytes (a minimum
+/// Ethernet frame; 512 Gbit/s). The token bucket meters in whole ns rounded up, so a faster
+/// rate would be enforced as a slower one than written (a packet rate above 1 per ns as 1 per
+/// ns, whatever the config says).
+pub const MAX_PACKETS_PER_NS: u64 = 1;
+pub const MAX_BYTES_PER_NS: u64 = 64;
+
+/// A threshold's amount against its unit and interval (already checked by [`check_interval`]):
+/// not faster than the limiter can meter, and for bytes not below [`MIN_BYTE_AMOUNT`].
+pub fn check_amount(amount: u64, unit: super::Unit, interval: Duration) -> Result<(), String> {
+    let (per_ns, what) = match unit {
+        super::Unit::Packets => (MAX_PACKETS_PER_NS, "1 packet"),
+        super::Unit::Bytes => (MAX_BYTES_PER_NS, "64 bytes"),
+    };
+    if unit == super::Unit::Bytes && amount < MIN_BYTE_AMOUNT {
+        return Err(format!(
+            "{amount} B is below the minimum of 64KiB ({MIN_BYTE_AMOUNT} B): a frame larger than a byte threshold is never admitted, and an IP packet may be up to 65,535 B"
+        ));
+    }
+    if u128::from(amount) > interval.as_nanos() * u128::from(per_ns) {
+        return Err(format!(
+            "{amount} per {} is faster than {what} per ns, the fastest rate the limiter meters exactly; use a longer interval or a smaller amount",
+            format_duration(interval)
+        ));
+    }
+    Ok(())
+}
+
+/// A token bucket's burst in bytes: not below [`MIN_BYTE_AMOUNT`], or every larger frame
+/// would be refused forever.
+pub fn check_byte_burst(burst: u64) -> Result<(), String> {
+    if burst < MIN_BYTE_AMOUNT {
+        return Err(format!(
+            "{burst} B is below the minimum of 64KiB ({MIN_BYTE_AMOUNT} B) for a byte threshold's bucket: a frame larger than the bucket is never admitted"
         ));
     }
     Ok(())
