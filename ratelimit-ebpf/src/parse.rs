@@ -101,6 +101,30 @@ pub fn parse(ctx: &XdpContext) -> Result<Option<Parsed>, Reason> {
     }
 }
 
+/// [`parse`] for a device without a link-layer header (tun, wireguard, ipip/sit/gre tunnels:
+/// the frame starts at the IP header, whose version nibble says which). `Ok(None)`: not IP.
+#[inline(always)]
+pub fn parse_l3(ctx: &XdpContext) -> Result<Option<Parsed>, Reason> {
+    // The version is read behind a bounds check of a whole IPv4 header, the shortest IP
+    // header there is: a one-byte check compiles to a comparison the verifier cannot follow.
+    let Ok(h) = hdr(ctx, 0, Ipv4Hdr::LEN, global::MALFORMED_IPV4) else {
+        // Shorter than any IP header: malformed if it says it is IP.
+        return match hdr(ctx, 0, 2, global::MALFORMED_IPV4) {
+            Ok(h) => match h.field::<u8>(0) >> 4 {
+                4 => Err(global::MALFORMED_IPV4),
+                6 => Err(global::MALFORMED_IPV6),
+                _ => Ok(None),
+            },
+            Err(_) => Ok(None),
+        };
+    };
+    match h.field::<u8>(0) >> 4 {
+        4 => parse_ipv4(ctx, 0).map(Some),
+        6 => parse_ipv6(ctx, 0).map(Some),
+        _ => Ok(None),
+    }
+}
+
 /// Ethernet and up to `MAX_VLAN_DEPTH` 802.1Q / 802.1ad tags: the inner ethertype and offset.
 #[inline(always)]
 fn parse_l2(ctx: &XdpContext) -> Result<(u16, usize), Reason> {

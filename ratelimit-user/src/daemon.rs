@@ -709,6 +709,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     // Fail before loading anything if an interface is missing.
     for iface in &ifaces {
         crate::datapath::ifindex(iface)?;
+        crate::datapath::Entry::for_iface(iface)?;
     }
     let mode = opts.xdp_mode.unwrap_or(cfg.daemon.xdp_mode);
     crate::datapath::check_pinned_layout(&cfg.daemon.bpffs_dir, &cfg.daemon.state_dir)?;

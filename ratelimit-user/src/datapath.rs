@@ -6,6 +6,10 @@
 //! being up. A restarted daemon loads the program against the pinned maps (same counters,
 //! same bans) and swaps it into the existing links with `bpf_link_update`, atomically: there
 //! is no instant without a program on the interface.
+//!
+//! The object has two entry points: `ratelimit` parses from an Ethernet header, `ratelimit_l3`
+//! from the IP header, for devices that have no link-layer header (tun, wireguard, ipip, sit,
+//! gre, ppp). Each interface gets the one its link type calls for ([`Entry::for_iface`]).
 
 use std::{
     ffi::CString,
@@ -40,6 +44,7 @@ use crate::config;
 static PROGRAM: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/ratelimit"));
 
 const PROGRAM_NAME: &str = "ratelimit";
+const PROGRAM_NAME_L3: &str = "ratelimit_l3";
 const BPF_FS_MAGIC: i64 = 0xcafe4a11;
 
 /// Typed handles on every map.
@@ -88,6 +93,113 @@ pub struct Attached {
     pub ifindex: u32,
     pub mode: String,
     pub slot: u32,
+    /// Which entry point parses its frames.
+    pub entry: Entry,
+}
+
+/// The program's entry point for an interface: what its frames start with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Entry {
+    /// An Ethernet header (and VLAN tags), then IP.
+    Ethernet,
+    /// The IP header itself: devices without a link layer.
+    L3,
+}
+
+/// `ARPHRD_*` link types (linux/if_arp.h) whose frames start with an Ethernet header.
+const ETHERNET_LINK_TYPES: &[(u16, &str)] = &[(1, "ether"), (772, "loopback")];
+
+/// Link types whose frames reach XDP starting at the IP header: the device has no link-layer
+/// header (the kernel points the XDP data at the network header).
+const L3_LINK_TYPES: &[(u16, &str)] = &[
+    (512, "ppp"),
+    (519, "rawip"),
+    (768, "tunnel (ipip)"),
+    (769, "tunnel6 (ip6tnl)"),
+    (776, "sit"),
+    (778, "ipgre"),
+    (823, "ip6gre"),
+    (65534, "none (tun, wireguard)"),
+];
+
+impl Entry {
+    /// The entry for `iface`, from its link type; an error naming the interface and its type
+    /// when the program cannot parse its frames at all (attaching would pass every packet
+    /// unjudged as non-IP).
+    pub fn for_iface(iface: &str) -> anyhow::Result<Entry> {
+        Self::for_link(iface, link_type(iface)?)
+    }
+
+    /// [`Entry::for_iface`] for an interface of link type `t`.
+    pub fn for_link(iface: &str, t: u16) -> anyhow::Result<Entry> {
+        Self::for_link_type(t).ok_or_else(|| {
+            anyhow!(
+                "{iface} has link type {t} (ARPHRD_*, linux/if_arp.h), whose frames the XDP \
+                 program cannot parse: it reads Ethernet ({}) and bare IP ({}); remove {iface} \
+                 from daemon.interfaces / --iface",
+                names(ETHERNET_LINK_TYPES),
+                names(L3_LINK_TYPES)
+            )
+        })
+    }
+
+    pub fn for_link_type(t: u16) -> Option<Entry> {
+        if ETHERNET_LINK_TYPES.iter().any(|&(n, _)| n == t) {
+            Some(Entry::Ethernet)
+        } else if L3_LINK_TYPES.iter().any(|&(n, _)| n == t) {
+            Some(Entry::L3)
+        } else {
+            None
+        }
+    }
+
+    fn program(self) -> &'static str {
+        match self {
+            Entry::Ethernet => PROGRAM_NAME,
+            Entry::L3 => PROGRAM_NAME_L3,
+        }
+    }
+}
+
+fn names(types: &[(u16, &str)]) -> String {
+    types
+        .iter()
+        .map(|(n, name)| format!("{n} {name}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The link type (`ARPHRD_*`) of `iface` in this process's network namespace, from
+/// SIOCGIFHWADDR (not /sys/class/net, which shows the namespace sysfs was mounted in).
+pub fn link_type(iface: &str) -> anyhow::Result<u16> {
+    use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+    if iface.len() >= ifr.ifr_name.len() || iface.contains('\0') {
+        bail!("{iface:?} is not an interface name (at most 15 bytes)");
+    }
+    for (d, s) in ifr.ifr_name.iter_mut().zip(iface.bytes()) {
+        *d = s as libc::c_char;
+    }
+    // SAFETY: plain socket(2); the fd is owned at once.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        bail!(
+            "a socket to read the link type of {iface}: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    // SAFETY: fd is a fresh descriptor nothing else owns.
+    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: SIOCGIFHWADDR fills the ifreq we pass, which outlives the call.
+    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFHWADDR, &mut ifr) } != 0 {
+        bail!(
+            "reading the link type of {iface}: {} (check `ip link`)",
+            std::io::Error::last_os_error()
+        );
+    }
+    // SAFETY: SIOCGIFHWADDR sets the hwaddr member of the union.
+    Ok(unsafe { ifr.ifr_ifru.ifru_hwaddr.sa_family })
 }
 
 /// Make sure `/sys/fs/bpf` (or the parent of `dir`) is a bpffs, mounting one if it is not.
@@ -314,7 +426,8 @@ impl Datapath {
         Ok((r.return_value, r.duration))
     }
 
-    /// Attach to `iface` (or take over its pinned link from an earlier daemon).
+    /// Attach to `iface` (or take over its pinned link from an earlier daemon), with the
+    /// entry point its link type calls for.
     pub fn attach(
         &mut self,
         iface: &str,
@@ -322,26 +435,30 @@ impl Datapath {
         maps: &mut Maps,
     ) -> anyhow::Result<Attached> {
         let idx = ifindex(iface)?;
+        let entry = Entry::for_iface(iface)?;
         let pin = link_pin(&self.pin_dir, iface);
         let prog: &mut Xdp = self
             .ebpf
-            .program_mut(PROGRAM_NAME)
-            .expect("loaded")
+            .program_mut(entry.program())
+            .ok_or_else(|| anyhow!("program {} missing from the object", entry.program()))?
             .try_into()?;
+        if prog.fd().is_err() {
+            prog.load().map_err(|e| {
+                anyhow!(
+                    "the kernel verifier rejected the XDP program {}: {e:#}",
+                    entry.program()
+                )
+            })?;
+        }
         let (link_id, mode_used) = if pin.exists() {
             let pinned =
                 PinnedLink::from_pin(&pin).with_context(|| format!("opening {}", pin.display()))?;
             let fd_link = FdLink::from(pinned);
-            let mode_used = fd_link
-                .info()
-                .ok()
-                .map(|_| "adopted".to_string())
-                .unwrap_or_else(|| "adopted".to_string());
             let xdp_link = XdpLink::try_from(fd_link).context("adopting the pinned XDP link")?;
             let id = prog
                 .attach_to_link(xdp_link)
                 .with_context(|| format!("replacing the program in the pinned link on {iface}"))?;
-            (id, mode_used)
+            (id, "adopted".to_string())
         } else {
             match mode {
                 config::XdpMode::Native => (
@@ -386,8 +503,9 @@ impl Datapath {
             ifindex: idx,
             mode: mode_used,
             slot,
+            entry,
         };
-        info!(iface, mode = %a.mode, slot, "XDP program attached");
+        info!(iface, mode = %a.mode, slot, entry = ?entry, "XDP program attached");
         self.attached.push(a.clone());
         Ok(a)
     }
@@ -568,4 +686,26 @@ fn raise_memlock() -> std::io::Result<()> {
         return Err(std::io::Error::last_os_error());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Entry;
+
+    #[test]
+    fn each_link_type_gets_the_entry_that_parses_it_or_a_refusal_naming_it() {
+        assert_eq!(Entry::for_link_type(1), Some(Entry::Ethernet));
+        assert_eq!(Entry::for_link_type(772), Some(Entry::Ethernet));
+        for l3 in [512, 519, 768, 769, 776, 778, 823, 65534] {
+            assert_eq!(Entry::for_link_type(l3), Some(Entry::L3), "type {l3}");
+        }
+        // InfiniBand (32), CAN (280), 802.15.4 (804): neither Ethernet nor bare IP.
+        for other in [32, 280, 804] {
+            let e = Entry::for_link("ib0", other).unwrap_err().to_string();
+            assert!(
+                e.starts_with(&format!("ib0 has link type {other} ")) && e.contains("remove ib0"),
+                "{e}"
+            );
+        }
+    }
 }

@@ -1,0 +1,139 @@
+//! Devices the Ethernet parser does not fit: a tun device (no link-layer header, like
+//! wireguard and ip tunnels) judged from its IP header.
+
+use std::{
+    net::{IpAddr, Ipv4Addr, Ipv6Addr},
+    time::Duration,
+};
+
+use ratelimit_tests::{
+    Daemon, NetNs, UdpSink, kernel_test,
+    packet::Frame,
+    scenario::verdict,
+    tun::{Tun, ip_packet},
+};
+
+const PORT: u16 = 9000;
+
+const POLICY: &str = r#"
+[lists]
+deny = ["198.19.66.0/24", "2001:db8:66::/48"]
+
+[[rule]]
+name = "udp"
+match = { protocol = "udp", dst_ports = ["9000"] }
+action = "rate_based_ban"
+threshold = { count = 100, interval = "1h" }
+ban_threshold = { count = 150, interval = "1h" }
+ban_duration = "1h"
+"#;
+
+/// `stats --json`'s entry for `iface`.
+fn iface_stats<'a>(stats: &'a serde_json::Value, iface: &str) -> &'a serde_json::Value {
+    stats["interfaces"]
+        .as_array()
+        .into_iter()
+        .flatten()
+        .find(|i| i["iface"] == iface)
+        .unwrap_or_else(|| panic!("no interface {iface} in {stats}"))
+}
+
+fn iface_verdict(stats: &serde_json::Value, iface: &str, name: &str) -> u64 {
+    iface_stats(stats, iface)["verdicts"][name]["packets"]
+        .as_u64()
+        .unwrap_or(0)
+}
+
+/// A tun device has no Ethernet header (link type ARPHRD_NONE, as wireguard): the daemon
+/// attaches the program's L3 entry, which reads the IP header first, and the limiter throttles,
+/// bans and denies there exactly as on Ethernet, in both address families. Before the L3
+/// entry, every packet on such a device passed unjudged as non-IP.
+#[test]
+fn a_tun_device_is_judged_from_its_ip_header() {
+    kernel_test!();
+    let ns = NetNs::new("rltun");
+    let mut tun = Tun::new(&ns, "rltun0", 231);
+    let pins = format!("/sys/fs/bpf/rl-tun-{}", std::process::id());
+    let daemon = Daemon::start_in(&ns, |dir| {
+        format!(
+            "[daemon]\ninterfaces = [\"rltun0\"]\ncontrol_socket = \"ctl.sock\"\nstate_dir = \
+             \"{d}/state\"\nbpffs_dir = \"{pins}\"\nhttp_listen = \"off\"\n{POLICY}",
+            d = dir.display()
+        )
+    });
+    let sink = UdpSink::new(&ns, PORT);
+    let udp = |src: IpAddr| {
+        let f = Frame::new([2, 0, 0, 0, 0, 1], [2, 0, 0, 0, 0, 2]);
+        let f = match src {
+            IpAddr::V4(s) => f.ipv4(s, tun.ipv4),
+            IpAddr::V6(s) => f.ipv6(s, tun.ipv6),
+        };
+        ip_packet(&f.udp(40000, PORT).payload(&[0; 8]).build())
+    };
+    let heavy4 = IpAddr::V4(Ipv4Addr::new(198, 19, 7, 1));
+    let heavy6 = IpAddr::V6(Ipv6Addr::new(0x2001, 0xdb8, 7, 0, 0, 0, 0, 1));
+    let light = IpAddr::V4(Ipv4Addr::new(198, 19, 7, 2));
+    let denied4 = IpAddr::V4(Ipv4Addr::new(198, 19, 66, 3));
+    let denied6 = IpAddr::V6(Ipv6Addr::new(0x2001, 0xdb8, 0x66, 0, 0, 0, 0, 3));
+    let (p_heavy4, p_heavy6, p_light) = (udp(heavy4), udp(heavy6), udp(light));
+    let (p_denied4, p_denied6) = (udp(denied4), udp(denied6));
+    tun.send_n(&p_heavy4, 200);
+    tun.send_n(&p_heavy6, 200);
+    tun.send_n(&p_light, 50);
+    tun.send_n(&p_denied4, 20);
+    tun.send_n(&p_denied6, 20);
+    sink.wait_quiet(Duration::from_millis(300));
+    let got = sink.snapshot();
+    assert_eq!(
+        (got.from(heavy4), got.from(heavy6), got.from(light)),
+        (100, 100, 50),
+        "admitted up to the threshold in each family, others untouched"
+    );
+    assert_eq!((got.from(denied4), got.from(denied6)), (0, 0), "denied");
+    let st = daemon.cli_json(&["stats"]);
+    assert_eq!(verdict(&st, "drop_deny"), 40);
+    assert_eq!(
+        verdict(&st, "pass_non_ip"),
+        0,
+        "every packet was read as IP"
+    );
+    assert_eq!(
+        verdict(&st, "drop_rule") + verdict(&st, "drop_ban"),
+        200,
+        "both heavy sources lost all above the threshold"
+    );
+    let bans = daemon.cli_json(&["bans"]);
+    let mut cidrs: Vec<&str> = bans
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|b| b["cidr"].as_str())
+        .collect();
+    cidrs.sort();
+    // (IPv6 clients are keyed by their /64 unless the rule says otherwise.)
+    assert_eq!(
+        cidrs,
+        ["198.19.7.1/32", "2001:db8:7::/64"],
+        "banned past 150"
+    );
+    // Banned: everything from them is dropped as banned, whatever the port.
+    let before = daemon.cli_json(&["stats"]);
+    let other_port = |src: Ipv4Addr| {
+        ip_packet(
+            &Frame::new([2, 0, 0, 0, 0, 1], [2, 0, 0, 0, 0, 2])
+                .ipv4(src, tun.ipv4)
+                .icmp_echo(1, 1)
+                .build(),
+        )
+    };
+    tun.send_n(&other_port(Ipv4Addr::new(198, 19, 7, 1)), 10);
+    let after = daemon.cli_json(&["stats"]);
+    assert_eq!(
+        verdict(&after, "drop_ban") - verdict(&before, "drop_ban"),
+        10
+    );
+    let status = daemon.cli_json(&["status"]);
+    assert_eq!(status["interfaces"][0]["entry"], "l3", "{status}");
+    assert_eq!(iface_verdict(&after, "rltun0", "drop_deny"), 40);
+    drop(daemon);
+}
