@@ -562,7 +562,14 @@ impl State {
         let wanted = self.interfaces_wanted();
         let mode = self.xdp_mode_override.unwrap_or(self.cfg.daemon.xdp_mode);
         for iface in wanted {
-            if !self.dp.attached.iter().any(|a| a.iface == iface) {
+            // Not attached yet, or re-created since (a new ifindex under the same name).
+            let current = crate::datapath::ifindex(&iface).ok();
+            if !self
+                .dp
+                .attached
+                .iter()
+                .any(|a| a.iface == iface && Some(a.ifindex) == current)
+            {
                 self.dp.attach(&iface, mode, &mut self.maps)?;
             }
         }

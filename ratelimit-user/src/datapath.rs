@@ -437,6 +437,9 @@ impl Datapath {
         let idx = ifindex(iface)?;
         let entry = Entry::for_iface(iface)?;
         let pin = link_pin(&self.pin_dir, iface);
+        if pin.exists() {
+            drop_stale_link(&pin, iface, idx)?;
+        }
         let prog: &mut Xdp = self
             .ebpf
             .program_mut(entry.program())
@@ -506,6 +509,7 @@ impl Datapath {
             entry,
         };
         info!(iface, mode = %a.mode, slot, entry = ?entry, "XDP program attached");
+        self.attached.retain(|o| o.iface != iface);
         self.attached.push(a.clone());
         Ok(a)
     }
@@ -640,6 +644,113 @@ fn assign_slot(
         ifslots.set(ifindex, slot, 0)?;
     }
     Ok(slot)
+}
+
+/// A link pinned for `iface` whose device is gone (deleted: the kernel detached it), or is now
+/// another device than the one under that name (renamed away, another created in its place),
+/// cannot be adopted (`bpf_link_update` fails with ENOLINK on a detached link). Unpin it, which
+/// detaches it from the other device if it still has one, and say so.
+fn drop_stale_link(pin: &Path, iface: &str, ifindex: u32) -> anyhow::Result<()> {
+    let found = pinned_link_ifindex(pin)
+        .with_context(|| format!("reading the link pinned at {}", pin.display()))?;
+    if found == Some(ifindex) {
+        return Ok(());
+    }
+    match found {
+        None => warn!(
+            iface,
+            "the link pinned at {} belonged to an interface {iface} that no longer exists \
+             (deleted and re-created as ifindex {ifindex}): unpinning it and attaching afresh",
+            pin.display()
+        ),
+        Some(old) => warn!(
+            iface,
+            "the link pinned at {} is on ifindex {old}, but {iface} is now ifindex {ifindex} \
+             (renamed or re-created): detaching it from ifindex {old} and attaching afresh",
+            pin.display()
+        ),
+    }
+    let link = PinnedLink::from_pin(pin)
+        .with_context(|| format!("opening {}", pin.display()))?
+        .unpin()
+        .with_context(|| format!("unpinning {}", pin.display()))?;
+    drop(link); // the last reference: the kernel detaches it
+    Ok(())
+}
+
+/// The ifindex of the device the XDP link pinned at `pin` is attached to, or None once that
+/// device is gone (the kernel then reports ifindex 0). Raw BPF_OBJ_GET and
+/// BPF_OBJ_GET_INFO_BY_FD: aya's `LinkInfo` does not expose the XDP part.
+fn pinned_link_ifindex(pin: &Path) -> std::io::Result<Option<u32>> {
+    use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+    const BPF_OBJ_GET: libc::c_long = 7;
+    const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+    /// `struct bpf_link_info`: type, id, prog_id, then the 8-aligned union whose `xdp` member
+    /// is `{ __u32 ifindex; }`. Larger than the kernel's struct; its tail stays zero.
+    const INFO_LEN: usize = 256;
+    const XDP_IFINDEX_AT: usize = 16;
+    let path = CString::new(pin.as_os_str().as_encoded_bytes())?;
+    #[repr(C)]
+    struct ObjGet {
+        pathname: u64,
+        bpf_fd: u32,
+        file_flags: u32,
+        path_fd: i32,
+        /// The kernel refuses attributes with any non-zero byte past the command's fields.
+        pad: u32,
+    }
+    let get = ObjGet {
+        pathname: path.as_ptr() as u64,
+        bpf_fd: 0,
+        file_flags: 0,
+        path_fd: 0,
+        pad: 0,
+    };
+    // SAFETY: bpf(2) reads `get` (and the path it points to) only during the call.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_OBJ_GET,
+            &get as *const ObjGet,
+            std::mem::size_of::<ObjGet>(),
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let mut info = [0u64; INFO_LEN / 8];
+    #[repr(C)]
+    struct GetInfo {
+        bpf_fd: u32,
+        info_len: u32,
+        info: u64,
+    }
+    let mut req = GetInfo {
+        bpf_fd: fd.as_raw_fd() as u32,
+        info_len: INFO_LEN as u32,
+        info: info.as_mut_ptr() as u64,
+    };
+    // SAFETY: bpf(2) writes at most `info_len` bytes into `info`, which outlives the call.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_OBJ_GET_INFO_BY_FD,
+            &mut req as *mut GetInfo,
+            std::mem::size_of::<GetInfo>(),
+        )
+    };
+    if rc < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let bytes: Vec<u8> = info.iter().flat_map(|w| w.to_ne_bytes()).collect();
+    let ifindex = u32::from_ne_bytes(
+        bytes[XDP_IFINDEX_AT..XDP_IFINDEX_AT + 4]
+            .try_into()
+            .expect("4 bytes"),
+    );
+    Ok((ifindex != 0).then_some(ifindex))
 }
 
 /// Remove the program from the interfaces (all pinned links, or those named) and, when no link

@@ -1,5 +1,6 @@
-//! Devices the Ethernet parser does not fit: a tun device (no link-layer header, like
-//! wireguard and ip tunnels) judged from its IP header.
+//! Devices the Ethernet parser does not fit, and interfaces that come and go: a tun device
+//! (no link-layer header, like wireguard and ip tunnels) judged from its IP header, and a link
+//! left pinned by a deleted interface that must not stop the daemon.
 
 use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
@@ -9,7 +10,7 @@ use std::{
 use ratelimit_tests::{
     Daemon, NetNs, UdpSink, kernel_test,
     packet::Frame,
-    scenario::verdict,
+    scenario::{Scenario, verdict},
     tun::{Tun, ip_packet},
 };
 
@@ -136,4 +137,96 @@ fn a_tun_device_is_judged_from_its_ip_header() {
     assert_eq!(status["interfaces"][0]["entry"], "l3", "{status}");
     assert_eq!(iface_verdict(&after, "rltun0", "drop_deny"), 40);
     drop(daemon);
+}
+
+/// A daemon killed (its pins left behind), then the interface deleted and created again under
+/// the same name: the pinned link belongs to a device that no longer exists and cannot be
+/// adopted. The daemon starts anyway, says it dropped the stale link, and protects the new
+/// device. Before, it failed to start ("replacing the program in the pinned link").
+#[test]
+fn a_link_pinned_for_a_deleted_interface_does_not_stop_the_daemon() {
+    kernel_test!();
+    let mut s = Scenario::new("rlre");
+    s.start(POLICY);
+    let old_ifindex = s.pair.b().ifindex;
+    s.daemon_mut().kill9();
+    s.recreate_link();
+    assert_ne!(s.pair.b().ifindex, old_ifindex, "a new device");
+    if let Err(e) = s.daemon_mut().try_restart() {
+        panic!("the daemon did not start over the stale link: {e}");
+    }
+    assert!(
+        s.daemon().logs().contains("no longer exists"),
+        "the stale link is reported:\n{}",
+        s.daemon().logs()
+    );
+    let status = s.daemon().cli_json(&["status"]);
+    assert_eq!(
+        status["interfaces"][0]["ifindex"],
+        u64::from(s.pair.b().ifindex),
+        "{status}"
+    );
+    // Enforcing on the new device: denied, throttled, others pass.
+    let sink = s.sink(PORT);
+    let mut tx = s.sender();
+    let heavy = IpAddr::V4(Ipv4Addr::new(198, 19, 8, 1));
+    let denied = IpAddr::V4(Ipv4Addr::new(198, 19, 66, 8));
+    tx.send_n(std::iter::repeat(s.udp(heavy, PORT)), 130, None);
+    tx.send_n(std::iter::repeat(s.udp(denied, PORT)), 20, None);
+    sink.wait_quiet(Duration::from_millis(300));
+    let got = sink.stop();
+    assert_eq!((got.from(heavy), got.from(denied)), (100, 0));
+    let st = s.stats();
+    assert_eq!(iface_verdict(&st, &s.pair.b().name, "drop_deny"), 20);
+    assert_eq!(iface_verdict(&st, &s.pair.b().name, "drop_rule"), 30);
+}
+
+/// Whether `iface` in `ns` has an XDP program attached.
+fn has_xdp(ns: &NetNs, iface: &str) -> bool {
+    let out = ns.ip(&["-j", "link", "show", "dev", iface]);
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    !v[0]["xdp"].is_null()
+}
+
+/// The same, with the interface renamed away and another device (here a tun) created under
+/// its name: the pinned link is still attached to the renamed device. The daemon must not
+/// adopt it (it would go on enforcing on a device it no longer lists, and leave the new one
+/// unprotected): it detaches it from the renamed device, says so, and attaches to the new one.
+#[test]
+fn a_link_pinned_on_a_renamed_interface_is_detached_from_it() {
+    kernel_test!();
+    let mut s = Scenario::new("rlrn");
+    s.start(POLICY);
+    let name = s.pair.b().name.clone();
+    let renamed = format!("{}x", &name[..name.len().min(13)]);
+    s.daemon_mut().kill9();
+    s.server.ip(&["link", "set", &name, "down"]);
+    s.server.ip(&["link", "set", &name, "name", &renamed]);
+    s.server.ip(&["link", "set", &renamed, "up"]);
+    assert!(
+        has_xdp(&s.server, &renamed),
+        "the pinned link followed the rename"
+    );
+    let mut tun = Tun::new(&s.server, &name, 232);
+    if let Err(e) = s.daemon_mut().try_restart() {
+        panic!("the daemon did not start: {e}");
+    }
+    assert!(
+        !has_xdp(&s.server, &renamed),
+        "the renamed device still runs the program:\n{}",
+        s.daemon().logs()
+    );
+    assert!(
+        s.daemon().logs().contains("renamed or re-created"),
+        "the stale link is reported:\n{}",
+        s.daemon().logs()
+    );
+    let status = s.daemon().cli_json(&["status"]);
+    assert_eq!(status["interfaces"][0]["entry"], "l3", "{status}");
+    let denied = Frame::new([2, 0, 0, 0, 0, 1], [2, 0, 0, 0, 0, 2])
+        .ipv4(Ipv4Addr::new(198, 19, 66, 5), tun.ipv4)
+        .udp(1, PORT)
+        .build();
+    tun.send_n(&ip_packet(&denied), 7);
+    assert_eq!(iface_verdict(&s.stats(), &name, "drop_deny"), 7);
 }
