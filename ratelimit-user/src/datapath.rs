@@ -440,6 +440,11 @@ impl Datapath {
         if pin.exists() {
             drop_stale_link(&pin, iface, idx)?;
         }
+        // The slot before the program: its counts land in the interface's own slot from the
+        // first packet on.
+        let freed = prune_slots(maps, &self.pin_dir, idx)?;
+        self.attached.retain(|a| !freed.contains(&a.ifindex));
+        let slot = assign_slot(&mut maps.ifaces, &mut maps.ifslots, idx)?;
         let prog: &mut Xdp = self
             .ebpf
             .program_mut(entry.program())
@@ -500,7 +505,6 @@ impl Datapath {
             .pin(&pin)
             .with_context(|| format!("pinning {}", pin.display()))?;
         drop(pinned); // the pin keeps the link (and the program) attached
-        let slot = assign_slot(&mut maps.ifaces, &mut maps.ifslots, idx)?;
         let a = Attached {
             iface: iface.to_string(),
             ifindex: idx,
@@ -621,8 +625,9 @@ impl Maps {
     }
 }
 
-/// Counter slot for `ifindex`: the one already assigned, else the lowest free one (slot 0, shared,
-/// once all are taken).
+/// Counter slot for `ifindex`: the one already assigned, else the lowest free one. With every
+/// slot taken the interface is not listed, and counts in slot 0 with unlisted interfaces
+/// (counted, and said in a warning, rather than refusing to protect it).
 fn assign_slot(
     ifaces: &mut HashMap<MapData, u32, u32>,
     ifslots: &mut Array<MapData, u32>,
@@ -638,12 +643,104 @@ fn assign_slot(
         .iter()
         .filter_map(|r| r.ok().map(|(_, v)| v))
         .collect();
-    let slot = (1..MAX_IFACES).find(|s| !used.contains(s)).unwrap_or(0);
-    ifaces.insert(ifindex, slot, 0)?;
+    let Some(slot) = (1..MAX_IFACES).find(|s| !used.contains(s)) else {
+        warn!(
+            ifindex,
+            "all {} per-interface counter slots are in use by attached interfaces: this one's \
+             counts go to the totals only (interface=\"all\"), not to a series of its own",
+            MAX_IFACES - 1
+        );
+        return Ok(0);
+    };
+    ifaces
+        .insert(ifindex, slot, 0)
+        .context("recording the interface's counter slot (RL_IFACES)")?;
     if ifindex < IFSLOT_ARRAY_LEN {
         ifslots.set(ifindex, slot, 0)?;
     }
     Ok(slot)
+}
+
+/// Free the counter slots of interfaces no link in `pin_dir` is attached to any more (deleted,
+/// or detached), except `keep` (the one being attached). Without this, every interface ever
+/// attached kept its slot: the 16th distinct ifindex (an interface re-created 15 times) got
+/// the shared slot 0 and the 17th could not be attached at all.
+///
+/// A freed slot's counters are added to slot 0 (the unlisted interfaces', part of the totals)
+/// and zeroed: the totals (`interface="all"`, the rules' counters) stay monotonic, as counters
+/// must, and the next interface given the slot starts from zero instead of inheriting another
+/// device's counts. An interface re-created under the same name is a new device: its series
+/// restarts from zero, which Prometheus reads as a counter reset.
+fn prune_slots(maps: &mut Maps, pin_dir: &Path, keep: u32) -> anyhow::Result<Vec<u32>> {
+    let mut live = vec![keep];
+    if let Ok(entries) = fs::read_dir(pin_dir) {
+        for e in entries.flatten() {
+            if !e.file_name().to_string_lossy().starts_with("link-") {
+                continue;
+            }
+            match pinned_link_ifindex(&e.path()) {
+                Ok(Some(i)) => live.push(i),
+                // Its interface was deleted: the kernel detached it, the pin is all that is left.
+                Ok(None) => {
+                    if fs::remove_file(e.path()).is_ok() {
+                        info!(
+                            "removed {}: its interface no longer exists",
+                            e.path().display()
+                        );
+                    }
+                }
+                Err(_) => {}
+            }
+        }
+    }
+    let stale: Vec<(u32, u32)> = maps
+        .ifaces
+        .iter()
+        .filter_map(|r| r.ok())
+        .filter(|(i, _)| !live.contains(i))
+        .collect();
+    for &(ifindex, slot) in &stale {
+        maps.ifaces.remove(&ifindex).ok();
+        if ifindex < IFSLOT_ARRAY_LEN {
+            maps.ifslots.set(ifindex, 0, 0)?;
+        }
+        if slot != 0 && slot < MAX_IFACES {
+            fold_slot_into_zero(&mut maps.stats, slot)?;
+        }
+        info!(
+            ifindex,
+            slot, "freed the counter slot of an interface that is no longer attached"
+        );
+    }
+    Ok(stale.into_iter().map(|(i, _)| i).collect())
+}
+
+/// Add every counter of `slot` to slot 0's and zero it, CPU by CPU. (Slot 0 is written only
+/// for interfaces beyond the slots, rarely: a packet one of them counts between the read and
+/// the write of its CPU's value here is lost from slot 0, at this rare moment only.)
+fn fold_slot_into_zero(stats: &mut PerCpuArray<MapData, Counter>, slot: u32) -> anyhow::Result<()> {
+    use ratelimit_common::stats::{PER_IFACE, global_index};
+    for k in 0..PER_IFACE {
+        let from = global_index(slot, k);
+        let to = global_index(0, k);
+        let src = stats.get(&from, 0)?;
+        if src.iter().all(|c| c.packets == 0 && c.bytes == 0) {
+            continue;
+        }
+        let dst = stats.get(&to, 0)?;
+        let sum: Vec<Counter> = dst
+            .iter()
+            .zip(src.iter())
+            .map(|(d, s)| Counter {
+                packets: d.packets + s.packets,
+                bytes: d.bytes + s.bytes,
+            })
+            .collect();
+        let zero = vec![Counter::default(); sum.len()];
+        stats.set(to, aya::maps::PerCpuValues::try_from(sum)?, 0)?;
+        stats.set(from, aya::maps::PerCpuValues::try_from(zero)?, 0)?;
+    }
+    Ok(())
 }
 
 /// A link pinned for `iface` whose device is gone (deleted: the kernel detached it), or is now

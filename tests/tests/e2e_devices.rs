@@ -1,6 +1,7 @@
 //! Devices the Ethernet parser does not fit, and interfaces that come and go: a tun device
-//! (no link-layer header, like wireguard and ip tunnels) judged from its IP header, and a link
-//! left pinned by a deleted interface that must not stop the daemon.
+//! (no link-layer header, like wireguard and ip tunnels) judged from its IP header; a link left
+//! pinned by a deleted or renamed interface that must not stop the daemon; and interfaces
+//! created and deleted until more distinct ifindexes were seen than there are counter slots.
 
 use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
@@ -8,7 +9,7 @@ use std::{
 };
 
 use ratelimit_tests::{
-    Daemon, NetNs, UdpSink, kernel_test,
+    Daemon, NetNs, UdpSink, VethPair, kernel_test,
     packet::Frame,
     scenario::{Scenario, verdict},
     tun::{Tun, ip_packet},
@@ -229,4 +230,58 @@ fn a_link_pinned_on_a_renamed_interface_is_detached_from_it() {
         .build();
     tun.send_n(&ip_packet(&denied), 7);
     assert_eq!(iface_verdict(&s.stats(), &name, "drop_deny"), 7);
+}
+
+/// Interfaces attached, then deleted, twenty times over (a tunnel or a container's veth that
+/// comes and goes): each new one gets a counter slot of its own, because slots of interfaces
+/// no longer attached are freed. A freed slot's counts stay in the totals and the next
+/// interface starts from zero. Before, slots were never freed: the 15th new interface counted
+/// in the shared slot 0 and the 16th could not be attached at all.
+#[test]
+fn interfaces_that_come_and_go_never_run_out_of_counter_slots() {
+    kernel_test!();
+    let mut s = Scenario::new("rlslot");
+    s.start("[lists]\ndeny = [\"198.19.66.0/24\"]\n");
+    let dir = s.daemon().config_dir().to_path_buf();
+    let base = s.daemon_table(&dir) + "[lists]\ndeny = [\"198.19.66.0/24\"]\n";
+    let main = s.pair.b().name.clone();
+    let only_main = format!("interfaces = [\"{main}\"]");
+    assert!(base.contains(&only_main));
+    let denied = Ipv4Addr::new(198, 19, 66, 9);
+    for round in 1..=20u64 {
+        let extra = VethPair::new(&s.client, &s.server);
+        let cfg = base.replace(
+            &only_main,
+            &format!("interfaces = [\"{main}\", \"{}\"]", extra.b().name),
+        );
+        s.daemon_mut().write_config(&cfg);
+        let out = s.daemon().cli(&["reload"]);
+        assert!(
+            out.status.success(),
+            "round {round}: reload failed: {}\n{}",
+            String::from_utf8_lossy(&out.stderr),
+            s.daemon().logs()
+        );
+        let frame = Frame::new(extra.a().mac, extra.b().mac)
+            .ipv4(denied, extra.b().ipv4)
+            .udp(1, PORT)
+            .build();
+        let mut tx = ratelimit_tests::PacketSocket::new(&s.client, extra.a().ifindex);
+        tx.send_n(std::iter::repeat(&frame), 3, None);
+        std::thread::sleep(Duration::from_millis(100));
+        let st = s.stats();
+        let mine = iface_stats(&st, &extra.b().name);
+        assert_ne!(mine["slot"], 0, "round {round}: a slot of its own: {st}");
+        assert_eq!(
+            mine["verdicts"]["drop_deny"]["packets"], 3,
+            "round {round}: its own counts only, none inherited: {st}"
+        );
+        assert_eq!(
+            verdict(&st, "drop_deny"),
+            3 * round,
+            "round {round}: the totals keep the counts of the interfaces gone"
+        );
+        drop(tx);
+        drop(extra);
+    }
 }
