@@ -99,11 +99,7 @@ impl State {
     }
 
     fn ifaces(&self) -> Vec<(u32, String)> {
-        self.dp
-            .attached
-            .iter()
-            .map(|a| (a.slot, a.iface.clone()))
-            .collect()
+        self.dp.counter_slots()
     }
 
     fn interfaces_wanted(&self) -> Vec<String> {

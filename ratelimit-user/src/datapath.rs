@@ -518,6 +518,16 @@ impl Datapath {
         Ok(a)
     }
 
+    /// (slot, interface) of the attached interfaces with counters of their own: one beyond
+    /// the slots counts in slot 0, which is no interface's series.
+    pub fn counter_slots(&self) -> Vec<(u32, String)> {
+        self.attached
+            .iter()
+            .filter(|a| a.slot != 0)
+            .map(|a| (a.slot, a.iface.clone()))
+            .collect()
+    }
+
     /// The known-sources filter's map, mmapped (once).
     pub fn take_known(&mut self) -> anyhow::Result<crate::known::KnownFilter> {
         match self.ebpf.take_map("RL_KNOWN") {

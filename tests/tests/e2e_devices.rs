@@ -285,3 +285,63 @@ fn interfaces_that_come_and_go_never_run_out_of_counter_slots() {
         drop(extra);
     }
 }
+
+/// Seventeen interfaces attached at once, more than there are counter slots: every one is
+/// attached and protected; the first fifteen have a series of their own, the others count in
+/// the totals only (and are not listed with another interface's counts). Before, the
+/// seventeenth could not be attached at all (the slot map was full) and the reload failed.
+#[test]
+fn more_interfaces_at_once_than_counter_slots_are_all_attached_and_protected() {
+    kernel_test!();
+    let mut s = Scenario::new("rlmany");
+    let deny = "[lists]\ndeny = [\"198.19.66.0/24\"]\n";
+    s.start(deny);
+    let extras: Vec<VethPair> = (0..16)
+        .map(|_| VethPair::new(&s.client, &s.server))
+        .collect();
+    let dir = s.daemon().config_dir().to_path_buf();
+    let main = s.pair.b().name.clone();
+    let mut all = vec![format!("\"{main}\"")];
+    all.extend(extras.iter().map(|e| format!("\"{}\"", e.b().name)));
+    let cfg = s.daemon_table(&dir).replace(
+        &format!("interfaces = [\"{main}\"]"),
+        &format!("interfaces = [{}]", all.join(", ")),
+    ) + deny;
+    s.daemon_mut().write_config(&cfg);
+    let out = s.daemon().cli(&["reload"]);
+    assert!(
+        out.status.success(),
+        "reload failed: {}\n{}",
+        String::from_utf8_lossy(&out.stderr),
+        s.daemon().logs()
+    );
+    let status = s.daemon().cli_json(&["status"]);
+    let slots: Vec<u64> = status["interfaces"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|i| i["slot"].as_u64().unwrap())
+        .collect();
+    assert_eq!(slots.len(), 17, "{status}");
+    assert_eq!(slots.iter().filter(|&&s| s == 0).count(), 2, "{slots:?}");
+    for e in &extras {
+        let frame = Frame::new(e.a().mac, e.b().mac)
+            .ipv4(Ipv4Addr::new(198, 19, 66, 1), e.b().ipv4)
+            .udp(1, PORT)
+            .build();
+        let mut tx = ratelimit_tests::PacketSocket::new(&s.client, e.a().ifindex);
+        tx.send_n(std::iter::repeat(&frame), 2, None);
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let st = s.stats();
+    assert_eq!(verdict(&st, "drop_deny"), 32, "every interface enforces");
+    let listed = st["interfaces"].as_array().unwrap();
+    assert_eq!(
+        listed.len(),
+        15,
+        "only interfaces with a slot of their own: {st}"
+    );
+    for i in listed.iter().filter(|i| i["iface"] != main.as_str()) {
+        assert_eq!(i["verdicts"]["drop_deny"]["packets"], 2, "{i}");
+    }
+}
