@@ -189,6 +189,39 @@ fn has_xdp(ns: &NetNs, iface: &str) -> bool {
     !v[0]["xdp"].is_null()
 }
 
+/// An interface deleted and created again while the daemon runs (a VPN or tunnel interface
+/// restarting): the daemon notices within its watch period (2 s) and attaches to the new
+/// device on its own, no reload needed. Before, the new device stayed unprotected until a
+/// reload or restart.
+#[test]
+fn an_interface_re_created_while_the_daemon_runs_is_protected_again_on_its_own() {
+    kernel_test!();
+    let mut s = Scenario::new("rlw");
+    s.start(POLICY);
+    s.recreate_link();
+    let new_ifindex = u64::from(s.pair.b().ifindex);
+    // Two watch periods and slack for a busy machine.
+    let give_up = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let status = s.daemon().cli_json(&["status"]);
+        if status["interfaces"][0]["ifindex"] == new_ifindex {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < give_up,
+            "not re-attached after 10 s: {status}\n{}",
+            s.daemon().logs()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert!(s.daemon().logs().contains("was re-created: attached"));
+    let mut tx = s.sender();
+    let denied = IpAddr::V4(Ipv4Addr::new(198, 19, 66, 4));
+    tx.send_n(std::iter::repeat(s.udp(denied, PORT)), 9, None);
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(iface_verdict(&s.stats(), &s.pair.b().name, "drop_deny"), 9);
+}
+
 /// The same, with the interface renamed away and another device (here a tun) created under
 /// its name: the pinned link is still attached to the renamed device. The daemon must not
 /// adopt it (it would go on enforcing on a device it no longer lists, and leave the new one
