@@ -1,6 +1,6 @@
 //! The ratelimit XDP program.
 //!
-//! Per packet: parse (`parse`), then this tick's fast-drop entry (`fast`) → allow list → deny
+//! Per packet: parse (`parse`; from the IP header on devices without one, `ratelimit_l3`), then this tick's fast-drop entry (`fast`) → allow list → deny
 //! list → active ban → rules in file order (`policy`, `limit`), record the verdict in the per-CPU counters and return. Every exit goes
 //! through [`finish`], so every frame is counted in exactly one verdict counter.
 #![cfg_attr(target_arch = "bpf", no_std)]
@@ -58,17 +58,45 @@ mod program {
     pub fn ratelimit(ctx: XdpContext) -> u32 {
         #[cfg(feature = "bench")]
         crate::bench::vary_source(&ctx);
-        let len = (ctx.data_end() - ctx.data()) as u64;
-        let slot = stats::slot(ctx.ingress_ifindex() as u32);
-        let pkt = match parse::parse(&ctx) {
-            Frame::Ip(pkt) => pkt,
-            Frame::NonIp => return finish(slot, global::PASS_NON_IP, len),
-            Frame::Bogon => return finish(slot, global::DROP_BOGON, len),
-            Frame::Unreadable(reason) => {
-                stats::add(slot, reason, len);
-                return finish(slot, global::PASS_MALFORMED, len);
-            }
-        };
+        let (slot, len) = (stats::slot(ctx.ingress_ifindex() as u32), frame_len(&ctx));
+        match parse::parse(&ctx) {
+            Frame::Ip(pkt) => judge(slot, pkt, len),
+            Frame::NonIp => finish(slot, global::PASS_NON_IP, len),
+            Frame::Bogon => finish(slot, global::DROP_BOGON, len),
+            Frame::Unreadable(reason) => malformed(slot, reason, len),
+        }
+    }
+
+    /// The entry for devices without a link-layer header (tun, wireguard, ipip/sit/gre): the
+    /// frame starts at the IP header. The daemon picks the entry from the device's link type;
+    /// everything after parsing is shared. (Each entry matches on its parser's result itself:
+    /// passing the result on to a shared function makes the verifier see its unset payload
+    /// as an uninitialised register.)
+    #[xdp]
+    pub fn ratelimit_l3(ctx: XdpContext) -> u32 {
+        let (slot, len) = (stats::slot(ctx.ingress_ifindex() as u32), frame_len(&ctx));
+        match parse::parse_l3(&ctx) {
+            Frame::Ip(pkt) => judge(slot, pkt, len),
+            Frame::NonIp => finish(slot, global::PASS_NON_IP, len),
+            Frame::Bogon => finish(slot, global::DROP_BOGON, len),
+            Frame::Unreadable(reason) => malformed(slot, reason, len),
+        }
+    }
+
+    #[inline(always)]
+    fn frame_len(ctx: &XdpContext) -> u64 {
+        (ctx.data_end() - ctx.data()) as u64
+    }
+
+    #[inline(always)]
+    fn malformed(slot: Slot, reason: u32, len: u64) -> u32 {
+        stats::add(slot, reason, len);
+        finish(slot, global::PASS_MALFORMED, len)
+    }
+
+    /// Count what the parser noted, then [`decide`].
+    #[inline(always)]
+    fn judge(slot: Slot, pkt: Parsed, len: u64) -> u32 {
         if pkt.note != 0 {
             stats::add(slot, pkt.note, len);
         }

@@ -115,6 +115,37 @@ pub fn parse(ctx: &XdpContext) -> Frame {
         ETH_P_IPV6 => parse_ipv6(ctx, off),
         _ => return Frame::NonIp,
     };
+    frame_of(parsed, note)
+}
+
+/// [`parse`] for a device without a link-layer header (tun, wireguard, ipip/sit/gre tunnels:
+/// the frame starts at the IP header, whose version nibble says which).
+#[inline(always)]
+pub fn parse_l3(ctx: &XdpContext) -> Frame {
+    // The version is read behind a bounds check of a whole IPv4 header, the shortest IP
+    // header there is: a one-byte check compiles to a comparison the verifier cannot follow.
+    let Ok(h) = hdr(ctx, 0, Ipv4Hdr::LEN, global::MALFORMED_IPV4) else {
+        // Shorter than any IP header: malformed if it says it is IP.
+        return match hdr(ctx, 0, 2, global::MALFORMED_IPV4) {
+            Ok(h) => match h.field::<u8>(0) >> 4 {
+                4 => Frame::Unreadable(global::MALFORMED_IPV4),
+                6 => Frame::Unreadable(global::MALFORMED_IPV6),
+                _ => Frame::NonIp,
+            },
+            Err(_) => Frame::NonIp,
+        };
+    };
+    let parsed = match h.field::<u8>(0) >> 4 {
+        4 => parse_ipv4(ctx, 0),
+        6 => parse_ipv6(ctx, 0),
+        _ => return Frame::NonIp,
+    };
+    frame_of(parsed, 0)
+}
+
+/// A parser's result as a [`Frame`]; `note` (from L2) counts when L3 noted nothing.
+#[inline(always)]
+fn frame_of(parsed: Result<Parsed, Reason>, note: Reason) -> Frame {
     match parsed {
         Ok(mut pkt) => {
             if pkt.note == 0 {

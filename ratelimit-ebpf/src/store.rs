@@ -201,6 +201,9 @@ pub struct Scan {
     pub oldest_tag: u64,
     /// The packet's time, set by [`insert`].
     pub now: u64,
+    /// The first set's `free` and `first_free`, kept while the second is scanned.
+    pub free_a: u64,
+    pub first_free_a: u64,
 }
 
 /// Whether the ready state `st` of a key of rule `rule` may not be evicted at `now` (see the
@@ -342,7 +345,18 @@ pub extern "C" fn rl_store_rival(set: u64, key: *const ClientKey, tag: u64, mine
     NONE
 }
 
-/// [`rl_store_insert`] at time `now` (the clock the rules write `last_ns` with).
+/// Give `key` (tag `tag`) a slot in one of its sets (`sets` as for [`rl_store_find`]) at
+/// time `now` (the clock the rules write `last_ns` with): the slot already holding it
+/// (another CPU inserted it since the caller's lookup), else an empty slot of the set with
+/// more of them, else the slot of the state idle longest in the two sets that is not
+/// protected (see the module comment); `PROTECTED` if every state there is. `NONE` if
+/// another CPU is inserting the same key, or won a race for the slot. Counts
+/// `STATE_CREATED`, and `STATE_EVICTED` when the slot held another client. `sc` is scratch
+/// space.
+///
+/// The two scans run here, in the caller's frame, and the claim in [`rl_store_insert`]: a
+/// scan called from the claim would be a fourth frame under the XDP entry and the rule
+/// evaluation, past the 512-byte stack.
 #[inline(always)]
 pub fn insert(
     key: &ClientKey,
@@ -355,21 +369,52 @@ pub fn insert(
     if sc.is_null() {
         return NONE;
     }
-    put(
-        // SAFETY: non-null pointer to the caller's scratch record.
-        unsafe { &raw mut (*sc).now },
-        now,
-    );
-    rl_store_insert(key, tag as u64, pack(sets), slot as u64, sc)
+    let (a, b) = sets;
+    let tag = tag as u64;
+    // SAFETY: non-null pointer to the caller's scratch record.
+    unsafe {
+        put(&raw mut (*sc).now, now);
+        put(&raw mut (*sc).oldest_slot, NONE);
+        put(&raw mut (*sc).oldest_ns, u64::MAX);
+        put(&raw mut (*sc).oldest_tag, 0);
+        put(&raw mut (*sc).free_a, 0);
+        put(&raw mut (*sc).first_free_a, NONE);
+    }
+    for (k, set) in [a, b].into_iter().enumerate() {
+        if k == 1 && b == a {
+            // One set: nothing free in a second one.
+            // SAFETY: the caller's scratch record.
+            unsafe { put(&raw mut (*sc).free, 0) };
+            break;
+        }
+        if rl_store_scan(set as u64, key, tag, sc) == 0 {
+            return NONE;
+        }
+        // SAFETY: the caller's scratch record.
+        unsafe {
+            let found = get(&raw const (*sc).found);
+            if found != NONE {
+                return found;
+            }
+            let busy = get(&raw const (*sc).busy);
+            if busy != NONE {
+                return rl_store_await(busy, key, tag);
+            }
+            if k == 0 {
+                put(&raw mut (*sc).free_a, get(&raw const (*sc).free));
+                put(
+                    &raw mut (*sc).first_free_a,
+                    get(&raw const (*sc).first_free),
+                );
+            }
+        }
+    }
+    rl_store_insert(key, tag, pack(sets), slot as u64, sc)
 }
 
-/// Give `key` (tag `tag`) a slot in one of its sets (`sets` as for [`rl_store_find`]): the
-/// slot already holding it (another CPU inserted it since the caller's lookup), else an
-/// empty slot of the set with more of them, else the slot of the state idle longest in the
-/// two sets that is not protected (see the module comment); `PROTECTED` if every state
-/// there is. `NONE` if another CPU is inserting the same key, or won a race for the slot.
-/// Counts `STATE_CREATED`, and `STATE_EVICTED` when the slot held another client. `sc` is
-/// scratch space. (A global BPF function: its branches are verified once.)
+/// The claim of [`insert`], after its scans of both sets into `sc`: take the victim they
+/// chose, publish `key` there, and check for a rival claim. (A global BPF function: its
+/// branches are verified once.)
 #[unsafe(no_mangle)]
 #[inline(never)]
 pub extern "C" fn rl_store_insert(
@@ -383,42 +428,14 @@ pub extern "C" fn rl_store_insert(
         return NONE;
     }
     let (a, b) = (sets & 0xffff_ffff, sets >> 32);
-    // SAFETY: non-null pointer to the caller's scratch record.
-    unsafe {
-        put(&raw mut (*sc).oldest_slot, NONE);
-        put(&raw mut (*sc).oldest_ns, u64::MAX);
-        put(&raw mut (*sc).oldest_tag, 0);
-    }
-    let mut free = [0u64; 2];
-    let mut first_free = [NONE; 2];
-    for (k, set) in [a, b].into_iter().enumerate() {
-        if k == 1 && b == a {
-            break;
-        }
-        if rl_store_scan(set, key, tag, sc) == 0 {
-            return NONE;
-        }
-        // SAFETY: the caller's scratch record.
-        unsafe {
-            let found = get(&raw const (*sc).found);
-            if found != NONE {
-                return found;
-            }
-            let busy = get(&raw const (*sc).busy);
-            if busy != NONE {
-                return rl_store_await(busy, key, tag);
-            }
-            free[k] = get(&raw const (*sc).free);
-            first_free[k] = get(&raw const (*sc).first_free);
-        }
-    }
     // SAFETY: the caller's scratch record.
-    let (victim, victim_tag): (u64, u64) = if free[0] != 0 && free[0] >= free[1] {
-        (first_free[0], 0)
-    } else if free[1] != 0 {
-        (first_free[1], 0)
-    } else {
-        unsafe {
+    let (victim, victim_tag): (u64, u64) = unsafe {
+        let (free_a, free_b) = (get(&raw const (*sc).free_a), get(&raw const (*sc).free));
+        if free_a != 0 && free_a >= free_b {
+            (get(&raw const (*sc).first_free_a), 0)
+        } else if free_b != 0 {
+            (get(&raw const (*sc).first_free), 0)
+        } else {
             (
                 get(&raw const (*sc).oldest_slot),
                 get(&raw const (*sc).oldest_tag),

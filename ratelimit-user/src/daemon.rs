@@ -104,11 +104,7 @@ impl State {
     }
 
     fn ifaces(&self) -> Vec<(u32, String)> {
-        self.dp
-            .attached
-            .iter()
-            .map(|a| (a.slot, a.iface.clone()))
-            .collect()
+        self.dp.counter_slots()
     }
 
     fn interfaces_wanted(&self) -> Vec<String> {
@@ -630,7 +626,14 @@ impl State {
         let wanted = self.interfaces_wanted();
         let mode = self.xdp_mode_override.unwrap_or(self.cfg.daemon.xdp_mode);
         for iface in wanted {
-            if !self.dp.attached.iter().any(|a| a.iface == iface) {
+            // Not attached yet, or re-created since (a new ifindex under the same name).
+            let current = crate::datapath::ifindex(&iface).ok();
+            if !self
+                .dp
+                .attached
+                .iter()
+                .any(|a| a.iface == iface && Some(a.ifindex) == current)
+            {
                 self.dp.attach(&iface, mode, &mut self.maps)?;
             }
         }
@@ -777,6 +780,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     // Fail before loading anything if an interface is missing.
     for iface in &ifaces {
         crate::datapath::ifindex(iface)?;
+        crate::datapath::Entry::for_iface(iface)?;
     }
     let mode = opts.xdp_mode.unwrap_or(cfg.daemon.xdp_mode);
     crate::datapath::check_pinned_layout(&cfg.daemon.bpffs_dir, &cfg.daemon.state_dir)?;
@@ -856,6 +860,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         tasks.spawn(read_events(rb, state.clone()));
     }
     tasks.spawn(persist_bans(state.clone()));
+    tasks.spawn(watch_interfaces(state.clone()));
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
     let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
@@ -1023,6 +1028,51 @@ async fn persist_bans(state: Shared) -> anyhow::Result<()> {
         }
         if s.bans_dirty || n.is_multiple_of(60) {
             tokio::task::block_in_place(|| s.save_bans());
+        }
+    }
+}
+
+/// How often the daemon looks for a protected interface re-created under its name.
+pub const IFACE_WATCH_PERIOD: Duration = Duration::from_secs(2);
+
+/// Interfaces come and go (a wireguard or VPN interface restarted, a tunnel re-created, a
+/// container's veth): when the name of an interface the daemon protects now belongs to another
+/// device, attach to it, without waiting for a reload. Until then the new device is
+/// unprotected; at most one period. An attach that fails is logged once per device, not once
+/// per period.
+async fn watch_interfaces(state: Shared) -> anyhow::Result<()> {
+    let mut tick = tokio::time::interval(IFACE_WATCH_PERIOD);
+    let mut failed: Vec<(String, u32)> = Vec::new();
+    loop {
+        tick.tick().await;
+        let mut s = state.lock().await;
+        let wanted = s.interfaces_wanted();
+        let recreated: Vec<(String, u32)> =
+            s.dp.attached
+                .iter()
+                .filter(|a| wanted.contains(&a.iface))
+                .filter_map(|a| match crate::datapath::ifindex(&a.iface) {
+                    Ok(i) if i != a.ifindex => Some((a.iface.clone(), i)),
+                    _ => None,
+                })
+                .filter(|k| !failed.contains(k))
+                .collect();
+        let mode = s.xdp_mode_override.unwrap_or(s.cfg.daemon.xdp_mode);
+        for (iface, ifindex) in recreated {
+            let s = &mut *s;
+            match tokio::task::block_in_place(|| s.dp.attach(&iface, mode, &mut s.maps)) {
+                Ok(_) => info!(
+                    iface,
+                    ifindex, "{iface} was re-created: attached to the new device"
+                ),
+                Err(e) => {
+                    error!(
+                        "{iface} was re-created (ifindex {ifindex}) and attaching to it failed, \
+                         so it is unprotected: {e:#}; fix it and run `ratelimit reload`"
+                    );
+                    failed.push((iface, ifindex));
+                }
+            }
         }
     }
 }

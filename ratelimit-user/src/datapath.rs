@@ -6,6 +6,10 @@
 //! being up. A restarted daemon loads the program against the pinned maps (same counters,
 //! same bans) and swaps it into the existing links with `bpf_link_update`, atomically: there
 //! is no instant without a program on the interface.
+//!
+//! The object has two entry points: `ratelimit` parses from an Ethernet header, `ratelimit_l3`
+//! from the IP header, for devices that have no link-layer header (tun, wireguard, ipip, sit,
+//! gre, ppp). Each interface gets the one its link type calls for ([`Entry::for_iface`]).
 
 use std::{
     ffi::CString,
@@ -40,6 +44,7 @@ use crate::config;
 static PROGRAM: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/ratelimit"));
 
 const PROGRAM_NAME: &str = "ratelimit";
+const PROGRAM_NAME_L3: &str = "ratelimit_l3";
 const BPF_FS_MAGIC: i64 = 0xcafe4a11;
 
 /// Typed handles on every map.
@@ -94,6 +99,113 @@ pub struct Attached {
     pub ifindex: u32,
     pub mode: String,
     pub slot: u32,
+    /// Which entry point parses its frames.
+    pub entry: Entry,
+}
+
+/// The program's entry point for an interface: what its frames start with.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Entry {
+    /// An Ethernet header (and VLAN tags), then IP.
+    Ethernet,
+    /// The IP header itself: devices without a link layer.
+    L3,
+}
+
+/// `ARPHRD_*` link types (linux/if_arp.h) whose frames start with an Ethernet header.
+const ETHERNET_LINK_TYPES: &[(u16, &str)] = &[(1, "ether"), (772, "loopback")];
+
+/// Link types whose frames reach XDP starting at the IP header: the device has no link-layer
+/// header (the kernel points the XDP data at the network header).
+const L3_LINK_TYPES: &[(u16, &str)] = &[
+    (512, "ppp"),
+    (519, "rawip"),
+    (768, "tunnel (ipip)"),
+    (769, "tunnel6 (ip6tnl)"),
+    (776, "sit"),
+    (778, "ipgre"),
+    (823, "ip6gre"),
+    (65534, "none (tun, wireguard)"),
+];
+
+impl Entry {
+    /// The entry for `iface`, from its link type; an error naming the interface and its type
+    /// when the program cannot parse its frames at all (attaching would pass every packet
+    /// unjudged as non-IP).
+    pub fn for_iface(iface: &str) -> anyhow::Result<Entry> {
+        Self::for_link(iface, link_type(iface)?)
+    }
+
+    /// [`Entry::for_iface`] for an interface of link type `t`.
+    pub fn for_link(iface: &str, t: u16) -> anyhow::Result<Entry> {
+        Self::for_link_type(t).ok_or_else(|| {
+            anyhow!(
+                "{iface} has link type {t} (ARPHRD_*, linux/if_arp.h), whose frames the XDP \
+                 program cannot parse: it reads Ethernet ({}) and bare IP ({}); remove {iface} \
+                 from daemon.interfaces / --iface",
+                names(ETHERNET_LINK_TYPES),
+                names(L3_LINK_TYPES)
+            )
+        })
+    }
+
+    pub fn for_link_type(t: u16) -> Option<Entry> {
+        if ETHERNET_LINK_TYPES.iter().any(|&(n, _)| n == t) {
+            Some(Entry::Ethernet)
+        } else if L3_LINK_TYPES.iter().any(|&(n, _)| n == t) {
+            Some(Entry::L3)
+        } else {
+            None
+        }
+    }
+
+    fn program(self) -> &'static str {
+        match self {
+            Entry::Ethernet => PROGRAM_NAME,
+            Entry::L3 => PROGRAM_NAME_L3,
+        }
+    }
+}
+
+fn names(types: &[(u16, &str)]) -> String {
+    types
+        .iter()
+        .map(|(n, name)| format!("{n} {name}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The link type (`ARPHRD_*`) of `iface` in this process's network namespace, from
+/// SIOCGIFHWADDR (not /sys/class/net, which shows the namespace sysfs was mounted in).
+pub fn link_type(iface: &str) -> anyhow::Result<u16> {
+    use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+    let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
+    if iface.len() >= ifr.ifr_name.len() || iface.contains('\0') {
+        bail!("{iface:?} is not an interface name (at most 15 bytes)");
+    }
+    for (d, s) in ifr.ifr_name.iter_mut().zip(iface.bytes()) {
+        *d = s as libc::c_char;
+    }
+    // SAFETY: plain socket(2); the fd is owned at once.
+    let fd = unsafe { libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0) };
+    if fd < 0 {
+        bail!(
+            "a socket to read the link type of {iface}: {}",
+            std::io::Error::last_os_error()
+        );
+    }
+    // SAFETY: fd is a fresh descriptor nothing else owns.
+    let sock = unsafe { OwnedFd::from_raw_fd(fd) };
+    // SAFETY: SIOCGIFHWADDR fills the ifreq we pass, which outlives the call.
+    if unsafe { libc::ioctl(sock.as_raw_fd(), libc::SIOCGIFHWADDR, &mut ifr) } != 0 {
+        bail!(
+            "reading the link type of {iface}: {} (check `ip link`)",
+            std::io::Error::last_os_error()
+        );
+    }
+    // SAFETY: SIOCGIFHWADDR sets the hwaddr member of the union.
+    Ok(unsafe { ifr.ifr_ifru.ifru_hwaddr.sa_family })
 }
 
 /// Make sure `/sys/fs/bpf` (or the parent of `dir`) is a bpffs, mounting one if it is not.
@@ -340,7 +452,8 @@ impl Datapath {
         Ok((r.return_value, r.duration))
     }
 
-    /// Attach to `iface` (or take over its pinned link from an earlier daemon).
+    /// Attach to `iface` (or take over its pinned link from an earlier daemon), with the
+    /// entry point its link type calls for.
     pub fn attach(
         &mut self,
         iface: &str,
@@ -348,26 +461,38 @@ impl Datapath {
         maps: &mut Maps,
     ) -> anyhow::Result<Attached> {
         let idx = ifindex(iface)?;
+        let entry = Entry::for_iface(iface)?;
         let pin = link_pin(&self.pin_dir, iface);
+        if pin.exists() {
+            drop_stale_link(&pin, iface, idx)?;
+        }
+        // The slot before the program: its counts land in the interface's own slot from the
+        // first packet on.
+        let freed = prune_slots(maps, &self.pin_dir, idx)?;
+        self.attached.retain(|a| !freed.contains(&a.ifindex));
+        let slot = assign_slot(&mut maps.ifaces, &mut maps.ifslots, idx)?;
         let prog: &mut Xdp = self
             .ebpf
-            .program_mut(PROGRAM_NAME)
-            .expect("loaded")
+            .program_mut(entry.program())
+            .ok_or_else(|| anyhow!("program {} missing from the object", entry.program()))?
             .try_into()?;
+        if prog.fd().is_err() {
+            prog.load().map_err(|e| {
+                anyhow!(
+                    "the kernel verifier rejected the XDP program {}: {e:#}",
+                    entry.program()
+                )
+            })?;
+        }
         let (link_id, mode_used) = if pin.exists() {
             let pinned =
                 PinnedLink::from_pin(&pin).with_context(|| format!("opening {}", pin.display()))?;
             let fd_link = FdLink::from(pinned);
-            let mode_used = fd_link
-                .info()
-                .ok()
-                .map(|_| "adopted".to_string())
-                .unwrap_or_else(|| "adopted".to_string());
             let xdp_link = XdpLink::try_from(fd_link).context("adopting the pinned XDP link")?;
             let id = prog
                 .attach_to_link(xdp_link)
                 .with_context(|| format!("replacing the program in the pinned link on {iface}"))?;
-            (id, mode_used)
+            (id, "adopted".to_string())
         } else {
             match mode {
                 config::XdpMode::Native => (
@@ -406,16 +531,27 @@ impl Datapath {
             .pin(&pin)
             .with_context(|| format!("pinning {}", pin.display()))?;
         drop(pinned); // the pin keeps the link (and the program) attached
-        let slot = assign_slot(&mut maps.ifaces, &mut maps.ifslots, idx)?;
         let a = Attached {
             iface: iface.to_string(),
             ifindex: idx,
             mode: mode_used,
             slot,
+            entry,
         };
-        info!(iface, mode = %a.mode, slot, "XDP program attached");
+        info!(iface, mode = %a.mode, slot, entry = ?entry, "XDP program attached");
+        self.attached.retain(|o| o.iface != iface);
         self.attached.push(a.clone());
         Ok(a)
+    }
+
+    /// (slot, interface) of the attached interfaces with counters of their own: one beyond
+    /// the slots counts in slot 0, which is no interface's series.
+    pub fn counter_slots(&self) -> Vec<(u32, String)> {
+        self.attached
+            .iter()
+            .filter(|a| a.slot != 0)
+            .map(|a| (a.slot, a.iface.clone()))
+            .collect()
     }
 
     /// The known-sources filter's map, mmapped (once).
@@ -598,8 +734,9 @@ impl Maps {
     }
 }
 
-/// Counter slot for `ifindex`: the one already assigned, else the lowest free one (slot 0, shared,
-/// once all are taken).
+/// Counter slot for `ifindex`: the one already assigned, else the lowest free one. With every
+/// slot taken the interface is not listed, and counts in slot 0 with unlisted interfaces
+/// (counted, and said in a warning, rather than refusing to protect it).
 fn assign_slot(
     ifaces: &mut HashMap<MapData, u32, u32>,
     ifslots: &mut Array<MapData, u32>,
@@ -615,12 +752,211 @@ fn assign_slot(
         .iter()
         .filter_map(|r| r.ok().map(|(_, v)| v))
         .collect();
-    let slot = (1..MAX_IFACES).find(|s| !used.contains(s)).unwrap_or(0);
-    ifaces.insert(ifindex, slot, 0)?;
+    let Some(slot) = (1..MAX_IFACES).find(|s| !used.contains(s)) else {
+        warn!(
+            ifindex,
+            "all {} per-interface counter slots are in use by attached interfaces: this one's \
+             counts go to the totals only (interface=\"all\"), not to a series of its own",
+            MAX_IFACES - 1
+        );
+        return Ok(0);
+    };
+    ifaces
+        .insert(ifindex, slot, 0)
+        .context("recording the interface's counter slot (RL_IFACES)")?;
     if ifindex < IFSLOT_ARRAY_LEN {
         ifslots.set(ifindex, slot, 0)?;
     }
     Ok(slot)
+}
+
+/// Free the counter slots of interfaces no link in `pin_dir` is attached to any more (deleted,
+/// or detached), except `keep` (the one being attached). Without this, every interface ever
+/// attached kept its slot: the 16th distinct ifindex (an interface re-created 15 times) got
+/// the shared slot 0 and the 17th could not be attached at all.
+///
+/// A freed slot's counters are added to slot 0 (the unlisted interfaces', part of the totals)
+/// and zeroed: the totals (`interface="all"`, the rules' counters) stay monotonic, as counters
+/// must, and the next interface given the slot starts from zero instead of inheriting another
+/// device's counts. An interface re-created under the same name is a new device: its series
+/// restarts from zero, which Prometheus reads as a counter reset.
+fn prune_slots(maps: &mut Maps, pin_dir: &Path, keep: u32) -> anyhow::Result<Vec<u32>> {
+    let mut live = vec![keep];
+    if let Ok(entries) = fs::read_dir(pin_dir) {
+        for e in entries.flatten() {
+            if !e.file_name().to_string_lossy().starts_with("link-") {
+                continue;
+            }
+            match pinned_link_ifindex(&e.path()) {
+                Ok(Some(i)) => live.push(i),
+                // Its interface was deleted: the kernel detached it, the pin is all that is left.
+                Ok(None) => {
+                    if fs::remove_file(e.path()).is_ok() {
+                        info!(
+                            "removed {}: its interface no longer exists",
+                            e.path().display()
+                        );
+                    }
+                }
+                Err(_) => {}
+            }
+        }
+    }
+    let stale: Vec<(u32, u32)> = maps
+        .ifaces
+        .iter()
+        .filter_map(|r| r.ok())
+        .filter(|(i, _)| !live.contains(i))
+        .collect();
+    for &(ifindex, slot) in &stale {
+        maps.ifaces.remove(&ifindex).ok();
+        if ifindex < IFSLOT_ARRAY_LEN {
+            maps.ifslots.set(ifindex, 0, 0)?;
+        }
+        if slot != 0 && slot < MAX_IFACES {
+            fold_slot_into_zero(&mut maps.stats, slot)?;
+        }
+        info!(
+            ifindex,
+            slot, "freed the counter slot of an interface that is no longer attached"
+        );
+    }
+    Ok(stale.into_iter().map(|(i, _)| i).collect())
+}
+
+/// Add every counter of `slot` to slot 0's and zero it, CPU by CPU. (Slot 0 is written only
+/// for interfaces beyond the slots, rarely: a packet one of them counts between the read and
+/// the write of its CPU's value here is lost from slot 0, at this rare moment only.)
+fn fold_slot_into_zero(stats: &mut PerCpuArray<MapData, Counter>, slot: u32) -> anyhow::Result<()> {
+    use ratelimit_common::stats::{PER_IFACE, global_index};
+    for k in 0..PER_IFACE {
+        let from = global_index(slot, k);
+        let to = global_index(0, k);
+        let src = stats.get(&from, 0)?;
+        if src.iter().all(|c| c.packets == 0 && c.bytes == 0) {
+            continue;
+        }
+        let dst = stats.get(&to, 0)?;
+        let sum: Vec<Counter> = dst
+            .iter()
+            .zip(src.iter())
+            .map(|(d, s)| Counter {
+                packets: d.packets + s.packets,
+                bytes: d.bytes + s.bytes,
+            })
+            .collect();
+        let zero = vec![Counter::default(); sum.len()];
+        stats.set(to, aya::maps::PerCpuValues::try_from(sum)?, 0)?;
+        stats.set(from, aya::maps::PerCpuValues::try_from(zero)?, 0)?;
+    }
+    Ok(())
+}
+
+/// A link pinned for `iface` whose device is gone (deleted: the kernel detached it), or is now
+/// another device than the one under that name (renamed away, another created in its place),
+/// cannot be adopted (`bpf_link_update` fails with ENOLINK on a detached link). Unpin it, which
+/// detaches it from the other device if it still has one, and say so.
+fn drop_stale_link(pin: &Path, iface: &str, ifindex: u32) -> anyhow::Result<()> {
+    let found = pinned_link_ifindex(pin)
+        .with_context(|| format!("reading the link pinned at {}", pin.display()))?;
+    if found == Some(ifindex) {
+        return Ok(());
+    }
+    match found {
+        None => warn!(
+            iface,
+            "the link pinned at {} belonged to an interface {iface} that no longer exists \
+             (deleted and re-created as ifindex {ifindex}): unpinning it and attaching afresh",
+            pin.display()
+        ),
+        Some(old) => warn!(
+            iface,
+            "the link pinned at {} is on ifindex {old}, but {iface} is now ifindex {ifindex} \
+             (renamed or re-created): detaching it from ifindex {old} and attaching afresh",
+            pin.display()
+        ),
+    }
+    let link = PinnedLink::from_pin(pin)
+        .with_context(|| format!("opening {}", pin.display()))?
+        .unpin()
+        .with_context(|| format!("unpinning {}", pin.display()))?;
+    drop(link); // the last reference: the kernel detaches it
+    Ok(())
+}
+
+/// The ifindex of the device the XDP link pinned at `pin` is attached to, or None once that
+/// device is gone (the kernel then reports ifindex 0). Raw BPF_OBJ_GET and
+/// BPF_OBJ_GET_INFO_BY_FD: aya's `LinkInfo` does not expose the XDP part.
+fn pinned_link_ifindex(pin: &Path) -> std::io::Result<Option<u32>> {
+    use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+    const BPF_OBJ_GET: libc::c_long = 7;
+    const BPF_OBJ_GET_INFO_BY_FD: libc::c_long = 15;
+    /// `struct bpf_link_info`: type, id, prog_id, then the 8-aligned union whose `xdp` member
+    /// is `{ __u32 ifindex; }`. Larger than the kernel's struct; its tail stays zero.
+    const INFO_LEN: usize = 256;
+    const XDP_IFINDEX_AT: usize = 16;
+    let path = CString::new(pin.as_os_str().as_encoded_bytes())?;
+    #[repr(C)]
+    struct ObjGet {
+        pathname: u64,
+        bpf_fd: u32,
+        file_flags: u32,
+        path_fd: i32,
+        /// The kernel refuses attributes with any non-zero byte past the command's fields.
+        pad: u32,
+    }
+    let get = ObjGet {
+        pathname: path.as_ptr() as u64,
+        bpf_fd: 0,
+        file_flags: 0,
+        path_fd: 0,
+        pad: 0,
+    };
+    // SAFETY: bpf(2) reads `get` (and the path it points to) only during the call.
+    let fd = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_OBJ_GET,
+            &get as *const ObjGet,
+            std::mem::size_of::<ObjGet>(),
+        )
+    };
+    if fd < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    // SAFETY: a fresh descriptor nothing else owns.
+    let fd = unsafe { OwnedFd::from_raw_fd(fd as i32) };
+    let mut info = [0u64; INFO_LEN / 8];
+    #[repr(C)]
+    struct GetInfo {
+        bpf_fd: u32,
+        info_len: u32,
+        info: u64,
+    }
+    let mut req = GetInfo {
+        bpf_fd: fd.as_raw_fd() as u32,
+        info_len: INFO_LEN as u32,
+        info: info.as_mut_ptr() as u64,
+    };
+    // SAFETY: bpf(2) writes at most `info_len` bytes into `info`, which outlives the call.
+    let rc = unsafe {
+        libc::syscall(
+            libc::SYS_bpf,
+            BPF_OBJ_GET_INFO_BY_FD,
+            &mut req as *mut GetInfo,
+            std::mem::size_of::<GetInfo>(),
+        )
+    };
+    if rc < 0 {
+        return Err(std::io::Error::last_os_error());
+    }
+    let bytes: Vec<u8> = info.iter().flat_map(|w| w.to_ne_bytes()).collect();
+    let ifindex = u32::from_ne_bytes(
+        bytes[XDP_IFINDEX_AT..XDP_IFINDEX_AT + 4]
+            .try_into()
+            .expect("4 bytes"),
+    );
+    Ok((ifindex != 0).then_some(ifindex))
 }
 
 /// Remove the program from the interfaces (all pinned links, or those named) and, when no link
@@ -694,4 +1030,26 @@ fn raise_memlock() -> std::io::Result<()> {
         return Err(std::io::Error::last_os_error());
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Entry;
+
+    #[test]
+    fn each_link_type_gets_the_entry_that_parses_it_or_a_refusal_naming_it() {
+        assert_eq!(Entry::for_link_type(1), Some(Entry::Ethernet));
+        assert_eq!(Entry::for_link_type(772), Some(Entry::Ethernet));
+        for l3 in [512, 519, 768, 769, 776, 778, 823, 65534] {
+            assert_eq!(Entry::for_link_type(l3), Some(Entry::L3), "type {l3}");
+        }
+        // InfiniBand (32), CAN (280), 802.15.4 (804): neither Ethernet nor bare IP.
+        for other in [32, 280, 804] {
+            let e = Entry::for_link("ib0", other).unwrap_err().to_string();
+            assert!(
+                e.starts_with(&format!("ib0 has link type {other} ")) && e.contains("remove ib0"),
+                "{e}"
+            );
+        }
+    }
 }

@@ -98,11 +98,7 @@ impl Backend for Shared {
 
 /// Read everything `/metrics` shows, in one go, under the state lock.
 fn snapshot(s: &daemon::State) -> anyhow::Result<(Stats, Gauges)> {
-    let ifaces: Vec<(u32, String)> =
-        s.dp.attached
-            .iter()
-            .map(|a| (a.slot, a.iface.clone()))
-            .collect();
+    let ifaces = s.dp.counter_slots();
     let stats = report::stats(&s.maps, &ifaces, &s.rule_names()).context("reading counters")?;
     let tracked = report::tracked_clients(&s.maps).context("walking the per-client state map")?;
     let gauges = Gauges {

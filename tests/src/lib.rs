@@ -22,6 +22,7 @@ pub mod pins;
 pub mod receiver;
 pub mod scenario;
 pub mod sender;
+pub mod tun;
 
 pub use daemon::Daemon;
 pub use env::{ratelimit_bin, require_kernel_tests, skip_unless_kernel};

@@ -109,7 +109,17 @@ impl VethPair {
         let tag = format!("rl{pid}-{}", n % 100_000);
         let name_a = format!("{tag}a");
         let name_b = format!("{tag}b");
+        Self::build_named(ns_a, ns_b, &name_a, &name_b, index, queues)
+    }
 
+    fn build_named(
+        ns_a: &NetNs,
+        ns_b: &NetNs,
+        name_a: &str,
+        name_b: &str,
+        index: u8,
+        queues: Option<u32>,
+    ) -> VethPair {
         let q: Vec<String> = queues
             .map(|q| {
                 vec![
@@ -123,17 +133,9 @@ impl VethPair {
         // Create both ends directly in their namespaces, so the names only
         // need to be unique there and nothing ever appears in the root one.
         let mut cmd = Command::new("ip");
-        cmd.args(["link", "add", &name_a, "netns", ns_a.name()])
+        cmd.args(["link", "add", name_a, "netns", ns_a.name()])
             .args(&q)
-            .args([
-                "type",
-                "veth",
-                "peer",
-                "name",
-                &name_b,
-                "netns",
-                ns_b.name(),
-            ])
+            .args(["type", "veth", "peer", "name", name_b, "netns", ns_b.name()])
             .args(&q);
         crate::netns::run_checked(&mut cmd);
 
@@ -151,8 +153,8 @@ impl VethPair {
         };
         // The guard exists from here on, so a later failure still deletes the pair.
         let mut pair = VethPair {
-            a: placeholder(&name_a, ns_a, ipv4_a, ipv6_a),
-            b: placeholder(&name_b, ns_b, ipv4_b, ipv6_b),
+            a: placeholder(name_a, ns_a, ipv4_a, ipv6_a),
+            b: placeholder(name_b, ns_b, ipv4_b, ipv6_b),
             index,
         };
         for (end, ns) in [(&mut pair.a, ns_a), (&mut pair.b, ns_b)] {
@@ -172,6 +174,24 @@ impl VethPair {
             end.mac = mac;
         }
         pair
+    }
+
+    /// Deletes the pair and creates it again with the same names and addresses, as an
+    /// interface that goes away and comes back does: new ifindexes and MACs. `ns_a` and `ns_b`
+    /// must be the namespaces the pair was made in.
+    pub fn recreate(&mut self, ns_a: &NetNs, ns_b: &NetNs) {
+        assert_eq!(
+            (ns_a.name(), ns_b.name()),
+            (self.a.netns.as_str(), self.b.netns.as_str()),
+            "recreate in the pair's own namespaces"
+        );
+        ns_a.ip(&["link", "del", &self.a.name]);
+        let (a, b) = (self.a.name.clone(), self.b.name.clone());
+        let fresh = Self::build_named(ns_a, ns_b, &a, &b, self.index, None);
+        // Move the new ends in, then let the placeholder drop without deleting anything.
+        self.a = fresh.a.clone();
+        self.b = fresh.b.clone();
+        std::mem::forget(fresh);
     }
 
     /// End A (the first namespace; usually the client/sender side).

@@ -131,6 +131,13 @@ impl Scenario {
         self.daemon()
     }
 
+    /// Delete the veth pair and create it again under the same names (new ifindexes and
+    /// MACs), rp_filter off again on the protected end: an interface that came and went.
+    pub fn recreate_link(&mut self) {
+        self.pair.recreate(&self.client, &self.server);
+        disable_rp_filter(&self.server, &self.pair.b().name);
+    }
+
     pub fn daemon(&self) -> &Daemon {
         self.daemon.as_ref().expect("daemon started")
     }

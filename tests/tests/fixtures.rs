@@ -650,13 +650,19 @@ fn fixture_table() {
         },
     ];
 
+    run_cases(&mut dp, &maps, &rules, "ratelimit", &cases);
+}
+
+/// Run every case through `program`, then fail with the list of those whose action or counter
+/// deltas were not as expected.
+fn run_cases(dp: &mut Datapath, maps: &Maps, rules: &[String], program: &str, cases: &[Case]) {
     let mut failures = Vec::new();
-    for c in &cases {
-        let before = counters(&maps, &rules);
+    for c in cases {
+        let before = counters(maps, rules);
         let (action, _) = dp
-            .test_run(&c.frame, c.repeat)
+            .test_run_program(program, &c.frame, c.repeat)
             .unwrap_or_else(|e| panic!("{}: {e:#}", c.what));
-        let after = counters(&maps, &rules);
+        let after = counters(maps, rules);
         let got = delta(&before, &after);
         let want: BTreeMap<String, u64> = c
             .deltas
@@ -682,7 +688,132 @@ fn fixture_table() {
         cases.len(),
         failures.join("\n")
     );
-    println!("{} fixtures passed", cases.len());
+    println!("{} fixtures passed through {program}", cases.len());
+}
+
+/// The L3 entry (`ratelimit_l3`, for tun, wireguard and ip tunnels) reads the IP header at
+/// byte 0, its version nibble saying which, and judges exactly as the Ethernet entry does:
+/// lists, bans and rules in both families, malformed headers counted, anything else non-IP.
+#[test]
+fn l3_entry_fixture_table() {
+    if skip_unless_kernel() {
+        return;
+    }
+    let pins = Pins::new("fixtures");
+    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
+    let mut maps = dp.take_maps().expect("maps");
+    let cfg = config::parse("fixtures.toml", CONFIG).expect("config");
+    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
+    let rules: Vec<String> = cfg.rules.iter().map(|r| r.name.clone()).collect();
+    ban(&mut maps, "198.18.60.0/24");
+    // BPF_PROG_TEST_RUN takes no frame shorter than an Ethernet header (14 bytes).
+    let ip = |f: Frame| f.build()[14..].to_vec();
+    let syn = tcp_flags::SYN;
+    let cases = vec![
+        case(
+            "IPv4 UDP",
+            ip(v4([198, 18, 1, 1]).udp(1, 53)),
+            XDP_PASS,
+            &[("pass", 1)],
+        ),
+        case(
+            "IPv6 UDP",
+            ip(v6("2001:db8:1::1").udp(1, 53)),
+            XDP_PASS,
+            &[("pass", 1)],
+        ),
+        case(
+            "IPv6 extension chain, TCP",
+            ip(v6("2001:db8:1::1")
+                .ipv6_ext(0, &[0; 6])
+                .ipv6_ext(60, &[0; 6])
+                .tcp(1, 443, tcp_flags::ACK)),
+            XDP_PASS,
+            &[("pass", 1)],
+        ),
+        case(
+            "denied IPv4",
+            ip(v4([198, 18, 50, 1]).udp(1, 53)),
+            XDP_DROP,
+            &[("drop_deny", 1)],
+        ),
+        case(
+            "denied IPv6",
+            ip(v6("2001:db8:dead::9").tcp(1, 22, syn)),
+            XDP_DROP,
+            &[("drop_deny", 1)],
+        ),
+        case(
+            "banned IPv4 ICMP",
+            ip(v4([198, 18, 60, 4]).icmp_echo(1, 1)),
+            XDP_DROP,
+            &[("drop_ban", 1)],
+        ),
+        case(
+            "denied non-first fragment",
+            ip(v4([198, 18, 50, 1])
+                .ipv4_fragment(false, 8)
+                .udp(1, 53)
+                .payload(&[0; 8])),
+            XDP_DROP,
+            &[("drop_deny", 1), ("fragments", 1)],
+        ),
+        case(
+            "IPv4 header cut at 14 bytes",
+            truncate(&ip(v4([198, 18, 1, 1]).udp(1, 53)), 14),
+            XDP_PASS,
+            &[("pass_malformed", 1), ("malformed_ipv4", 1)],
+        ),
+        case(
+            "IPv6 header cut at 16 bytes",
+            truncate(&ip(v6("2001:db8:1::1").udp(1, 53)), 16),
+            XDP_PASS,
+            &[("pass_malformed", 1), ("malformed_ipv6", 1)],
+        ),
+        case(
+            "IPv6 header cut at 30 bytes",
+            truncate(&ip(v6("2001:db8:1::1").udp(1, 53)), 30),
+            XDP_PASS,
+            &[("pass_malformed", 1), ("malformed_ipv6", 1)],
+        ),
+        case(
+            "denied source with a cut-off TCP header",
+            truncate(&ip(v4([198, 18, 50, 3]).tcp(1, 80, syn)), 20 + 8),
+            XDP_DROP,
+            &[("drop_deny", 1), ("malformed_l4", 1)],
+        ),
+        case(
+            "IP version 5 is not IP",
+            {
+                let mut p = ip(v4([198, 18, 50, 1]).udp(1, 53));
+                p[0] = 0x55;
+                p
+            },
+            XDP_PASS,
+            &[("pass_non_ip", 1)],
+        ),
+        case(
+            "an Ethernet frame is not read as IP (version nibble 0 of its MAC)",
+            v4([198, 18, 50, 1]).udp(1, 53).build(),
+            XDP_PASS,
+            &[("pass_non_ip", 1)],
+        ),
+        Case {
+            what: "8 SYNs to port 80: 5 admitted, 3 dropped",
+            frame: ip(v4([198, 18, 2, 1]).tcp(1, 80, syn)),
+            repeat: 8,
+            action: XDP_DROP,
+            deltas: &[
+                ("pass", 5),
+                ("drop_rule", 3),
+                ("state_created", 1),
+                ("syn80/matched", 8),
+                ("syn80/admitted", 5),
+                ("syn80/dropped", 3),
+            ],
+        },
+    ];
+    run_cases(&mut dp, &maps, &rules, "ratelimit_l3", &cases);
 }
 
 fn eth_only(ethertype: u16) -> Vec<u8> {

@@ -60,7 +60,7 @@ const MAX_SOURCES: u32 = 1 << 18;
 /// Rule by rule: a SYN ban rule per /32 and /124 (fixed window), a token bucket of packets,
 /// one ICMP bucket for everyone (sliding window), a UDP ban rule in preview, a TCP/22 ban rule
 /// whose exceed action is pass, a source-list rule with an override for half its /24, a byte
-/// threshold per /16, and an ICMPv6 ban of the shared key. The ban rules' IPv6 prefixes are
+/// threshold per /2 (byte thresholds are at least 64 KiB), and an ICMPv6 ban of the shared key. The ban rules' IPv6 prefixes are
 /// long (/124, /120) so that a ban covers few of the generated sources and the rest of the
 /// epoch still has rule verdicts to compare (that an IPv6 ban never covers an IPv4 client is
 /// kept by `fuzz-regressions/aliasing-bogons-malformed.hex`).
@@ -138,9 +138,9 @@ threshold = { count = 30, interval = "{I}s" }
 name = "tcp-bytes"
 match = { protocol = "tcp" }
 key = "ip"
-ipv4_prefix = 16
-ipv6_prefix = 32
-threshold = { bytes = 4000, interval = "{I}s" }
+ipv4_prefix = 2
+ipv6_prefix = 2
+threshold = { bytes = 65536, interval = "{I}s" }
 algorithm = "fixed_window"
 
 [[rule]]
@@ -181,7 +181,7 @@ match = { protocol = "udp", dst_ports = ["53", "123", "5000-5010", "5020-5030", 
 key = "ip"
 ipv4_prefix = 1
 ipv6_prefix = 1
-threshold = { bytes = 20000, interval = "{I}s" }
+threshold = { bytes = 65536, interval = "{I}s" }
 algorithm = "sliding_window"
 exceed_action = "pass"
 
@@ -206,17 +206,18 @@ preview = true
 name = "icmp-ban-bytes"
 match = { protocol = "icmp" }
 key = "ip"
-ipv4_prefix = 24
-ipv6_prefix = 112
+ipv4_prefix = 2
+ipv6_prefix = 2
 action = "rate_based_ban"
-threshold = { bytes = 2000, interval = "{I}s" }
-ban_threshold = { bytes = 3000, interval = "{I}s" }
+threshold = { bytes = 65536, interval = "{I}s" }
+ban_threshold = { bytes = 98304, interval = "{I}s" }
 ban_duration = "1h"
 algorithm = "fixed_window"
 
 [[rule.override]]
 cidr = "10.0.0.0/8"
-threshold = { bytes = 200, interval = "{I}s" }
+threshold = { bytes = 65536, interval = "{I}s" }
+ban_threshold = { bytes = 70000, interval = "{I}s" }
 
 [[rule]]
 name = "everything-shared"
