@@ -44,6 +44,7 @@
 use aya_ebpf::{bindings::BPF_F_MMAPABLE, macros::map, maps::Array};
 use ratelimit_common::{
     caps::DEFAULT_MAX_SOURCES,
+    maps::BAN_HELD_MARK,
     maps::{
         ClientKey, ClientState, HashKey, SLOT_BUSY, STORE_WAYS, StoreSet, known_hash, slot_tag,
         store_sets, store_sets_of,
@@ -218,6 +219,14 @@ fn protected(st: *const ClientState, rule: u32, last: u64, now: u64) -> bool {
     };
     if !limited {
         return false;
+    }
+    // A ban held in the state (its table was full) keeps it until the ban ends, however long
+    // the client stays away: evicting it would lift the ban.
+    // SAFETY: fields of a live map value.
+    unsafe {
+        if core::ptr::read_volatile(&raw const (*st).ban_stamp) == BAN_HELD_MARK {
+            return now < core::ptr::read_volatile(&raw const (*st).seen_prev);
+        }
     }
     match policy::rule(rule) {
         Some(r) => now.saturating_sub(last) < r.protect_ms as u64 * 1_000_000,

@@ -2597,3 +2597,71 @@ algorithm = "fixed_window"
     let d = delta(&before, &counters(&maps, &rules));
     assert_eq!(d.get("udp-ban/admitted"), Some(&3), "{d:?}");
 }
+
+/// A ban held in a client's state (the rules' ban table was full) lasts its whole
+/// ban_duration even when the client goes quiet for longer than its rule remembers a
+/// packet: such a state is never the one evicted for a new source (eviction would lift the
+/// ban).
+#[test]
+fn a_ban_held_in_state_is_never_evicted_before_it_ends() {
+    if skip_unless_kernel() {
+        return;
+    }
+    use ratelimit_common::caps::MAX_BANS;
+    const CONFIG: &str = r#"
+[tracking]
+new_sources_per_sec = 0
+
+[[rule]]
+name = "udp-ban"
+action = "rate_based_ban"
+match = { protocol = "udp", dst_ports = ["9000"] }
+threshold = { count = 100, interval = "1s" }
+ban_threshold = { count = 3, interval = "1s" }
+ban_duration = "1h"
+algorithm = "fixed_window"
+"#;
+    let pins = Pins::new("fixtures");
+    // One set of 8 slots: every new source competes for the held client's slot.
+    let mut dp = Datapath::load(&pins.0, 8).expect("load program");
+    let mut maps = dp.take_maps().expect("maps");
+    let cfg = config::parse("held.toml", CONFIG).expect("config");
+    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
+    let rules = vec!["udp-ban".to_string()];
+    let now = report::mono_ns();
+    for i in 0..MAX_BANS {
+        let mut addr = [0u8; 16];
+        addr[0] = 0x20;
+        addr[1] = 0x01;
+        addr[4..8].copy_from_slice(&i.to_be_bytes());
+        let mut e = ratelimit_common::maps::BanEntry::manual(64, addr, now, 0);
+        e.flags = 0;
+        e.rule = 0;
+        maps.insert_ban_deferred(e).unwrap();
+    }
+    maps.flush_ban_epoch().unwrap();
+    let held = v4([198, 18, 47, 1]).udp(40000, 9000).build();
+    let before = counters(&maps, &rules);
+    for _ in 0..4 {
+        dp.test_run(&held, 1).unwrap();
+    }
+    let d = delta(&before, &counters(&maps, &rules));
+    assert_eq!(d.get("ban_held_in_state"), Some(&1), "{d:?}");
+    // Quiet for longer than the rule remembers a packet (two ban intervals: 2 s).
+    std::thread::sleep(std::time::Duration::from_millis(2_500));
+    // Eight new sources: seven take the free slots, the eighth finds the set full.
+    let before = counters(&maps, &rules);
+    for i in 0..8u8 {
+        dp.test_run(&v4([198, 18, 48, i]).udp(40000, 9000).build(), 1)
+            .unwrap();
+    }
+    let d = delta(&before, &counters(&maps, &rules));
+    assert_eq!(d.get("state_created"), Some(&7), "{d:?}");
+    assert_eq!(d.get("state_evicted"), None, "{d:?}");
+    assert_eq!(d.get("state_protected"), Some(&1), "{d:?}");
+    // The held client is still banned.
+    let before = counters(&maps, &rules);
+    assert_eq!(dp.test_run(&held, 5).unwrap().0, XDP_DROP);
+    let d = delta(&before, &counters(&maps, &rules));
+    assert_eq!(d.get("udp-ban/banned_dropped"), Some(&5), "{d:?}");
+}
