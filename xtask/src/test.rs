@@ -34,17 +34,13 @@ const STEPS: usize = 7;
 /// for what must not run there (and why). They load the real object and drive it through
 /// BPF_PROG_TEST_RUN, which is what differs between kernels; the end-to-end tests add the
 /// daemon and veth traffic, which do not, and would take an hour under software emulation.
-/// The 13 fixture tests take 40-90 s in a guest. Two depend on how fast the guest runs and are
-/// left out there (they run on the host's kernel); in three runs on each kernel each failed
-/// once in a guest, with no defect behind it:
+/// The fixture tests take 40-90 s in a guest. One depends on how fast the guest runs and is
+/// left out there (it runs on the host's kernel); in three runs on each kernel it failed once
+/// in a guest, with no defect behind it:
 /// * `overflow_closes_to_new_sources_for_the_tick_exactly` gives one new source a second
 ///   (`new_sources_per_sec = 1`) and expects a loop of 20 policy writes and 1,020 runs to
 ///   finish before the budget admits another; under emulation it can take longer (6.1 guest:
 ///   the 51st run of a round passed).
-/// * `new_states_per_tick_and_cpu_are_capped` counts the ticks a round of runs spans with
-///   CLOCK_MONOTONIC_COARSE, while the program caps new states per `jiffies` tick. Under
-///   software emulation the two drift apart (7.3 guest: 110 states, more than one tick's 64,
-///   in a round whose coarse clock did not move: jiffies had).
 ///
 /// The differential fuzz test runs its 100,000 frames in each guest too (about 2,000 frames/s
 /// under emulation: 50 s a kernel), so the program and the model are compared on every kernel
@@ -52,10 +48,7 @@ const STEPS: usize = 7;
 const GUEST_TESTS: &[GuestTest] = &[
     GuestTest {
         name: "fixtures",
-        exclude: &[
-            "overflow_closes_to_new_sources_for_the_tick_exactly",
-            "new_states_per_tick_and_cpu_are_capped",
-        ],
+        exclude: &["overflow_closes_to_new_sources_for_the_tick_exactly"],
         env: &[],
     },
     GuestTest {
