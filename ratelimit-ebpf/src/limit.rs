@@ -34,7 +34,7 @@ use ratelimit_common::{
 use crate::{
     atomic, events, fast, known,
     parse::Parsed,
-    policy,
+    policy, rare,
     stats::{self, Slot},
     store::{self, NONE},
 };
@@ -576,6 +576,8 @@ fn state_for(
         Some(p) => Got::State(p),
         _ => {
             stats::add(env.slot, global::STATE_INSERT_FAILED, env.len);
+            let family = rare::family_of(&key.addr);
+            rare::note(rare::STATE_NOT_PLACED, key.rule as u32, family, env.now);
             refused(key)
         }
     }
@@ -593,6 +595,7 @@ fn shared_state(env: &Env, key: &mut ClientKey) -> Got {
         Err(EEXIST) => {}
         Err(_) => {
             stats::add(env.slot, global::STATE_INSERT_FAILED, env.len);
+            rare::note(rare::SHARED_REFUSED, key.rule as u32, 0, env.now);
             return Got::Nothing;
         }
     }
@@ -1283,6 +1286,7 @@ pub extern "C" fn rl_ban(
                 }
                 Err(_) => {
                     stats::add(j.slot, global::BAN_INSERT_FAILED, 0);
+                    rare::note(rare::BAN_INSERT_FAILED, j.rule, family as u64, now);
                     return 0;
                 }
             }
@@ -1305,6 +1309,7 @@ pub extern "C" fn rl_ban(
                 return 2;
             }
             stats::add(j.slot, global::BAN_HELD_IN_STATE, 0);
+            rare::note(rare::BAN_HELD, j.rule, rare::family_of(&key.addr), now);
         } else {
             atomic::store(&raw mut (*st).seen_cur, 0);
             atomic::store(&raw mut (*st).seen_prev, 0);

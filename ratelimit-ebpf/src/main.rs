@@ -32,6 +32,8 @@ mod parse;
 #[cfg(target_arch = "bpf")]
 mod policy;
 #[cfg(target_arch = "bpf")]
+mod rare;
+#[cfg(target_arch = "bpf")]
 mod stats;
 #[cfg(target_arch = "bpf")]
 mod store;
@@ -50,7 +52,7 @@ mod program {
         clock, fast,
         limit::{self, RuleVerdict},
         parse::{self, Frame, Parsed},
-        policy,
+        policy, rare,
         stats::{self, Slot},
     };
 
@@ -128,7 +130,7 @@ mod program {
             }
             ban_matched = true;
         }
-        match limit::evaluate_rules(
+        let verdict = limit::evaluate_rules(
             slot,
             pkt,
             len,
@@ -136,7 +138,11 @@ mod program {
             global_cfg,
             src_mask,
             ban_matched,
-        ) {
+        );
+        // The rare conditions the rules met (full tables, lost events) reach the log here,
+        // after the verdict, at most once a second each (`rare.rs`).
+        rare::flush(now);
+        match verdict {
             RuleVerdict::Pass => finish(slot, global::PASS, len),
             _ => finish(slot, global::DROP_RULE, len),
         }
