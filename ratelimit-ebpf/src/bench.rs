@@ -112,7 +112,7 @@ pub fn ref_clock_tick(_ctx: XdpContext) -> u32 {
 #[xdp]
 pub fn ref_lookup(ctx: XdpContext) -> u32 {
     vary_source(&ctx);
-    let Ok(Some(p)) = parse::parse(&ctx) else {
+    let parse::Frame::Ip(p) = parse::parse(&ctx) else {
         return xdp_action::XDP_ABORTED;
     };
     if let Some(c) = limit::bench_client_counter(&p.src) {
@@ -127,7 +127,7 @@ pub fn ref_lookup(ctx: XdpContext) -> u32 {
 #[xdp]
 pub fn ref_line64(ctx: XdpContext) -> u32 {
     let place = vary_source(&ctx);
-    if !matches!(parse::parse(&ctx), Ok(Some(_))) {
+    if !matches!(parse::parse(&ctx), parse::Frame::Ip(_)) {
         return xdp_action::XDP_ABORTED;
     }
     if let Some(line) = LINES64.get_ptr_mut(place) {
@@ -141,7 +141,7 @@ pub fn ref_line64(ctx: XdpContext) -> u32 {
 #[xdp]
 pub fn ref_line16(ctx: XdpContext) -> u32 {
     let place = vary_source(&ctx);
-    if !matches!(parse::parse(&ctx), Ok(Some(_))) {
+    if !matches!(parse::parse(&ctx), parse::Frame::Ip(_)) {
         return xdp_action::XDP_ABORTED;
     }
     if let Some(line) = LINES16.get_ptr_mut(place) {
@@ -156,7 +156,7 @@ pub fn ref_line16(ctx: XdpContext) -> u32 {
 #[xdp]
 pub fn ref_floor(ctx: XdpContext) -> u32 {
     vary_source(&ctx);
-    let Ok(Some(p)) = parse::parse(&ctx) else {
+    let parse::Frame::Ip(p) = parse::parse(&ctx) else {
         return xdp_action::XDP_ABORTED;
     };
     let now = unsafe { bpf_ktime_get_ns() };
