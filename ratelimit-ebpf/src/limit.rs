@@ -594,7 +594,7 @@ fn shared_state(env: &Env, key: &mut ClientKey) -> Got {
         Ok(()) => stats::add(env.slot, global::STATE_CREATED, 0),
         Err(EEXIST) => {}
         Err(_) => {
-            stats::add(env.slot, global::STATE_INSERT_FAILED, env.len);
+            // Counted by the caller, as every `Got::Nothing` is: once.
             rare::note(rare::SHARED_REFUSED, key.rule as u32, 0, env.now);
             return Got::Nothing;
         }
@@ -791,8 +791,8 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
             Got::Refused(p) => (p, true),
             Got::Closed => return exceeded(env, i, preview, exceed_pass, rc::DROPPED),
             Got::Nothing => {
-                // The map refused even the aggregate state: fail open, counted.
-                stats::add(env.slot, global::STATE_INSERT_FAILED, 0);
+                // The map refused even the aggregate state: fail open, counted (here only).
+                stats::add(env.slot, global::STATE_INSERT_FAILED, env.len);
                 return RuleVerdict::Pass;
             }
         };

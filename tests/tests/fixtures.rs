@@ -2271,3 +2271,82 @@ algorithm = "fixed_window"
     }
     println!("{all:#?}");
 }
+
+/// A shared key (`key = "all"`) whose state its full map refuses: every packet passes (fails
+/// open, never a drop for a state it could not keep), is counted once in
+/// `state_insert_failed`, and reaches the log at most once a second with its count.
+#[test]
+fn a_full_shared_state_map_fails_open_counts_each_packet_once_and_is_logged() {
+    if skip_unless_kernel() {
+        return;
+    }
+    use ratelimit_common::{
+        caps::MAX_SHARED_STATES,
+        maps::{ClientKey, KEY_REGION, SharedState},
+    };
+    use std::time::{Duration, Instant};
+    const CONFIG: &str = r#"
+[[rule]]
+name = "all"
+key = "all"
+match = { protocol = "udp", dst_ports = ["9000"] }
+threshold = { count = 5, interval = "1h" }
+algorithm = "fixed_window"
+"#;
+    const WHAT: &str = "shared-key state map refused a key: ";
+    ratelimit_tests::sender::pin_current_thread(0).expect("pin");
+    let pins = Pins::new("fixtures");
+    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
+    let lines = Lines::default();
+    let mut logger =
+        ratelimit_user::kernel_log::open(dp.ebpf_mut(), lines.clone()).expect("open the log ring");
+    let mut flush = || {
+        if let Some(l) = logger.as_mut() {
+            l.flush();
+        }
+    };
+    let mut maps = dp.take_maps().expect("maps");
+    let cfg = config::parse("shared.toml", CONFIG).expect("config");
+    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
+    // Fill the shared keys' map with region keys of a rule slot no rule uses.
+    for i in 0..MAX_SHARED_STATES {
+        let mut addr = [0u8; 16];
+        addr[..4].copy_from_slice(&i.to_be_bytes());
+        let key = ClientKey {
+            rule: 15,
+            kind: KEY_REGION,
+            _pad: [0; 2],
+            prefix_len: 0,
+            addr,
+        };
+        maps.clients
+            .shared
+            .insert(key, SharedState::default(), 0)
+            .expect("fill the shared map");
+    }
+    let rules = vec!["all".to_string()];
+    let f = v4([198, 18, 48, 1]).udp(40000, 9000).build();
+    let before = counters(&maps, &rules);
+    let t0 = Instant::now();
+    assert_eq!(dp.test_run(&f, 50).unwrap().0, XDP_PASS);
+    let took = t0.elapsed();
+    let d = delta(&before, &counters(&maps, &rules));
+    assert_eq!(d.get("pass"), Some(&50), "{d:?}");
+    assert_eq!(d.get("state_insert_failed"), Some(&50), "{d:?}");
+    flush();
+    if took < Duration::from_millis(900) {
+        assert_eq!(lines.counts(WHAT).len(), 1, "{:?}", lines.counts(WHAT));
+    }
+    assert_eq!(lines.counts(WHAT)[0].0, 1, "{:?}", lines.counts(WHAT));
+    std::thread::sleep(Duration::from_millis(1_200));
+    assert_eq!(dp.test_run(&f, 1).unwrap().0, XDP_PASS);
+    flush();
+    let got = lines.counts(WHAT);
+    assert_eq!(
+        got.iter().map(|(n, _)| n).sum::<u64>(),
+        51,
+        "every refused packet in exactly one line: {got:?}"
+    );
+    assert!(got.last().unwrap().1.contains("rule 0;"), "{got:?}");
+    println!("{got:#?}");
+}
