@@ -662,14 +662,18 @@ algorithm = "fixed_window"
     }
     let mut tx = s.sender();
     // 20 clients cross the ban threshold: 20 held bans, one line (the first, at once).
+    let t0 = Instant::now();
     let took = burst(&s, &mut tx, 41, 20);
     let got = wait_for_lines(&s, WHAT, 1);
     std::thread::sleep(Duration::from_millis(300));
-    assert_eq!(
-        kernel_lines(&s, WHAT),
-        got,
-        "no second line within the second"
-    );
+    // Timing tolerance: past 0.9 s any packet (the namespace's own) may write the rest.
+    if t0.elapsed() < Duration::from_millis(900) {
+        assert_eq!(
+            kernel_lines(&s, WHAT),
+            got,
+            "no second line within the second"
+        );
+    }
     // Timing tolerance: a burst slower than 0.9 s (a very busy machine) may see a second line.
     if took < Duration::from_millis(900) {
         assert_eq!(got, vec![1], "{}", s.daemon().logs());

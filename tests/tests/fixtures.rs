@@ -2226,11 +2226,13 @@ algorithm = "fixed_window"
     let burst1 = t0.elapsed();
     flush();
     let got = lines.counts(WHAT);
-    // Timing tolerance: a burst slower than 0.9 s (a very busy machine) may see a second line.
+    // Timing tolerance: a burst slower than 0.9 s (a very busy machine) may see a line for
+    // every second it spans (give or take the coarse clock's tick).
     if burst1 < Duration::from_millis(900) {
         assert_eq!(got.len(), 1, "{got:?}");
     } else {
-        assert!(got.len() <= 2, "{burst1:?}: {got:?}");
+        let seconds = (burst1 + Duration::from_millis(10)).as_secs() as usize;
+        assert!(got.len() <= 1 + seconds, "{burst1:?}: {got:?}");
     }
     assert_eq!(got[0].0, 1, "the first held ban is logged at once: {got:?}");
     assert!(got[0].1.contains("rule 1, IPv4"), "{got:?}");
