@@ -1,8 +1,9 @@
 //! The ratelimit XDP program.
 //!
 //! Per packet: parse (`parse`), then this tick's fast-drop entry (`fast`) → allow list → deny
-//! list → active ban → rules in file order (`policy`, `limit`), record the verdict in the per-CPU counters and return. Every exit goes
-//! through [`finish`], so every frame is counted in exactly one verdict counter.
+//! list → active ban → rules in file order (`policy`, `limit`), write the lines of any rare
+//! condition the rules met (`rare`), record the verdict in the per-CPU counters and return.
+//! Every exit goes through [`finish`], so every frame is counted in exactly one verdict counter.
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
 #![cfg_attr(target_arch = "bpf", feature(core_intrinsics, asm_experimental_arch))]

@@ -128,9 +128,9 @@ pub fn flush(now: u64) {
     }
 }
 
-/// Write a line for every condition that is due, and set when the next one is. Each line in
-/// a global function of its own call ([`rl_rare_line`]): this loop's outcomes (written, not
-/// due, none) would otherwise multiply the paths through the lines after it.
+/// Write a line for every condition that is due, and set when the next one is. Each
+/// condition is a call of the global function [`rl_rare_line`], verified once: inlined, this
+/// loop's outcomes (written, not due, none) would multiply the paths through the lines after.
 #[unsafe(no_mangle)]
 #[inline(never)]
 pub extern "C" fn rl_rare_log(now: u64) -> u64 {
