@@ -4,7 +4,10 @@
 use aya_ebpf::{macros::map, maps::RingBuf};
 use ratelimit_common::{caps::EVENTS_RING_BYTES, event::Event, maps::ClientKey, stats::global};
 
-use crate::stats::{self, Slot};
+use crate::{
+    rare,
+    stats::{self, Slot},
+};
 
 #[map(name = "RL_EVENTS")]
 static EVENTS: RingBuf = RingBuf::pinned(EVENTS_RING_BYTES, 0);
@@ -44,6 +47,9 @@ pub fn emit(
             }
             entry.submit(0);
         }
-        None => stats::add(slot, global::EVENTS_LOST, 0),
+        None => {
+            stats::add(slot, global::EVENTS_LOST, 0);
+            rare::note(rare::EVENTS_LOST, key.rule as u32, 0, now);
+        }
     }
 }

@@ -34,7 +34,7 @@ use ratelimit_common::{
 use crate::{
     atomic, events, fast, known,
     parse::Parsed,
-    policy,
+    policy, rare,
     stats::{self, Slot},
     store::{self, NONE},
 };
@@ -576,6 +576,8 @@ fn state_for(
             // All its candidates protected: counted by the store (`STATE_PROTECTED`).
             if i != store::PROTECTED {
                 stats::add(env.slot, global::STATE_INSERT_FAILED, env.len);
+                let family = rare::family_of(&key.addr);
+                rare::note(rare::STATE_NOT_PLACED, key.rule as u32, family, env.now);
             }
             refused(key)
         }
@@ -593,7 +595,8 @@ fn shared_state(env: &Env, key: &mut ClientKey) -> Got {
         Ok(()) => stats::add(env.slot, global::STATE_CREATED, 0),
         Err(EEXIST) => {}
         Err(_) => {
-            stats::add(env.slot, global::STATE_INSERT_FAILED, env.len);
+            // Counted by the caller, as every `Got::Nothing` is: once.
+            rare::note(rare::SHARED_REFUSED, key.rule as u32, 0, env.now);
             return Got::Nothing;
         }
     }
@@ -789,8 +792,8 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
             Got::Refused(p) => (p, true),
             Got::Closed => return exceeded(env, i, preview, exceed_pass, rc::DROPPED),
             Got::Nothing => {
-                // The map refused even the aggregate state: fail open, counted.
-                stats::add(env.slot, global::STATE_INSERT_FAILED, 0);
+                // The map refused even the aggregate state: fail open, counted (here only).
+                stats::add(env.slot, global::STATE_INSERT_FAILED, env.len);
                 return RuleVerdict::Pass;
             }
         };
@@ -1284,6 +1287,7 @@ pub extern "C" fn rl_ban(
                 }
                 Err(_) => {
                     stats::add(j.slot, global::BAN_INSERT_FAILED, 0);
+                    rare::note(rare::BAN_INSERT_FAILED, j.rule, family as u64, now);
                     return 0;
                 }
             }
@@ -1306,6 +1310,7 @@ pub extern "C" fn rl_ban(
                 return 2;
             }
             stats::add(j.slot, global::BAN_HELD_IN_STATE, 0);
+            rare::note(rare::BAN_HELD, j.rule, rare::family_of(&key.addr), now);
         } else {
             atomic::store(&raw mut (*st).seen_cur, 0);
             atomic::store(&raw mut (*st).seen_prev, 0);

@@ -1,8 +1,10 @@
 //! The ratelimit XDP program.
 //!
-//! Per packet: parse (`parse`; from the IP header on devices without one, `ratelimit_l3`), then this tick's fast-drop entry (`fast`) → allow list → deny
-//! list → active ban → rules in file order (`policy`, `limit`), record the verdict in the per-CPU counters and return. Every exit goes
-//! through [`finish`], so every frame is counted in exactly one verdict counter.
+//! Per packet: parse (`parse`; from the IP header on devices without one, `ratelimit_l3`),
+//! then this tick's fast-drop entry (`fast`) → allow list → deny list → active ban → rules in
+//! file order (`policy`, `limit`), write the lines of any rare condition the rules met
+//! (`rare`), record the verdict in the per-CPU counters and return. Every exit goes through
+//! [`finish`], so every frame is counted in exactly one verdict counter.
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
 #![cfg_attr(target_arch = "bpf", feature(core_intrinsics, asm_experimental_arch))]
@@ -32,6 +34,8 @@ mod parse;
 #[cfg(target_arch = "bpf")]
 mod policy;
 #[cfg(target_arch = "bpf")]
+mod rare;
+#[cfg(target_arch = "bpf")]
 mod stats;
 #[cfg(target_arch = "bpf")]
 mod store;
@@ -50,7 +54,7 @@ mod program {
         clock, fast,
         limit::{self, RuleVerdict},
         parse::{self, Frame, Parsed},
-        policy,
+        policy, rare,
         stats::{self, Slot},
     };
 
@@ -156,7 +160,7 @@ mod program {
             }
             ban_matched = true;
         }
-        match limit::evaluate_rules(
+        let verdict = limit::evaluate_rules(
             slot,
             pkt,
             len,
@@ -164,7 +168,11 @@ mod program {
             global_cfg,
             src_mask,
             ban_matched,
-        ) {
+        );
+        // The rare conditions the rules met (full tables, lost events) reach the log here,
+        // after the verdict, at most once a second each (`rare.rs`).
+        rare::flush(now);
+        match verdict {
             RuleVerdict::Pass => finish(slot, global::PASS, len),
             _ => finish(slot, global::DROP_RULE, len),
         }

@@ -785,6 +785,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     let mode = opts.xdp_mode.unwrap_or(cfg.daemon.xdp_mode);
     crate::datapath::check_pinned_layout(&cfg.daemon.bpffs_dir, &cfg.daemon.state_dir)?;
     let mut dp = Datapath::load(&cfg.daemon.bpffs_dir, cfg.tracking.max_sources)?;
+    crate::kernel_log::spawn(dp.ebpf_mut());
     crate::datapath::record_pinned_layout(&cfg.daemon.state_dir)?;
     if let Some((x, v)) = dp.program_info() {
         info!(xlated_insns = x, verified_insns = v, "XDP program loaded");

@@ -13,6 +13,7 @@ pub mod datapath;
 pub mod events;
 pub mod geoip;
 pub mod http;
+pub mod kernel_log;
 pub mod known;
 pub mod report;
 pub mod ruleset;

@@ -843,3 +843,137 @@ fn a_ban_batch_that_fills_the_ban_map_midway_is_undone() {
     assert_eq!(bans_of(&s).1, None, "replaced: until removed");
     assert!(events_len(&s) > ev_before);
 }
+
+/// The counts of the daemon's forwarded `ratelimit::kernel` lines that say `what`, in order
+/// (all runs of the daemon).
+fn kernel_lines(s: &Scenario, what: &str) -> Vec<u64> {
+    s.daemon()
+        .logs()
+        .lines()
+        .filter(|l| l.contains("WARN") && l.contains("ratelimit::kernel"))
+        .filter_map(|l| l.split(what).nth(1)?.split(' ').next()?.parse().ok())
+        .collect()
+}
+
+/// A rare data-plane condition (here the rules' ban table full) reaches the daemon's log as a
+/// warning, never per packet: the first at once, the rest of the burst in one line a second
+/// later, with its count. A restarted daemon, which
+/// swapped its own program into the pinned link, gets that program's lines.
+#[test]
+fn a_full_ban_table_reaches_the_daemon_log_once_a_burst_and_after_a_restart() {
+    kernel_test!();
+    use aya::maps::{LpmTrie, Map, MapData};
+    use ratelimit_common::{
+        addr::{IpKey, LpmAddr},
+        caps::MAX_BANS,
+        maps::BanEntry,
+    };
+    const BAN: &str = r#"
+[[rule]]
+name = "udp-ban"
+action = "rate_based_ban"
+match = { protocol = "udp", dst_ports = ["9000"] }
+threshold = { count = 100, interval = "1h" }
+ban_threshold = { count = 3, interval = "1h" }
+ban_duration = "1h"
+algorithm = "fixed_window"
+"#;
+    const WHAT: &str = "rule ban table full: ";
+    // The sender's CPU runs the veth's receive path: one CPU, one "once a second".
+    ratelimit_tests::sender::pin_current_thread(0).expect("pin");
+    let mut s = Scenario::new("rlg");
+    s.start(BAN);
+    // Fill the rules' table behind the daemon's back, as a spoofed IPv6 flood would.
+    let data = MapData::from_pin(s.bpffs().join("RL_BANS")).expect("pinned rule ban table");
+    let mut bans: LpmTrie<MapData, LpmAddr, BanEntry> =
+        LpmTrie::try_from(Map::LpmTrie(data)).expect("lpm trie");
+    for i in 0..MAX_BANS {
+        let mut addr = [0u8; 16];
+        addr[0] = 0x20;
+        addr[1] = 0x01;
+        addr[4..8].copy_from_slice(&i.to_be_bytes());
+        let mut e = BanEntry::manual(64, addr, 1, 0);
+        e.rule = 0;
+        e.flags = 0;
+        let key = ratelimit_user::datapath::ban_key(64, &IpKey { addr });
+        bans.insert(&key, e, 0).expect("fill the ban table");
+    }
+    let mut tx = s.sender();
+    // 20 clients cross the ban threshold: 20 held bans, one line (the first, at once).
+    let t0 = Instant::now();
+    let took = burst(&s, &mut tx, 41, 20);
+    let got = wait_for_lines(&s, WHAT, 1);
+    std::thread::sleep(Duration::from_millis(300));
+    // Timing tolerance: past 0.9 s any packet (the namespace's own) may write the rest.
+    if t0.elapsed() < Duration::from_millis(900) {
+        assert_eq!(
+            kernel_lines(&s, WHAT),
+            got,
+            "no second line within the second"
+        );
+    }
+    // Timing tolerance: a burst slower than 0.9 s (a very busy machine) may see a second line.
+    if took < Duration::from_millis(900) {
+        assert_eq!(got, vec![1], "{}", s.daemon().logs());
+    }
+    assert_eq!(
+        reason(&s.stats(), "ban_held_in_state"),
+        20,
+        "{}",
+        s.daemon().logs()
+    );
+    // Past the second, the next packet through the rules (this one, or any the namespace
+    // sends) writes the other 19.
+    std::thread::sleep(Duration::from_millis(1_200));
+    tx.send(&s.udp(ip4(43, 1), PORT)).expect("send");
+    let got = wait_for_lines(&s, WHAT, 2);
+    assert_eq!(got.iter().sum::<u64>(), 20, "{}", s.daemon().logs());
+    if took < Duration::from_millis(900) {
+        assert_eq!(got, vec![1, 19], "{}", s.daemon().logs());
+    }
+    // A clean restart: a new program (nothing pending) writing to the new daemon's ring.
+    s.daemon_mut().restart();
+    let before = got.len();
+    let took = burst(&s, &mut tx, 42, 10);
+    // Past the second, the next packet through the rules writes the rest.
+    std::thread::sleep(Duration::from_millis(1_200));
+    tx.send(&s.udp(ip4(43, 2), PORT)).expect("send");
+    let got = wait_for_lines(&s, WHAT, before + 2);
+    let after = &got[before..];
+    assert_eq!(
+        after.iter().sum::<u64>(),
+        10,
+        "every held ban of the new program in one line: {got:?}\n{}",
+        s.daemon().logs()
+    );
+    if took < Duration::from_millis(900) {
+        assert_eq!(after, [1, 9], "{}", s.daemon().logs());
+    }
+    println!("lines: {got:?}");
+}
+
+/// `clients` sources 198.19.`c`.1.. each cross the ban threshold (5 packets); how long it took.
+fn burst(
+    s: &Scenario,
+    tx: &mut ratelimit_tests::sender::PacketSocket,
+    c: u8,
+    clients: u8,
+) -> Duration {
+    let t0 = Instant::now();
+    for i in 1..=clients {
+        let f = s.udp(ip4(c, i), PORT);
+        for _ in 0..5 {
+            tx.send(&f).expect("send");
+        }
+    }
+    t0.elapsed()
+}
+
+/// [`kernel_lines`] once there are `n` of them, or after 5 s.
+fn wait_for_lines(s: &Scenario, what: &str, n: usize) -> Vec<u64> {
+    let t0 = Instant::now();
+    while kernel_lines(s, what).len() < n && t0.elapsed() < Duration::from_secs(5) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    kernel_lines(s, what)
+}

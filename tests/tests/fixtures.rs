@@ -2673,3 +2673,225 @@ algorithm = "fixed_window"
     let d = delta(&before, &counters(&maps, &rules));
     assert_eq!(d.get("udp-ban/banned_dropped"), Some(&5), "{d:?}");
 }
+
+/// The lines the program wrote through aya-log, as the daemon's forwarder would get them.
+#[derive(Clone, Default)]
+struct Lines(std::sync::Arc<std::sync::Mutex<Vec<(log::Level, String)>>>);
+
+impl log::Log for Lines {
+    fn enabled(&self, _: &log::Metadata<'_>) -> bool {
+        true
+    }
+    fn log(&self, record: &log::Record<'_>) {
+        let line = record.args().to_string();
+        self.0.lock().unwrap().push((record.level(), line));
+    }
+    fn flush(&self) {}
+}
+
+impl Lines {
+    /// The lines starting with `what`, with the count each stands for (the number after it).
+    fn counts(&self, what: &str) -> Vec<(u64, String)> {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .filter_map(|(level, line)| {
+                let rest = line.strip_prefix(what)?;
+                assert_eq!(*level, log::Level::Warn, "{line}");
+                let n = rest.split(' ').next()?.parse().ok()?;
+                Some((n, line.clone()))
+            })
+            .collect()
+    }
+}
+
+/// A full rule ban table reaches the log through aya-log, never per packet: the first held ban
+/// at once, then at most one line a second (per CPU; this thread is pinned to one) carrying the
+/// number of bans it stands for, the last rule and family. The lines add up to the counter.
+#[test]
+fn a_full_rule_ban_table_is_logged_at_most_once_a_second_with_its_count() {
+    if skip_unless_kernel() {
+        return;
+    }
+    use ratelimit_common::caps::MAX_BANS;
+    use std::time::{Duration, Instant};
+    const CONFIG: &str = r#"
+[[rule]]
+name = "tcp-other"
+match = { protocol = "tcp", dst_ports = ["1"] }
+threshold = { count = 100, interval = "1h" }
+
+[[rule]]
+name = "udp-ban"
+action = "rate_based_ban"
+match = { protocol = "udp", dst_ports = ["9000"] }
+threshold = { count = 100, interval = "1h" }
+ban_threshold = { count = 3, interval = "1h" }
+ban_duration = "1h"
+algorithm = "fixed_window"
+"#;
+    const WHAT: &str = "rule ban table full: ";
+    ratelimit_tests::sender::pin_current_thread(0).expect("pin");
+    let pins = Pins::new("fixtures");
+    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
+    let lines = Lines::default();
+    let mut logger =
+        ratelimit_user::kernel_log::open(dp.ebpf_mut(), lines.clone()).expect("open the log ring");
+    let mut flush = || {
+        if let Some(l) = logger.as_mut() {
+            l.flush();
+        }
+    };
+    let mut maps = dp.take_maps().expect("maps");
+    let cfg = config::parse("full.toml", CONFIG).expect("config");
+    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
+    let rules = vec!["udp-ban".to_string()];
+    let now = report::mono_ns();
+    for i in 0..MAX_BANS {
+        let mut addr = [0u8; 16];
+        addr[0] = 0x20;
+        addr[1] = 0x01;
+        addr[4..8].copy_from_slice(&i.to_be_bytes());
+        let mut e = ratelimit_common::maps::BanEntry::manual(64, addr, now, 0);
+        e.flags = 0;
+        e.rule = 1;
+        maps.insert_ban_deferred(e).unwrap();
+    }
+    maps.flush_ban_epoch().unwrap();
+    let before = counters(&maps, &rules);
+    // 30 IPv4 clients cross the ban threshold (4 packets each): 30 held bans, one line.
+    let t0 = Instant::now();
+    for i in 0..30u8 {
+        let f = v4([198, 18, 46, i]).udp(40000, 9000).build();
+        assert_eq!(dp.test_run(&f, 4).unwrap().0, XDP_DROP);
+    }
+    let burst1 = t0.elapsed();
+    flush();
+    let got = lines.counts(WHAT);
+    // Timing tolerance: a burst slower than 0.9 s (a very busy machine) may see a line for
+    // every second it spans (give or take the coarse clock's tick).
+    if burst1 < Duration::from_millis(900) {
+        assert_eq!(got.len(), 1, "{got:?}");
+    } else {
+        let seconds = (burst1 + Duration::from_millis(10)).as_secs() as usize;
+        assert!(got.len() <= 1 + seconds, "{burst1:?}: {got:?}");
+    }
+    assert_eq!(got[0].0, 1, "the first held ban is logged at once: {got:?}");
+    assert!(got[0].1.contains("rule 1, IPv4"), "{got:?}");
+    // Past the second, the next packet through the rules writes the rest; 10 IPv6 clients'
+    // held bans right after it wait for the next second.
+    std::thread::sleep(Duration::from_millis(1_200));
+    let t1 = Instant::now();
+    for i in 0..10u16 {
+        let f = v6(&format!("2001:db8:46:{i:x}::1"))
+            .udp(40000, 9000)
+            .build();
+        assert_eq!(dp.test_run(&f, 4).unwrap().0, XDP_DROP);
+    }
+    let burst2 = t1.elapsed();
+    flush();
+    let got2 = lines.counts(WHAT);
+    if burst1 < Duration::from_millis(900) && burst2 < Duration::from_millis(900) {
+        assert_eq!(got2.len(), 2, "{got2:?}");
+        assert_eq!(got2[1].0, 29, "{got2:?}");
+        assert!(got2[1].1.contains("rule 1, IPv4"), "{got2:?}");
+    }
+    std::thread::sleep(Duration::from_millis(1_200));
+    let plain = v4([198, 18, 47, 1]).udp(40000, 9000).build();
+    assert_eq!(dp.test_run(&plain, 1).unwrap().0, XDP_PASS);
+    flush();
+    let all = lines.counts(WHAT);
+    let d = delta(&before, &counters(&maps, &rules));
+    assert_eq!(d.get("ban_held_in_state"), Some(&40), "{d:?}");
+    assert_eq!(
+        all.iter().map(|(n, _)| n).sum::<u64>(),
+        40,
+        "every held ban is counted in exactly one line: {all:?}"
+    );
+    assert!(all.last().unwrap().1.contains("rule 1, IPv6"), "{all:?}");
+    if burst1 < Duration::from_millis(900) && burst2 < Duration::from_millis(900) {
+        assert_eq!(all.len(), 3, "{all:?}");
+        assert_eq!(all[2].0, 10, "{all:?}");
+    }
+    println!("{all:#?}");
+}
+
+/// A shared key (`key = "all"`) whose state its full map refuses: every packet passes (fails
+/// open, never a drop for a state it could not keep), is counted once in
+/// `state_insert_failed`, and reaches the log at most once a second with its count.
+#[test]
+fn a_full_shared_state_map_fails_open_counts_each_packet_once_and_is_logged() {
+    if skip_unless_kernel() {
+        return;
+    }
+    use ratelimit_common::{
+        caps::MAX_SHARED_STATES,
+        maps::{ClientKey, KEY_REGION, SharedState},
+    };
+    use std::time::{Duration, Instant};
+    const CONFIG: &str = r#"
+[[rule]]
+name = "all"
+key = "all"
+match = { protocol = "udp", dst_ports = ["9000"] }
+threshold = { count = 5, interval = "1h" }
+algorithm = "fixed_window"
+"#;
+    const WHAT: &str = "shared-key state map refused a key: ";
+    ratelimit_tests::sender::pin_current_thread(0).expect("pin");
+    let pins = Pins::new("fixtures");
+    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
+    let lines = Lines::default();
+    let mut logger =
+        ratelimit_user::kernel_log::open(dp.ebpf_mut(), lines.clone()).expect("open the log ring");
+    let mut flush = || {
+        if let Some(l) = logger.as_mut() {
+            l.flush();
+        }
+    };
+    let mut maps = dp.take_maps().expect("maps");
+    let cfg = config::parse("shared.toml", CONFIG).expect("config");
+    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
+    // Fill the shared keys' map with region keys of a rule slot no rule uses.
+    for i in 0..MAX_SHARED_STATES {
+        let mut addr = [0u8; 16];
+        addr[..4].copy_from_slice(&i.to_be_bytes());
+        let key = ClientKey {
+            rule: 15,
+            kind: KEY_REGION,
+            _pad: [0; 2],
+            prefix_len: 0,
+            addr,
+        };
+        maps.clients
+            .shared
+            .insert(key, SharedState::default(), 0)
+            .expect("fill the shared map");
+    }
+    let rules = vec!["all".to_string()];
+    let f = v4([198, 18, 48, 1]).udp(40000, 9000).build();
+    let before = counters(&maps, &rules);
+    let t0 = Instant::now();
+    assert_eq!(dp.test_run(&f, 50).unwrap().0, XDP_PASS);
+    let took = t0.elapsed();
+    let d = delta(&before, &counters(&maps, &rules));
+    assert_eq!(d.get("pass"), Some(&50), "{d:?}");
+    assert_eq!(d.get("state_insert_failed"), Some(&50), "{d:?}");
+    flush();
+    if took < Duration::from_millis(900) {
+        assert_eq!(lines.counts(WHAT).len(), 1, "{:?}", lines.counts(WHAT));
+    }
+    assert_eq!(lines.counts(WHAT)[0].0, 1, "{:?}", lines.counts(WHAT));
+    std::thread::sleep(Duration::from_millis(1_200));
+    assert_eq!(dp.test_run(&f, 1).unwrap().0, XDP_PASS);
+    flush();
+    let got = lines.counts(WHAT);
+    assert_eq!(
+        got.iter().map(|(n, _)| n).sum::<u64>(),
+        51,
+        "every refused packet in exactly one line: {got:?}"
+    );
+    assert!(got.last().unwrap().1.contains("rule 0;"), "{got:?}");
+    println!("{got:#?}");
+}
