@@ -14,6 +14,7 @@
 //!   `prev`. A packet another CPU counts between the swap and the move lands in `prev`
 //!   instead of `cur`: bounded by the packets in flight at a window edge, and it only makes
 //!   the estimate stricter for the rest of that window.
+//!
 //! The end-to-end test `two_cpu_accuracy` measures the result with senders on both CPUs.
 
 use aya_ebpf::{
@@ -589,7 +590,12 @@ fn shared_state(env: &Env, key: &mut ClientKey) -> Got {
     if let Some(p) = SHARED.get_ptr_mut(key) {
         return Got::Shared(p);
     }
-    match SHARED.insert(key, &ZERO_SHARED, BPF_NOEXIST as u64) {
+    #[expect(
+        clippy::needless_borrows_for_generic_args,
+        reason = "by value would copy the static onto the 512-byte BPF stack"
+    )]
+    let inserted = SHARED.insert(key, &ZERO_SHARED, BPF_NOEXIST as u64);
+    match inserted {
         Ok(()) => stats::add(env.slot, global::STATE_CREATED, 0),
         Err(EEXIST) => {}
         Err(_) => {
@@ -1258,6 +1264,11 @@ pub extern "C" fn rl_ban(
                 ),
             );
             let table = ban_table(j.ban_flags);
+            #[expect(
+                clippy::needless_borrows_for_generic_args,
+                reason = "the entry lives in the scratch map: by value would copy it onto the \
+                          512-byte BPF stack, which this call chain has little of"
+            )]
             let inserted = if table == BAN_TABLE_PASSING {
                 PASSING_BANS.insert(&*lpm, &*entry, BPF_NOEXIST as u64)
             } else {
@@ -1339,7 +1350,7 @@ pub fn client_state(key: &ClientKey, sets: u32) -> Option<*mut ClientState> {
         let (_, tag, sets) = store::place(key, sets);
         store::lookup(key, tag, sets)
     } else {
-        let p = SHARED.get_ptr_mut(&on_stack(key))?;
+        let p = SHARED.get_ptr_mut(on_stack(key))?;
         // SAFETY: a field of a live map value.
         Some(unsafe { &raw mut (*p).state })
     }

@@ -109,5 +109,5 @@ pub fn region_override(rule: u32, region: [u8; 2]) -> Option<&'static OverrideVa
         region,
         _pad: [0; 2],
     };
-    unsafe { REGION_OVERRIDES.get(&key) }
+    unsafe { REGION_OVERRIDES.get(key) }
 }

@@ -37,7 +37,7 @@ pub fn slot(ifindex: u32) -> Slot {
             _ => 0,
         };
     }
-    match unsafe { IFACES.get(&ifindex) } {
+    match unsafe { IFACES.get(ifindex) } {
         Some(&s) if s < MAX_IFACES => s,
         _ => 0,
     }
