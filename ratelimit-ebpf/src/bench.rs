@@ -67,6 +67,7 @@ pub fn vary_source(ctx: &XdpContext) -> u32 {
         (cfg[2] as u32).wrapping_add(place)
     } else if mode == MODE_CHURN {
         // A new source on every packet: 24 bits of sequence under a per-CPU first octet.
+        // SAFETY: a helper without arguments.
         let cpu = unsafe { bpf_get_smp_processor_id() };
         ((12 + cpu) << 24) | (i as u32 & 0x00ff_ffff)
     } else {
@@ -89,6 +90,7 @@ pub fn vary_source(ctx: &XdpContext) -> u32 {
 /// Floor: the clock.
 #[xdp]
 pub fn ref_clock(_ctx: XdpContext) -> u32 {
+    // SAFETY: a helper without arguments that reads the clock.
     core::hint::black_box(unsafe { bpf_ktime_get_ns() });
     xdp_action::XDP_PASS
 }
@@ -96,6 +98,7 @@ pub fn ref_clock(_ctx: XdpContext) -> u32 {
 /// Floor: the coarse clock (the last timer tick; no clock-source read).
 #[xdp]
 pub fn ref_clock_coarse(_ctx: XdpContext) -> u32 {
+    // SAFETY: a helper without arguments that reads the clock.
     core::hint::black_box(unsafe { aya_ebpf::helpers::bpf_ktime_get_coarse_ns() });
     xdp_action::XDP_PASS
 }
@@ -159,6 +162,7 @@ pub fn ref_floor(ctx: XdpContext) -> u32 {
     let parse::Frame::Ip(p) = parse::parse(&ctx) else {
         return xdp_action::XDP_ABORTED;
     };
+    // SAFETY: a helper without arguments that reads the clock.
     let now = unsafe { bpf_ktime_get_ns() };
     if let Some(c) = limit::bench_client_counter(&p.src) {
         // SAFETY: a live map value.

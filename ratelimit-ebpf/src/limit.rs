@@ -392,6 +392,7 @@ pub extern "C" fn rl_rule(index: u64, rl: *mut RuleLoop) -> u64 {
     stats::add_rule(rl.env.slot, i, rc::MATCHED, rl.env.len);
     rl.env.now = if rule.flags & RULE_FINE_CLOCK != 0 {
         if rl.fine_now == 0 {
+            // SAFETY: a helper without arguments that reads the clock.
             rl.fine_now = unsafe { bpf_ktime_get_ns() };
         }
         rl.fine_now
@@ -469,6 +470,7 @@ pub extern "C" fn rl_admit(now: u64, inc: u64, burst_ns: u64, fine: u64) -> u64 
         return 1;
     }
     let now = if fine != 0 {
+        // SAFETY: a helper without arguments that reads the clock.
         unsafe { bpf_ktime_get_ns() }
     } else {
         now
@@ -476,12 +478,15 @@ pub extern "C" fn rl_admit(now: u64, inc: u64, burst_ns: u64, fine: u64) -> u64 
     let Some(a) = ADMISSION.get_ptr_mut(0) else {
         return 1;
     };
+    // SAFETY: the address of a field of a live array value (no read).
     let tat = unsafe { &raw mut (*a).tat_ns };
     for _ in 0..CAS_RETRIES {
+        // SAFETY: an aligned word of a live array value.
         let old = unsafe { atomic::load(tat) };
         match limiter::gcra_admit(old, now, inc, burst_ns) {
             None => return 0,
             Some(new) => {
+                // SAFETY: as for the load.
                 if unsafe { atomic::cas(tat, old, new) } {
                     return 1;
                 }
@@ -788,8 +793,9 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
         match state_for(env, key, rl.coarse_now, rl.tick, &mut rl.inserts, scan) {
             Got::State(p) => (p, false),
             Got::Shared(p) => {
-                // SAFETY: fields of a live map value.
+                // SAFETY: addresses of fields of a live map value (no read).
                 until = unsafe { &raw mut (*p).banned_until_ns };
+                // SAFETY: as above.
                 (unsafe { &raw mut (*p).state }, false)
             }
             Got::Refused(p) => (p, true),
@@ -1094,24 +1100,36 @@ fn exceeded(env: &Env, i: u32, preview: bool, exceed_pass: bool, drop_counter: u
 }
 
 /// Rotate a window meter to `now` (compare-and-swap on the window index).
+///
+/// # Safety
+/// `stamp`, `cur` and `prev` are aligned words of one live map value.
 #[inline(always)]
 unsafe fn rotate(stamp: *mut u64, cur: *mut u64, prev: *mut u64, now: u64, interval: u64) -> u64 {
     let w = limiter::window_of(now, interval);
+    // SAFETY: the caller's contract.
     let s = unsafe { atomic::load(stamp) };
     // Forward only: a CPU whose `now` was read just before another CPU rotated must not
     // rotate back (that would reset the window). A jump far backwards means the interval
     // changed: start clean. A ban meter holding a ban (`BAN_HELD_MARK`, set by another CPU
     // since this one looked) is not a window: leave it.
-    if (w > s || w.wrapping_add(1) < s) && s != BAN_HELD_MARK && unsafe { atomic::cas(stamp, s, w) }
+    if (w > s || w.wrapping_add(1) < s)
+        && s != BAN_HELD_MARK
+        // SAFETY: the caller's contract.
+        && unsafe { atomic::cas(stamp, s, w) }
     {
+        // SAFETY: the caller's contract.
         let c = unsafe { atomic::swap(cur, 0) };
         let (_, p) = limiter::rotate(s, w, c, 0);
+        // SAFETY: the caller's contract.
         unsafe { atomic::store(prev, p) };
     }
     w
 }
 
 /// Count `cost` into a sliding-window meter and return its estimate.
+///
+/// # Safety
+/// `stamp`, `cur` and `prev` are aligned words of one live map value.
 #[inline(always)]
 unsafe fn meter(
     stamp: *mut u64,
@@ -1121,9 +1139,12 @@ unsafe fn meter(
     interval: u64,
     cost: u64,
 ) -> u64 {
+    // SAFETY: the caller's contract, passed on.
     let w = unsafe { rotate(stamp, cur, prev, now, interval) };
+    // SAFETY: the caller's contract.
     let c = unsafe { atomic::fetch_add(cur, cost) } + cost;
     limiter::sliding_estimate(
+        // SAFETY: the caller's contract.
         unsafe { atomic::load(prev) },
         c,
         limiter::prev_weight_in(now, interval, w),
@@ -1133,6 +1154,9 @@ unsafe fn meter(
 /// The rule's algorithm: (admitted, usage after this packet, the capacity usage is measured
 /// against: the threshold for windows, the burst for the token bucket, whether it refused
 /// for losing every compare-and-swap retry).
+///
+/// # Safety
+/// `st` points to a live map value.
 #[inline(always)]
 unsafe fn limit_check(
     slot: Slot,
@@ -1147,6 +1171,7 @@ unsafe fn limit_check(
     if interval == 0 || threshold == 0 {
         return (true, 0, threshold, false);
     }
+    // SAFETY: addresses of fields of the live map value `st` (no read).
     let (stamp, cur, prev) = unsafe {
         (
             &raw mut (*st).stamp,
@@ -1165,17 +1190,20 @@ unsafe fn limit_check(
         let burst_ns = limit.gcra_burst_ns;
         let tat = stamp;
         for _ in 0..CAS_RETRIES {
+            // SAFETY: an aligned word of the live map value `st`.
             let old = unsafe { atomic::load(tat) };
             match limiter::gcra_admit(old, now, inc, burst_ns) {
                 None => {
                     // Left over from a stricter limit: store the horizon instead (best effort;
                     // a lost race leaves it for the next packet).
                     if let Some(c) = limiter::gcra_clamp(old, now, burst_ns) {
+                        // SAFETY: as for the load.
                         unsafe { atomic::cas(tat, old, c) };
                     }
                     return (false, burst_ns, burst_ns, false);
                 }
                 Some(new) => {
+                    // SAFETY: as for the load.
                     if unsafe { atomic::cas(tat, old, new) } {
                         return (true, new - now, burst_ns, false);
                     }
@@ -1185,6 +1213,7 @@ unsafe fn limit_check(
         stats::add(slot, global::CONTENDED, 0);
         return (false, burst_ns, burst_ns, true);
     }
+    // SAFETY: three aligned words of the live map value `st`.
     let w = unsafe { rotate(stamp, cur, prev, now, interval) };
     let weight = if algorithm == ALG_FIXED_WINDOW {
         0
@@ -1195,13 +1224,16 @@ unsafe fn limit_check(
     // counted in between. (Reserving with fetch-add and giving back on overshoot would race
     // with window rotation: a give-back landing after the rotation zeroed `cur` would wrap it
     // and shut the client out for two windows.)
+    // SAFETY: an aligned word of the live map value `st`.
     let prev_w = unsafe { atomic::load(prev) };
     for _ in 0..CAS_RETRIES {
+        // SAFETY: as above.
         let c = unsafe { atomic::load(cur) };
         let est = limiter::sliding_estimate(prev_w, c, weight);
         if !limiter::sliding_admits(est, cost, threshold) {
             return (false, est + cost, threshold, false);
         }
+        // SAFETY: as above.
         if unsafe { atomic::cas(cur, c, c + cost) } {
             return (true, est + cost, threshold, false);
         }

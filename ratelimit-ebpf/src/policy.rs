@@ -109,5 +109,8 @@ pub fn region_override(rule: u32, region: [u8; 2]) -> Option<&'static OverrideVa
         region,
         _pad: [0; 2],
     };
+    // SAFETY: the value stays allocated while the program runs (the kernel frees hash map
+    // values after an RCU grace period; XDP runs in an RCU read-side section). A concurrent
+    // update by the daemon can at worst mix old and new plain integers of one override.
     unsafe { REGION_OVERRIDES.get(key) }
 }
