@@ -16,6 +16,9 @@
 
 use core::intrinsics::{self, AtomicOrdering::Relaxed};
 
+/// Bounded retries of a compare-and-swap before giving up.
+pub const CAS_RETRIES: u32 = 3;
+
 /// A relaxed load. An aligned 64-bit BPF load is single-copy atomic; volatile keeps the
 /// compiler from merging or tearing it (LLVM lowers atomic loads only for cpu v4).
 ///

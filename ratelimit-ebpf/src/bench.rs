@@ -17,7 +17,7 @@ use aya_ebpf::{
     programs::XdpContext,
 };
 
-use crate::{atomic, limit, parse};
+use crate::{atomic, parse, state};
 
 /// `[mode, n, base]`: mode 0 off, 1 spread over `base .. base + n`, 2 churn.
 #[map(name = "RL_BENCH_VARY")]
@@ -118,7 +118,7 @@ pub fn ref_lookup(ctx: XdpContext) -> u32 {
     let parse::Frame::Ip(p) = parse::parse(&ctx) else {
         return xdp_action::XDP_ABORTED;
     };
-    if let Some(c) = limit::bench_client_counter(&p.src) {
+    if let Some(c) = state::bench_client_counter(&p.src) {
         // SAFETY: a live map value.
         unsafe { atomic::add(c, 1) };
     }
@@ -164,7 +164,7 @@ pub fn ref_floor(ctx: XdpContext) -> u32 {
     };
     // SAFETY: a helper without arguments that reads the clock.
     let now = unsafe { bpf_ktime_get_ns() };
-    if let Some(c) = limit::bench_client_counter(&p.src) {
+    if let Some(c) = state::bench_client_counter(&p.src) {
         // SAFETY: a live map value.
         unsafe { atomic::add(c, now & 1) };
     }

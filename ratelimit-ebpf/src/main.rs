@@ -1,7 +1,7 @@
 //! The ratelimit XDP program.
 //!
 //! Per packet: parse (`parse`; from the IP header on devices without one, `ratelimit_l3`), then this tick's fast-drop entry (`fast`) → allow list → deny
-//! list → active ban → rules in file order (`policy`, `limit`), record the verdict in the per-CPU counters and return. Every exit goes
+//! list → active ban (`bans`) → rules in file order (`policy`, `rules`), record the verdict in the per-CPU counters and return. Every exit goes
 //! through [`finish`], so every frame is counted in exactly one verdict counter.
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
@@ -18,7 +18,11 @@
 )]
 
 #[cfg(target_arch = "bpf")]
+mod admission;
+#[cfg(target_arch = "bpf")]
 mod atomic;
+#[cfg(target_arch = "bpf")]
+mod bans;
 #[cfg(all(target_arch = "bpf", feature = "bench"))]
 mod bench;
 #[cfg(target_arch = "bpf")]
@@ -32,11 +36,17 @@ mod generator;
 #[cfg(target_arch = "bpf")]
 mod known;
 #[cfg(target_arch = "bpf")]
-mod limit;
+mod meters;
 #[cfg(target_arch = "bpf")]
 mod parse;
 #[cfg(target_arch = "bpf")]
 mod policy;
+#[cfg(target_arch = "bpf")]
+mod rules;
+#[cfg(target_arch = "bpf")]
+mod scratch;
+#[cfg(target_arch = "bpf")]
+mod state;
 #[cfg(target_arch = "bpf")]
 mod stats;
 #[cfg(target_arch = "bpf")]
@@ -53,10 +63,10 @@ mod program {
     };
 
     use crate::{
-        clock, fast,
-        limit::{self, RuleVerdict},
+        bans, clock, fast,
         parse::{self, Frame, Parsed},
         policy,
+        rules::{self, RuleVerdict},
         stats::{self, Slot},
     };
 
@@ -125,7 +135,7 @@ mod program {
         // added since moves the ban epoch (read here, before this packet's ban lookup): either
         // voids it.
         let ban_epoch = if global_cfg.rule_count != 0 {
-            limit::ban_epoch()
+            bans::ban_epoch()
         } else {
             0
         };
@@ -150,7 +160,7 @@ mod program {
             src_mask = (1, mask);
         }
         let mut ban_matched = false;
-        if let Some(ban_flags) = limit::active_ban(slot, src, now) {
+        if let Some(ban_flags) = bans::active_ban(slot, src, now) {
             let passes =
                 global_cfg.preview_all != 0 || ban_flags & (BAN_PREVIEW | BAN_EXCEED_PASS) != 0;
             if !passes {
@@ -162,7 +172,7 @@ mod program {
             }
             ban_matched = true;
         }
-        match limit::evaluate_rules(
+        match rules::evaluate_rules(
             slot,
             pkt,
             len,
