@@ -39,8 +39,9 @@ pub const ABOVE_BAN_THRESHOLD: u64 = 1;
 pub const BAN_HELD: u64 = 2;
 
 /// Offered-rate meter of rate_based_ban (every matched packet counts): [`ABOVE_BAN_THRESHOLD`]
-/// if the client is now above its ban threshold, [`BAN_HELD`] if a ban held in its state (`BAN_HELD_MARK`) is in
-/// force. A held ban that has ended is cleared (and its unban reported) on the way.
+/// if the client is now above its ban threshold, [`BAN_HELD`] if a ban held in its state
+/// (`BAN_HELD_MARK`) is in force, else [`BELOW_BAN_THRESHOLD`]. A held ban that has ended is
+/// cleared (and its unban reported) on the way.
 #[unsafe(no_mangle)]
 #[inline(never)]
 pub extern "C" fn rl_ban_meter(
@@ -94,7 +95,8 @@ pub const ADMITTED: u64 = 1;
 pub const REFUSED_STARTS: u64 = 2;
 
 /// The limiter: [`ADMITTED`] if the packet is within the threshold, [`REFUSED`] if not,
-/// [`REFUSED_STARTS`] if not and the refusal starts a throttle episode. Sets `usage` and `capacity`.
+/// [`REFUSED_STARTS`] if not and the refusal starts a throttle episode. Sets `usage` and
+/// `capacity`.
 #[unsafe(no_mangle)]
 #[inline(never)]
 pub extern "C" fn rl_limit(st: *mut ClientState, lim: *const Limit, j: *mut Judge) -> u64 {

@@ -71,8 +71,9 @@ pub struct RuleLoop {
 pub static SCRATCH: aya_ebpf::maps::PerCpuArray<RuleLoop> =
     aya_ebpf::maps::PerCpuArray::with_max_entries(1, 0);
 
-/// Per-packet facts the verifier-isolated stages below share. Lives on the caller's stack and
-/// is passed by pointer (global BPF functions take scalars or pointers to plain memory).
+/// Per-packet facts the verifier-isolated stages (`meters.rs`, `bans.rs`) share. Lives in the
+/// scratch record ([`RuleLoop::judge`]) and is passed by pointer (global BPF functions take
+/// scalars or pointers to plain memory).
 #[repr(C)]
 pub struct Judge {
     pub now: u64,

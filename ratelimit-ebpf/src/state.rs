@@ -27,8 +27,9 @@ pub const EEXIST: i32 = -17;
 /// The states of shared keys (`KEY_ALL`: one per rule; `KEY_REGION`: one per rule and
 /// region), with their bans. Per-source states live in the per-source store (`store.rs`),
 /// bounded by `tracking.max_sources`; which sources get one at all is decided by the
-/// admission budget below, so a random-source flood churns only its own entries. Shared (not
-/// per-CPU): see the module comment. Not LRU: churn must not evict a shared key's ban.
+/// admission budget (`admission.rs`), so a random-source flood churns only its own entries.
+/// Shared (not per-CPU): see the module comment. Not LRU: churn must not evict a shared key's
+/// ban.
 #[map(name = "RL_SHARED")]
 static SHARED: HashMap<ClientKey, SharedState> = HashMap::pinned(MAX_SHARED_STATES, 0);
 
