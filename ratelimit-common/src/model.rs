@@ -296,7 +296,7 @@ pub fn parse_l4(f: &[u8], off: usize, pkt: &mut Parsed) {
     pkt.l4 = true;
 }
 
-/// Protocol, destination ports and TCP flags (`limit::matches`).
+/// Protocol, destination ports and TCP flags (`rules::matches`).
 pub fn rule_matches(rule: &RuleConfig, pkt: &Parsed) -> bool {
     if rule.protocol != PROTO_ANY && rule.protocol != pkt.proto {
         return false;
@@ -416,7 +416,7 @@ pub struct Outcome {
     pub trace: Vec<String>,
 }
 
-/// What a rule says of a packet it matched (`limit::RuleVerdict`).
+/// What a rule says of a packet it matched (`rules::RuleVerdict`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum RuleVerdict {
     Pass,
@@ -589,7 +589,7 @@ impl Model {
         })
     }
 
-    /// The flags of the ban that decides for `src` (`limit::active_ban`): the operator's
+    /// The flags of the ban that decides for `src` (`bans::active_ban`): the operator's
     /// table, then the rules' bans that drop, then those that pass; the first match decides.
     pub fn active_ban(&mut self, src: &IpKey, now: u64) -> Option<u32> {
         for table in [BAN_TABLE_OPERATOR, BAN_TABLE_RULE, BAN_TABLE_PASSING] {
@@ -614,7 +614,7 @@ impl Model {
             .map(|(_, _, _, v)| v.limit)
     }
 
-    /// One matching rule for one packet (`limit::apply`).
+    /// One matching rule for one packet (`rules::apply`).
     fn apply_rule(
         &mut self,
         i: u32,
@@ -749,7 +749,7 @@ impl Model {
     }
 }
 
-/// Rotate a window meter to `now` (`limit::rotate`, one CPU): the window index.
+/// Rotate a window meter to `now` (`meters::rotate`, one CPU): the window index.
 fn rotate(stamp: &mut u64, cur: &mut u64, prev: &mut u64, now: u64, interval: u64) -> u64 {
     let w = limiter::window_of(now, interval);
     let s = *stamp;
@@ -761,7 +761,7 @@ fn rotate(stamp: &mut u64, cur: &mut u64, prev: &mut u64, now: u64, interval: u6
     w
 }
 
-/// The offered-rate meter of a ban rule (`limit::rl_ban_meter`): over the ban threshold?
+/// The offered-rate meter of a ban rule (`meters::rl_ban_meter`): over the ban threshold?
 fn ban_meter(st: &mut ClientState, limit: &Limit, now: u64, cost: u64) -> bool {
     let interval = limit.ban_interval_ns;
     if interval == 0 {
@@ -783,7 +783,7 @@ fn ban_meter(st: &mut ClientState, limit: &Limit, now: u64, cost: u64) -> bool {
     seen > limit.ban_threshold
 }
 
-/// The rule's algorithm (`limit::limit_check`, one CPU): admitted?
+/// The rule's algorithm (`meters::limit_check`, one CPU): admitted?
 pub fn limit_check(
     st: &mut ClientState,
     algorithm: u8,

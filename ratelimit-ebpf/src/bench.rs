@@ -17,7 +17,7 @@ use aya_ebpf::{
     programs::XdpContext,
 };
 
-use crate::{atomic, limit, parse};
+use crate::{atomic, parse, state};
 
 /// `[mode, n, base]`: mode 0 off, 1 spread over `base .. base + n`, 2 churn.
 #[map(name = "RL_BENCH_VARY")]
@@ -67,6 +67,7 @@ pub fn vary_source(ctx: &XdpContext) -> u32 {
         (cfg[2] as u32).wrapping_add(place)
     } else if mode == MODE_CHURN {
         // A new source on every packet: 24 bits of sequence under a per-CPU first octet.
+        // SAFETY: a helper without arguments.
         let cpu = unsafe { bpf_get_smp_processor_id() };
         ((12 + cpu) << 24) | (i as u32 & 0x00ff_ffff)
     } else {
@@ -89,6 +90,7 @@ pub fn vary_source(ctx: &XdpContext) -> u32 {
 /// Floor: the clock.
 #[xdp]
 pub fn ref_clock(_ctx: XdpContext) -> u32 {
+    // SAFETY: a helper without arguments that reads the clock.
     core::hint::black_box(unsafe { bpf_ktime_get_ns() });
     xdp_action::XDP_PASS
 }
@@ -96,6 +98,7 @@ pub fn ref_clock(_ctx: XdpContext) -> u32 {
 /// Floor: the coarse clock (the last timer tick; no clock-source read).
 #[xdp]
 pub fn ref_clock_coarse(_ctx: XdpContext) -> u32 {
+    // SAFETY: a helper without arguments that reads the clock.
     core::hint::black_box(unsafe { aya_ebpf::helpers::bpf_ktime_get_coarse_ns() });
     xdp_action::XDP_PASS
 }
@@ -115,7 +118,7 @@ pub fn ref_lookup(ctx: XdpContext) -> u32 {
     let parse::Frame::Ip(p) = parse::parse(&ctx) else {
         return xdp_action::XDP_ABORTED;
     };
-    if let Some(c) = limit::bench_client_counter(&p.src) {
+    if let Some(c) = state::bench_client_counter(&p.src) {
         // SAFETY: a live map value.
         unsafe { atomic::add(c, 1) };
     }
@@ -159,8 +162,9 @@ pub fn ref_floor(ctx: XdpContext) -> u32 {
     let parse::Frame::Ip(p) = parse::parse(&ctx) else {
         return xdp_action::XDP_ABORTED;
     };
+    // SAFETY: a helper without arguments that reads the clock.
     let now = unsafe { bpf_ktime_get_ns() };
-    if let Some(c) = limit::bench_client_counter(&p.src) {
+    if let Some(c) = state::bench_client_counter(&p.src) {
         // SAFETY: a live map value.
         unsafe { atomic::add(c, now & 1) };
     }

@@ -20,8 +20,10 @@ static TICK: PerCpuArray<[u64; 2]> = PerCpuArray::with_max_entries(1, 0);
 /// Returns (that ns, the tick it belongs to in jiffies).
 #[inline(always)]
 pub fn coarse_tick() -> (u64, u64) {
+    // SAFETY: a helper without arguments that reads the tick count.
     let jiffies = unsafe { bpf_jiffies64() };
     let Some(t) = TICK.get_ptr_mut(0) else {
+        // SAFETY: a helper without arguments that reads the clock.
         return (unsafe { bpf_ktime_get_coarse_ns() }, jiffies);
     };
     // SAFETY: this CPU's slot; an XDP program runs to completion on its CPU.

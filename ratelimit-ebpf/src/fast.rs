@@ -41,8 +41,9 @@ use ratelimit_common::{
 
 use crate::{
     atomic,
-    limit::{self, Env, RuleLoop},
     parse::Parsed,
+    scratch::{Env, RuleLoop},
+    state,
     stats::{self, Slot},
 };
 
@@ -105,7 +106,7 @@ pub extern "C" fn rl_ovf_flush(e: *mut FastEntry, rule: u64) -> u64 {
     if packets == 0 {
         return 0;
     }
-    if let Some(st) = limit::overflow_of(rule as u32) {
+    if let Some(st) = state::overflow_of(rule as u32) {
         add_pending(st, packets, e.pending_bytes, e.now_ns);
     }
     e.pending_packets = 0;
@@ -225,7 +226,7 @@ pub extern "C" fn rl_fast_flush(e: *mut FastEntry) -> u64 {
     if packets == 0 {
         return 0;
     }
-    if let Some(st) = limit::client_state(&e.key, crate::policy::global().store_sets) {
+    if let Some(st) = state::client_state(&e.key, crate::policy::global().store_sets) {
         add_pending(st, packets, e.pending_bytes, e.now_ns);
     }
     e.pending_packets = 0;

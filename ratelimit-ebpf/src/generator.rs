@@ -101,6 +101,7 @@ pub fn gen_flood(ctx: XdpContext) -> u32 {
     let legit_n = cfg[C_LEGIT_N];
     let paced = flood_period != 0 || (legit_n != 0 && cfg[C_FLOOD_ONLY] == 0);
     let now = if paced {
+        // SAFETY: a helper without arguments that reads the clock.
         unsafe { bpf_ktime_get_ns() }
     } else {
         0

@@ -16,10 +16,7 @@ use crate::atomic;
 /// Sized at load for `tracking.max_sources` (`known_map_entries`). Mmap-able, so the daemon
 /// rebuilds a half with plain stores instead of a system call per word.
 #[map(name = "RL_KNOWN")]
-static KNOWN: Array<u64> = Array::pinned(
-    known_map_entries(DEFAULT_MAX_SOURCES),
-    BPF_F_MMAPABLE as u32,
-);
+static KNOWN: Array<u64> = Array::pinned(known_map_entries(DEFAULT_MAX_SOURCES), BPF_F_MMAPABLE);
 
 /// log2(bits per half) from the control word, or 0 if it holds none the program can use.
 #[inline(always)]

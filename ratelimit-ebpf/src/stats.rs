@@ -37,7 +37,9 @@ pub fn slot(ifindex: u32) -> Slot {
             _ => 0,
         };
     }
-    match unsafe { IFACES.get(&ifindex) } {
+    // SAFETY: the value is copied out at once, and it stays allocated until then (the kernel
+    // frees hash map values after an RCU grace period; XDP runs in an RCU read-side section).
+    match unsafe { IFACES.get(ifindex) } {
         Some(&s) if s < MAX_IFACES => s,
         _ => 0,
     }

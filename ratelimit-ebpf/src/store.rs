@@ -57,8 +57,7 @@ use crate::{atomic, policy, stats};
 /// Sized at load for `tracking.max_sources` (`store_sets`). Mmap-able, so the daemon can
 /// retire a state with an atomic compare-and-swap of its tag.
 #[map(name = "RL_CLIENTS")]
-static CLIENTS: Array<StoreSet> =
-    Array::pinned(store_sets(DEFAULT_MAX_SOURCES), BPF_F_MMAPABLE as u32);
+static CLIENTS: Array<StoreSet> = Array::pinned(store_sets(DEFAULT_MAX_SOURCES), BPF_F_MMAPABLE);
 
 /// `[0]`: the key of the placement hash, drawn by the daemon when it creates the maps and
 /// never changed while they are pinned (see `HashKey`). Zero until then, when the store has

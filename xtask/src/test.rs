@@ -149,7 +149,7 @@ pub fn run(options: Options) -> Result<()> {
     util::run(&mut util::cargo(["fmt", "--all", "--", "--check"]))
         .context("formatting check (run `cargo fmt --all`)")?;
 
-    header(2, "clippy");
+    header(2, "clippy (host, then the XDP program on the BPF target)");
     util::run(&mut util::cargo([
         "clippy",
         "--workspace",
@@ -159,6 +159,14 @@ pub fn run(options: Options) -> Result<()> {
         "warnings",
     ]))
     .context("clippy")?;
+    for features in [None, Some("bench")] {
+        util::run(&mut clippy_bpf(features)).with_context(|| {
+            format!(
+                "clippy on the XDP program for the BPF target{}",
+                features.map_or(String::new(), |f| format!(" (features: {f})"))
+            )
+        })?;
+    }
 
     header(3, "host tests");
     util::run(&mut util::cargo([
@@ -220,6 +228,42 @@ pub fn run(options: Options) -> Result<()> {
     println!();
     println!("{} passed, {} failed", counts.passed, counts.failed);
     Ok(())
+}
+
+/// Clippy on `ratelimit-ebpf` for the BPF target, the way aya lints its eBPF crates. Every
+/// module of the program is `cfg(target_arch = "bpf")`, so the host clippy above sees none of
+/// it. Same toolchain, target and cfg as the object aya-build (and `bench.rs`) builds, in a
+/// target directory of its own so it invalidates neither of their builds.
+fn clippy_bpf(features: Option<&str>) -> std::process::Command {
+    let root = util::workspace_root();
+    let mut cmd = std::process::Command::new("rustup");
+    cmd.args([
+        "run",
+        "nightly",
+        "cargo",
+        "clippy",
+        "--package",
+        "ratelimit-ebpf",
+        "--target",
+        "bpfel-unknown-none",
+        "-Z",
+        "build-std=core",
+        "--release",
+    ]);
+    if let Some(features) = features {
+        cmd.args(["--features", features]);
+    }
+    cmd.arg("--target-dir")
+        .arg(root.join("target").join("clippy-ebpf"))
+        .args(["--", "-D", "warnings"])
+        .current_dir(&root)
+        .env_remove("RUSTC")
+        .env_remove("RUSTC_WORKSPACE_WRAPPER")
+        .env(
+            "CARGO_ENCODED_RUSTFLAGS",
+            format!("--cfg=bpf_target_arch=\"{}\"", std::env::consts::ARCH),
+        );
+    cmd
 }
 
 /// Builds the [`GUEST_TESTS`] binaries once on the host, then runs each in a guest of each of
