@@ -181,6 +181,7 @@ pub extern "C" fn rl_rare_line(condition: u64, now: u64) -> u64 {
     );
     c.count = 0;
     c.last_line_ns = now;
+    // SAFETY: a helper with no arguments and no preconditions.
     let cpu = unsafe { bpf_get_smp_processor_id() };
     // One literal format string per condition (aya-log takes only literals).
     match condition {
