@@ -272,15 +272,18 @@ fn main() {
             .unwrap_or_else(|e| panic!("{}: {e}", object_path.to_string_lossy())),
         out_dir: ratelimit_tests::env::workspace_root().join("bench"),
     };
-    // RATELIMIT_BENCH_ONLY=flood|control|cost: run that part alone and print what it would
-    // report (for working on one part; writes nothing).
+    // RATELIMIT_BENCH_ONLY=flood|control|cost|program: run that part alone and print what it
+    // would report (for working on one part; writes nothing). `program` is `cost` without its
+    // slow minutes (10M sources, the sized stores, two CPUs): short enough to run two trees in
+    // turn, twice each, and compare a case's cost over XDP_PASS within each run.
     let only = std::env::var("RATELIMIT_BENCH_ONLY").ok();
-    let cost_only = only.as_deref() == Some("cost");
-    if let Some(only) = only.filter(|o| o != "cost") {
+    let program_only = only.as_deref() == Some("program");
+    let cost_only = program_only || only.as_deref() == Some("cost");
+    if let Some(only) = only.filter(|o| o != "cost" && o != "program") {
         let section = match only.as_str() {
             "flood" => flood::run(&ctx),
             "control" => control::run(&ctx),
-            other => panic!("RATELIMIT_BENCH_ONLY={other}: flood, control or cost"),
+            other => panic!("RATELIMIT_BENCH_ONLY={other}: flood, control, cost or program"),
         };
         if let Some(s) = section {
             println!("{}", serde_json::to_string_pretty(&s.json).unwrap());
@@ -470,6 +473,8 @@ fn main() {
     // map's size, not cache misses across sources, that this isolates.)
     let sizes: &[u64] = if quick {
         &[1_000, 100_000]
+    } else if program_only {
+        &[1_000, 100_000, 1_000_000]
     } else {
         &[1_000, 100_000, 1_000_000, 10_000_000]
     };
@@ -478,6 +483,8 @@ fn main() {
     // Sizing: the pass path across as many sources in a per-client map sized for them.
     let sized_at: &[u64] = if quick {
         &[100_000]
+    } else if program_only {
+        &[]
     } else {
         &[100_000, 1_000_000]
     };
@@ -572,7 +579,7 @@ fn main() {
     println!(
         "  one CPU, one client: {one_cpu:.1} ns; one CPU, a new source every packet: {churn:.1} ns"
     );
-    if cpus > 1 {
+    if cpus > 1 && !program_only {
         let hammer = two_cpus(&mut b, &udp);
         set_vary(&mut b.dp, VARY_CHURN, 0, 0);
         let churn2 = two_cpus(&mut b, &udp);
