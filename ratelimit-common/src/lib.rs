@@ -14,6 +14,7 @@ pub mod maps;
 /// The program's verdict pipeline restated on the host, for differential tests (needs `std`).
 #[cfg(not(target_arch = "bpf"))]
 pub mod model;
+pub mod proto;
 pub mod stats;
 
 #[cfg(feature = "user")]

@@ -264,6 +264,8 @@ pub extern "C" fn rl_ban(
             (*entry)._pad = 0;
             (*entry).addr = key.addr;
             let lpm = &raw mut (*rl).ban_key;
+            // Built in place, not with `LpmAddr::of`: that by-value copy grows this frame past
+            // what the 512-byte stack of the call chain has left (the verifier refuses it).
             let family = if (IpKey { addr: key.addr }).is_v4() {
                 FAMILY_V4
             } else {

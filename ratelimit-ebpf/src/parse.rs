@@ -13,23 +13,9 @@ use network_types::{
 use ratelimit_common::{
     addr::{IpKey, is_v6_bogon},
     caps::{MAX_IPV6_EXT_HEADERS, MAX_VLAN_DEPTH, MAX_VLAN_WALK},
+    proto::*,
     stats::global,
 };
-
-const ETH_P_IP: u16 = 0x0800;
-const ETH_P_IPV6: u16 = 0x86dd;
-const ETH_P_8021Q: u16 = 0x8100;
-const ETH_P_8021AD: u16 = 0x88a8;
-
-const IPPROTO_HOPOPTS: u8 = 0;
-const IPPROTO_ICMP: u8 = 1;
-const IPPROTO_TCP: u8 = 6;
-const IPPROTO_UDP: u8 = 17;
-const IPPROTO_ROUTING: u8 = 43;
-const IPPROTO_FRAGMENT: u8 = 44;
-const IPPROTO_AH: u8 = 51;
-const IPPROTO_ICMPV6: u8 = 58;
-const IPPROTO_DSTOPTS: u8 = 60;
 
 /// Furthest header offset the parser follows; keeps every offset provably bounded.
 const MAX_L4_OFFSET: usize = 512;

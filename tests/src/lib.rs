@@ -11,6 +11,7 @@
 //!
 //! Use it as `use ratelimit_tests as lab;`.
 
+pub mod bans;
 pub mod daemon;
 pub mod env;
 pub mod fuzz;

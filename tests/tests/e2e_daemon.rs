@@ -888,14 +888,8 @@ algorithm = "fixed_window"
     let mut bans: LpmTrie<MapData, LpmAddr, BanEntry> =
         LpmTrie::try_from(Map::LpmTrie(data)).expect("lpm trie");
     for i in 0..MAX_BANS {
-        let mut addr = [0u8; 16];
-        addr[0] = 0x20;
-        addr[1] = 0x01;
-        addr[4..8].copy_from_slice(&i.to_be_bytes());
-        let mut e = BanEntry::manual(64, addr, 1, 0);
-        e.rule = 0;
-        e.flags = 0;
-        let key = ratelimit_user::datapath::ban_key(64, &IpKey { addr });
+        let e = ratelimit_tests::bans::flood_rule_ban(i, 0, 1);
+        let key = ratelimit_user::datapath::ban_key(64, &IpKey { addr: e.addr });
         bans.insert(&key, e, 0).expect("fill the ban table");
     }
     let mut tx = s.sender();

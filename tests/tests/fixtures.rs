@@ -2545,7 +2545,6 @@ fn a_full_rule_ban_table_holds_bans_in_state_and_leaves_the_operator_room() {
     if skip_unless_kernel() {
         return;
     }
-    use ratelimit_common::caps::MAX_BANS;
     const CONFIG: &str = r#"
 [[rule]]
 name = "udp-ban"
@@ -2564,17 +2563,7 @@ algorithm = "fixed_window"
     let rules = vec!["udp-ban".to_string()];
     // Fill the rules' table as a spoofed IPv6 flood would: one /64 ban each.
     let now = report::mono_ns();
-    for i in 0..MAX_BANS {
-        let mut addr = [0u8; 16];
-        addr[0] = 0x20;
-        addr[1] = 0x01;
-        addr[4..8].copy_from_slice(&i.to_be_bytes());
-        let mut e = ratelimit_common::maps::BanEntry::manual(64, addr, now, 0);
-        e.flags = 0;
-        e.rule = 0;
-        maps.insert_ban_deferred(e).unwrap();
-    }
-    maps.flush_ban_epoch().unwrap();
+    ratelimit_tests::bans::fill_rule_ban_table(&mut maps, 0, now);
     // The operator can still ban.
     ban(&mut maps, "198.18.45.0/24");
     assert_eq!(
@@ -2615,7 +2604,6 @@ fn a_ban_held_in_state_is_never_evicted_before_it_ends() {
     if skip_unless_kernel() {
         return;
     }
-    use ratelimit_common::caps::MAX_BANS;
     const CONFIG: &str = r#"
 [tracking]
 new_sources_per_sec = 0
@@ -2637,17 +2625,7 @@ algorithm = "fixed_window"
     apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
     let rules = vec!["udp-ban".to_string()];
     let now = report::mono_ns();
-    for i in 0..MAX_BANS {
-        let mut addr = [0u8; 16];
-        addr[0] = 0x20;
-        addr[1] = 0x01;
-        addr[4..8].copy_from_slice(&i.to_be_bytes());
-        let mut e = ratelimit_common::maps::BanEntry::manual(64, addr, now, 0);
-        e.flags = 0;
-        e.rule = 0;
-        maps.insert_ban_deferred(e).unwrap();
-    }
-    maps.flush_ban_epoch().unwrap();
+    ratelimit_tests::bans::fill_rule_ban_table(&mut maps, 0, now);
     let held = v4([198, 18, 47, 1]).udp(40000, 9000).build();
     let before = counters(&maps, &rules);
     for _ in 0..4 {
@@ -2714,7 +2692,6 @@ fn a_full_rule_ban_table_is_logged_at_most_once_a_second_with_its_count() {
     if skip_unless_kernel() {
         return;
     }
-    use ratelimit_common::caps::MAX_BANS;
     use std::time::{Duration, Instant};
     const CONFIG: &str = r#"
 [[rule]]
@@ -2748,17 +2725,7 @@ algorithm = "fixed_window"
     apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
     let rules = vec!["udp-ban".to_string()];
     let now = report::mono_ns();
-    for i in 0..MAX_BANS {
-        let mut addr = [0u8; 16];
-        addr[0] = 0x20;
-        addr[1] = 0x01;
-        addr[4..8].copy_from_slice(&i.to_be_bytes());
-        let mut e = ratelimit_common::maps::BanEntry::manual(64, addr, now, 0);
-        e.flags = 0;
-        e.rule = 1;
-        maps.insert_ban_deferred(e).unwrap();
-    }
-    maps.flush_ban_epoch().unwrap();
+    ratelimit_tests::bans::fill_rule_ban_table(&mut maps, 1, now);
     let before = counters(&maps, &rules);
     // 30 IPv4 clients cross the ban threshold (4 packets each): 30 held bans, one line.
     let t0 = Instant::now();
