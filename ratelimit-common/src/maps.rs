@@ -348,16 +348,18 @@ pub type HashKey = [u64; 2];
 /// places the key by it ([`store_sets_of`]) and tags its slot with it ([`slot_tag`]). The
 /// program and the daemon compute it alike.
 ///
-/// SipHash-1-3 under the per-load `key`, over the address (two words) and a word of the rule
-/// and the prefix length. A hash with public constants lets anyone who can choose source
-/// addresses (an IPv6 attacker holds 2^64 of them in a /64) compute, offline, sources whose
-/// two sets are a chosen client's and evict its state; SipHash is a pseudorandom function of
-/// its key, so without the key no such computation beats trying sources blind, and the
-/// placement of a source says nothing about another's. One compression round per word and
-/// three to finish (the variant Rust's `HashMap` uses against hash flooding): seven rounds of
-/// 14 add, rotate and xor operations, some 320 BPF instructions, about 20 ns a packet and
-/// `ip` rule on the development machine (BPF_PROG_TEST_RUN, against the unkeyed hash it
-/// replaced).
+/// SipHash-1-3 under the per-load `key`. A hash with public constants lets anyone who can
+/// choose source addresses (an IPv6 attacker holds 2^64 of them in a /64) compute, offline,
+/// sources whose two sets are a chosen client's and evict its state; SipHash is a
+/// pseudorandom function of its key, so without the key no such computation beats trying
+/// sources blind, and the placement of a source says nothing about another's. One
+/// compression round per 8-byte block and three to finish (the variant Rust's `HashMap` uses
+/// against hash flooding).
+///
+/// The message is the address as its family has it, then the rule and the prefix length
+/// (one byte each): 6 bytes for an IPv4 source (one block: four rounds in all), 18 for an
+/// IPv6 one (three blocks: six rounds). Messages of the two families differ in length, and
+/// SipHash's last block carries the length, so no IPv4 key and IPv6 key share a message.
 #[inline(always)]
 pub fn known_hash(key: &HashKey, rule: u8, prefix_len: u32, addr: &[u8; 16]) -> u64 {
     let a = u64::from_le_bytes([
@@ -366,13 +368,26 @@ pub fn known_hash(key: &HashKey, rule: u8, prefix_len: u32, addr: &[u8; 16]) -> 
     let b = u64::from_le_bytes([
         addr[8], addr[9], addr[10], addr[11], addr[12], addr[13], addr[14], addr[15],
     ]);
-    let c = rule as u64 | (prefix_len as u64) << 8;
-    siphash::<1, 3>(key, [a, b, c])
+    // A prefix length is at most 128: one byte holds it.
+    let tail = rule as u64 | ((prefix_len & 0xff) as u64) << 8;
+    // `::ffff:a.b.c.d`: bytes 8..12 are 00 00 ff ff (little-endian: 0xffff_0000).
+    if a == 0 && b as u32 == 0xffff_0000 {
+        siphash::<1, 3, 0>(key, [], (b >> 32) | tail << 32, 6)
+    } else {
+        siphash::<1, 3, 2>(key, [a, b], tail, 18)
+    }
 }
 
-/// SipHash-c-d of three little-endian words (a 24-byte message) under `key`.
+/// SipHash-c-d under `key` of a message of `len` bytes (`len < 256`): its `N` whole 8-byte
+/// blocks as little-endian words, then `tail`, its last `len % 8` bytes as a little-endian
+/// word (the bytes above them zero).
 #[inline(always)]
-pub fn siphash<const C: usize, const D: usize>(key: &HashKey, m: [u64; 3]) -> u64 {
+pub fn siphash<const C: usize, const D: usize, const N: usize>(
+    key: &HashKey,
+    words: [u64; N],
+    tail: u64,
+    len: u8,
+) -> u64 {
     let (k0, k1) = (key[0], key[1]);
     let mut v0 = k0 ^ 0x736f_6d65_7073_6575;
     let mut v1 = k1 ^ 0x646f_7261_6e64_6f6d;
@@ -392,14 +407,21 @@ pub fn siphash<const C: usize, const D: usize>(key: &HashKey, m: [u64; 3]) -> u6
             v2 = v2.rotate_left(32);
         };
     }
-    // The message, then the last block: the length (24) in the top byte.
-    for w in [m[0], m[1], m[2], 24u64 << 56] {
-        v3 ^= w;
-        for _ in 0..C {
-            round!();
-        }
-        v0 ^= w;
+    macro_rules! block {
+        ($w:expr) => {
+            let w = $w;
+            v3 ^= w;
+            for _ in 0..C {
+                round!();
+            }
+            v0 ^= w;
+        };
     }
+    for w in words {
+        block!(w);
+    }
+    // The last block: the tail bytes, the length (mod 256) in the top byte.
+    block!(tail | (len as u64) << 56);
     v2 ^= 0xff;
     for _ in 0..D {
         round!();
@@ -694,32 +716,70 @@ mod tests {
     /// A key as the daemon draws one (any key does for these tests).
     const KEY: HashKey = [0x0706_0504_0302_0100, 0x0f0e_0d0c_0b0a_0908];
 
-    /// The SipHash rounds against the standard library's SipHash-2-4 over the same 24 bytes
+    /// The SipHash rounds against the standard library's SipHash-2-4 over the same bytes
     /// (its 1-3 variant is not public; 1-3 differs only in how many times the same rounds
-    /// run), under the reference paper's key (bytes 0..16) and another.
+    /// run), under the reference paper's key (bytes 0..16) and another, for the two message
+    /// lengths the hash uses (6 and 18 bytes) and others.
     #[test]
     fn siphash_agrees_with_the_reference() {
         #[expect(deprecated, reason = "the standard SipHash-2-4, the reference here")]
-        fn std_sip24(key: &HashKey, m: [u64; 3]) -> u64 {
+        fn std_sip24(key: &HashKey, m: &[u8]) -> u64 {
             use core::hash::Hasher as _;
             let mut h = std::hash::SipHasher::new_with_keys(key[0], key[1]);
-            for w in m {
-                h.write(&w.to_le_bytes());
-            }
+            h.write(m);
             h.finish()
         }
-        for m in [
-            [0, 0, 0],
-            [
-                0x0706_0504_0302_0100,
-                0x0f0e_0d0c_0b0a_0908,
-                0x1716_1514_1312_1110,
-            ],
-            [u64::MAX, 1, 128 << 8 | 3],
-        ] {
-            assert_eq!(siphash::<2, 4>(&KEY, m), std_sip24(&KEY, m), "{m:x?}");
-            assert_eq!(siphash::<2, 4>(&[7, 9], m), std_sip24(&[7, 9], m));
+        fn ours<const N: usize>(key: &HashKey, m: &[u8]) -> u64 {
+            assert_eq!(m.len() / 8, N);
+            let word = |b: &[u8]| {
+                let mut w = [0u8; 8];
+                w[..b.len()].copy_from_slice(b);
+                u64::from_le_bytes(w)
+            };
+            let words: [u64; N] = core::array::from_fn(|i| word(&m[8 * i..8 * i + 8]));
+            siphash::<2, 4, N>(key, words, word(&m[8 * N..]), m.len() as u8)
         }
+        let bytes: std::vec::Vec<u8> = (0u8..24).collect();
+        for key in [KEY, [7, 9]] {
+            for m in [&bytes[..6], &bytes[..2], &[0xff; 6][..], &[][..]] {
+                assert_eq!(ours::<0>(&key, m), std_sip24(&key, m), "{m:x?}");
+            }
+            for m in [&bytes[..18], &bytes[..16], &bytes[..23], &[0xff; 18][..]] {
+                assert_eq!(ours::<2>(&key, m), std_sip24(&key, m), "{m:x?}");
+            }
+            assert_eq!(ours::<3>(&key, &bytes), std_sip24(&key, &bytes));
+        }
+        // The paper's vector: SipHash-2-4 of bytes 0..15 under key bytes 0..15.
+        assert_eq!(ours::<1>(&KEY, &bytes[..15]), 0xa129_ca61_49be_45e5);
+    }
+
+    /// `known_hash` is SipHash-1-3 of the 6-byte (IPv4) or 18-byte (IPv6) message it
+    /// documents: checked through the 2-4 rounds against the reference above.
+    #[test]
+    fn known_hash_messages() {
+        let mut v4 = [0u8; 16];
+        v4[10] = 0xff;
+        v4[11] = 0xff;
+        v4[12..].copy_from_slice(&[198, 18, 0, 1]);
+        let m = u64::from_le_bytes([198, 18, 0, 1, 3, 128, 0, 0]);
+        assert_eq!(
+            known_hash(&KEY, 3, 128, &v4),
+            siphash::<1, 3, 0>(&KEY, [], m, 6)
+        );
+        let v6: [u8; 16] = core::array::from_fn(|i| 0x20 + i as u8);
+        let (a, b) = (
+            u64::from_le_bytes(v6[..8].try_into().unwrap()),
+            u64::from_le_bytes(v6[8..].try_into().unwrap()),
+        );
+        assert_eq!(
+            known_hash(&KEY, 3, 64, &v6),
+            siphash::<1, 3, 2>(&KEY, [a, b], 3 | 64 << 8, 18)
+        );
+        // The same address bytes under two families never give one message.
+        assert_ne!(
+            known_hash(&KEY, 3, 128, &v4),
+            known_hash(&KEY, 3, 128, &[0; 16])
+        );
     }
 
     /// Another key, another placement: of 4096 sources, about 1 in `sets` keep their first

@@ -68,61 +68,31 @@ pub fn ban_epoch() -> u64 {
 /// `-ENOSPC` from an LPM trie update: the trie holds `max_entries` already.
 const ENOSPC: i32 = -28;
 
-/// The flags of the active ban that decides for `src`, removing expired ones on the way: the
+/// The flags of the active ban that decides for the source whose full-length trie key is
+/// `key` (`policy::full`), removing expired ones on the way: the
 /// operator's and the rules' bans that drop first, so a ban that drops always wins; then the
-/// bans that pass (whose flags tell the caller so).
+/// bans that pass (whose flags tell the caller so). Inline in the entry, its key on the
+/// entry's own stack (the map helpers take no key passed into a global function on 6.1): as a
+/// global function of its own, the call cost the pass path some 20 ns (BENCHMARKS.md,
+/// "Data-plane hardening: before and after").
 #[inline(always)]
-pub fn active_ban(slot: Slot, src: &IpKey, now: u64) -> Option<u32> {
-    let p = src.addr.as_ptr() as *const [u8; 8];
-    // SAFETY: two 8-byte halves of a 16-byte array, read unaligned.
-    let (hi, lo) = unsafe {
-        (
-            u64::from_ne_bytes(core::ptr::read_unaligned(p)),
-            u64::from_ne_bytes(core::ptr::read_unaligned(p.add(1))),
-        )
-    };
-    let found = rl_active_ban(slot as u64, hi, lo, now);
-    if found & BAN_FOUND != 0 {
-        Some(found as u32)
-    } else {
-        None
-    }
-}
-
-/// [`rl_active_ban`]: a ban matched; its flags are the low 32 bits.
-const BAN_FOUND: u64 = 1 << 32;
-
-/// The ban lookup of [`active_ban`] (a global BPF function: verified once, its key on its
-/// own stack). The address comes as two words (in memory order), not a pointer: a key must
-/// be the function's own memory for the map helpers on every kernel from 6.1.
-#[unsafe(no_mangle)]
-#[inline(never)]
-pub extern "C" fn rl_active_ban(slot: u64, hi: u64, lo: u64, now: u64) -> u64 {
-    let mut src = IpKey { addr: [0; 16] };
-    let p = src.addr.as_mut_ptr() as *mut [u8; 8];
-    // SAFETY: two 8-byte halves of a 16-byte array, written unaligned.
-    unsafe {
-        core::ptr::write_unaligned(p, hi.to_ne_bytes());
-        core::ptr::write_unaligned(p.add(1), lo.to_ne_bytes());
-    }
-    let slot = slot as u32 & (ratelimit_common::caps::MAX_IFACES - 1);
-    let key = Key::new(lpm_prefix(128), LpmAddr::of(&src));
+pub fn active_ban(slot: Slot, key: &Key<LpmAddr>, now: u64) -> Option<u32> {
     if table_present(BAN_TABLE_OPERATOR)
-        && let Some(flags) = find_ban(&OPERATOR_BANS, BAN_TABLE_OPERATOR, slot, &key, now)
+        && let Some(flags) = find_ban(&OPERATOR_BANS, BAN_TABLE_OPERATOR, slot, key, now)
     {
-        return BAN_FOUND | flags as u64;
+        return Some(flags);
     }
     if table_present(BAN_TABLE_RULE)
-        && let Some(flags) = find_ban(&BANS, BAN_TABLE_RULE, slot, &key, now)
+        && let Some(flags) = find_ban(&BANS, BAN_TABLE_RULE, slot, key, now)
     {
-        return BAN_FOUND | flags as u64;
+        return Some(flags);
     }
     if table_present(BAN_TABLE_PASSING)
-        && let Some(flags) = find_ban(&PASSING_BANS, BAN_TABLE_PASSING, slot, &key, now)
+        && let Some(flags) = find_ban(&PASSING_BANS, BAN_TABLE_PASSING, slot, key, now)
     {
-        return BAN_FOUND | flags as u64;
+        return Some(flags);
     }
-    0
+    None
 }
 
 #[inline(always)]

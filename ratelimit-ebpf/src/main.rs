@@ -71,6 +71,7 @@ mod program {
         parse::{self, Frame, Parsed},
         policy, rare,
         rules::{self, RuleVerdict},
+        scratch::SCRATCH,
         stats::{self, Slot},
     };
 
@@ -153,8 +154,19 @@ mod program {
         // (known, mask): plain integers, not an Option, whose unset payload the verifier would
         // see as an uninitialised register.
         let mut src_mask = (0u32, 0u32);
+        // The source's key in the list and ban tries, built once for both, in this CPU's
+        // scratch record (the entry's stack has no room to spare on 6.1).
+        let Some(rl) = SCRATCH.get_ptr_mut(0) else {
+            return finish(slot, global::PASS, len);
+        };
+        // SAFETY: this CPU's scratch record, used only during this packet; a reference to a
+        // field of a live map value.
+        let key = unsafe {
+            (*rl).src_key = policy::full(src);
+            &(*rl).src_key
+        };
         if global_cfg.flags & (GLOBAL_HAS_ALLOW | GLOBAL_HAS_DENY) != 0 {
-            let (flags, mask) = policy::sources(src);
+            let (flags, mask) = policy::sources_at(key);
             if flags & LIST_ALLOW != 0 {
                 return finish(slot, global::PASS_ALLOW, len);
             }
@@ -164,7 +176,7 @@ mod program {
             src_mask = (1, mask);
         }
         let mut ban_matched = false;
-        if let Some(ban_flags) = bans::active_ban(slot, src, now) {
+        if let Some(ban_flags) = bans::active_ban(slot, key, now) {
             let passes =
                 global_cfg.preview_all != 0 || ban_flags & (BAN_PREVIEW | BAN_EXCEED_PASS) != 0;
             if !passes {

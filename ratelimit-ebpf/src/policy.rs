@@ -74,7 +74,13 @@ pub fn full(src: &IpKey) -> Key<LpmAddr> {
 /// contains it).
 #[inline(always)]
 pub fn sources(src: &IpKey) -> (u32, u32) {
-    match SOURCES.get(full(src)) {
+    sources_at(&full(src))
+}
+
+/// [`sources`] of the full-length key `key` ([`full`]), built by the caller.
+#[inline(always)]
+pub fn sources_at(key: &Key<LpmAddr>) -> (u32, u32) {
+    match SOURCES.get(key) {
         Some(v) => (v.flags, v.rule_src_mask),
         None => (0, 0),
     }

@@ -65,6 +65,9 @@ pub struct RuleLoop {
     /// of.
     pub ban_entry: BanEntry,
     pub ban_key: Key<LpmAddr>,
+    /// The source's full-length key in the list and ban tries, built once per packet for
+    /// both lookups: here and not on the entry's stack, which the call chain below it fills.
+    pub src_key: Key<LpmAddr>,
 }
 
 #[map(name = "RL_SCRATCH")]

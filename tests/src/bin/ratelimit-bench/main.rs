@@ -317,6 +317,9 @@ fn main() {
     let now = report::mono_ns();
     maps.insert_ban(BanEntry::manual(plen, key.addr, now, 0))
         .unwrap();
+    // The ban tables' presence flags as the daemon keeps them (its sweep refreshes them every
+    // second; at load all three are set, conservatively): the tables the bans are in.
+    maps.refresh_bans_present();
     let mut b = Bench {
         dp,
         repeat,
@@ -813,6 +816,7 @@ fn measure_sized(
     let (plen, key) = apply::prefix(&"198.18.202.0/24".parse().unwrap());
     maps.insert_ban(BanEntry::manual(plen, key.addr, report::mono_ns(), 0))
         .unwrap();
+    maps.refresh_bans_present();
     let (_, untracked) = populate_more(&mut maps, 0, n);
     assert!(untracked * 1000 < n, "{untracked} of {n} sources untracked");
     set_vary(&mut dp, VARY_SPREAD, n, 0x0b00_0000);
