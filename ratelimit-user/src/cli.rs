@@ -195,7 +195,8 @@ pub struct DetachArgs {
     /// Only this interface (repeatable); default: all.
     #[arg(long = "iface", value_name = "IF")]
     pub ifaces: Vec<String>,
-    /// bpffs directory of the pinned state (default: the config's `bpffs_dir`).
+    /// bpffs directory of the pinned state (default: the config's `bpffs_dir`); a directory
+    /// that is not on a bpffs is refused, with nothing removed.
     #[arg(long, value_name = "DIR")]
     pub bpffs_dir: Option<PathBuf>,
 }
@@ -412,7 +413,7 @@ fn trailer() -> Roff {
     item(
         &mut r,
         "/sys/fs/bpf/ratelimit/",
-        "Pinned maps and links (daemon.bpffs_dir).",
+        "Pinned maps and links (daemon.bpffs_dir), on a bpffs.",
     );
     item(
         &mut r,

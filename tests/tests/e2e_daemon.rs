@@ -292,6 +292,59 @@ fn pinned_maps_of_another_layout_are_refused_until_detached() {
     assert_eq!(bans[0]["cidr"], "198.19.45.0/24", "{bans}");
 }
 
+/// `ratelimit detach --bpffs-dir DIR` removes every file in DIR, so it refuses a DIR that is
+/// not on a bpffs (a mistyped path, a directory of other files), removing nothing: here an
+/// ordinary directory holding files named like the daemon's pins and one of the operator's.
+#[test]
+fn detach_refuses_a_directory_that_is_not_a_bpffs() {
+    kernel_test!();
+    let dir = ScratchDir::new("detach");
+    let files = ["RL_STATS", "RL_RULES", "RL_BANS", "notes.txt"];
+    for f in files {
+        std::fs::write(dir.0.join(f), f).unwrap();
+    }
+    let out = Command::new(ratelimit_tests::ratelimit_bin())
+        .args(["detach", "--bpffs-dir"])
+        .arg(&dir.0)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "detach must refuse {}: {err}",
+        dir.0.display()
+    );
+    assert!(
+        err.contains("not a bpffs") && err.contains("nothing was removed"),
+        "{err}"
+    );
+    for f in files {
+        assert_eq!(
+            std::fs::read_to_string(dir.0.join(f)).ok().as_deref(),
+            Some(f),
+            "{f} must be left as it was"
+        );
+    }
+}
+
+/// A fresh directory under the temp dir, removed on drop.
+struct ScratchDir(std::path::PathBuf);
+
+impl ScratchDir {
+    fn new(what: &str) -> ScratchDir {
+        let dir = std::env::temp_dir().join(format!("ratelimit-{what}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir(&dir).unwrap();
+        ScratchDir(dir)
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
 #[test]
 fn live_rule_change_keeps_counters_and_broken_reload_keeps_the_old_config() {
     kernel_test!();
