@@ -408,7 +408,9 @@ fn trailer() -> Roff {
     item(
         &mut r,
         "/var/lib/ratelimit/",
-        "State directory (daemon.state_dir): bans survive restarts here.",
+        "State directory (daemon.state_dir): bans survive restarts here. The running daemon \
+         holds a lock (flock) on it and on the bpffs directory: a second daemon given either \
+         exits with an error naming the first, having changed nothing.",
     );
     item(
         &mut r,

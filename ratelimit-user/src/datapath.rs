@@ -209,7 +209,7 @@ pub fn link_type(iface: &str) -> anyhow::Result<u16> {
 }
 
 /// Make sure `/sys/fs/bpf` (or the parent of `dir`) is a bpffs, mounting one if it is not.
-fn ensure_bpffs(dir: &Path) -> anyhow::Result<()> {
+pub(crate) fn ensure_bpffs(dir: &Path) -> anyhow::Result<()> {
     let root = Path::new("/sys/fs/bpf");
     if !dir.starts_with(root) {
         fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
