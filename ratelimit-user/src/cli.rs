@@ -195,7 +195,8 @@ pub struct DetachArgs {
     /// Only this interface (repeatable); default: all.
     #[arg(long = "iface", value_name = "IF")]
     pub ifaces: Vec<String>,
-    /// bpffs directory of the pinned state (default: the config's `bpffs_dir`).
+    /// bpffs directory of the pinned state (default: the config's `bpffs_dir`); a directory
+    /// that is not on a bpffs is refused, with nothing removed.
     #[arg(long, value_name = "DIR")]
     pub bpffs_dir: Option<PathBuf>,
 }
@@ -407,12 +408,14 @@ fn trailer() -> Roff {
     item(
         &mut r,
         "/var/lib/ratelimit/",
-        "State directory (daemon.state_dir): bans survive restarts here.",
+        "State directory (daemon.state_dir): bans survive restarts here. The running daemon \
+         holds a lock (flock) on it and on the bpffs directory: a second daemon given either \
+         exits with an error naming the first, having changed nothing.",
     );
     item(
         &mut r,
         "/sys/fs/bpf/ratelimit/",
-        "Pinned maps and links (daemon.bpffs_dir).",
+        "Pinned maps and links (daemon.bpffs_dir), on a bpffs.",
     );
     item(
         &mut r,

@@ -763,6 +763,8 @@ pub fn parse_cidr(s: &str) -> anyhow::Result<IpNet> {
 
 pub async fn run(opts: Options) -> anyhow::Result<()> {
     let cfg = load_config(opts.config_path.as_ref())?;
+    // First of all: a daemon already running on these directories keeps them, untouched.
+    let _locks = crate::lock::lock_dirs(&cfg.daemon.state_dir, &cfg.daemon.bpffs_dir)?;
     // Before touching the kernel: a taken port fails the start with nothing attached.
     let http_listener = match cfg.daemon.http_listen {
         Some(addr) => Some(crate::http::bind(addr).await?),

@@ -209,7 +209,7 @@ pub fn link_type(iface: &str) -> anyhow::Result<u16> {
 }
 
 /// Make sure `/sys/fs/bpf` (or the parent of `dir`) is a bpffs, mounting one if it is not.
-fn ensure_bpffs(dir: &Path) -> anyhow::Result<()> {
+pub(crate) fn ensure_bpffs(dir: &Path) -> anyhow::Result<()> {
     let root = Path::new("/sys/fs/bpf");
     if !dir.starts_with(root) {
         fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
@@ -962,8 +962,33 @@ fn pinned_link_ifindex(pin: &Path) -> std::io::Result<Option<u32>> {
 
 /// Remove the program from the interfaces (all pinned links, or those named) and, when no link
 /// is left, every pinned map. Returns the interfaces detached.
+///
+/// That removes every file in `pin_dir`, so a `pin_dir` that is not on a bpffs (a mistyped
+/// `--bpffs-dir`, a config naming an ordinary directory) is refused before anything is read or
+/// removed: only a bpffs holds pins, and nothing but pins.
 pub fn detach(pin_dir: &Path, only: &[String]) -> anyhow::Result<Vec<String>> {
     let mut detached = Vec::new();
+    if !pin_dir.exists() {
+        return Ok(detached);
+    }
+    let why = match statfs_magic(pin_dir) {
+        Some(BPF_FS_MAGIC) => None,
+        Some(magic) => Some(format!(
+            "its filesystem type is {magic:#x}, a bpffs is {BPF_FS_MAGIC:#x}"
+        )),
+        None => Some(format!(
+            "statfs failed: {}",
+            std::io::Error::last_os_error()
+        )),
+    };
+    if let Some(why) = why {
+        bail!(
+            "{} is not a bpffs directory ({why}), so it holds no pins: `ratelimit detach` removes \
+             every file of the directory it is given, and works only on the daemon's bpffs \
+             directory (daemon.bpffs_dir, under /sys/fs/bpf); nothing was removed",
+            pin_dir.display()
+        );
+    }
     let Ok(entries) = fs::read_dir(pin_dir) else {
         return Ok(detached);
     };
@@ -1036,6 +1061,25 @@ fn raise_memlock() -> std::io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::Entry;
+
+    #[test]
+    fn detach_refuses_a_directory_off_bpffs_and_removes_nothing() {
+        let dir = std::env::temp_dir().join(format!("ratelimit-detach-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("RL_STATS"), "not a pin").unwrap();
+        let e = super::detach(&dir, &[]).unwrap_err().to_string();
+        assert!(
+            e.contains("not a bpffs") && e.contains("nothing was removed"),
+            "{e}"
+        );
+        assert!(dir.join("RL_STATS").exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+        assert_eq!(
+            super::detach(&dir, &[]).unwrap(),
+            Vec::<String>::new(),
+            "absent: nothing to do"
+        );
+    }
 
     #[test]
     fn each_link_type_gets_the_entry_that_parses_it_or_a_refusal_naming_it() {

@@ -15,5 +15,6 @@ pub mod geoip;
 pub mod http;
 pub mod kernel_log;
 pub mod known;
+pub mod lock;
 pub mod report;
 pub mod ruleset;

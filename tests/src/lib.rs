@@ -15,6 +15,7 @@ pub mod bans;
 pub mod daemon;
 pub mod env;
 pub mod fuzz;
+pub mod leftovers;
 pub mod link;
 pub mod mmdb;
 pub mod netns;

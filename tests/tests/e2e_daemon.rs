@@ -9,7 +9,14 @@ use std::{
     time::{Duration, Instant},
 };
 
+use ratelimit_common::{
+    addr::LpmAddr,
+    caps::MAX_RULES,
+    maps::{GlobalConfig, ListValue, RuleConfig},
+};
 use ratelimit_tests::{
+    Daemon,
+    daemon::READY_TIMEOUT,
     kernel_test,
     scenario::{Scenario, align_to_window, reason, rule_counter, verdict},
 };
@@ -290,6 +297,178 @@ fn pinned_maps_of_another_layout_are_refused_until_detached() {
     assert_eq!(std::fs::read_to_string(&marker).unwrap(), ours);
     let bans = s.daemon().cli_json(&["bans"]);
     assert_eq!(bans[0]["cidr"], "198.19.45.0/24", "{bans}");
+}
+
+/// A second `ratelimit run` on the directories of a running daemon (here the same state and
+/// bpffs directories and control socket, with another threshold, another rule and a deny
+/// list) stops before it touches anything: it exits non-zero naming the running daemon's
+/// pid, and the first daemon's rules, lists, program and state files are as they were, and
+/// it still answers. Before, the second one applied its policy to the pinned maps, restored
+/// bans and swapped its program into the links, and only then found the socket taken.
+#[test]
+fn a_second_daemon_on_the_same_directories_changes_nothing_and_names_the_first() {
+    kernel_test!();
+    let mut s = Scenario::new("rl2d");
+    s.start(THROTTLE);
+    let first = s.daemon().pid().expect("running");
+    let before = held_state(&s);
+    let socket = s.daemon().socket_path().display().to_string();
+    let mut second = Daemon::spawn(&s.server, &second_config(&s, &socket));
+    let status = second.wait_exit(READY_TIMEOUT);
+    let logs = second.logs();
+    assert!(
+        status.is_some_and(|st| !st.success()),
+        "the second daemon must exit with an error at once ({status:?})\n{logs}"
+    );
+    assert_eq!(
+        held_state(&s),
+        before,
+        "the second daemon changed the first's state"
+    );
+    assert!(
+        logs.contains(&format!("pid {first}")) && logs.contains("nothing was changed"),
+        "the error names the running daemon:\n{logs}"
+    );
+    assert_eq!(s.daemon().cli_json(&["status"])["pid"], first);
+}
+
+/// The directory locks die with their holder: after a SIGKILL the next daemon starts on the
+/// same directories, and then holds them itself (another one is refused, naming it).
+#[test]
+fn a_daemon_killed_by_sigkill_does_not_block_the_next_start() {
+    kernel_test!();
+    let mut s = Scenario::new("rl9l");
+    s.start(THROTTLE);
+    s.daemon_mut().kill9();
+    s.daemon_mut()
+        .try_restart()
+        .expect("the lock of a killed daemon must not block the next start");
+    let pid = s.daemon().pid().expect("running");
+    let before = held_state(&s);
+    // Its own control socket: only the directories are shared.
+    let mut second = Daemon::spawn(&s.server, &second_config(&s, "ctl.sock"));
+    let status = second.wait_exit(READY_TIMEOUT);
+    let logs = second.logs();
+    assert!(
+        status.is_some_and(|st| !st.success()),
+        "a second daemon on the restarted one's directories must be refused ({status:?})\n{logs}"
+    );
+    assert!(logs.contains(&format!("pid {pid}")), "{logs}");
+    assert_eq!(held_state(&s), before);
+}
+
+/// `ratelimit detach --bpffs-dir DIR` removes every file in DIR, so it refuses a DIR that is
+/// not on a bpffs (a mistyped path, a directory of other files), removing nothing: here an
+/// ordinary directory holding files named like the daemon's pins and one of the operator's.
+#[test]
+fn detach_refuses_a_directory_that_is_not_a_bpffs() {
+    kernel_test!();
+    let dir = ScratchDir::new("detach");
+    let files = ["RL_STATS", "RL_RULES", "RL_BANS", "notes.txt"];
+    for f in files {
+        std::fs::write(dir.0.join(f), f).unwrap();
+    }
+    let out = Command::new(ratelimit_tests::ratelimit_bin())
+        .args(["detach", "--bpffs-dir"])
+        .arg(&dir.0)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "detach must refuse {}: {err}",
+        dir.0.display()
+    );
+    assert!(
+        err.contains("not a bpffs") && err.contains("nothing was removed"),
+        "{err}"
+    );
+    for f in files {
+        assert_eq!(
+            std::fs::read_to_string(dir.0.join(f)).ok().as_deref(),
+            Some(f),
+            "{f} must be left as it was"
+        );
+    }
+}
+
+/// A fresh directory under the temp dir, removed on drop.
+struct ScratchDir(std::path::PathBuf);
+
+impl ScratchDir {
+    fn new(what: &str) -> ScratchDir {
+        let dir = std::env::temp_dir().join(format!("ratelimit-{what}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir(&dir).unwrap();
+        ScratchDir(dir)
+    }
+}
+
+impl Drop for ScratchDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}
+
+/// A second daemon's config: the running daemon's `[daemon]` table (its state, bpffs and
+/// events paths) with `control_socket` set to `socket`, and a policy unlike the first's.
+fn second_config(s: &Scenario, socket: &str) -> String {
+    let table = s.daemon_table(s.daemon().config_dir()).replace(
+        "control_socket = \"ctl.sock\"",
+        &format!("control_socket = \"{socket}\""),
+    );
+    format!(
+        "{table}{}\n[[rule]]\nname = \"extra\"\nthreshold = {{ count = 5, interval = \"1s\" }}\n\n[lists]\ndeny = [\"198.19.99.0/24\"]\n",
+        THROTTLE.replace("count = 1000", "count = 7")
+    )
+}
+
+/// What a second daemon must leave alone: the rules and global settings in the pinned maps,
+/// the number of listed prefixes, the program on the protected interface, and the state
+/// directory's record of the rules and the map layout.
+#[derive(Debug, PartialEq)]
+struct HeldState {
+    /// The rule slots in use, by index.
+    rules: Vec<(u32, RuleConfig)>,
+    global: GlobalConfig,
+    listed: usize,
+    program: serde_json::Value,
+    state_files: Vec<(String, String)>,
+}
+
+fn held_state(s: &Scenario) -> HeldState {
+    use aya::maps::{Array, LpmTrie, Map, MapData};
+    let pinned = |name: &str| {
+        MapData::from_pin(s.bpffs().join(name)).unwrap_or_else(|e| panic!("pinned {name}: {e}"))
+    };
+    let rules: Array<MapData, RuleConfig> =
+        Array::try_from(Map::Array(pinned("RL_RULES"))).unwrap();
+    let global: Array<MapData, GlobalConfig> =
+        Array::try_from(Map::Array(pinned("RL_GLOBAL"))).unwrap();
+    let lists: LpmTrie<MapData, LpmAddr, ListValue> =
+        LpmTrie::try_from(Map::LpmTrie(pinned("RL_SOURCES"))).unwrap();
+    let out = s
+        .server
+        .ip(&["-j", "link", "show", "dev", &s.pair.b().name]);
+    let link: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let state = s.daemon().config_dir().join("state");
+    HeldState {
+        rules: (0..MAX_RULES)
+            .map(|i| (i, rules.get(&i, 0).unwrap()))
+            .filter(|(_, r)| *r != RuleConfig::default())
+            .collect(),
+        global: global.get(&0, 0).unwrap(),
+        listed: lists.keys().count(),
+        program: link[0]["xdp"]["prog"]["id"].clone(),
+        state_files: ["rules.json", "pinned-layout"]
+            .iter()
+            .map(|f| {
+                let text = std::fs::read_to_string(state.join(f))
+                    .unwrap_or_else(|e| panic!("{}: {e}", state.join(f).display()));
+                (f.to_string(), text)
+            })
+            .collect(),
+    }
 }
 
 #[test]

@@ -1,11 +1,13 @@
 //! `cargo xtask demo`: the self-contained lab (namespaces, veth links, floods, live bans).
 //!
-//! Builds the daemon and the `ratelimit-demo` binary of the lab crate, then runs the demo with
-//! `RATELIMIT_BIN` naming the daemon and forwards its exit status. The demo makes its own
-//! namespaces and cleans them up, also on Ctrl-C; this process ignores SIGINT meanwhile, so it
-//! stays to report how the demo ended instead of returning the terminal mid-cleanup.
+//! Builds the daemon and the `ratelimit-demo` binary of the lab crate, then execs the demo with
+//! `RATELIMIT_BIN` naming the daemon. The demo makes its own namespaces and cleans them up, also
+//! when it is stopped by a signal (Ctrl-C, SIGTERM, SIGHUP). It replaces this process (as
+//! `cargo run` replaced cargo's with this one) instead of running as its child: a signal sent
+//! to `cargo xtask demo`'s pid, as `timeout`, a CI runner or `kill` send it, then reaches the
+//! demo itself, and no parent exits before it has cleaned up. Its exit status is the command's.
 
-use std::path::PathBuf;
+use std::{os::unix::process::CommandExt as _, path::PathBuf};
 
 use anyhow::{Context as _, Result, bail};
 use clap::Args;
@@ -57,30 +59,8 @@ pub fn run(options: Options) -> Result<()> {
         cmd.arg("--quick");
     }
     util::echo(&cmd);
-    let mut child = cmd
-        .spawn()
-        .with_context(|| format!("cannot start `{}`", util::display(&cmd)))?;
-    // Ctrl-C reaches the whole foreground process group: the demo handles it (stops and cleans
-    // up); we wait for that rather than die first.
-    // SAFETY: signal(2) with SIG_IGN and then the previous disposition; no handler code runs.
-    let previous = unsafe { libc::signal(libc::SIGINT, libc::SIG_IGN) };
-    let status = child.wait();
-    // SAFETY: as above, restoring what was there.
-    unsafe { libc::signal(libc::SIGINT, previous) };
-    let status = status.with_context(|| format!("waiting for `{}`", util::display(&cmd)))?;
-    if status.success() {
-        return Ok(());
-    }
-    let code = match status.code() {
-        Some(code) => code,
-        None => {
-            use std::os::unix::process::ExitStatusExt as _;
-            128 + status.signal().unwrap_or(0)
-        }
-    };
-    eprintln!("xtask demo: the demo exited with status {code}");
-    // Forward the demo's own status (130 after Ctrl-C, 1 when an observation was off).
-    std::process::exit(code);
+    let error = cmd.exec();
+    Err(error).with_context(|| format!("cannot start `{}`", util::display(&cmd)))
 }
 
 fn absolute(path: PathBuf) -> PathBuf {

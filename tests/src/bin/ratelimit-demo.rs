@@ -6,7 +6,11 @@
 //! second it prints what the daemon counted (`ratelimit stats --json` deltas) beside what an
 //! independent packet tap on the protected interface actually received, plus every event the
 //! daemon writes. Every packet stays inside the namespaces made here, every flood is bounded
-//! in count and time, and everything is removed at the end, also on Ctrl-C.
+//! in count and time, and everything is removed at the end, also when the demo is stopped
+//! early: by Ctrl-C (SIGINT), SIGTERM (`timeout`, a CI runner, `kill`) or SIGHUP (its terminal
+//! closed). A run killed outright (SIGKILL) cannot clean up; the next run does, at its start:
+//! it removes the namespaces, pins, temp dir and daemon of every earlier run whose process is
+//! gone ([`Leftovers`]).
 //!
 //! Run it through `cargo xtask demo [--quick]`, which builds the daemon and sets
 //! `RATELIMIT_BIN`. It needs root.
@@ -15,13 +19,14 @@ use std::{
     io::Write as _,
     net::{IpAddr, Ipv4Addr},
     process::ExitCode,
-    sync::atomic::{AtomicBool, Ordering},
+    sync::atomic::{AtomicI32, Ordering},
     thread::JoinHandle,
     time::{Duration, Instant},
 };
 
 use ratelimit_tests::{
     Scenario, Tap, UdpSink,
+    leftovers::Leftovers,
     packet::tcp_flags,
     receiver::Counts,
     scenario::{passed, reason, verdict},
@@ -77,43 +82,74 @@ key = "all"
 threshold = { count = 3000, interval = "1s" }
 "#;
 
-static STOP: AtomicBool = AtomicBool::new(false);
+/// The name of the lab's namespaces and bpffs directory (`rldemo-c-PID-N`, ...), by which a
+/// later run recognises what a killed one left.
+const TAG: &str = "rldemo";
 
-extern "C" fn on_sigint(_signal: libc::c_int) {
-    STOP.store(true, Ordering::SeqCst);
+/// The signal that stops the demo (0: none yet).
+static STOP: AtomicI32 = AtomicI32::new(0);
+
+/// The signals that stop the demo early, cleaning up: Ctrl-C, `timeout` / CI runners / `kill`,
+/// and a closed terminal.
+const STOP_SIGNALS: [libc::c_int; 3] = [libc::SIGINT, libc::SIGTERM, libc::SIGHUP];
+
+extern "C" fn on_stop_signal(signal: libc::c_int) {
+    if signal == libc::SIGHUP {
+        // The terminal is gone, and writes to it fail (EIO), which makes `println!` panic:
+        // from here on the output goes nowhere instead, so the cleanup runs to its end.
+        // SAFETY: open(2), dup2(2) and close(2) are async-signal-safe; the path is a C string.
+        unsafe {
+            let null = libc::open(c"/dev/null".as_ptr(), libc::O_WRONLY);
+            if null >= 0 {
+                libc::dup2(null, libc::STDOUT_FILENO);
+                libc::dup2(null, libc::STDERR_FILENO);
+                libc::close(null);
+            }
+        }
+    }
+    STOP.store(signal, Ordering::SeqCst);
 }
 
-/// Ctrl-C only sets a flag: the senders and the live loop check it and return, and the lab's
-/// guards then stop the daemon, detach XDP and delete the namespaces as they drop.
-fn install_sigint_handler() {
-    let handler = on_sigint as extern "C" fn(libc::c_int);
-    // SAFETY: sigaction(2) with a zeroed struct, an empty mask and a handler that only stores
-    // to an atomic, which is async-signal-safe.
-    unsafe {
-        let mut sa: libc::sigaction = std::mem::zeroed();
-        sa.sa_sigaction = handler as libc::sighandler_t;
-        sa.sa_flags = libc::SA_RESTART;
-        libc::sigemptyset(&mut sa.sa_mask);
-        if libc::sigaction(libc::SIGINT, &sa, std::ptr::null_mut()) != 0 {
-            eprintln!(
-                "warning: cannot install a SIGINT handler: {}",
-                std::io::Error::last_os_error()
-            );
+/// A stop signal only sets a flag: the senders and the live loop check it and return, and the
+/// lab's guards then stop the daemon, detach XDP and delete the namespaces as they drop. (The
+/// default action of each ends the process at once, which would leave all of it behind.)
+fn install_stop_handlers() {
+    let handler = on_stop_signal as extern "C" fn(libc::c_int);
+    for signal in STOP_SIGNALS {
+        // SAFETY: sigaction(2) with a zeroed struct, an empty mask and a handler that only
+        // makes async-signal-safe calls and stores to an atomic.
+        unsafe {
+            let mut sa: libc::sigaction = std::mem::zeroed();
+            sa.sa_sigaction = handler as libc::sighandler_t;
+            sa.sa_flags = libc::SA_RESTART;
+            libc::sigemptyset(&mut sa.sa_mask);
+            if libc::sigaction(signal, &sa, std::ptr::null_mut()) != 0 {
+                eprintln!(
+                    "warning: cannot install a handler for signal {signal}: {}",
+                    std::io::Error::last_os_error()
+                );
+            }
         }
     }
 }
 
 fn stopped() -> bool {
-    STOP.load(Ordering::SeqCst)
+    STOP.load(Ordering::SeqCst) != 0
 }
 
-/// The user pressed Ctrl-C.
+/// The exit status of a demo stopped by a signal: 128 + its number, as a shell reports a
+/// process the signal ended (130 after Ctrl-C).
+fn stopped_status() -> ExitCode {
+    ExitCode::from(128 + u8::try_from(STOP.load(Ordering::SeqCst)).unwrap_or(0))
+}
+
+/// A stop signal arrived.
 #[derive(Debug)]
 struct Interrupted;
 
 type Step<T = ()> = Result<T, Interrupted>;
 
-/// Sleeps until `t` in short steps; Err if Ctrl-C arrives first.
+/// Sleeps until `t` in short steps; Err if a stop signal arrives first.
 fn sleep_until(t: Instant) -> Step {
     loop {
         if stopped() {
@@ -164,7 +200,7 @@ fn pct(part: u64, whole: u64) -> f64 {
 }
 
 /// One paced sender: `frames` round robin at `pps`, starting after `delay`, for `duration`,
-/// never more than `max` frames, stopping early on Ctrl-C.
+/// never more than `max` frames, stopping early on a stop signal.
 struct Stream {
     label: &'static str,
     frames: Vec<Vec<u8>>,
@@ -281,7 +317,7 @@ struct Demo {
 impl Demo {
     fn new(quick: bool) -> Demo {
         println!("Setting up the lab: two network namespaces joined by a veth pair ...");
-        let mut s = Scenario::new("rldemo");
+        let mut s = Scenario::new(TAG);
         println!();
         println!("Policy given to the daemon (plus a [daemon] table naming the veth, a temp dir");
         println!("for the control socket, state and events, and a private bpffs directory):");
@@ -347,7 +383,7 @@ impl Demo {
         }
     }
 
-    /// `ratelimit ARGS --json`, or Err if Ctrl-C made it fail.
+    /// `ratelimit ARGS --json`, or Err if a stop signal made it fail.
     fn cli_json(&self, args: &[&str]) -> Step<Value> {
         let mut all = args.to_vec();
         all.push("--json");
@@ -530,7 +566,7 @@ impl Demo {
                 }
             }
         })();
-        // Senders stop by themselves at their end or on Ctrl-C: join them either way.
+        // Senders stop by themselves at their end or on a stop signal: join them either way.
         let sent: Vec<u64> = handles.into_iter().map(|h| h.join().unwrap_or(0)).collect();
         result?;
         let _ = std::io::stdout().flush();
@@ -971,10 +1007,11 @@ fn main() -> ExitCode {
         );
         return ExitCode::from(1);
     }
-    install_sigint_handler();
-    // Ctrl-C also reaches the daemon and the `ip` commands (one foreground process group); if
-    // that happens while the lab is still being built, a lab helper panics. The guards clean up
-    // while unwinding either way: report that as an interruption, not as a crash.
+    install_stop_handlers();
+    // A stop signal sent to the process group (Ctrl-C, `timeout`) also reaches the daemon and
+    // the `ip` commands; if that happens while the lab is still being built, a lab helper
+    // panics. The guards clean up while unwinding either way: report that as an interruption,
+    // not as a crash.
     let default_hook = std::panic::take_hook();
     std::panic::set_hook(Box::new(move |info| {
         if !stopped() {
@@ -986,7 +1023,7 @@ fn main() -> ExitCode {
         Err(_) if stopped() => {
             println!();
             println!("Interrupted while setting up; what was made has been removed.");
-            ExitCode::from(130)
+            stopped_status()
         }
         Err(_) => ExitCode::from(101),
     }
@@ -998,6 +1035,7 @@ fn demo_main(quick: bool) -> ExitCode {
         "Every packet stays inside two network namespaces made for this demo; Ctrl-C stops it and cleans up."
     );
     println!();
+    remove_leftovers();
     let started = Instant::now();
     let mut demo = Demo::new(quick);
     let netns = [
@@ -1034,7 +1072,7 @@ fn demo_main(quick: bool) -> ExitCode {
         );
     }
     if outcome.is_err() {
-        return ExitCode::from(130);
+        return stopped_status();
     }
     println!("Done in {:.0} s.", started.elapsed().as_secs_f64());
     if failures.is_empty() {
@@ -1047,4 +1085,28 @@ fn demo_main(quick: bool) -> ExitCode {
         }
         ExitCode::from(1)
     }
+}
+
+/// Removes what earlier runs killed outright (SIGKILL, a crash) left behind: their
+/// namespaces, bpffs pins, temp dirs and daemons. Only this demo's, and only of runs whose
+/// process is gone, so a demo running beside this one keeps its lab.
+fn remove_leftovers() {
+    let found = Leftovers::of_dead_runs(TAG);
+    if found.is_empty() {
+        return;
+    }
+    println!("Removing what earlier runs that were killed left behind:");
+    for ns in &found.netns {
+        println!("    namespace {ns}");
+    }
+    for path in found.bpffs.iter().chain(&found.dirs) {
+        println!("    {}", path.display());
+    }
+    for pid in found.processes() {
+        println!("    the daemon still running for one of them (pid {pid})");
+    }
+    for failure in found.remove() {
+        eprintln!("warning: {failure}");
+    }
+    println!();
 }
