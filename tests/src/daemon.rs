@@ -24,7 +24,7 @@ use crate::netns::{NetNs, command_in_fd, describe};
 static DIRS: AtomicU32 = AtomicU32::new(0);
 
 /// How long [`Daemon::start`] waits for the control socket to answer.
-pub const READY_TIMEOUT: Duration = Duration::from_secs(10);
+pub const READY_TIMEOUT: Duration = Duration::from_secs(30);
 /// How long a stop waits after SIGTERM before SIGKILL.
 pub const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 /// Upper bound on any one CLI call, so a hung daemon fails the test instead
@@ -143,7 +143,9 @@ impl Daemon {
             if self.socket.exists() {
                 let mut cmd = Command::new(&self.bin);
                 cmd.arg("status").arg("--socket").arg(&self.socket);
-                match run_with_timeout(&mut cmd, Duration::from_secs(2)) {
+                // One answer may wait behind a walk of a full table (262,144 bans) on a busy
+                // machine: seconds, not the milliseconds it takes on an idle one.
+                match run_with_timeout(&mut cmd, Duration::from_secs(5)) {
                     Ok(out) if out.status.success() => return Ok(()),
                     Ok(out) => {
                         last = format!(

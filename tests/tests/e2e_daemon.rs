@@ -568,7 +568,10 @@ fn bulk_bans_apply_fast_and_remove_cleanly() {
     let took = t.elapsed();
     println!("100k bans applied in {took:?}: {out}");
     assert!(out.contains("100000"), "{out}");
-    assert!(took < Duration::from_secs(1), "100k bans took {took:?}");
+    // Well under a second on an idle machine (the bench reports 100k map inserts in about
+    // 0.3 s); the bound is 3 s so a busy 2-core machine cannot fail it, while a per-ban
+    // round trip or a map walk per ban (tens of seconds) still would.
+    assert!(took < Duration::from_secs(3), "100k bans took {took:?}");
     let status = s.daemon().cli_json(&["status"]);
     assert_eq!(status["active_bans"], 100_000);
     // A bad line rejects the whole request and applies nothing.
