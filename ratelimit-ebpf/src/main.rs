@@ -155,7 +155,8 @@ mod program {
         // see as an uninitialised register.
         let mut src_mask = (0u32, 0u32);
         // The source's key in the list and ban tries, built once for both, in this CPU's
-        // scratch record (the entry's stack has no room to spare on 6.1).
+        // scratch record (the entry's stack has no room to spare on 6.1), which the rules
+        // use after them.
         let Some(rl) = SCRATCH.get_ptr_mut(0) else {
             return finish(slot, global::PASS, len);
         };
@@ -189,6 +190,7 @@ mod program {
             ban_matched = true;
         }
         let verdict = rules::evaluate_rules(
+            rl,
             slot,
             pkt,
             len,

@@ -41,7 +41,7 @@ use crate::{
     meters::{ABOVE_BAN_THRESHOLD, ADMITTED, BAN_HELD, rl_after, rl_ban_meter, rl_limit},
     parse::Parsed,
     policy,
-    scratch::{Env, RuleLoop, SCRATCH},
+    scratch::{Env, RuleLoop},
     state::{StateFor, zero_addr},
     stats::{self, Slot},
 };
@@ -60,9 +60,11 @@ const RULE_PASS: u64 = 2;
 const RULE_DROP_FOR_TICK: u64 = 3;
 
 /// Evaluate the rules in file order. Each rule is one call of the global function `rl_rule`,
-/// which the verifier checks once on its own, so this loop costs it a call per rule.
+/// which the verifier checks once on its own, so this loop costs it a call per rule. `rl` is
+/// this CPU's scratch record, which the entry looked up for the packet.
 #[inline(always)]
 pub fn evaluate_rules(
+    rl: *mut RuleLoop,
     slot: Slot,
     pkt: Parsed,
     len: u64,
@@ -77,9 +79,6 @@ pub fn evaluate_rules(
     if n == 0 {
         return RuleVerdict::Pass;
     }
-    let Some(rl) = SCRATCH.get_ptr_mut(0) else {
-        return RuleVerdict::Pass;
-    };
     // SAFETY: this CPU's scratch record, used only during this packet.
     unsafe {
         (*rl).env = Env {

@@ -72,8 +72,8 @@ pub const NONE: u64 = u64::MAX;
 pub const PROTECTED: u64 = u64::MAX - 1;
 
 /// The keyed hash of per-source `key` (`known_hash` under `RL_HASH_KEY`). A global BPF
-/// function: its seven SipHash rounds (some 320 instructions) are in the program once,
-/// verified once, instead of at every caller.
+/// function: its SipHash rounds (four for an IPv4 source, six for an IPv6 one) are in the
+/// program once, verified once, instead of at every caller.
 #[unsafe(no_mangle)]
 #[inline(never)]
 pub extern "C" fn rl_store_hash(key: *const ClientKey) -> u64 {
