@@ -627,10 +627,17 @@ fn stage2(
     env: &[(String, String)],
 ) -> String {
     let mut script = String::from("#!/bin/sh\n");
+    let cwd = std::env::current_dir().unwrap_or_else(|_| PathBuf::from("/"));
+    // An empty /tmp and /run of the guest's own, unless one would hide the project or the run
+    // directory (a checkout under /tmp): the overlay's tmpfs upper layer keeps what the guest
+    // writes there from the host either way.
+    for dir in ["/tmp", "/run"] {
+        if !cwd.starts_with(dir) && !out.starts_with(dir) {
+            let _ = writeln!(script, "mount -t tmpfs tmpfs {dir}");
+        }
+    }
     script.push_str(
-        "mount -t tmpfs tmpfs /tmp\n\
-         mount -t tmpfs tmpfs /run\n\
-         mount -t bpf bpf /sys/fs/bpf\n\
+        "mount -t bpf bpf /sys/fs/bpf\n\
          mount -t cgroup2 cgroup2 /sys/fs/cgroup\n\
          mount -t debugfs debugfs /sys/kernel/debug\n\
          mkdir -p /dev/pts /dev/shm && mount -t devpts devpts /dev/pts && mount -t tmpfs tmpfs /dev/shm\n",
@@ -643,7 +650,6 @@ fn stage2(
         sh_quote(&prepared.modules.to_string_lossy())
     );
     script.push_str("ip link set lo up\n");
-    let cwd = std::env::current_dir().unwrap_or_else(|_| PathBuf::from("/"));
     let _ = writeln!(script, "cd {} || exit 1", sh_quote(&cwd.to_string_lossy()));
     for key in ["PATH", "HOME", "TERM", "RUST_BACKTRACE"] {
         if let Ok(value) = std::env::var(key) {
