@@ -191,9 +191,8 @@ mod program {
         }
         let verdict = rules::evaluate_rules(
             rl,
-            slot,
             pkt,
-            len,
+            (slot, len),
             (now, tick, ban_epoch),
             global_cfg,
             src_mask,

@@ -65,9 +65,8 @@ const RULE_DROP_FOR_TICK: u64 = 3;
 #[inline(always)]
 pub fn evaluate_rules(
     rl: *mut RuleLoop,
-    slot: Slot,
     pkt: Parsed,
-    len: u64,
+    (slot, len): (Slot, u64),
     (now, tick, ban_epoch): (u64, u64, u64),
     g: &GlobalConfig,
     src_mask: (u32, u32),
