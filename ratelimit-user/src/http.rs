@@ -30,6 +30,7 @@ use crate::{
     cli::TopBy,
     control::{self, Request},
     daemon::{self, Shared},
+    events,
     report::{self, Pb, Stats},
 };
 
@@ -111,6 +112,7 @@ fn snapshot(s: &daemon::State) -> anyhow::Result<(Stats, Gauges)> {
             .unwrap_or_else(|e| e.into_inner())
             .as_ref()
             .map(|r| (r.bits_set, r.bits)),
+        events: s.events.counts(),
     };
     Ok((stats, gauges))
 }
@@ -126,6 +128,8 @@ pub struct Gauges {
     pub tracked_clients_capacity: u64,
     /// The known-sources filter's (bits set, bits) at its last rebuild; None while it is off.
     pub known_filter: Option<(u64, u64)>,
+    /// The events sink's counts.
+    pub events: events::Counts,
 }
 
 #[derive(Debug)]
@@ -343,9 +347,38 @@ pub fn render_metrics(stats: &Stats, gauges: &Gauges) -> String {
         Family::new(
             "ratelimit_events_lost",
             Counter,
-            "Events dropped because the ring buffer was full",
+            "Events that never became a line, by where they were lost: the program found the ring buffer full, the daemon's queue to the events writer was full, or writing the line failed",
         )
-        .with(vec![], Value::Counter(reason(stats, "events_lost"))),
+        .with(
+            vec![("stage", "ring_buffer".into())],
+            Value::Counter(reason(stats, "events_lost")),
+        )
+        .with(
+            vec![("stage", "queue".into())],
+            Value::Counter(gauges.events.lost_queue),
+        )
+        .with(
+            vec![("stage", "write".into())],
+            Value::Counter(gauges.events.lost_write),
+        ),
+        Family::new(
+            "ratelimit_events_suppressed",
+            Counter,
+            "Events over daemon.events_per_sec, not written as lines but counted in the per-second summary lines (event \"suppressed\")",
+        )
+        .with(vec![], Value::Counter(gauges.events.suppressed)),
+        Family::new(
+            "ratelimit_events_written",
+            Counter,
+            "Event lines written (summary lines not included)",
+        )
+        .with(vec![], Value::Counter(gauges.events.written)),
+        Family::new(
+            "ratelimit_events_queued",
+            Gauge,
+            "Events waiting for the events writer",
+        )
+        .with(vec![], Value::Gauge(gauges.events.queued)),
         Family::new("ratelimit_up", Gauge, "1 while the daemon answers")
             .with(vec![], Value::Gauge(1)),
         Family::new("ratelimit_build", Info, "The daemon's version").with(
@@ -520,6 +553,13 @@ mod tests {
         tracked_clients: 5,
         tracked_clients_capacity: 20,
         known_filter: Some((16, 64)),
+        events: events::Counts {
+            queued: 6,
+            written: 100,
+            suppressed: 40,
+            lost_queue: 2,
+            lost_write: 3,
+        },
     };
 
     fn lines(text: &str) -> Vec<&str> {
@@ -549,7 +589,12 @@ mod tests {
             "ratelimit_map_fill_ratio{map=\"known_filter\"} 0.25",
             "ratelimit_evictions_total 7",
             "ratelimit_admission_refused_total 4",
-            "ratelimit_events_lost_total 1",
+            "ratelimit_events_lost_total{stage=\"ring_buffer\"} 1",
+            "ratelimit_events_lost_total{stage=\"queue\"} 2",
+            "ratelimit_events_lost_total{stage=\"write\"} 3",
+            "ratelimit_events_suppressed_total 40",
+            "ratelimit_events_written_total 100",
+            "ratelimit_events_queued 6",
             "ratelimit_up 1",
             "# TYPE ratelimit_build info",
             &format!(
