@@ -221,17 +221,27 @@ impl State {
                     TopBy::Drops => report::Rank::Drops,
                 },
             )?),
-            Request::Bans => Response::ok(report::bans(
-                &self.maps,
-                &self.live_rules(),
-                &self.ban_reasons,
-            )),
-            Request::Offenders => {
+            Request::Bans { limit } => {
+                let mut b = report::bans(&self.maps, &self.live_rules(), &self.ban_reasons);
+                if let Some(limit) = limit {
+                    b.truncate(limit);
+                }
+                Response::ok(b)
+            }
+            Request::Offenders { limit } => {
                 let mut c: Vec<_> = report::clients(&self.maps, &self.live_rules())?
                     .into_iter()
                     .filter(|c| c.throttled || c.above_soft_limit)
                     .collect();
-                c.sort_by_key(|c| std::cmp::Reverse(c.usage));
+                let by_usage = |c: &report::Client| std::cmp::Reverse(c.usage);
+                if let Some(limit) = limit
+                    && limit < c.len()
+                {
+                    // The `limit` highest first, without sorting the rest.
+                    c.select_nth_unstable_by_key(limit, by_usage);
+                    c.truncate(limit);
+                }
+                c.sort_by_key(by_usage);
                 Response::ok(c)
             }
             Request::BanAdd { bans } => Response::ok(self.ban_add(&bans)?),
