@@ -78,6 +78,9 @@ pub struct Daemon {
     pub state_dir: PathBuf,
     /// `None` when absent.
     pub events: Option<EventsSink>,
+    /// At most this many event lines a second from the data plane (the rest are counted in a
+    /// summary line per second); 1 to `events::MAX_PER_SEC`.
+    pub events_per_sec: u32,
     /// Where maps and links are pinned.
     pub bpffs_dir: PathBuf,
 }
@@ -91,6 +94,7 @@ impl Default for Daemon {
             http_listen: Some(DEFAULT_HTTP_LISTEN),
             state_dir: PathBuf::from(DEFAULT_STATE_DIR),
             events: None,
+            events_per_sec: crate::events::DEFAULT_PER_SEC,
             bpffs_dir: PathBuf::from(DEFAULT_BPFFS_DIR),
         }
     }

@@ -23,8 +23,16 @@ pub enum Request {
         n: usize,
         by: TopBy,
     },
-    Bans,
-    Offenders,
+    /// Bans in force; at most `limit` of them (in their listed order) when given.
+    Bans {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        limit: Option<usize>,
+    },
+    /// Offenders, highest usage first; at most `limit` of them when given.
+    Offenders {
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        limit: Option<usize>,
+    },
     BanAdd {
         bans: Vec<BanSpec>,
     },

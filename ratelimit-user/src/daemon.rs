@@ -1,7 +1,9 @@
 //! The daemon: loads and attaches the program, applies the config, and runs a few long-lived
 //! tasks over one owned `State`: the control API, the event reader, ban persistence, and
-//! signal handling. SIGTERM and SIGINT leave the program attached and enforcing (its links
-//! are pinned); `ratelimit detach` removes it.
+//! signal handling. Event lines are written by a thread of their own (`events.rs`) that
+//! nothing waits for: the event reader hands them over without taking the state lock.
+//! SIGTERM and SIGINT leave the program attached and enforcing (its links are pinned);
+//! `ratelimit detach` removes it.
 
 use std::{
     collections::BTreeMap,
@@ -32,7 +34,7 @@ use crate::{
     config::{self, Config},
     control::{self, BanSpec, Request, Response},
     datapath::{Attached, Datapath, Maps},
-    events::{self, Sink},
+    events::Events,
     report,
 };
 
@@ -53,7 +55,8 @@ pub struct State {
     pub dp: Datapath,
     pub started: SystemTime,
     pub ban_reasons: BTreeMap<String, String>,
-    pub sink: Sink,
+    /// Where event lines go (a queue to the events writer).
+    pub events: Events,
     /// Bans changed since they were last written to `state_dir`.
     pub bans_dirty: bool,
     /// Earliest expiry (CLOCK_MONOTONIC) among the bans this daemon knows of: the expired-ban
@@ -156,8 +159,7 @@ impl State {
             }
         }
         self.next_ban_expiry = next;
-        let names = self.rule_names();
-        let mut n = 0;
+        let mut lifted = Vec::new();
         for b in expired {
             // The program may have lifted it and issued a fresh ban at the same key since the
             // walk: remove only the entry we saw.
@@ -172,8 +174,9 @@ impl State {
             if !matches!(self.maps.remove_ban(table, b.prefix_len, &addr), Ok(true)) {
                 continue; // the program lifted it first and reported it
             }
-            n += 1;
-            let ev = Event {
+            // Capped like the program's own events: rule bans expire by the thousand after
+            // a flood.
+            lifted.push(Event {
                 kind: ratelimit_common::event::EV_UNBAN,
                 rule: b.rule,
                 key_kind: KEY_IP as u32,
@@ -183,13 +186,10 @@ impl State {
                 count: 0,
                 threshold: 0,
                 expires_ns: b.expires_ns,
-            };
-            let mut line = events::line_of(&ev, &names);
-            if b.rule == BAN_RULE_NONE {
-                line.rule = String::new();
-            }
-            self.sink.write(&line);
+            });
         }
+        let n = lifted.len();
+        self.events.data_plane(lifted);
         if n > 0 {
             self.bans_changed();
         }
@@ -221,17 +221,27 @@ impl State {
                     TopBy::Drops => report::Rank::Drops,
                 },
             )?),
-            Request::Bans => Response::ok(report::bans(
-                &self.maps,
-                &self.live_rules(),
-                &self.ban_reasons,
-            )),
-            Request::Offenders => {
+            Request::Bans { limit } => {
+                let mut b = report::bans(&self.maps, &self.live_rules(), &self.ban_reasons);
+                if let Some(limit) = limit {
+                    b.truncate(limit);
+                }
+                Response::ok(b)
+            }
+            Request::Offenders { limit } => {
                 let mut c: Vec<_> = report::clients(&self.maps, &self.live_rules())?
                     .into_iter()
                     .filter(|c| c.throttled || c.above_soft_limit)
                     .collect();
-                c.sort_by_key(|c| std::cmp::Reverse(c.usage));
+                let by_usage = |c: &report::Client| std::cmp::Reverse(c.usage);
+                if let Some(limit) = limit
+                    && limit < c.len()
+                {
+                    // The `limit` highest first, without sorting the rest.
+                    c.select_nth_unstable_by_key(limit, by_usage);
+                    c.truncate(limit);
+                }
+                c.sort_by_key(by_usage);
                 Response::ok(c)
             }
             Request::BanAdd { bans } => Response::ok(self.ban_add(&bans)?),
@@ -261,8 +271,12 @@ impl State {
             max_sources: u32,
             active_bans: usize,
             known_filter: Option<crate::known::Rebuilt>,
+            events: crate::events::Status,
         }
         let tracked = report::tracked_clients(&self.maps).unwrap_or(0) as usize;
+        let ring_buffer_lost =
+            report::global_packets(&self.maps, ratelimit_common::stats::global::EVENTS_LOST)
+                .unwrap_or(0);
         serde_json::to_value(Status {
             version: env!("CARGO_PKG_VERSION"),
             pid: std::process::id(),
@@ -285,6 +299,7 @@ impl State {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .clone(),
+            events: self.events.status(ring_buffer_lost),
         })
         .unwrap_or_default()
     }
@@ -334,7 +349,7 @@ impl State {
             }
         }
         self.bans_changed();
-        self.write_events(&added);
+        self.events.operator(added);
         Ok(serde_json::json!({ "added": parsed.len() }))
     }
 
@@ -376,44 +391,6 @@ impl State {
                 error!("undoing a failed ban request at {net}: {e}");
             }
         }
-    }
-
-    /// Event lines for the operator's own ban changes, written a few dozen kilobytes at a
-    /// time (100k bans make 100k lines: no list of them is built).
-    fn write_events(&mut self, events: &[Event]) {
-        if events.is_empty() || self.sink.is_none() {
-            return;
-        }
-        let names = self.rule_names();
-        let mut buf = Vec::with_capacity(CHUNK + 512);
-        const CHUNK: usize = 64 << 10;
-        // The events of one request share their time, and bans added together their expiry.
-        let mut formatted: Vec<(u64, String)> = Vec::with_capacity(2);
-        let mut time = |ns: u64| {
-            if let Some((_, s)) = formatted.iter().find(|(t, _)| *t == ns) {
-                return s.clone();
-            }
-            let s = report::rfc3339(report::wall_of(ns));
-            if formatted.len() == 8 {
-                formatted.remove(0);
-            }
-            formatted.push((ns, s.clone()));
-            s
-        };
-        for e in events {
-            let mut line = events::line_with(e, &names, &mut time);
-            if e.rule == BAN_RULE_NONE {
-                line.rule = String::new();
-            }
-            if serde_json::to_writer(&mut buf, &line).is_ok() {
-                buf.push(b'\n');
-            }
-            if buf.len() >= CHUNK {
-                self.sink.write_raw(&buf);
-                buf.clear();
-            }
-        }
-        self.sink.write_raw(&buf);
     }
 
     /// `ban del`, all or nothing like `ban add`: every entry is parsed before any ban is
@@ -468,7 +445,7 @@ impl State {
         }
         let removed = lifted.len();
         self.bans_changed();
-        self.write_events(&lifted);
+        self.events.operator(lifted);
         if removed == 0 && !missing.is_empty() {
             bail!("no such ban: {}", missing.join(", "));
         }
@@ -540,16 +517,17 @@ impl State {
             .shared
             .insert(key, lifted, 2)
             .with_context(|| format!("lifting the ban of {what}"))?;
-        self.sink.write(&crate::events::EventLine {
-            time: crate::report::rfc3339(std::time::SystemTime::now()),
-            event: "unban",
-            rule: rule.to_string(),
-            key: crate::report::key_name(key.kind),
-            client: crate::report::client_label(&key),
+        self.events.operator(vec![Event {
+            kind: EV_UNBAN,
+            rule: u32::from(key.rule),
+            key_kind: u32::from(key.kind),
+            prefix_len: key.prefix_len,
+            addr: key.addr,
+            ts_ns: now,
             count: 0,
             threshold: 0,
-            ban_expires: None,
-        });
+            expires_ns: 0,
+        }]);
         info!(%what, "aggregate ban lifted");
         self.bans_changed();
         Ok(serde_json::json!({
@@ -621,6 +599,7 @@ impl State {
         let new_names: Vec<String> = cfg.rules.iter().map(|r| r.name.clone()).collect();
         retire_rule_slots(&mut self.maps, &old_names, &new_names);
         save_rule_names(&cfg.daemon.state_dir, &new_names);
+        self.events.set_rule_names(new_names);
         let old_sink_target = self.cfg.daemon.events.clone();
         self.cfg = cfg;
         let wanted = self.interfaces_wanted();
@@ -638,10 +617,11 @@ impl State {
             }
         }
         if old_sink_target != self.cfg.daemon.events {
-            self.sink = Sink::open(self.cfg.daemon.events.as_ref())?;
+            self.events.retarget(self.cfg.daemon.events.as_ref())?;
         } else {
-            self.sink.reopen().ok();
+            self.events.reopen();
         }
+        self.events.set_per_sec(self.cfg.daemon.events_per_sec);
         info!(config = %path.display(), "config reloaded");
         Ok(
             serde_json::json!({ "reloaded": path.display().to_string(), "rules": self.rule_names() }),
@@ -834,7 +814,11 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     .context("starting the known-sources filter's thread")?;
     let listener = control::bind(&cfg.daemon.control_socket)?;
     let events_map = maps.events.take();
-    let sink = Sink::open(cfg.daemon.events.as_ref())?;
+    let events = Events::start(
+        cfg.daemon.events.as_ref(),
+        cfg.daemon.events_per_sec,
+        names.clone(),
+    )?;
     let state: Shared = Arc::new(Mutex::new(State {
         cfg,
         opts_ifaces: opts.ifaces,
@@ -845,7 +829,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         dp,
         started: SystemTime::now(),
         ban_reasons: restored.reasons,
-        sink,
+        events: events.clone(),
         bans_dirty: false,
         next_ban_expiry: 0,
         known_status,
@@ -860,7 +844,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         tasks.spawn(crate::http::serve(l, state.clone()));
     }
     if let Some(rb) = events_map {
-        tasks.spawn(read_events(rb, state.clone()));
+        tasks.spawn(read_events(rb, state.clone(), events.clone()));
     }
     tasks.spawn(persist_bans(state.clone()));
     tasks.spawn(watch_interfaces(state.clone()));
@@ -874,18 +858,11 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         tokio::select! {
             _ = term.recv() => break,
             _ = int.recv() => break,
-            _ = usr1.recv() => {
-                let mut s = state.lock().await;
-                if let Err(e) = s.sink.reopen() {
-                    error!("reopening the events file: {e:#}");
-                }
-            }
+            _ = usr1.recv() => events.reopen(),
             _ = hup.recv() => {
-                let mut s = state.lock().await;
                 // Log rotation first: the events file is reopened even if the reload fails.
-                if let Err(e) = s.sink.reopen() {
-                    error!("reopening the events file: {e:#}");
-                }
+                events.reopen();
+                let mut s = state.lock().await;
                 if s.config_path.is_some()
                     && let Err(e) = tokio::task::block_in_place(|| s.reload())
                 {
@@ -904,6 +881,8 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     let mut s = state.lock().await;
     s.save_bans();
     let _ = std::fs::remove_file(&s.cfg.daemon.control_socket);
+    // The lines still queued, unless the sink is stalled.
+    tokio::task::block_in_place(|| events.close(Duration::from_secs(1)));
     info!("stopping; the XDP program stays attached and enforcing (`ratelimit detach` removes it)");
     Ok(())
 }
@@ -936,9 +915,24 @@ async fn serve_control(listener: tokio::net::UnixListener, state: Shared) -> any
             while let Ok(Some(line)) = lines.next_line().await {
                 let resp = match serde_json::from_str::<Request>(&line) {
                     Ok(req) => {
+                        let writes_events = matches!(
+                            req,
+                            Request::BanAdd { .. }
+                                | Request::BanDel { .. }
+                                | Request::BanLift { .. }
+                        );
                         let mut s = state.lock().await;
                         // Map walks are syscalls: keep them off the async workers' hot path.
-                        tokio::task::block_in_place(|| s.handle(req))
+                        let resp = tokio::task::block_in_place(|| s.handle(req));
+                        let events = writes_events.then(|| (s.events.clone(), s.events.last_seq()));
+                        drop(s);
+                        // The answer follows the request's event lines, so whoever reads the
+                        // events file after `ban add` finds them; unless the sink has stalled,
+                        // which delays the answer by `events::STALL` at most.
+                        if let Some((events, seq)) = events {
+                            events.written(seq).await;
+                        }
+                        resp
                     }
                     Err(e) => Response::err(format!("bad request: {e}")),
                 };
@@ -974,10 +968,15 @@ fn give_back_freed_memory() {
     }
 }
 
-async fn read_events(rb: RingBuf<MapData>, state: Shared) -> anyhow::Result<()> {
+/// Drain the events ring buffer into the events writer's queue. The state lock is not needed
+/// for that, so a long report (a `top` over millions of clients) holding it does not leave the
+/// ring buffer to fill: the ban bookkeeping the events call for (the expiry sweep's next
+/// deadline, bans to save) is applied when the lock is free, by a task of its own if it is not.
+async fn read_events(rb: RingBuf<MapData>, state: Shared, events: Events) -> anyhow::Result<()> {
     // SAFETY: the ring buffer owns its fd and keeps it open for as long as the AsyncFd lives.
     let mut fd = unsafe { AsyncFd::register(rb) }
         .map_err(|e| anyhow::anyhow!("polling the events ring buffer: {e}"))?;
+    let pending = Arc::new(std::sync::Mutex::new(BanNews::default()));
     loop {
         let mut guard = fd.readable_mut().await?;
         let rb = guard.get_inner_mut();
@@ -990,25 +989,80 @@ async fn read_events(rb: RingBuf<MapData>, state: Shared) -> anyhow::Result<()> 
             }
         }
         guard.clear_ready();
-        if batch.is_empty() {
-            continue;
+        let news = BanNews::of(&batch);
+        events.data_plane(batch);
+        if news.changed {
+            news.apply(&state, &pending);
         }
-        let mut s = state.lock().await;
-        let names = s.rule_names();
-        for e in &batch {
-            let line = events::line_of(e, &names);
-            s.sink.write(&line);
+    }
+}
+
+/// What events tell the ban bookkeeping: that bans changed (to be saved), and the earliest
+/// expiry among new bans (for the expiry sweep).
+#[derive(Debug, Clone, Copy)]
+struct BanNews {
+    changed: bool,
+    earliest_expiry: u64,
+    /// A task is waiting for the state lock to apply what is pending.
+    applying: bool,
+}
+
+impl Default for BanNews {
+    fn default() -> Self {
+        Self {
+            changed: false,
+            earliest_expiry: u64::MAX,
+            applying: false,
         }
-        for e in &batch {
-            if e.kind == ratelimit_common::event::EV_BAN && e.expires_ns != 0 {
-                s.next_ban_expiry = s.next_ban_expiry.min(e.expires_ns);
+    }
+}
+
+impl BanNews {
+    fn of(batch: &[Event]) -> Self {
+        let mut n = Self::default();
+        for e in batch {
+            if e.kind == EV_BAN || e.kind == EV_UNBAN {
+                n.changed = true;
+            }
+            if e.kind == EV_BAN && e.expires_ns != 0 {
+                n.earliest_expiry = n.earliest_expiry.min(e.expires_ns);
             }
         }
-        if batch.iter().any(|e| {
-            e.kind == ratelimit_common::event::EV_BAN || e.kind == ratelimit_common::event::EV_UNBAN
-        }) {
+        n
+    }
+
+    fn merge(&mut self, o: BanNews) {
+        self.changed |= o.changed;
+        self.earliest_expiry = self.earliest_expiry.min(o.earliest_expiry);
+    }
+
+    fn apply_to(self, s: &mut State) {
+        s.next_ban_expiry = s.next_ban_expiry.min(self.earliest_expiry);
+        if self.changed {
             s.bans_changed();
         }
+    }
+
+    /// Apply now if the state lock is free, else leave it to a task that waits for it (one at
+    /// a time: later news joins what that task will apply).
+    fn apply(self, state: &Shared, pending: &Arc<std::sync::Mutex<BanNews>>) {
+        if let Ok(mut s) = state.try_lock() {
+            self.apply_to(&mut s);
+            return;
+        }
+        let mut p = pending.lock().unwrap_or_else(|e| e.into_inner());
+        p.merge(self);
+        if p.applying {
+            return;
+        }
+        p.applying = true;
+        drop(p);
+        let (state, pending) = (state.clone(), pending.clone());
+        tokio::spawn(async move {
+            let mut s = state.lock().await;
+            let news = std::mem::take(&mut *pending.lock().unwrap_or_else(|e| e.into_inner()));
+            news.apply_to(&mut s);
+        });
     }
 }
 

@@ -4,18 +4,38 @@
 //!
 //! Every value is read from the maps when it is asked for: `/metrics` builds a fresh registry
 //! per scrape from one pass over the counters, and `/v1/...` answers exactly what the control
-//! API answers for the same request.
+//! API answers for the same request, cut to a bounded length.
+//!
+//! Any local user can connect, so no client may hold the daemon's resources: at most
+//! [`MAX_CONNECTIONS`] connections are served at once (more are closed as soon as they are
+//! accepted, and counted), a client has [`HEADER_READ_TIMEOUT`] to send a request's headers
+//! (idle keep-alive connections included), a request that waits [`REQUEST_TIMEOUT`] for the
+//! daemon gets a 503, a connection is closed after [`MAX_CONNECTION_AGE`], and every answer
+//! is bounded ([`MAX_TOP_N`], [`MAX_LIST`]). A thousand idle connections cost the daemon at most
+//! [`MAX_CONNECTIONS`] file descriptors, well under the 1,024 a systemd service gets by default.
 
-use std::{collections::BTreeMap, future::Future, io::ErrorKind, net::SocketAddr};
+use std::{
+    collections::BTreeMap,
+    convert::Infallible,
+    future::Future,
+    io::ErrorKind,
+    net::SocketAddr,
+    sync::{
+        Arc,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant},
+};
 
-use anyhow::{Context as _, anyhow};
+use anyhow::anyhow;
 use axum::{
     Json, Router,
     extract::{Query, State},
-    http::{Method, StatusCode, Uri, header},
+    http::{HeaderValue, Method, StatusCode, Uri, header},
     response::{IntoResponse, Response},
     routing::get,
 };
+use hyper_util::rt::{TokioIo, TokioTimer};
 use prometheus_client::{
     collector::Collector,
     encoding::{DescriptorEncoder, EncodeMetric as _, MetricEncoder},
@@ -23,13 +43,15 @@ use prometheus_client::{
     registry::Registry,
 };
 use serde::Deserialize;
-use tokio::net::TcpListener;
+use tokio::{net::TcpListener, sync::Semaphore};
+use tower::ServiceExt as _;
 use tracing::{info, warn};
 
 use crate::{
     cli::TopBy,
     control::{self, Request},
     daemon::{self, Shared},
+    events,
     report::{self, Pb, Stats},
 };
 
@@ -39,9 +61,30 @@ pub const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.
 
 /// Default `n` of `/v1/top`, as for `ratelimit top`.
 const DEFAULT_TOP_N: usize = 10;
+/// Largest `n` of `/v1/top`; above it the request is a 400.
+pub const MAX_TOP_N: usize = 10_000;
+/// Largest (and default) `limit` of `/v1/bans` and `/v1/offenders`: a longer list is cut to
+/// it, and the answer says so with an `X-Truncated: true` header.
+pub const MAX_LIST: usize = 10_000;
+/// Connections served at once; more are closed as soon as they are accepted
+/// (`ratelimit_http_connections_rejected_total`).
+pub const MAX_CONNECTIONS: usize = 64;
+/// Time a client has to send a request's headers, from the connection's start or the end of
+/// its previous request. Prometheus sends its scrape at once; a client that does not is
+/// disconnected.
+pub const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(5);
+/// Time a request may wait for the daemon (Prometheus' own default scrape timeout); after it,
+/// a 503. It bounds the wait for the state lock; a report that has the lock already runs
+/// synchronously to its end, and the 503 follows then.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+/// A connection is closed (after the request in progress, if any) once it is this old, so a
+/// client that stops reading its answer holds a slot for a bounded time.
+pub const MAX_CONNECTION_AGE: Duration = Duration::from_secs(60);
+/// How often a failing `accept` (out of file descriptors) is logged.
+const ACCEPT_WARN_EVERY: Duration = Duration::from_secs(10);
 
-const ENDPOINTS: &str =
-    "/metrics, /v1/status, /v1/stats, /v1/top?n=N&by=packets|bytes|drops, /v1/bans, /v1/offenders";
+const ENDPOINTS: &str = "/metrics, /v1/status, /v1/stats, /v1/top?n=N&by=packets|bytes|drops, \
+     /v1/bans?limit=N, /v1/offenders?limit=N";
 
 /// Bind `daemon.http_listen`, with an error an operator can act on.
 pub async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
@@ -61,24 +104,171 @@ pub async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
 
 /// Serve the listener until the task is dropped.
 pub async fn serve(listener: TcpListener, state: Shared) -> anyhow::Result<()> {
-    serve_with(listener, state).await
+    serve_with(listener, state, Limits::DEFAULT).await
 }
 
-async fn serve_with<B: Backend>(listener: TcpListener, backend: B) -> anyhow::Result<()> {
+/// The listener's bounds (the constants above; shorter in tests).
+#[derive(Debug, Clone, Copy)]
+struct Limits {
+    max_connections: usize,
+    header_read_timeout: Duration,
+    request_timeout: Duration,
+    max_connection_age: Duration,
+}
+
+impl Limits {
+    const DEFAULT: Limits = Limits {
+        max_connections: MAX_CONNECTIONS,
+        header_read_timeout: HEADER_READ_TIMEOUT,
+        request_timeout: REQUEST_TIMEOUT,
+        max_connection_age: MAX_CONNECTION_AGE,
+    };
+}
+
+/// The listener's own counts, for `/metrics`.
+#[derive(Default)]
+struct Conns {
+    open: AtomicU64,
+    rejected: AtomicU64,
+    header_timeouts: AtomicU64,
+    request_timeouts: AtomicU64,
+}
+
+impl Conns {
+    fn counts(&self) -> HttpCounts {
+        HttpCounts {
+            open: self.open.load(Ordering::Relaxed),
+            rejected: self.rejected.load(Ordering::Relaxed),
+            header_timeouts: self.header_timeouts.load(Ordering::Relaxed),
+            request_timeouts: self.request_timeouts.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// A reading of the listener's counts.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct HttpCounts {
+    /// Connections being served now.
+    pub open: u64,
+    /// Connections closed at once because [`MAX_CONNECTIONS`] were open.
+    pub rejected: u64,
+    /// Connections closed because the headers did not arrive within [`HEADER_READ_TIMEOUT`].
+    pub header_timeouts: u64,
+    /// Requests answered 503 after [`REQUEST_TIMEOUT`].
+    pub request_timeouts: u64,
+}
+
+/// One served connection, counted in `open` while it lives.
+struct Served(Arc<Conns>);
+
+impl Served {
+    fn new(conns: Arc<Conns>) -> Self {
+        conns.open.fetch_add(1, Ordering::Relaxed);
+        Served(conns)
+    }
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        self.0.open.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+async fn serve_with<B: Backend>(
+    listener: TcpListener,
+    backend: B,
+    limits: Limits,
+) -> anyhow::Result<()> {
     if let Ok(addr) = listener.local_addr() {
         info!(%addr, "HTTP listener ready (GET /metrics, /v1/...)");
     }
-    axum::serve(listener, router(backend))
-        .await
-        .context("serving http_listen")
+    let conns = Arc::new(Conns::default());
+    let app = router(App {
+        backend,
+        conns: conns.clone(),
+    });
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let mut http = hyper::server::conn::http1::Builder::new();
+    http.timer(TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout);
+    let mut last_warn: Option<Instant> = None;
+    loop {
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
+            Err(e) => {
+                // Out of file descriptors, say: keep serving once it passes.
+                if last_warn.is_none_or(|t| t.elapsed() >= ACCEPT_WARN_EVERY) {
+                    warn!("HTTP listener: accept failed: {e}");
+                    last_warn = Some(Instant::now());
+                }
+                tokio::time::sleep(Duration::from_millis(100)).await;
+                continue;
+            }
+        };
+        let Ok(slot) = slots.clone().try_acquire_owned() else {
+            // Closed as soon as accepted: a connection over the cap costs one descriptor for
+            // an instant, never a task.
+            conns.rejected.fetch_add(1, Ordering::Relaxed);
+            drop(stream);
+            continue;
+        };
+        let served = Served::new(conns.clone());
+        let service = {
+            let (app, conns) = (app.clone(), conns.clone());
+            hyper::service::service_fn(move |req| {
+                let (app, conns) = (app.clone(), conns.clone());
+                let timeout = limits.request_timeout;
+                async move { Ok::<_, Infallible>(answer_in_time(app, &conns, req, timeout).await) }
+            })
+        };
+        let conn = http.serve_connection(TokioIo::new(stream), service);
+        tokio::spawn(async move {
+            let _slot = slot;
+            let mut conn = std::pin::pin!(conn);
+            let res = tokio::select! {
+                res = conn.as_mut() => res,
+                () = tokio::time::sleep(limits.max_connection_age) => {
+                    conn.as_mut().graceful_shutdown();
+                    tokio::time::timeout(limits.request_timeout, conn).await.unwrap_or(Ok(()))
+                }
+            };
+            if let Err(e) = res
+                && e.is_timeout()
+            {
+                served.0.header_timeouts.fetch_add(1, Ordering::Relaxed);
+            }
+            drop(served);
+        });
+    }
+}
+
+/// The router's answer to `req`, or a 503 once `timeout` ([`REQUEST_TIMEOUT`]) has passed
+/// (the daemon is busy: a report over millions of clients holds the state).
+async fn answer_in_time(
+    app: Router,
+    conns: &Conns,
+    req: axum::http::Request<hyper::body::Incoming>,
+    timeout: Duration,
+) -> Response {
+    match tokio::time::timeout(timeout, app.oneshot(req)).await {
+        Ok(Ok(resp)) => resp,
+        Ok(Err(never)) => match never {},
+        Err(_) => {
+            conns.request_timeouts.fetch_add(1, Ordering::Relaxed);
+            error(
+                StatusCode::SERVICE_UNAVAILABLE,
+                format!("the daemon did not answer within {timeout:?}; try again"),
+            )
+        }
+    }
 }
 
 /// What the routes need from the daemon. A trait so the routing can be tested without maps.
 trait Backend: Clone + Send + Sync + 'static {
     /// The control API's answer to a (read-only) request.
     fn request(&self, req: Request) -> impl Future<Output = control::Response> + Send;
-    /// The `/metrics` exposition, read from the maps now.
-    fn metrics(&self) -> impl Future<Output = anyhow::Result<String>> + Send;
+    /// What `/metrics` shows, read from the maps now (the listener's own counts aside).
+    fn snapshot(&self) -> impl Future<Output = anyhow::Result<(Stats, Gauges)>> + Send;
 }
 
 impl Backend for Shared {
@@ -88,16 +278,22 @@ impl Backend for Shared {
         tokio::task::block_in_place(|| s.handle(req))
     }
 
-    async fn metrics(&self) -> anyhow::Result<String> {
+    async fn snapshot(&self) -> anyhow::Result<(Stats, Gauges)> {
         let s = self.lock().await;
-        let (stats, gauges) = tokio::task::block_in_place(|| snapshot(&s))?;
-        drop(s);
-        Ok(render_metrics(&stats, &gauges))
+        tokio::task::block_in_place(|| snapshot(&s))
     }
+}
+
+/// The router's state: the daemon, and the listener's counts for `/metrics`.
+#[derive(Clone)]
+struct App<B> {
+    backend: B,
+    conns: Arc<Conns>,
 }
 
 /// Read everything `/metrics` shows, in one go, under the state lock.
 fn snapshot(s: &daemon::State) -> anyhow::Result<(Stats, Gauges)> {
+    use anyhow::Context as _;
     let ifaces = s.dp.counter_slots();
     let stats = report::stats(&s.maps, &ifaces, &s.rule_names()).context("reading counters")?;
     let tracked = report::tracked_clients(&s.maps).context("walking the per-client state map")?;
@@ -111,6 +307,8 @@ fn snapshot(s: &daemon::State) -> anyhow::Result<(Stats, Gauges)> {
             .unwrap_or_else(|e| e.into_inner())
             .as_ref()
             .map(|r| (r.bits_set, r.bits)),
+        events: s.events.counts(),
+        http: HttpCounts::default(),
     };
     Ok((stats, gauges))
 }
@@ -126,6 +324,10 @@ pub struct Gauges {
     pub tracked_clients_capacity: u64,
     /// The known-sources filter's (bits set, bits) at its last rebuild; None while it is off.
     pub known_filter: Option<(u64, u64)>,
+    /// The events sink's counts.
+    pub events: events::Counts,
+    /// The HTTP listener's counts.
+    pub http: HttpCounts,
 }
 
 #[derive(Debug)]
@@ -343,9 +545,63 @@ pub fn render_metrics(stats: &Stats, gauges: &Gauges) -> String {
         Family::new(
             "ratelimit_events_lost",
             Counter,
-            "Events dropped because the ring buffer was full",
+            "Events that never became a line, by where they were lost: the program found the ring buffer full, the daemon's queue to the events writer was full, or writing the line failed",
         )
-        .with(vec![], Value::Counter(reason(stats, "events_lost"))),
+        .with(
+            vec![("stage", "ring_buffer".into())],
+            Value::Counter(reason(stats, "events_lost")),
+        )
+        .with(
+            vec![("stage", "queue".into())],
+            Value::Counter(gauges.events.lost_queue),
+        )
+        .with(
+            vec![("stage", "write".into())],
+            Value::Counter(gauges.events.lost_write),
+        ),
+        Family::new(
+            "ratelimit_events_suppressed",
+            Counter,
+            "Events over daemon.events_per_sec, not written as lines but counted in the per-second summary lines (event \"suppressed\")",
+        )
+        .with(vec![], Value::Counter(gauges.events.suppressed)),
+        Family::new(
+            "ratelimit_events_written",
+            Counter,
+            "Event lines written (summary lines not included)",
+        )
+        .with(vec![], Value::Counter(gauges.events.written)),
+        Family::new(
+            "ratelimit_events_queued",
+            Gauge,
+            "Events waiting for the events writer",
+        )
+        .with(vec![], Value::Gauge(gauges.events.queued)),
+        Family::new(
+            "ratelimit_http_connections_open",
+            Gauge,
+            "Connections the HTTP listener serves now",
+        )
+        .with(vec![], Value::Gauge(gauges.http.open)),
+        Family::new(
+            "ratelimit_http_connections_rejected",
+            Counter,
+            "HTTP connections closed as soon as accepted because the listener served its maximum already",
+        )
+        .with(vec![], Value::Counter(gauges.http.rejected)),
+        Family::new(
+            "ratelimit_http_timeouts",
+            Counter,
+            "HTTP clients that ran out of time: headers not sent within the header timeout (the connection is closed), or a request not answered within the request timeout (a 503)",
+        )
+        .with(
+            vec![("phase", "headers".into())],
+            Value::Counter(gauges.http.header_timeouts),
+        )
+        .with(
+            vec![("phase", "request".into())],
+            Value::Counter(gauges.http.request_timeouts),
+        ),
         Family::new("ratelimit_up", Gauge, "1 while the daemon answers")
             .with(vec![], Value::Gauge(1)),
         Family::new("ratelimit_build", Info, "The daemon's version").with(
@@ -370,8 +626,8 @@ struct TopQuery {
     by: Option<TopBy>,
 }
 
-/// The control request for `/v1/top?n=N&by=packets|bytes|drops` (both optional), or the
-/// message of a 400.
+/// The control request for `/v1/top?n=N&by=packets|bytes|drops` (both optional, `n` at most
+/// [`MAX_TOP_N`]), or the message of a 400.
 fn parse_top(uri: &Uri) -> Result<Request, String> {
     let Query(q) = Query::<TopQuery>::try_from_uri(uri).map_err(|e| {
         format!(
@@ -379,30 +635,105 @@ fn parse_top(uri: &Uri) -> Result<Request, String> {
             e.body_text()
         )
     })?;
+    let n = q.n.unwrap_or(DEFAULT_TOP_N);
+    if n > MAX_TOP_N {
+        return Err(format!(
+            "n = {n} is more than the {MAX_TOP_N} clients /v1/top answers with; expected \
+             /v1/top?n=N&by=packets|bytes|drops"
+        ));
+    }
     Ok(Request::Top {
-        n: q.n.unwrap_or(DEFAULT_TOP_N),
+        n,
         by: q.by.unwrap_or_default(),
     })
+}
+
+/// Query of `/v1/bans` and `/v1/offenders`.
+#[derive(Deserialize, Debug, Default)]
+#[serde(deny_unknown_fields)]
+struct ListQuery {
+    limit: Option<usize>,
+}
+
+/// The `limit` of `/v1/bans?limit=N` or `/v1/offenders?limit=N` (optional, at most and by
+/// default [`MAX_LIST`]), or the message of a 400.
+fn parse_limit(uri: &Uri) -> Result<usize, String> {
+    let expected = || format!("expected {}?limit=N", uri.path());
+    let Query(q) = Query::<ListQuery>::try_from_uri(uri)
+        .map_err(|e| format!("{}; {}", e.body_text(), expected()))?;
+    let limit = q.limit.unwrap_or(MAX_LIST);
+    if limit > MAX_LIST {
+        return Err(format!(
+            "limit = {limit} is more than the {MAX_LIST} entries {} answers with; {}",
+            uri.path(),
+            expected()
+        ));
+    }
+    Ok(limit)
 }
 
 fn error(status: StatusCode, msg: impl Into<String>) -> Response {
     (status, Json(serde_json::json!({ "error": msg.into() }))).into_response()
 }
 
-async fn answer<B: Backend>(backend: &B, req: Request) -> Response {
+/// The daemon's answer to `req`, or the response that says it failed.
+async fn ask<B: Backend>(
+    backend: &B,
+    req: Request,
+) -> Result<Box<serde_json::value::RawValue>, Response> {
     let resp = backend.request(req).await;
     if resp.ok {
-        (StatusCode::OK, Json(resp.data)).into_response()
+        Ok(resp.data)
     } else {
         let msg = resp.error.unwrap_or_else(|| "request failed".into());
         warn!("HTTP read-only request failed: {msg}");
-        error(StatusCode::INTERNAL_SERVER_ERROR, msg)
+        Err(error(StatusCode::INTERNAL_SERVER_ERROR, msg))
     }
 }
 
-async fn metrics<B: Backend>(State(b): State<B>) -> Response {
-    match b.metrics().await {
-        Ok(text) => ([(header::CONTENT_TYPE, METRICS_CONTENT_TYPE)], text).into_response(),
+async fn answer<B: Backend>(backend: &B, req: Request) -> Response {
+    match ask(backend, req).await {
+        Ok(data) => (StatusCode::OK, Json(data)).into_response(),
+        Err(resp) => resp,
+    }
+}
+
+/// A list answer cut to `limit` entries. The daemon is asked for one more than that, so a
+/// list that was cut says so (`X-Truncated: true`) without anyone counting the rest.
+async fn answer_list<B: Backend>(backend: &B, req: Request, limit: usize) -> Response {
+    let data = match ask(backend, req).await {
+        Ok(data) => data,
+        Err(resp) => return resp,
+    };
+    let mut items: Vec<&serde_json::value::RawValue> = match serde_json::from_str(data.get()) {
+        Ok(items) => items,
+        Err(e) => {
+            return error(
+                StatusCode::INTERNAL_SERVER_ERROR,
+                format!("the daemon's answer is not a list: {e}"),
+            );
+        }
+    };
+    let truncated = items.len() > limit;
+    items.truncate(limit);
+    let mut resp = (StatusCode::OK, Json(items)).into_response();
+    if truncated {
+        resp.headers_mut()
+            .insert("x-truncated", HeaderValue::from_static("true"));
+    }
+    resp
+}
+
+async fn metrics<B: Backend>(State(app): State<App<B>>) -> Response {
+    match app.backend.snapshot().await {
+        Ok((stats, mut gauges)) => {
+            gauges.http = app.conns.counts();
+            (
+                [(header::CONTENT_TYPE, METRICS_CONTENT_TYPE)],
+                render_metrics(&stats, &gauges),
+            )
+                .into_response()
+        }
         Err(e) => {
             warn!("/metrics: {e:#}");
             (
@@ -414,9 +745,33 @@ async fn metrics<B: Backend>(State(b): State<B>) -> Response {
     }
 }
 
-async fn top<B: Backend>(State(b): State<B>, uri: Uri) -> Response {
+async fn top<B: Backend>(State(app): State<App<B>>, uri: Uri) -> Response {
     match parse_top(&uri) {
-        Ok(req) => answer(&b, req).await,
+        Ok(req) => answer(&app.backend, req).await,
+        Err(msg) => error(StatusCode::BAD_REQUEST, msg),
+    }
+}
+
+async fn bans<B: Backend>(State(app): State<App<B>>, uri: Uri) -> Response {
+    match parse_limit(&uri) {
+        Ok(limit) => {
+            let req = Request::Bans {
+                limit: Some(limit + 1),
+            };
+            answer_list(&app.backend, req, limit).await
+        }
+        Err(msg) => error(StatusCode::BAD_REQUEST, msg),
+    }
+}
+
+async fn offenders<B: Backend>(State(app): State<App<B>>, uri: Uri) -> Response {
+    match parse_limit(&uri) {
+        Ok(limit) => {
+            let req = Request::Offenders {
+                limit: Some(limit + 1),
+            };
+            answer_list(&app.backend, req, limit).await
+        }
         Err(msg) => error(StatusCode::BAD_REQUEST, msg),
     }
 }
@@ -438,11 +793,11 @@ async fn method_not_allowed(method: Method) -> Response {
     )
 }
 
-fn router<B: Backend>(backend: B) -> Router {
+fn router<B: Backend>(app: App<B>) -> Router {
     let report = |req: Request| {
-        get(move |State(b): State<B>| {
+        get(move |State(app): State<App<B>>| {
             let req = req.clone();
-            async move { answer(&b, req).await }
+            async move { answer(&app.backend, req).await }
         })
     };
     Router::new()
@@ -450,12 +805,12 @@ fn router<B: Backend>(backend: B) -> Router {
         .route("/v1/status", report(Request::Status))
         .route("/v1/stats", report(Request::Stats))
         .route("/v1/top", get(top::<B>))
-        .route("/v1/bans", report(Request::Bans))
-        .route("/v1/offenders", report(Request::Offenders))
+        .route("/v1/bans", get(bans::<B>))
+        .route("/v1/offenders", get(offenders::<B>))
         .fallback(not_found)
         // After the routes: it applies to those registered before it.
         .method_not_allowed_fallback(method_not_allowed)
-        .with_state(backend)
+        .with_state(app)
 }
 
 #[cfg(test)]
@@ -520,6 +875,19 @@ mod tests {
         tracked_clients: 5,
         tracked_clients_capacity: 20,
         known_filter: Some((16, 64)),
+        events: events::Counts {
+            queued: 6,
+            written: 100,
+            suppressed: 40,
+            lost_queue: 2,
+            lost_write: 3,
+        },
+        http: HttpCounts {
+            open: 1,
+            rejected: 9,
+            header_timeouts: 4,
+            request_timeouts: 5,
+        },
     };
 
     fn lines(text: &str) -> Vec<&str> {
@@ -549,7 +917,16 @@ mod tests {
             "ratelimit_map_fill_ratio{map=\"known_filter\"} 0.25",
             "ratelimit_evictions_total 7",
             "ratelimit_admission_refused_total 4",
-            "ratelimit_events_lost_total 1",
+            "ratelimit_events_lost_total{stage=\"ring_buffer\"} 1",
+            "ratelimit_events_lost_total{stage=\"queue\"} 2",
+            "ratelimit_events_lost_total{stage=\"write\"} 3",
+            "ratelimit_events_suppressed_total 40",
+            "ratelimit_events_written_total 100",
+            "ratelimit_events_queued 6",
+            "ratelimit_http_connections_open 1",
+            "ratelimit_http_connections_rejected_total 9",
+            "ratelimit_http_timeouts_total{phase=\"headers\"} 4",
+            "ratelimit_http_timeouts_total{phase=\"request\"} 5",
             "ratelimit_up 1",
             "# TYPE ratelimit_build info",
             &format!(
@@ -636,7 +1013,10 @@ mod tests {
         assert_eq!(top("?by=drops"), Ok(want(10, "drops")));
         assert_eq!(top("?n=3&by=bytes"), Ok(want(3, "bytes")));
         assert_eq!(top("?by=packets&n=0"), Ok(want(0, "packets")));
+        assert_eq!(top("?n=10000"), Ok(want(MAX_TOP_N, "packets")));
         for bad in [
+            "?n=10001",
+            "?n=18446744073709551615",
             "?n=-1",
             "?n=x",
             "?n=",
@@ -654,23 +1034,37 @@ mod tests {
         assert!(top("?by=rate").unwrap_err().contains("rate"));
     }
 
-    /// A daemon stand-in: records the requests, answers with canned data.
+    /// A daemon stand-in: records the requests, answers with canned data (30 offenders), after
+    /// `delay`.
     #[derive(Clone, Default)]
-    struct Fake(Arc<Mutex<Vec<serde_json::Value>>>);
+    struct Fake(Arc<Mutex<Vec<serde_json::Value>>>, Duration);
 
     impl Backend for Fake {
         async fn request(&self, req: Request) -> control::Response {
+            tokio::time::sleep(self.1).await;
             let v = serde_json::to_value(&req).unwrap();
             self.0.lock().unwrap().push(v.clone());
-            if matches!(req, Request::Bans) {
-                control::Response::err("reading bans: boom")
-            } else {
-                control::Response::ok(serde_json::json!({ "echo": v }))
+            match req {
+                Request::Bans { .. } => control::Response::err("reading bans: boom"),
+                Request::Offenders { limit } => control::Response::ok(
+                    (0..limit.unwrap_or(usize::MAX).min(30))
+                        .map(|i| serde_json::json!({ "i": i }))
+                        .collect::<Vec<_>>(),
+                ),
+                _ => control::Response::ok(serde_json::json!({ "echo": v })),
             }
         }
-        async fn metrics(&self) -> anyhow::Result<String> {
-            Ok(render_metrics(&synthetic(), &GAUGES))
+        async fn snapshot(&self) -> anyhow::Result<(Stats, Gauges)> {
+            Ok((synthetic(), GAUGES))
         }
+    }
+
+    fn serve_fake(
+        listener: TcpListener,
+        fake: Fake,
+        limits: Limits,
+    ) -> tokio::task::JoinHandle<anyhow::Result<()>> {
+        tokio::spawn(serve_with(listener, fake, limits))
     }
 
     /// One HTTP/1.1 exchange: (status, head, body).
@@ -692,7 +1086,7 @@ mod tests {
         let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
         let addr = listener.local_addr().unwrap();
         let fake = Fake::default();
-        let server = tokio::spawn(serve_with(listener, fake.clone()));
+        let server = serve_fake(listener, fake.clone(), Limits::DEFAULT);
 
         let (st, head, body) = exchange(addr, "GET", "/metrics").await;
         assert_eq!(st, 200);
@@ -702,11 +1096,7 @@ mod tests {
         );
         assert!(body.contains("ratelimit_up 1\n") && body.ends_with("# EOF\n"));
 
-        for (path, cmd) in [
-            ("/v1/status", "status"),
-            ("/v1/stats", "stats"),
-            ("/v1/offenders", "offenders"),
-        ] {
+        for (path, cmd) in [("/v1/status", "status"), ("/v1/stats", "stats")] {
             let (st, head, body) = exchange(addr, "GET", path).await;
             assert_eq!(st, 200, "{path}: {body}");
             assert!(head.contains("content-type: application/json"), "{head}");
@@ -726,6 +1116,32 @@ mod tests {
         assert_eq!(st, 400);
         let v: serde_json::Value = serde_json::from_str(&body).unwrap();
         assert!(v["error"].as_str().unwrap().contains("rate"), "{body}");
+
+        // Lists: cut to `limit` (default and most: MAX_LIST), and said so.
+        let (st, head, body) = exchange(addr, "GET", "/v1/offenders").await;
+        assert_eq!(st, 200, "{body}");
+        let v: Vec<serde_json::Value> = serde_json::from_str(&body).unwrap();
+        assert_eq!(v.len(), 30);
+        assert!(!head.contains("x-truncated"), "{head}");
+        let (st, head, body) = exchange(addr, "GET", "/v1/offenders?limit=5").await;
+        assert_eq!(st, 200, "{body}");
+        let v: Vec<serde_json::Value> = serde_json::from_str(&body).unwrap();
+        assert_eq!(
+            v,
+            (0..5)
+                .map(|i| serde_json::json!({ "i": i }))
+                .collect::<Vec<_>>()
+        );
+        assert!(head.contains("x-truncated: true"), "{head}");
+        for bad in [
+            "/v1/offenders?limit=10001",
+            "/v1/offenders?limit=x",
+            "/v1/bans?n=3",
+            "/v1/top?n=10001",
+        ] {
+            let (st, _, body) = exchange(addr, "GET", bad).await;
+            assert_eq!(st, 400, "{bad}: {body}");
+        }
 
         let (st, _, body) = exchange(addr, "GET", "/v1/bans").await;
         assert_eq!(st, 500);
@@ -750,17 +1166,90 @@ mod tests {
         }
 
         // Only the GETs above reached the daemon: no 400/404/405 did.
-        let seen: Vec<_> = fake
-            .0
-            .lock()
-            .unwrap()
-            .iter()
-            .map(|v| v["cmd"].clone())
-            .collect();
+        let seen: Vec<_> = fake.0.lock().unwrap().clone();
+        let cmd = |c: &str| serde_json::json!({ "cmd": c });
         assert_eq!(
             seen,
-            ["status", "stats", "offenders", "top", "bans"].map(serde_json::Value::from)
+            [
+                cmd("status"),
+                cmd("stats"),
+                serde_json::json!({"cmd": "top", "n": 3, "by": "drops"}),
+                serde_json::json!({"cmd": "offenders", "limit": MAX_LIST + 1}),
+                serde_json::json!({"cmd": "offenders", "limit": 6}),
+                serde_json::json!({"cmd": "bans", "limit": MAX_LIST + 1}),
+            ]
         );
+        server.abort();
+    }
+
+    /// Whether the server closed `s` within `within`, reading whatever it sent first.
+    async fn closed_within(s: &mut tokio::net::TcpStream, within: Duration) -> bool {
+        let mut buf = Vec::new();
+        matches!(
+            tokio::time::timeout(within, s.read_to_end(&mut buf)).await,
+            Ok(Ok(_) | Err(_))
+        )
+    }
+
+    const SHORT: Limits = Limits {
+        max_connections: 2,
+        header_read_timeout: Duration::from_millis(300),
+        request_timeout: Duration::from_millis(300),
+        max_connection_age: Duration::from_secs(60),
+    };
+
+    #[tokio::test]
+    async fn http_connections_over_the_cap_are_closed_at_once_and_idle_ones_in_time() {
+        let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let conns = {
+            let fake = Fake::default();
+            serve_fake(listener, fake, SHORT)
+        };
+        let connect = || tokio::net::TcpStream::connect(addr);
+        let start = Instant::now();
+        let (mut a, mut b) = (connect().await.unwrap(), connect().await.unwrap());
+        // Give the listener time to take both before the third arrives.
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        let mut c = connect().await.unwrap();
+        assert!(
+            closed_within(&mut c, Duration::from_millis(200)).await,
+            "a third connection is closed at once"
+        );
+        // A slow client: half its headers, never the rest.
+        b.write_all(b"GET /v1/status HTTP/1.1\r\nHo").await.unwrap();
+        for s in [&mut a, &mut b] {
+            assert!(closed_within(s, Duration::from_secs(5)).await);
+        }
+        let took = start.elapsed();
+        assert!(
+            took >= SHORT.header_read_timeout && took < Duration::from_secs(3),
+            "closed after {took:?}"
+        );
+        // The slots are free again: a request is answered, and the counts say what happened.
+        let (st, _, body) = exchange(addr, "GET", "/metrics").await;
+        assert_eq!(st, 200);
+        for want in [
+            "ratelimit_http_connections_rejected_total 1",
+            "ratelimit_http_timeouts_total{phase=\"headers\"} 2",
+            "ratelimit_http_connections_open 1",
+        ] {
+            assert!(body.lines().any(|l| l == want), "{want} in\n{body}");
+        }
+        conns.abort();
+    }
+
+    #[tokio::test]
+    async fn http_a_request_the_daemon_is_too_busy_for_is_a_503_in_time() {
+        let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let fake = Fake(Arc::default(), Duration::from_secs(30));
+        let server = serve_fake(listener, fake, SHORT);
+        let start = Instant::now();
+        let (st, _, body) = exchange(addr, "GET", "/v1/status").await;
+        assert_eq!(st, 503, "{body}");
+        assert!(start.elapsed() < Duration::from_secs(5));
+        assert!(body.contains("did not answer within"), "{body}");
         server.abort();
     }
 

@@ -110,8 +110,8 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Status(_) => Request::Status,
         Command::Stats(_) => Request::Stats,
         Command::Top(t) => Request::Top { n: t.n, by: t.by },
-        Command::Bans(_) => Request::Bans,
-        Command::Offenders(_) => Request::Offenders,
+        Command::Bans(_) => Request::Bans { limit: None },
+        Command::Offenders(_) => Request::Offenders { limit: None },
         Command::Reload(_) => Request::Reload,
         Command::Ban {
             action:
@@ -261,7 +261,7 @@ fn print_human(req: &Request, data: &serde_json::Value) {
                 }
             }
         }
-        Request::Top { .. } | Request::Offenders => {
+        Request::Top { .. } | Request::Offenders { .. } => {
             println!(
                 "{:<20} {:<8} {:<40} {:>10} {:>12} {:>8} {:>9} {:>9}",
                 "rule", "key", "client", "packets", "bytes", "drops", "usage", "throttled"
@@ -280,7 +280,7 @@ fn print_human(req: &Request, data: &serde_json::Value) {
                 );
             }
         }
-        Request::Bans => {
+        Request::Bans { .. } => {
             println!("{:<40} {:<20} {:<26} reason", "cidr", "rule", "expires");
             for b in data.as_array().into_iter().flatten() {
                 // Aggregate bans have no prefix: what they cover instead.

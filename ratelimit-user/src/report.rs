@@ -87,6 +87,17 @@ pub struct Stats {
 }
 
 /// Sum over CPUs of every counter: `[slot][index]`.
+/// The packets of one global counter (`stats::global::*`) over every interface slot: a
+/// few lookups instead of the whole array `stats` reads.
+pub fn global_packets(maps: &Maps, index: u32) -> anyhow::Result<u64> {
+    let mut sum = 0;
+    for slot in 0..MAX_IFACES {
+        let vals = maps.stats.get(&(slot * stats::PER_IFACE + index), 0)?;
+        sum += vals.iter().map(|c: &Counter| c.packets).sum::<u64>();
+    }
+    Ok(sum)
+}
+
 fn read_all(maps: &Maps) -> anyhow::Result<Vec<Vec<Pb>>> {
     let mut out = vec![vec![Pb::default(); stats::PER_IFACE as usize]; MAX_IFACES as usize];
     for (i, vals) in maps.stats.iter().enumerate() {

@@ -88,6 +88,7 @@ fn packaging_example_config_shows_every_key() {
         "http_listen",
         "state_dir",
         "events",
+        "events_per_sec",
         "bpffs_dir",
         "max_sources",
         "new_sources_per_sec",
@@ -178,6 +179,7 @@ fn exposed_series() -> Series {
             tracked_clients: 10,
             tracked_clients_capacity: 100,
             known_filter: Some((1, 8)),
+            ..Gauges::default()
         },
     );
     let mut out = Series::new();

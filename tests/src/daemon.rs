@@ -41,6 +41,11 @@ pub struct Daemon {
     ns_fd: OwnedFd,
     ns_name: String,
     bin: PathBuf,
+    /// Whether the daemon's stdout is a pipe (see [`Daemon::start_in_with_stdout_pipe`]).
+    stdout_pipe: bool,
+    /// The read end of that pipe, held open and never read: writes to it fill the pipe and
+    /// then block, as a stalled log reader does.
+    stdout_reader: Option<OwnedFd>,
 }
 
 impl Daemon {
@@ -61,7 +66,27 @@ impl Daemon {
     /// the daemon's fresh temp dir, so it can put the control socket, state
     /// dir and events file inside it (cleaned up with the guard).
     pub fn start_in(ns: &NetNs, make_config: impl FnOnce(&Path) -> String) -> Daemon {
-        let mut d = Daemon::spawn_in(ns, make_config);
+        Daemon::start_with(ns, make_config, false)
+    }
+
+    /// Like [`Daemon::start_in`], with the daemon's stdout a pipe that nobody reads (the test
+    /// holds its read end open until the guard drops): what `events = "-"` meets when the
+    /// process reading the daemon's output stalls.
+    pub fn start_in_with_stdout_pipe(
+        ns: &NetNs,
+        make_config: impl FnOnce(&Path) -> String,
+    ) -> Daemon {
+        Daemon::start_with(ns, make_config, true)
+    }
+
+    fn start_with(
+        ns: &NetNs,
+        make_config: impl FnOnce(&Path) -> String,
+        stdout_pipe: bool,
+    ) -> Daemon {
+        let mut d = Daemon::prepare(ns, make_config);
+        d.stdout_pipe = stdout_pipe;
+        d.launch();
         if let Err(e) = d.wait_ready(READY_TIMEOUT) {
             panic!("daemon did not become ready: {e}\n{}", d.logs());
         }
@@ -77,6 +102,13 @@ impl Daemon {
 
     /// [`Daemon::spawn`] with the config made from the temp dir.
     pub fn spawn_in(ns: &NetNs, make_config: impl FnOnce(&Path) -> String) -> Daemon {
+        let mut d = Daemon::prepare(ns, make_config);
+        d.launch();
+        d
+    }
+
+    /// The guard with its temp dir and config written, the daemon not started yet.
+    fn prepare(ns: &NetNs, make_config: impl FnOnce(&Path) -> String) -> Daemon {
         let bin = crate::env::ratelimit_bin();
         let dir = make_temp_dir();
         let toml = make_config(&dir);
@@ -90,9 +122,10 @@ impl Daemon {
             ns_fd: ns.dup_fd(),
             ns_name: ns.name().to_string(),
             bin,
+            stdout_pipe: false,
+            stdout_reader: None,
         };
         d.write_config(&toml);
-        d.launch();
         d
     }
 
@@ -106,7 +139,14 @@ impl Daemon {
                 .open(&path)
                 .unwrap_or_else(|e| panic!("opening {}: {e}", path.display()))
         };
-        let (stdout, stderr) = (log("daemon.stdout"), log("daemon.stderr"));
+        let stdout = if self.stdout_pipe {
+            let (read, write) = pipe();
+            self.stdout_reader = Some(read);
+            Stdio::from(write)
+        } else {
+            Stdio::from(log("daemon.stdout"))
+        };
+        let stderr = log("daemon.stderr");
         let mut cmd = self.command();
         cmd.arg("run")
             .arg("--config")
@@ -421,6 +461,18 @@ fn control_socket(config_toml: &str, dir: &Path) -> PathBuf {
             )
         });
     dir.join(path)
+}
+
+/// A pipe (read end, write end), both close-on-exec (the child gets its end as stdout).
+fn pipe() -> (OwnedFd, OwnedFd) {
+    use std::os::fd::FromRawFd as _;
+    let mut fds = [0; 2];
+    // SAFETY: pipe2 writes two new fds into the array, which we then own.
+    if unsafe { libc::pipe2(fds.as_mut_ptr(), libc::O_CLOEXEC) } != 0 {
+        panic!("pipe2: {}", io::Error::last_os_error());
+    }
+    // SAFETY: both fds were just created and are owned by nothing else.
+    unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) }
 }
 
 /// A fresh, private `/tmp/ratelimit-lab-PID-N`.

@@ -27,6 +27,10 @@ pub struct Scenario {
     http_port: Option<u16>,
     /// Extra lines for the `[daemon]` table (e.g. `xdp_mode = "generic"`).
     daemon_extra: String,
+    /// `daemon.events` when not the events file in the daemon's temp dir.
+    events: Option<String>,
+    /// Start the daemon with its stdout a pipe nobody reads.
+    stdout_pipe: bool,
 }
 
 impl Scenario {
@@ -60,6 +64,8 @@ impl Scenario {
             bpffs,
             http_port: None,
             daemon_extra: String::new(),
+            events: None,
+            stdout_pipe: false,
         }
     }
 
@@ -67,6 +73,19 @@ impl Scenario {
     pub fn with_daemon_line(mut self, line: &str) -> Self {
         self.daemon_extra.push_str(line);
         self.daemon_extra.push('\n');
+        self
+    }
+
+    /// Set `daemon.events` to `target` ("-" = stdout) instead of `events.jsonl` in the
+    /// daemon's temp dir (call before `start`; [`Scenario::events`] reads only the latter).
+    pub fn with_events(mut self, target: &str) -> Self {
+        self.events = Some(target.to_string());
+        self
+    }
+
+    /// Start the daemon with its stdout a pipe that nobody reads (call before `start`).
+    pub fn with_stdout_pipe(mut self) -> Self {
+        self.stdout_pipe = true;
         self
     }
 
@@ -110,23 +129,28 @@ impl Scenario {
     /// daemon's temp dir, its own bpffs directory, no HTTP listener).
     pub fn daemon_table(&self, dir: &std::path::Path) -> String {
         format!(
-            "[daemon]\ninterfaces = [\"{}\"]\ncontrol_socket = \"ctl.sock\"\nstate_dir = \"{}/state\"\nbpffs_dir = \"{}\"\nhttp_listen = \"{}\"\nevents = \"{}/events.jsonl\"\n{}\n",
+            "[daemon]\ninterfaces = [\"{}\"]\ncontrol_socket = \"ctl.sock\"\nstate_dir = \"{}/state\"\nbpffs_dir = \"{}\"\nhttp_listen = \"{}\"\nevents = {:?}\n{}\n",
             self.pair.b().name,
             dir.display(),
             self.bpffs.display(),
             self.http_port
                 .map(|p| format!("127.0.0.1:{p}"))
                 .unwrap_or_else(|| "off".into()),
-            dir.display(),
+            self.events
+                .clone()
+                .unwrap_or_else(|| format!("{}/events.jsonl", dir.display())),
             self.daemon_extra
         )
     }
 
     /// Start the daemon with `policy` (lists, tracking, rules) after the `[daemon]` table.
     pub fn start(&mut self, policy: &str) -> &Daemon {
-        let d = Daemon::start_in(&self.server, |dir| {
-            format!("{}{policy}", self.daemon_table(dir))
-        });
+        let config = |dir: &std::path::Path| format!("{}{policy}", self.daemon_table(dir));
+        let d = if self.stdout_pipe {
+            Daemon::start_in_with_stdout_pipe(&self.server, config)
+        } else {
+            Daemon::start_in(&self.server, config)
+        };
         self.daemon = Some(d);
         self.daemon()
     }
@@ -212,12 +236,16 @@ impl Scenario {
 
     /// Events written so far (JSON lines).
     pub fn events(&self) -> Vec<serde_json::Value> {
-        let path = self.daemon().config_dir().join("events.jsonl");
-        std::fs::read_to_string(path)
-            .unwrap_or_default()
+        self.events_text()
             .lines()
             .filter_map(|l| serde_json::from_str(l).ok())
             .collect()
+    }
+
+    /// The events file as written so far, whole or torn lines alike ("" if there is none).
+    pub fn events_text(&self) -> String {
+        let path = self.daemon().config_dir().join("events.jsonl");
+        std::fs::read_to_string(path).unwrap_or_default()
     }
 }
 

@@ -151,6 +151,7 @@ fn spec_example_parses() {
             http_listen: Some("127.0.0.1:9477".parse().unwrap()),
             state_dir: "/var/lib/ratelimit".into(),
             events: Some(EventsSink::File("/var/log/ratelimit/events.jsonl".into())),
+            events_per_sec: 1000,
             bpffs_dir: "/sys/fs/bpf/ratelimit".into(),
         }
     );
@@ -249,6 +250,7 @@ fn empty_config_is_all_defaults() {
     );
     assert_eq!(d.state_dir, Path::new("/var/lib/ratelimit"));
     assert_eq!(d.events, None);
+    assert_eq!(d.events_per_sec, 1000);
     assert_eq!(d.bpffs_dir, Path::new("/sys/fs/bpf/ratelimit"));
     let t = Tracking::default();
     assert_eq!(t.max_sources, caps::DEFAULT_MAX_SOURCES);
@@ -425,7 +427,7 @@ fn unknown_keys() {
     assert_eq!(
         error("[daemon]\nfoo = 1\n"),
         "t.toml:2:1: daemon: unknown key \"foo\"; expected one of interfaces, xdp_mode, \
-         control_socket, http_listen, state_dir, events, bpffs_dir"
+         control_socket, http_listen, state_dir, events, events_per_sec, bpffs_dir"
     );
     // In inline tables, sub-tables, dotted keys and overrides.
     let text = rule(
@@ -977,6 +979,18 @@ fn daemon_errors() {
     );
     // 15 bytes is the limit.
     assert!(errors("[daemon]\ninterfaces = [\"abcdefghijklmno\"]\n").is_empty());
+    assert_eq!(
+        errors("[daemon]\nevents_per_sec = 0\n"),
+        ["t.toml:2:18: daemon.events_per_sec must be between 1 and 1000000"]
+    );
+    assert_eq!(
+        errors("[daemon]\nevents_per_sec = 1000001\n"),
+        ["t.toml:2:18: daemon.events_per_sec must be between 1 and 1000000"]
+    );
+    assert_eq!(
+        ok("[daemon]\nevents_per_sec = 50\n").daemon.events_per_sec,
+        50
+    );
 }
 
 #[test]

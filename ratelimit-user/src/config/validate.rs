@@ -155,6 +155,12 @@ fn daemon(mut t: Table, ck: &mut Checker) -> Daemon {
             None => {}
         }
     }
+    if let Some(n) = t
+        .get("events_per_sec")
+        .and_then(|f| int_in(&f, ck, 1, crate::events::MAX_PER_SEC.into()))
+    {
+        d.events_per_sec = n as u32;
+    }
     if let Some(p) = t.get("bpffs_dir").and_then(|f| path(&f, ck)) {
         d.bpffs_dir = p;
     }
