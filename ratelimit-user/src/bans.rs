@@ -1,12 +1,11 @@
 //! Bans on disk: every active ban (operator's and rule-issued, the aggregate bans of rules keyed
-//! by `all` or `region` included) is saved to
-//! `state_dir/bans.json` with its wall-clock expiry, written atomically (temp file + rename),
-//! so bans survive a reboot, when the pinned maps are gone. On start, bans missing from the
+//! by `all` or `region` included) is saved to `state_dir/bans.json` with its wall-clock expiry,
+//! written atomically and durably ([`crate::durable`]), so bans survive a reboot, when the
+//! pinned maps are gone. On start, bans missing from the
 //! map are restored with their remaining time; expired ones are dropped.
 
 use std::{
     collections::BTreeMap,
-    io::Write as _,
     path::Path,
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
@@ -118,13 +117,8 @@ pub fn save(
             reason: None,
         });
     }
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-    let tmp = dir.join(format!(".{FILE}.tmp"));
-    let mut f = std::fs::File::create(&tmp)?;
-    f.write_all(&serde_json::to_vec_pretty(&list)?)?;
-    f.sync_all()?;
-    std::fs::rename(&tmp, dir.join(FILE))?;
-    Ok(())
+    crate::durable::write_atomically(dir, FILE, &serde_json::to_vec_pretty(&list)?)
+        .with_context(|| format!("saving bans to {}", dir.join(FILE).display()))
 }
 
 pub struct Restored {

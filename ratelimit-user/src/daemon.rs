@@ -729,11 +729,13 @@ fn load_rule_names(dir: &std::path::Path) -> Option<Vec<String>> {
     serde_json::from_slice(&std::fs::read(dir.join(RULES_FILE)).ok()?).ok()
 }
 
+/// Record the rule names by position, so a later start that adopts the pinned maps knows
+/// which rule each position held. A failure is logged: that start would then keep every
+/// position's state, as if no rule had moved.
 fn save_rule_names(dir: &std::path::Path, names: &[String]) {
-    let _ = std::fs::create_dir_all(dir);
-    let tmp = dir.join(format!(".{RULES_FILE}.tmp"));
-    if std::fs::write(&tmp, serde_json::to_vec(names).unwrap_or_default()).is_ok() {
-        let _ = std::fs::rename(&tmp, dir.join(RULES_FILE));
+    let bytes = serde_json::to_vec(names).unwrap_or_default();
+    if let Err(e) = crate::durable::write_atomically(dir, RULES_FILE, &bytes) {
+        warn!("recording the rule names: {e:#}");
     }
 }
 

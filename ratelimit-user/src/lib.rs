@@ -10,6 +10,7 @@ pub mod config;
 pub mod control;
 pub mod daemon;
 pub mod datapath;
+pub mod durable;
 pub mod events;
 pub mod geoip;
 pub mod http;
