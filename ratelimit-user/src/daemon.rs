@@ -61,6 +61,8 @@ pub struct State {
     pub next_ban_expiry: u64,
     /// The known-sources filter's last rebuild (None: not on yet).
     pub known_status: Arc<std::sync::Mutex<Option<crate::known::Rebuilt>>>,
+    /// What became of the saved bans at start (and whether saving is refused).
+    pub bans_restore: bans::RestoreReport,
 }
 
 /// How often the daemon checks whether the known-sources filter needs a rebuild (a rebuild
@@ -123,20 +125,50 @@ impl State {
         self.bans_dirty = true;
     }
 
-    pub fn save_bans(&mut self) {
+    /// Write the bans to `state_dir`. On failure they stay marked changed, for the next try.
+    /// Refused while the bans file found at start could neither be read nor moved aside (it
+    /// may be the only copy of the bans): until the operator moves it away.
+    pub fn save_bans(&mut self) -> anyhow::Result<()> {
+        let dir = &self.cfg.daemon.state_dir;
+        if let Some(why) = &self.bans_restore.save_refused {
+            if dir.join(bans::FILE).exists() {
+                self.bans_dirty = true;
+                bail!("bans not saved: {why}");
+            }
+            info!(
+                "{} was moved away: saving bans again",
+                dir.join(bans::FILE).display()
+            );
+            self.bans_restore.save_refused = None;
+        }
         self.bans_dirty = false;
         let rules = self.live_rules();
-        if let Err(e) = bans::save(
-            &self.cfg.daemon.state_dir,
-            &self.maps,
-            &rules,
-            &self.ban_reasons,
-        ) {
-            warn!(
-                "saving bans to {}: {e:#}",
-                self.cfg.daemon.state_dir.display()
-            );
+        let saved = bans::save(dir, &self.maps, &rules, &self.ban_reasons);
+        if saved.is_err() {
+            self.bans_dirty = true;
         }
+        saved
+    }
+
+    /// `unban` events for bans lifted because their rule is gone.
+    fn write_dropped(&mut self, dropped: &[bans::Dropped]) {
+        if dropped.is_empty() {
+            return;
+        }
+        let time = report::rfc3339(SystemTime::now());
+        for d in dropped {
+            self.sink.write(&events::EventLine {
+                time: time.clone(),
+                event: "unban",
+                rule: d.rule.clone(),
+                key: d.key,
+                client: d.client.clone(),
+                count: 0,
+                threshold: 0,
+                ban_expires: None,
+            });
+        }
+        self.bans_changed();
     }
 
     /// Remove bans that expired without their client coming back (the program lifts a ban
@@ -261,6 +293,7 @@ impl State {
             max_sources: u32,
             active_bans: usize,
             known_filter: Option<crate::known::Rebuilt>,
+            bans_restore: &'a bans::RestoreReport,
         }
         let tracked = report::tracked_clients(&self.maps).unwrap_or(0) as usize;
         serde_json::to_value(Status {
@@ -285,6 +318,7 @@ impl State {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .clone(),
+            bans_restore: &self.bans_restore,
         })
         .unwrap_or_default()
     }
@@ -613,13 +647,24 @@ impl State {
             None => None,
         };
         let plan = apply::plan(&cfg, self.preview_all);
+        let old_names = self.rule_names();
+        let held = bans::aggregates_by_name(&self.maps, &old_names, report::mono_ns());
+        // Bans issued from here on name the new rules' positions.
+        let cut = report::mono_ns();
         apply::apply(&mut self.maps, &plan).context("applying the new config")?;
         if let Some(table) = &regions {
             crate::geoip::apply(&mut self.maps.regions, table)?;
         }
-        let old_names = self.rule_names();
         let new_names: Vec<String> = cfg.rules.iter().map(|r| r.name.clone()).collect();
-        retire_rule_slots(&mut self.maps, &old_names, &new_names);
+        let new_rules = config_rules(&cfg);
+        let lifted = rules_changed(
+            &mut self.maps,
+            &old_names,
+            &new_names,
+            &new_rules,
+            &held,
+            cut,
+        );
         save_rule_names(&cfg.daemon.state_dir, &new_names);
         let old_sink_target = self.cfg.daemon.events.clone();
         self.cfg = cfg;
@@ -642,6 +687,7 @@ impl State {
         } else {
             self.sink.reopen().ok();
         }
+        self.write_dropped(&lifted);
         info!(config = %path.display(), "config reloaded");
         Ok(
             serde_json::json!({ "reloaded": path.display().to_string(), "rules": self.rule_names() }),
@@ -723,6 +769,43 @@ pub fn retire_rule_slots(maps: &mut Maps, old: &[String], new: &[String]) -> usi
     retired
 }
 
+/// After the rule list changed from `old` to `new` (a reload, or a start that adopted the
+/// maps of a daemon that ran other rules), with the new rules written at `cut`: the state of
+/// the positions that changed is retired, every ban keeps its rule by name (`held`: the
+/// aggregate bans read before, put back at their rule's new position), and the bans of rules
+/// that are gone are lifted, as their counters are. Returns the lifted bans, for their
+/// `unban` events.
+fn rules_changed(
+    maps: &mut Maps,
+    old: &[String],
+    new: &[String],
+    rules: &[(String, RuleConfig)],
+    held: &[bans::HeldAggregate],
+    cut: u64,
+) -> Vec<bans::Dropped> {
+    retire_rule_slots(maps, old, new);
+    let mut lifted = bans::follow_rules(maps, old, new, cut);
+    lifted.extend(bans::put_back_aggregates(maps, rules, held));
+    if let Err(e) = maps.flush_ban_epoch() {
+        warn!("voiding the program's fast-drop entries: {e}");
+    }
+    if !lifted.is_empty() {
+        let mut gone: Vec<&str> = lifted.iter().map(|d| d.rule.as_str()).collect();
+        gone.sort_unstable();
+        gone.dedup();
+        info!(bans = lifted.len(), rules = ?gone, "rules removed: their bans were lifted");
+    }
+    lifted
+}
+
+/// The config's rules as the data plane first holds them (before any `rule set`).
+fn config_rules(cfg: &Config) -> Vec<(String, RuleConfig)> {
+    cfg.rules
+        .iter()
+        .map(|r| (r.name.clone(), apply::rule_config(r)))
+        .collect()
+}
+
 const RULES_FILE: &str = "rules.json";
 
 fn load_rule_names(dir: &std::path::Path) -> Option<Vec<String>> {
@@ -796,27 +879,38 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     // Off until the first rebuild (after attach): pinned bits may predate this program.
     let known = dp.take_known()?;
     known.disable();
+    // Adopted state from a daemon that ran another rule set: read its aggregate bans by rule
+    // name before its rules' positions are overwritten.
+    let adopted_rules = if dp.adopted {
+        load_rule_names(&cfg.daemon.state_dir).map(|old| {
+            (
+                bans::aggregates_by_name(&maps, &old, report::mono_ns()),
+                old,
+            )
+        })
+    } else {
+        None
+    };
+    // Bans issued from here on (the pinned program still runs) name the new rules' positions.
+    let cut = report::mono_ns();
     // Policy first, then attach: the program never runs against empty policy maps.
     let plan = apply::plan(&cfg, opts.preview);
     apply::apply(&mut maps, &plan)?;
     load_regions(&cfg, &mut maps)?;
-    // Adopted state from a daemon that ran another rule set: clear what no longer matches.
     let names: Vec<String> = cfg.rules.iter().map(|r| r.name.clone()).collect();
-    if dp.adopted
-        && let Some(old) = load_rule_names(&cfg.daemon.state_dir)
-    {
-        retire_rule_slots(&mut maps, &old, &names);
-    }
+    let rules = config_rules(&cfg);
+    // Clear what no longer matches, and keep every ban with its rule by name.
+    let mut dropped = match &adopted_rules {
+        Some((held, old)) => rules_changed(&mut maps, old, &names, &rules, held, cut),
+        None => Vec::new(),
+    };
     save_rule_names(&cfg.daemon.state_dir, &names);
-    let rules: Vec<(String, RuleConfig)> = cfg
-        .rules
-        .iter()
-        .map(|r| (r.name.clone(), apply::rule_config(r)))
-        .collect();
-    let restored = bans::restore(&cfg.daemon.state_dir, &mut maps, &rules)?;
-    if restored.restored > 0 {
+    // Each saved ban on its own: what cannot be restored is reported, and the start goes on.
+    let restored = bans::restore(&cfg.daemon.state_dir, &mut maps, &rules);
+    dropped.extend(restored.dropped);
+    if restored.report.restored > 0 {
         info!(
-            restored = restored.restored,
+            restored = restored.report.restored,
             "bans restored from {}",
             cfg.daemon.state_dir.display()
         );
@@ -849,9 +943,11 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         bans_dirty: false,
         next_ban_expiry: 0,
         known_status,
+        bans_restore: restored.report,
     }));
     {
-        let s = state.lock().await;
+        let mut s = state.lock().await;
+        s.write_dropped(&dropped);
         info!(socket = %s.cfg.daemon.control_socket.display(), "control socket ready");
     }
     let mut tasks = tokio::task::JoinSet::new();
@@ -902,7 +998,9 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         }
     }
     let mut s = state.lock().await;
-    s.save_bans();
+    if let Err(e) = s.save_bans() {
+        warn!("{e:#}");
+    }
     let _ = std::fs::remove_file(&s.cfg.daemon.control_socket);
     info!("stopping; the XDP program stays attached and enforcing (`ratelimit detach` removes it)");
     Ok(())
@@ -1029,8 +1127,10 @@ async fn persist_bans(state: Shared) -> anyhow::Result<()> {
             // Bans issued while events were lost would otherwise never be swept.
             s.next_ban_expiry = 0;
         }
-        if s.bans_dirty || n.is_multiple_of(60) {
-            tokio::task::block_in_place(|| s.save_bans());
+        if (s.bans_dirty || n.is_multiple_of(60))
+            && let Err(e) = tokio::task::block_in_place(|| s.save_bans())
+        {
+            warn!("{e:#}");
         }
     }
 }

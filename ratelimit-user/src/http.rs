@@ -111,6 +111,8 @@ fn snapshot(s: &daemon::State) -> anyhow::Result<(Stats, Gauges)> {
             .unwrap_or_else(|e| e.into_inner())
             .as_ref()
             .map(|r| (r.bits_set, r.bits)),
+        saved_bans: s.bans_restore.outcomes(),
+        bans_files_set_aside: u64::from(s.bans_restore.set_aside.is_some()),
     };
     Ok((stats, gauges))
 }
@@ -126,6 +128,10 @@ pub struct Gauges {
     pub tracked_clients_capacity: u64,
     /// The known-sources filter's (bits set, bits) at its last rebuild; None while it is off.
     pub known_filter: Option<(u64, u64)>,
+    /// The saved bans read at start, by outcome (`bans::RestoreReport::outcomes`).
+    pub saved_bans: [(&'static str, u64); 5],
+    /// Bans files moved aside at start because they could not be read (0 or 1).
+    pub bans_files_set_aside: u64,
 }
 
 #[derive(Debug)]
@@ -346,6 +352,20 @@ pub fn render_metrics(stats: &Stats, gauges: &Gauges) -> String {
             "Events dropped because the ring buffer was full",
         )
         .with(vec![], Value::Counter(reason(stats, "events_lost"))),
+        gauges.saved_bans.iter().fold(
+            Family::new(
+                "ratelimit_saved_bans",
+                Counter,
+                "Bans read from state_dir at start, by outcome (restored, pinned: still in the maps, expired, rule_gone: their rule was removed, failed)",
+            ),
+            |f, (outcome, n)| f.with(vec![("outcome", outcome.to_string())], Value::Counter(*n)),
+        ),
+        Family::new(
+            "ratelimit_bans_files_set_aside",
+            Counter,
+            "Bans files found unreadable at start and moved aside (bans.json.bad-<unix time>)",
+        )
+        .with(vec![], Value::Counter(gauges.bans_files_set_aside)),
         Family::new("ratelimit_up", Gauge, "1 while the daemon answers")
             .with(vec![], Value::Gauge(1)),
         Family::new("ratelimit_build", Info, "The daemon's version").with(
@@ -520,6 +540,14 @@ mod tests {
         tracked_clients: 5,
         tracked_clients_capacity: 20,
         known_filter: Some((16, 64)),
+        saved_bans: [
+            ("restored", 2),
+            ("pinned", 0),
+            ("expired", 1),
+            ("rule_gone", 0),
+            ("failed", 1),
+        ],
+        bans_files_set_aside: 1,
     };
 
     fn lines(text: &str) -> Vec<&str> {
@@ -550,6 +578,9 @@ mod tests {
             "ratelimit_evictions_total 7",
             "ratelimit_admission_refused_total 4",
             "ratelimit_events_lost_total 1",
+            "ratelimit_saved_bans_total{outcome=\"restored\"} 2",
+            "ratelimit_saved_bans_total{outcome=\"failed\"} 1",
+            "ratelimit_bans_files_set_aside_total 1",
             "ratelimit_up 1",
             "# TYPE ratelimit_build info",
             &format!(
