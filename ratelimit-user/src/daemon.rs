@@ -1,7 +1,9 @@
 //! The daemon: loads and attaches the program, applies the config, and runs a few long-lived
-//! tasks over one owned `State`: the control API, the event reader, ban persistence, and
-//! signal handling. SIGTERM and SIGINT leave the program attached and enforcing (its links
-//! are pinned); `ratelimit detach` removes it.
+//! tasks over one owned `State`: the control API, the event reader, ban persistence, the
+//! interface watcher, and signal handling. The background tasks run under a supervisor
+//! ([`crate::supervise`]): one that fails is restarted with backoff and shown in `status` and
+//! `/metrics`. SIGTERM and SIGINT leave the program attached and enforcing (its links are
+//! pinned); `ratelimit detach` removes it.
 
 use std::{
     collections::BTreeMap,
@@ -33,7 +35,7 @@ use crate::{
     control::{self, BanSpec, Request, Response},
     datapath::{Attached, Datapath, Maps},
     events::{self, Sink},
-    report,
+    report, supervise,
 };
 
 pub struct Options {
@@ -61,6 +63,8 @@ pub struct State {
     pub next_ban_expiry: u64,
     /// The known-sources filter's last rebuild (None: not on yet).
     pub known_status: Arc<std::sync::Mutex<Option<crate::known::Rebuilt>>>,
+    /// The health of the background tasks.
+    pub tasks: Arc<supervise::Tasks>,
     /// What became of the saved bans at start (and whether saving is refused).
     pub bans_restore: bans::RestoreReport,
 }
@@ -293,6 +297,7 @@ impl State {
             max_sources: u32,
             active_bans: usize,
             known_filter: Option<crate::known::Rebuilt>,
+            tasks: BTreeMap<&'static str, supervise::TaskHealth>,
             bans_restore: &'a bans::RestoreReport,
         }
         let tracked = report::tracked_clients(&self.maps).unwrap_or(0) as usize;
@@ -318,6 +323,7 @@ impl State {
                 .lock()
                 .unwrap_or_else(|e| e.into_inner())
                 .clone(),
+            tasks: self.tasks.snapshot(),
             bans_restore: &self.bans_restore,
         })
         .unwrap_or_default()
@@ -918,16 +924,27 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     for iface in &ifaces {
         dp.attach(iface, mode, &mut maps)?;
     }
+    let tasks = Arc::new(supervise::Tasks::default());
     let known_status = Arc::new(std::sync::Mutex::new(None));
     crate::known::spawn_rebuilder(
+        &tasks,
         known,
         dp.open_clients()?,
         KNOWN_REBUILD_PERIOD,
         known_status.clone(),
     )
     .context("starting the known-sources filter's thread")?;
-    let listener = control::bind(&cfg.daemon.control_socket)?;
-    let events_map = maps.events.take();
+    let listener = Arc::new(control::bind(&cfg.daemon.control_socket)?);
+    let events_ring: Option<EventsRing> = match maps.events.take() {
+        Some(rb) => {
+            // SAFETY: the ring buffer owns its fd and keeps it open for as long as the
+            // AsyncFd lives.
+            let fd = unsafe { AsyncFd::register(rb) }
+                .map_err(|e| anyhow::anyhow!("polling the events ring buffer: {e}"))?;
+            Some(Arc::new(Mutex::new(fd)))
+        }
+        None => None,
+    };
     let sink = Sink::open(cfg.daemon.events.as_ref())?;
     let state: Shared = Arc::new(Mutex::new(State {
         cfg,
@@ -943,6 +960,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         bans_dirty: false,
         next_ban_expiry: 0,
         known_status,
+        tasks: tasks.clone(),
         bans_restore: restored.report,
     }));
     {
@@ -950,16 +968,30 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         s.write_dropped(&dropped);
         info!(socket = %s.cfg.daemon.control_socket.display(), "control socket ready");
     }
+    // Each background task under the supervisor: restarted with backoff if it fails.
+    let first = Duration::from_secs(1);
+    let st = state.clone();
+    supervise::spawn(&tasks, "control", first, move || {
+        serve_control(listener.clone(), st.clone())
+    });
+    if let Some(ring) = events_ring {
+        let st = state.clone();
+        supervise::spawn(&tasks, "events", first, move || {
+            read_events(ring.clone(), st.clone())
+        });
+    }
+    let st = state.clone();
+    supervise::spawn(&tasks, "ban_persistence", first, move || {
+        persist_bans(st.clone())
+    });
+    let st = state.clone();
+    supervise::spawn(&tasks, "interface_watch", first, move || {
+        watch_interfaces(st.clone())
+    });
     let mut tasks = tokio::task::JoinSet::new();
-    tasks.spawn(serve_control(listener, state.clone()));
     if let Some(l) = http_listener {
         tasks.spawn(crate::http::serve(l, state.clone()));
     }
-    if let Some(rb) = events_map {
-        tasks.spawn(read_events(rb, state.clone()));
-    }
-    tasks.spawn(persist_bans(state.clone()));
-    tasks.spawn(watch_interfaces(state.clone()));
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
     let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
@@ -1006,7 +1038,10 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn serve_control(listener: tokio::net::UnixListener, state: Shared) -> anyhow::Result<()> {
+async fn serve_control(
+    listener: Arc<tokio::net::UnixListener>,
+    state: Shared,
+) -> anyhow::Result<()> {
     loop {
         let stream = match listener.accept().await {
             Ok((stream, _)) => stream,
@@ -1072,10 +1107,12 @@ fn give_back_freed_memory() {
     }
 }
 
-async fn read_events(rb: RingBuf<MapData>, state: Shared) -> anyhow::Result<()> {
-    // SAFETY: the ring buffer owns its fd and keeps it open for as long as the AsyncFd lives.
-    let mut fd = unsafe { AsyncFd::register(rb) }
-        .map_err(|e| anyhow::anyhow!("polling the events ring buffer: {e}"))?;
+/// The events ring buffer, registered with the runtime once: a restarted reader takes it up
+/// where the last one failed.
+type EventsRing = Arc<Mutex<AsyncFd<RingBuf<MapData>>>>;
+
+async fn read_events(ring: EventsRing, state: Shared) -> anyhow::Result<()> {
+    let mut fd = ring.lock().await;
     loop {
         let mut guard = fd.readable_mut().await?;
         let rb = guard.get_inner_mut();
@@ -1127,10 +1164,9 @@ async fn persist_bans(state: Shared) -> anyhow::Result<()> {
             // Bans issued while events were lost would otherwise never be swept.
             s.next_ban_expiry = 0;
         }
-        if (s.bans_dirty || n.is_multiple_of(60))
-            && let Err(e) = tokio::task::block_in_place(|| s.save_bans())
-        {
-            warn!("{e:#}");
+        if s.bans_dirty || n.is_multiple_of(60) {
+            // A failure ends this run: the supervisor shows it and retries with backoff.
+            tokio::task::block_in_place(|| s.save_bans())?;
         }
     }
 }

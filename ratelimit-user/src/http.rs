@@ -111,6 +111,12 @@ fn snapshot(s: &daemon::State) -> anyhow::Result<(Stats, Gauges)> {
             .unwrap_or_else(|e| e.into_inner())
             .as_ref()
             .map(|r| (r.bits_set, r.bits)),
+        tasks: s
+            .tasks
+            .snapshot()
+            .into_iter()
+            .map(|(name, h)| (name, h.up, h.restarts))
+            .collect(),
         saved_bans: s.bans_restore.outcomes(),
         bans_files_set_aside: u64::from(s.bans_restore.set_aside.is_some()),
     };
@@ -118,7 +124,7 @@ fn snapshot(s: &daemon::State) -> anyhow::Result<(Stats, Gauges)> {
 }
 
 /// The values of `/metrics` that are not counters of the `STATS` array.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Gauges {
     /// Bans in force now (`report::bans`).
     pub active_bans: u64,
@@ -128,6 +134,8 @@ pub struct Gauges {
     pub tracked_clients_capacity: u64,
     /// The known-sources filter's (bits set, bits) at its last rebuild; None while it is off.
     pub known_filter: Option<(u64, u64)>,
+    /// Each background task: (name, running now, restarts).
+    pub tasks: Vec<(&'static str, bool, u64)>,
     /// The saved bans read at start, by outcome (`bans::RestoreReport::outcomes`).
     pub saved_bans: [(&'static str, u64); 5],
     /// Bans files moved aside at start because they could not be read (0 or 1).
@@ -352,6 +360,24 @@ pub fn render_metrics(stats: &Stats, gauges: &Gauges) -> String {
             "Events dropped because the ring buffer was full",
         )
         .with(vec![], Value::Counter(reason(stats, "events_lost"))),
+        gauges.tasks.iter().fold(
+            Family::new(
+                "ratelimit_task_up",
+                Gauge,
+                "1 while a background task of the daemon runs, 0 while it waits to be restarted after a failure",
+            ),
+            |f, (name, up, _)| f.with(vec![("task", name.to_string())], Value::Gauge(u64::from(*up))),
+        ),
+        gauges.tasks.iter().fold(
+            Family::new(
+                "ratelimit_task_restarts",
+                Counter,
+                "Times a background task of the daemon failed and was restarted (with backoff)",
+            ),
+            |f, (name, _, restarts)| {
+                f.with(vec![("task", name.to_string())], Value::Counter(*restarts))
+            },
+        ),
         gauges.saved_bans.iter().fold(
             Family::new(
                 "ratelimit_saved_bans",
@@ -540,6 +566,7 @@ mod tests {
         tracked_clients: 5,
         tracked_clients_capacity: 20,
         known_filter: Some((16, 64)),
+        tasks: Vec::new(),
         saved_bans: [
             ("restored", 2),
             ("pinned", 0),
@@ -556,7 +583,11 @@ mod tests {
 
     #[test]
     fn http_metrics_render_exact_series() {
-        let text = render_metrics(&synthetic(), &GAUGES);
+        let gauges = Gauges {
+            tasks: vec![("ban_persistence", true, 0), ("events", false, 3)],
+            ..GAUGES
+        };
+        let text = render_metrics(&synthetic(), &gauges);
         let l = lines(&text);
         for want in [
             "# HELP ratelimit_packets Frames seen by the XDP program, by verdict and interface (interface=all: every interface); each frame has exactly one verdict",
@@ -581,6 +612,8 @@ mod tests {
             "ratelimit_saved_bans_total{outcome=\"restored\"} 2",
             "ratelimit_saved_bans_total{outcome=\"failed\"} 1",
             "ratelimit_bans_files_set_aside_total 1",
+            "ratelimit_task_up{task=\"events\"} 0",
+            "ratelimit_task_restarts_total{task=\"events\"} 3",
             "ratelimit_up 1",
             "# TYPE ratelimit_build info",
             &format!(

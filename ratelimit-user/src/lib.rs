@@ -18,3 +18,4 @@ pub mod kernel_log;
 pub mod known;
 pub mod report;
 pub mod ruleset;
+pub mod supervise;

@@ -1,7 +1,8 @@
-//! What the daemon keeps on disk: a bans file that cannot be read is moved aside and never
-//! overwritten, bans are restored one by one (one that cannot be restored does not stop the
-//! start), rule bans keep their rule by name when rules move, and every file is made durable
-//! (the file, then the rename in its directory).
+//! What the daemon keeps on disk, and the tasks that keep it: a bans file that cannot be read
+//! is moved aside and never overwritten, bans are restored one by one (one that cannot be
+//! restored does not stop the start), rule bans keep their rule by name when rules move, every
+//! file is made durable (the file, then the rename in its directory), and a background task
+//! that fails is restarted with backoff and shown in `status` and `/metrics`.
 
 use std::{
     net::{IpAddr, Ipv4Addr},
@@ -486,5 +487,66 @@ fn files_kept_by_rename_are_synced_and_so_is_their_directory() {
         bans_ok && rules_ok,
         "bans.json durable: {bans_ok}, rules.json durable: {rules_ok}; traced:\n{}",
         lines.join("\n")
+    );
+}
+
+/// The ban persistence task, failing (here its file's name is taken by a directory), is
+/// restarted with backoff, and `status` and `/metrics` show it down and its restarts; once the
+/// cause is gone the next restart saves the bans and shows it up again.
+#[test]
+fn a_failing_background_task_is_restarted_and_shown() {
+    kernel_test!();
+    let mut s = Scenario::new("rlp5").with_http(HTTP_PORT);
+    s.start("");
+    let file = state_dir(&s).join("bans.json");
+    let _ = std::fs::remove_file(&file);
+    std::fs::create_dir_all(file.join("in-the-way")).unwrap();
+    s.daemon()
+        .cli_ok(&["ban", "add", "198.19.76.1", "--for", "1h"]);
+    let task = |s: &Scenario| s.daemon().cli_json(&["status"])["tasks"]["ban_persistence"].clone();
+    let failed = wait_for(Duration::from_secs(10), || {
+        task(&s)["restarts"].as_u64().unwrap_or(0) >= 1
+    });
+    let status = s.daemon().cli_json(&["status"]);
+    assert!(failed, "the failure is shown in status: {status}");
+    let t = task(&s);
+    assert!(
+        t["last_error"]
+            .as_str()
+            .is_some_and(|e| e.contains("bans.json")),
+        "{t}"
+    );
+    let (_, text) = s.http_get("/metrics");
+    assert!(
+        metric(
+            &text,
+            "ratelimit_task_restarts_total",
+            &[("task", "ban_persistence")]
+        )
+        .is_some_and(|n| n >= 1.0),
+        "{text}"
+    );
+    assert!(
+        metric(&text, "ratelimit_task_up", &[("task", "events")]) == Some(1.0),
+        "{text}"
+    );
+    // The cause goes: a restart (within the backoff) saves the ban and the task is up.
+    std::fs::remove_dir_all(&file).unwrap();
+    assert!(
+        wait_for(Duration::from_secs(20), || std::fs::read_to_string(&file)
+            .is_ok_and(|t| t.contains("198.19.76.1/32"))),
+        "saved once the directory is gone: {}",
+        task(&s)
+    );
+    assert!(
+        wait_for(Duration::from_secs(5), || task(&s)["up"] == true),
+        "{}",
+        task(&s)
+    );
+    let (_, text) = s.http_get("/metrics");
+    assert_eq!(
+        metric(&text, "ratelimit_task_up", &[("task", "ban_persistence")]),
+        Some(1.0),
+        "{text}"
     );
 }
