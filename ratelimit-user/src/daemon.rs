@@ -1,9 +1,11 @@
 //! The daemon: loads and attaches the program, applies the config, and runs a few long-lived
-//! tasks over one owned `State`: the control API, the event reader, ban persistence, and
-//! signal handling. Event lines are written by a thread of their own (`events.rs`) that
-//! nothing waits for: the event reader hands them over without taking the state lock.
-//! SIGTERM and SIGINT leave the program attached and enforcing (its links are pinned);
-//! `ratelimit detach` removes it.
+//! tasks over one owned `State`: the control API, the event reader, ban persistence, the
+//! interface watcher, and signal handling. The background tasks run under a supervisor
+//! ([`crate::supervise`]): one that fails is restarted with backoff and shown in `status` and
+//! `/metrics`. Event lines are written by a thread of their own (`events.rs`) that nothing
+//! waits for: the event reader hands them over without taking the state lock. SIGTERM and
+//! SIGINT leave the program attached and enforcing (its links are pinned); `ratelimit detach`
+//! removes it.
 
 use std::{
     collections::BTreeMap,
@@ -34,8 +36,8 @@ use crate::{
     config::{self, Config},
     control::{self, BanSpec, Request, Response},
     datapath::{Attached, Datapath, Maps},
-    events::Events,
-    report,
+    events::{self, Events},
+    report, supervise,
 };
 
 pub struct Options {
@@ -64,6 +66,10 @@ pub struct State {
     pub next_ban_expiry: u64,
     /// The known-sources filter's last rebuild (None: not on yet).
     pub known_status: Arc<std::sync::Mutex<Option<crate::known::Rebuilt>>>,
+    /// The health of the background tasks.
+    pub tasks: Arc<supervise::Tasks>,
+    /// What became of the saved bans at start (and whether saving is refused).
+    pub bans_restore: bans::RestoreReport,
 }
 
 /// How often the daemon checks whether the known-sources filter needs a rebuild (a rebuild
@@ -126,20 +132,52 @@ impl State {
         self.bans_dirty = true;
     }
 
-    pub fn save_bans(&mut self) {
+    /// Write the bans to `state_dir`. On failure they stay marked changed, for the next try.
+    /// Refused while the bans file found at start could neither be read nor moved aside (it
+    /// may be the only copy of the bans): until the operator moves it away.
+    pub fn save_bans(&mut self) -> anyhow::Result<()> {
+        let dir = &self.cfg.daemon.state_dir;
+        if let Some(why) = &self.bans_restore.save_refused {
+            if dir.join(bans::FILE).exists() {
+                self.bans_dirty = true;
+                bail!("bans not saved: {why}");
+            }
+            info!(
+                "{} was moved away: saving bans again",
+                dir.join(bans::FILE).display()
+            );
+            self.bans_restore.save_refused = None;
+        }
         self.bans_dirty = false;
         let rules = self.live_rules();
-        if let Err(e) = bans::save(
-            &self.cfg.daemon.state_dir,
-            &self.maps,
-            &rules,
-            &self.ban_reasons,
-        ) {
-            warn!(
-                "saving bans to {}: {e:#}",
-                self.cfg.daemon.state_dir.display()
-            );
+        let saved = bans::save(dir, &self.maps, &rules, &self.ban_reasons);
+        if saved.is_err() {
+            self.bans_dirty = true;
         }
+        saved
+    }
+
+    /// `unban` events for bans lifted because their rule is gone.
+    fn write_dropped(&mut self, dropped: &[bans::Dropped]) {
+        if dropped.is_empty() {
+            return;
+        }
+        let time = report::rfc3339(SystemTime::now());
+        let mut lines = Vec::with_capacity(dropped.len());
+        for d in dropped {
+            lines.push(events::EventLine {
+                time: time.clone(),
+                event: "unban",
+                rule: d.rule.clone(),
+                key: d.key,
+                client: d.client.clone(),
+                count: 0,
+                threshold: 0,
+                ban_expires: None,
+            });
+        }
+        self.events.operator_lines(lines);
+        self.bans_changed();
     }
 
     /// Remove bans that expired without their client coming back (the program lifts a ban
@@ -272,6 +310,8 @@ impl State {
             active_bans: usize,
             known_filter: Option<crate::known::Rebuilt>,
             events: crate::events::Status,
+            tasks: BTreeMap<&'static str, supervise::TaskHealth>,
+            bans_restore: &'a bans::RestoreReport,
         }
         let tracked = report::tracked_clients(&self.maps).unwrap_or(0) as usize;
         let ring_buffer_lost =
@@ -300,6 +340,8 @@ impl State {
                 .unwrap_or_else(|e| e.into_inner())
                 .clone(),
             events: self.events.status(ring_buffer_lost),
+            tasks: self.tasks.snapshot(),
+            bans_restore: &self.bans_restore,
         })
         .unwrap_or_default()
     }
@@ -591,13 +633,24 @@ impl State {
             None => None,
         };
         let plan = apply::plan(&cfg, self.preview_all);
+        let old_names = self.rule_names();
+        let held = bans::aggregates_by_name(&self.maps, &old_names, report::mono_ns());
+        // Bans issued from here on name the new rules' positions.
+        let cut = report::mono_ns();
         apply::apply(&mut self.maps, &plan).context("applying the new config")?;
         if let Some(table) = &regions {
             crate::geoip::apply(&mut self.maps.regions, table)?;
         }
-        let old_names = self.rule_names();
         let new_names: Vec<String> = cfg.rules.iter().map(|r| r.name.clone()).collect();
-        retire_rule_slots(&mut self.maps, &old_names, &new_names);
+        let new_rules = config_rules(&cfg);
+        let lifted = rules_changed(
+            &mut self.maps,
+            &old_names,
+            &new_names,
+            &new_rules,
+            &held,
+            cut,
+        );
         save_rule_names(&cfg.daemon.state_dir, &new_names);
         self.events.set_rule_names(new_names);
         let old_sink_target = self.cfg.daemon.events.clone();
@@ -622,6 +675,7 @@ impl State {
             self.events.reopen();
         }
         self.events.set_per_sec(self.cfg.daemon.events_per_sec);
+        self.write_dropped(&lifted);
         info!(config = %path.display(), "config reloaded");
         Ok(
             serde_json::json!({ "reloaded": path.display().to_string(), "rules": self.rule_names() }),
@@ -703,17 +757,56 @@ pub fn retire_rule_slots(maps: &mut Maps, old: &[String], new: &[String]) -> usi
     retired
 }
 
+/// After the rule list changed from `old` to `new` (a reload, or a start that adopted the
+/// maps of a daemon that ran other rules), with the new rules written at `cut`: the state of
+/// the positions that changed is retired, every ban keeps its rule by name (`held`: the
+/// aggregate bans read before, put back at their rule's new position), and the bans of rules
+/// that are gone are lifted, as their counters are. Returns the lifted bans, for their
+/// `unban` events.
+fn rules_changed(
+    maps: &mut Maps,
+    old: &[String],
+    new: &[String],
+    rules: &[(String, RuleConfig)],
+    held: &[bans::HeldAggregate],
+    cut: u64,
+) -> Vec<bans::Dropped> {
+    retire_rule_slots(maps, old, new);
+    let mut lifted = bans::follow_rules(maps, old, new, cut);
+    lifted.extend(bans::put_back_aggregates(maps, rules, held));
+    if let Err(e) = maps.flush_ban_epoch() {
+        warn!("voiding the program's fast-drop entries: {e}");
+    }
+    if !lifted.is_empty() {
+        let mut gone: Vec<&str> = lifted.iter().map(|d| d.rule.as_str()).collect();
+        gone.sort_unstable();
+        gone.dedup();
+        info!(bans = lifted.len(), rules = ?gone, "rules removed: their bans were lifted");
+    }
+    lifted
+}
+
+/// The config's rules as the data plane first holds them (before any `rule set`).
+fn config_rules(cfg: &Config) -> Vec<(String, RuleConfig)> {
+    cfg.rules
+        .iter()
+        .map(|r| (r.name.clone(), apply::rule_config(r)))
+        .collect()
+}
+
 const RULES_FILE: &str = "rules.json";
 
 fn load_rule_names(dir: &std::path::Path) -> Option<Vec<String>> {
     serde_json::from_slice(&std::fs::read(dir.join(RULES_FILE)).ok()?).ok()
 }
 
+/// Record the rule names by position, so a later start that adopts the pinned maps knows
+/// which rule each position held. A failure is logged: that start would then keep every
+/// position's state, as if no rule had moved.
 fn save_rule_names(dir: &std::path::Path, names: &[String]) {
-    let _ = std::fs::create_dir_all(dir);
-    let tmp = dir.join(format!(".{RULES_FILE}.tmp"));
-    if std::fs::write(&tmp, serde_json::to_vec(names).unwrap_or_default()).is_ok() {
-        let _ = std::fs::rename(&tmp, dir.join(RULES_FILE));
+    let bytes = serde_json::to_vec(names).unwrap_or_default();
+    if let Err(e) = crate::durable::write_atomically(dir, RULES_FILE, &bytes) {
+        warn!("recording the rule names: {e:#}");
     }
 }
 
@@ -776,27 +869,38 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     // Off until the first rebuild (after attach): pinned bits may predate this program.
     let known = dp.take_known()?;
     known.disable();
+    // Adopted state from a daemon that ran another rule set: read its aggregate bans by rule
+    // name before its rules' positions are overwritten.
+    let adopted_rules = if dp.adopted {
+        load_rule_names(&cfg.daemon.state_dir).map(|old| {
+            (
+                bans::aggregates_by_name(&maps, &old, report::mono_ns()),
+                old,
+            )
+        })
+    } else {
+        None
+    };
+    // Bans issued from here on (the pinned program still runs) name the new rules' positions.
+    let cut = report::mono_ns();
     // Policy first, then attach: the program never runs against empty policy maps.
     let plan = apply::plan(&cfg, opts.preview);
     apply::apply(&mut maps, &plan)?;
     load_regions(&cfg, &mut maps)?;
-    // Adopted state from a daemon that ran another rule set: clear what no longer matches.
     let names: Vec<String> = cfg.rules.iter().map(|r| r.name.clone()).collect();
-    if dp.adopted
-        && let Some(old) = load_rule_names(&cfg.daemon.state_dir)
-    {
-        retire_rule_slots(&mut maps, &old, &names);
-    }
+    let rules = config_rules(&cfg);
+    // Clear what no longer matches, and keep every ban with its rule by name.
+    let mut dropped = match &adopted_rules {
+        Some((held, old)) => rules_changed(&mut maps, old, &names, &rules, held, cut),
+        None => Vec::new(),
+    };
     save_rule_names(&cfg.daemon.state_dir, &names);
-    let rules: Vec<(String, RuleConfig)> = cfg
-        .rules
-        .iter()
-        .map(|r| (r.name.clone(), apply::rule_config(r)))
-        .collect();
-    let restored = bans::restore(&cfg.daemon.state_dir, &mut maps, &rules)?;
-    if restored.restored > 0 {
+    // Each saved ban on its own: what cannot be restored is reported, and the start goes on.
+    let restored = bans::restore(&cfg.daemon.state_dir, &mut maps, &rules);
+    dropped.extend(restored.dropped);
+    if restored.report.restored > 0 {
         info!(
-            restored = restored.restored,
+            restored = restored.report.restored,
             "bans restored from {}",
             cfg.daemon.state_dir.display()
         );
@@ -804,16 +908,27 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     for iface in &ifaces {
         dp.attach(iface, mode, &mut maps)?;
     }
+    let tasks = Arc::new(supervise::Tasks::default());
     let known_status = Arc::new(std::sync::Mutex::new(None));
     crate::known::spawn_rebuilder(
+        &tasks,
         known,
         dp.open_clients()?,
         KNOWN_REBUILD_PERIOD,
         known_status.clone(),
     )
     .context("starting the known-sources filter's thread")?;
-    let listener = control::bind(&cfg.daemon.control_socket)?;
-    let events_map = maps.events.take();
+    let listener = Arc::new(control::bind(&cfg.daemon.control_socket)?);
+    let events_ring: Option<EventsRing> = match maps.events.take() {
+        Some(rb) => {
+            // SAFETY: the ring buffer owns its fd and keeps it open for as long as the
+            // AsyncFd lives.
+            let fd = unsafe { AsyncFd::register(rb) }
+                .map_err(|e| anyhow::anyhow!("polling the events ring buffer: {e}"))?;
+            Some(Arc::new(Mutex::new(fd)))
+        }
+        None => None,
+    };
     let events = Events::start(
         cfg.daemon.events.as_ref(),
         cfg.daemon.events_per_sec,
@@ -833,21 +948,39 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         bans_dirty: false,
         next_ban_expiry: 0,
         known_status,
+        tasks: tasks.clone(),
+        bans_restore: restored.report,
     }));
     {
-        let s = state.lock().await;
+        let mut s = state.lock().await;
+        s.write_dropped(&dropped);
         info!(socket = %s.cfg.daemon.control_socket.display(), "control socket ready");
     }
+    // Each background task under the supervisor: restarted with backoff if it fails.
+    let first = Duration::from_secs(1);
+    let st = state.clone();
+    supervise::spawn(&tasks, "control", first, move || {
+        serve_control(listener.clone(), st.clone())
+    });
+    if let Some(ring) = events_ring {
+        let st = state.clone();
+        let ev = events.clone();
+        supervise::spawn(&tasks, "events", first, move || {
+            read_events(ring.clone(), st.clone(), ev.clone())
+        });
+    }
+    let st = state.clone();
+    supervise::spawn(&tasks, "ban_persistence", first, move || {
+        persist_bans(st.clone())
+    });
+    let st = state.clone();
+    supervise::spawn(&tasks, "interface_watch", first, move || {
+        watch_interfaces(st.clone())
+    });
     let mut tasks = tokio::task::JoinSet::new();
-    tasks.spawn(serve_control(listener, state.clone()));
     if let Some(l) = http_listener {
         tasks.spawn(crate::http::serve(l, state.clone()));
     }
-    if let Some(rb) = events_map {
-        tasks.spawn(read_events(rb, state.clone(), events.clone()));
-    }
-    tasks.spawn(persist_bans(state.clone()));
-    tasks.spawn(watch_interfaces(state.clone()));
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
     let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
@@ -879,7 +1012,9 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         }
     }
     let mut s = state.lock().await;
-    s.save_bans();
+    if let Err(e) = s.save_bans() {
+        warn!("{e:#}");
+    }
     let _ = std::fs::remove_file(&s.cfg.daemon.control_socket);
     // The lines still queued, unless the sink is stalled.
     tokio::task::block_in_place(|| events.close(Duration::from_secs(1)));
@@ -887,7 +1022,10 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     Ok(())
 }
 
-async fn serve_control(listener: tokio::net::UnixListener, state: Shared) -> anyhow::Result<()> {
+async fn serve_control(
+    listener: Arc<tokio::net::UnixListener>,
+    state: Shared,
+) -> anyhow::Result<()> {
     loop {
         let stream = match listener.accept().await {
             Ok((stream, _)) => stream,
@@ -968,14 +1106,16 @@ fn give_back_freed_memory() {
     }
 }
 
+/// The events ring buffer, registered with the runtime once: a restarted reader takes it up
+/// where the last one failed.
+type EventsRing = Arc<Mutex<AsyncFd<RingBuf<MapData>>>>;
+
 /// Drain the events ring buffer into the events writer's queue. The state lock is not needed
 /// for that, so a long report (a `top` over millions of clients) holding it does not leave the
 /// ring buffer to fill: the ban bookkeeping the events call for (the expiry sweep's next
 /// deadline, bans to save) is applied when the lock is free, by a task of its own if it is not.
-async fn read_events(rb: RingBuf<MapData>, state: Shared, events: Events) -> anyhow::Result<()> {
-    // SAFETY: the ring buffer owns its fd and keeps it open for as long as the AsyncFd lives.
-    let mut fd = unsafe { AsyncFd::register(rb) }
-        .map_err(|e| anyhow::anyhow!("polling the events ring buffer: {e}"))?;
+async fn read_events(ring: EventsRing, state: Shared, events: Events) -> anyhow::Result<()> {
+    let mut fd = ring.lock().await;
     let pending = Arc::new(std::sync::Mutex::new(BanNews::default()));
     loop {
         let mut guard = fd.readable_mut().await?;
@@ -1084,7 +1224,8 @@ async fn persist_bans(state: Shared) -> anyhow::Result<()> {
             s.next_ban_expiry = 0;
         }
         if s.bans_dirty || n.is_multiple_of(60) {
-            tokio::task::block_in_place(|| s.save_bans());
+            // A failure ends this run: the supervisor shows it and retries with backoff.
+            tokio::task::block_in_place(|| s.save_bans())?;
         }
     }
 }

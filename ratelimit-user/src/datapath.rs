@@ -318,11 +318,10 @@ pub fn check_pinned_layout(pin_dir: &Path, state_dir: &Path) -> anyhow::Result<(
     )
 }
 
-/// Record this build's layout for the maps pinned in `pin_dir` (see [`check_pinned_layout`]).
+/// Record this build's layout for the maps pinned in `pin_dir` (see [`check_pinned_layout`]),
+/// atomically: a torn record would make the next start refuse maps it could have adopted.
 pub fn record_pinned_layout(state_dir: &Path) -> anyhow::Result<()> {
-    fs::create_dir_all(state_dir).with_context(|| format!("creating {}", state_dir.display()))?;
-    let file = state_dir.join(LAYOUT_FILE);
-    fs::write(&file, layout() + "\n").with_context(|| format!("writing {}", file.display()))
+    crate::durable::write_atomically(state_dir, LAYOUT_FILE, (layout() + "\n").as_bytes())
 }
 
 impl Datapath {

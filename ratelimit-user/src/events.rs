@@ -150,6 +150,9 @@ enum Msg {
         names: Arc<[String]>,
         origin: Origin,
     },
+    /// Lines made by the daemon itself (bans lifted because their rule is gone, whose rule
+    /// has no index any more): always written.
+    Lines(Vec<EventLine>),
     Reopen,
     Replace(Output),
     Rate(u32),
@@ -329,6 +332,21 @@ impl Events {
             // The writer is gone (it panicked): these are lost too.
             c.queued.fetch_sub(take, Ordering::AcqRel);
             c.lost_queue.fetch_add(take as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// Lines the daemon made itself (an `unban` whose rule is gone): always written, like the
+    /// operator's.
+    pub fn operator_lines(&self, lines: Vec<EventLine>) {
+        let n = lines.len();
+        if n == 0 || !self.0.enabled.load(Ordering::Relaxed) {
+            return;
+        }
+        let c = &self.0.counters;
+        c.queued.fetch_add(n, Ordering::AcqRel);
+        if self.send(Msg::Lines(lines)).is_none() {
+            c.queued.fetch_sub(n, Ordering::AcqRel);
+            c.lost_queue.fetch_add(n as u64, Ordering::Relaxed);
         }
     }
 
@@ -778,6 +796,22 @@ impl Writer {
             } => {
                 let n = events.len();
                 self.format(&events, &names, origin);
+                self.counters.queued.fetch_sub(n, Ordering::AcqRel);
+            }
+            Msg::Lines(lines) => {
+                let n = lines.len();
+                for line in &lines {
+                    if self.out.is_none() {
+                        break;
+                    }
+                    if serde_json::to_writer(&mut self.chunk.bytes, line).is_ok() {
+                        self.chunk.bytes.push(b'\n');
+                        self.chunk.lines.push((self.chunk.bytes.len(), Line::Event));
+                    }
+                    if self.chunk.bytes.len() >= CHUNK {
+                        self.flush();
+                    }
+                }
                 self.counters.queued.fetch_sub(n, Ordering::AcqRel);
             }
             Msg::Reopen => {

@@ -309,12 +309,20 @@ fn snapshot(s: &daemon::State) -> anyhow::Result<(Stats, Gauges)> {
             .map(|r| (r.bits_set, r.bits)),
         events: s.events.counts(),
         http: HttpCounts::default(),
+        tasks: s
+            .tasks
+            .snapshot()
+            .into_iter()
+            .map(|(name, h)| (name, h.up, h.restarts))
+            .collect(),
+        saved_bans: s.bans_restore.outcomes(),
+        bans_files_set_aside: u64::from(s.bans_restore.set_aside.is_some()),
     };
     Ok((stats, gauges))
 }
 
 /// The values of `/metrics` that are not counters of the `STATS` array.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Gauges {
     /// Bans in force now (`report::bans`).
     pub active_bans: u64,
@@ -328,6 +336,12 @@ pub struct Gauges {
     pub events: events::Counts,
     /// The HTTP listener's counts.
     pub http: HttpCounts,
+    /// Each background task: (name, running now, restarts).
+    pub tasks: Vec<(&'static str, bool, u64)>,
+    /// The saved bans read at start, by outcome (`bans::RestoreReport::outcomes`).
+    pub saved_bans: [(&'static str, u64); 5],
+    /// Bans files moved aside at start because they could not be read (0 or 1).
+    pub bans_files_set_aside: u64,
 }
 
 #[derive(Debug)]
@@ -602,6 +616,38 @@ pub fn render_metrics(stats: &Stats, gauges: &Gauges) -> String {
             vec![("phase", "request".into())],
             Value::Counter(gauges.http.request_timeouts),
         ),
+        gauges.tasks.iter().fold(
+            Family::new(
+                "ratelimit_task_up",
+                Gauge,
+                "1 while a background task of the daemon runs, 0 while it waits to be restarted after a failure",
+            ),
+            |f, (name, up, _)| f.with(vec![("task", name.to_string())], Value::Gauge(u64::from(*up))),
+        ),
+        gauges.tasks.iter().fold(
+            Family::new(
+                "ratelimit_task_restarts",
+                Counter,
+                "Times a background task of the daemon failed and was restarted (with backoff)",
+            ),
+            |f, (name, _, restarts)| {
+                f.with(vec![("task", name.to_string())], Value::Counter(*restarts))
+            },
+        ),
+        gauges.saved_bans.iter().fold(
+            Family::new(
+                "ratelimit_saved_bans",
+                Counter,
+                "Bans read from state_dir at start, by outcome (restored, pinned: still in the maps, expired, rule_gone: their rule was removed, failed)",
+            ),
+            |f, (outcome, n)| f.with(vec![("outcome", outcome.to_string())], Value::Counter(*n)),
+        ),
+        Family::new(
+            "ratelimit_bans_files_set_aside",
+            Counter,
+            "Bans files found unreadable at start and moved aside (bans.json.bad-<unix time>)",
+        )
+        .with(vec![], Value::Counter(gauges.bans_files_set_aside)),
         Family::new("ratelimit_up", Gauge, "1 while the daemon answers")
             .with(vec![], Value::Gauge(1)),
         Family::new("ratelimit_build", Info, "The daemon's version").with(
@@ -888,6 +934,15 @@ mod tests {
             header_timeouts: 4,
             request_timeouts: 5,
         },
+        tasks: Vec::new(),
+        saved_bans: [
+            ("restored", 2),
+            ("pinned", 0),
+            ("expired", 1),
+            ("rule_gone", 0),
+            ("failed", 1),
+        ],
+        bans_files_set_aside: 1,
     };
 
     fn lines(text: &str) -> Vec<&str> {
@@ -896,7 +951,11 @@ mod tests {
 
     #[test]
     fn http_metrics_render_exact_series() {
-        let text = render_metrics(&synthetic(), &GAUGES);
+        let gauges = Gauges {
+            tasks: vec![("ban_persistence", true, 0), ("events", false, 3)],
+            ..GAUGES
+        };
+        let text = render_metrics(&synthetic(), &gauges);
         let l = lines(&text);
         for want in [
             "# HELP ratelimit_packets Frames seen by the XDP program, by verdict and interface (interface=all: every interface); each frame has exactly one verdict",
@@ -927,6 +986,11 @@ mod tests {
             "ratelimit_http_connections_rejected_total 9",
             "ratelimit_http_timeouts_total{phase=\"headers\"} 4",
             "ratelimit_http_timeouts_total{phase=\"request\"} 5",
+            "ratelimit_saved_bans_total{outcome=\"restored\"} 2",
+            "ratelimit_saved_bans_total{outcome=\"failed\"} 1",
+            "ratelimit_bans_files_set_aside_total 1",
+            "ratelimit_task_up{task=\"events\"} 0",
+            "ratelimit_task_restarts_total{task=\"events\"} 3",
             "ratelimit_up 1",
             "# TYPE ratelimit_build info",
             &format!(

@@ -229,63 +229,60 @@ pub fn needs_rebuild(
     age >= max_age || now.saturating_sub(at_rebuild) >= (bits / 100).max(1024)
 }
 
-/// The daemon's rebuild loop, on a thread of its own (a walk of a large map takes seconds):
-/// the first rebuild at once; then, every `period` (at least 10 times the last rebuild's
-/// time), a rebuild if [`needs_rebuild`] says so.
+/// The daemon's rebuild loop, on a thread of its own (a walk of a large map takes seconds),
+/// supervised ([`crate::supervise::spawn_thread`]): the first rebuild at once; then, every
+/// `period` (at least 10 times the last rebuild's time), a rebuild if [`needs_rebuild`] says
+/// so. A rebuild that fails ends the run, which is retried after a backoff starting at
+/// `period`; meanwhile the filter keeps its last active half (still a superset) or stays off.
 pub fn spawn_rebuilder(
+    tasks: &std::sync::Arc<crate::supervise::Tasks>,
     filter: KnownFilter,
     clients: crate::clients::ClientStore,
     period: Duration,
     status: std::sync::Arc<std::sync::Mutex<Option<Rebuilt>>>,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {
     const MAX_AGE: Duration = Duration::from_secs(600);
-    std::thread::Builder::new()
-        .name("known-filter".into())
-        .spawn(move || {
-            let mut last: Option<(Rebuilt, Instant)> = None;
-            loop {
-                let due = match &last {
-                    None => true,
-                    Some((r, at)) => needs_rebuild(
-                        r.bits_set,
-                        filter.active_bits_set(),
-                        r.bits,
-                        at.elapsed(),
-                        MAX_AGE,
-                    ),
-                };
-                let mut wait = period;
-                if due {
-                    match filter.rebuild(&clients) {
-                        Ok(r) => {
-                            if last.is_none() {
-                                tracing::info!(
-                                    states = r.states,
-                                    bits_set = r.bits_set,
-                                    bits = r.bits,
-                                    secs = r.secs,
-                                    "known-sources filter on"
-                                );
-                            } else {
-                                tracing::debug!(
-                                    states = r.states,
-                                    bits_set = r.bits_set,
-                                    secs = r.secs,
-                                    "known-sources filter rebuilt"
-                                );
-                            }
-                            wait = period.max(Duration::from_secs_f64(r.secs * 10.0));
-                            *status.lock().unwrap_or_else(|e| e.into_inner()) = Some(r.clone());
-                            last = Some((r, Instant::now()));
-                        }
-                        // The filter keeps its last active half (still a superset) or stays
-                        // off; try again later.
-                        Err(e) => tracing::warn!("rebuilding the known-sources filter: {e:#}"),
-                    }
+    let mut last: Option<(Rebuilt, Instant)> = None;
+    crate::supervise::spawn_thread(tasks, "known_filter", period, move || {
+        loop {
+            let due = match &last {
+                None => true,
+                Some((r, at)) => needs_rebuild(
+                    r.bits_set,
+                    filter.active_bits_set(),
+                    r.bits,
+                    at.elapsed(),
+                    MAX_AGE,
+                ),
+            };
+            let mut wait = period;
+            if due {
+                let r = filter
+                    .rebuild(&clients)
+                    .context("rebuilding the known-sources filter")?;
+                if last.is_none() {
+                    tracing::info!(
+                        states = r.states,
+                        bits_set = r.bits_set,
+                        bits = r.bits,
+                        secs = r.secs,
+                        "known-sources filter on"
+                    );
+                } else {
+                    tracing::debug!(
+                        states = r.states,
+                        bits_set = r.bits_set,
+                        secs = r.secs,
+                        "known-sources filter rebuilt"
+                    );
                 }
-                std::thread::sleep(wait);
+                wait = period.max(Duration::from_secs_f64(r.secs * 10.0));
+                *status.lock().unwrap_or_else(|e| e.into_inner()) = Some(r.clone());
+                last = Some((r, Instant::now()));
             }
-        })
+            std::thread::sleep(wait);
+        }
+    })
 }
 
 #[cfg(test)]

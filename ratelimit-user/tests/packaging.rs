@@ -179,6 +179,7 @@ fn exposed_series() -> Series {
             tracked_clients: 10,
             tracked_clients_capacity: 100,
             known_filter: Some((1, 8)),
+            tasks: vec![("ban_persistence", true, 0)],
             ..Gauges::default()
         },
     );

@@ -26,6 +26,8 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "iptables",
     "redis-server",
     "tcpdump",
+    // The durability test traces the daemon's fsyncs and renames.
+    "strace",
     // The benchmark's plots draw their text with this font.
     "fonts-dejavu-core",
     // `cargo xtask vm`: other kernels booted under qemu's software emulation, a static busybox
