@@ -4,6 +4,8 @@
 use std::{io, path::PathBuf};
 
 use clap::{Args, CommandFactory as _, Parser, Subcommand, ValueEnum};
+
+use crate::control;
 use clap_mangen::{
     Man,
     roff::{Roff, bold, italic, roman},
@@ -96,15 +98,23 @@ pub enum XdpModeArg {
     Generic,
 }
 
-#[derive(
-    ValueEnum, Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize, Default,
-)]
-#[serde(rename_all = "snake_case")]
+/// `--by` of `top` (the control API's [`control::TopBy`]).
+#[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum TopBy {
     #[default]
     Packets,
     Bytes,
     Drops,
+}
+
+impl From<TopBy> for control::TopBy {
+    fn from(b: TopBy) -> Self {
+        match b {
+            TopBy::Packets => control::TopBy::Packets,
+            TopBy::Bytes => control::TopBy::Bytes,
+            TopBy::Drops => control::TopBy::Drops,
+        }
+    }
 }
 
 #[derive(Args, Debug)]
@@ -160,7 +170,7 @@ pub enum RuleCommand {
     Set(RuleSetArgs),
 }
 
-#[derive(Args, Debug, Clone, serde::Serialize, serde::Deserialize, Default)]
+#[derive(Args, Debug, Clone, Default)]
 pub struct RuleSetArgs {
     /// Rule name.
     pub name: String,
@@ -186,8 +196,22 @@ pub struct RuleSetArgs {
     #[arg(long)]
     pub soft_limit: Option<f64>,
     #[arg(long)]
-    #[serde(skip)]
     pub json: bool,
+}
+
+impl From<&RuleSetArgs> for control::RuleChange {
+    fn from(a: &RuleSetArgs) -> Self {
+        control::RuleChange {
+            name: a.name.clone(),
+            threshold: a.threshold.clone(),
+            ban_threshold: a.ban_threshold.clone(),
+            ban_duration: a.ban_duration.clone(),
+            burst: a.burst,
+            exceed_action: a.exceed_action.clone(),
+            preview: a.preview,
+            soft_limit: a.soft_limit,
+        }
+    }
 }
 
 #[derive(Args, Debug)]

@@ -12,8 +12,6 @@ use std::{
 use anyhow::{Context as _, bail};
 use serde::{Deserialize, Serialize};
 
-use crate::cli::{RuleSetArgs, TopBy};
-
 #[derive(Serialize, Deserialize, Debug, Clone)]
 #[serde(tag = "cmd", rename_all = "snake_case")]
 pub enum Request {
@@ -45,9 +43,40 @@ pub enum Request {
         region: Option<String>,
     },
     RuleSet {
-        set: RuleSetArgs,
+        set: RuleChange,
     },
     Reload,
+}
+
+/// The order of `top`.
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum TopBy {
+    #[default]
+    Packets,
+    Bytes,
+    Drops,
+}
+
+/// A live change of a rule (`ratelimit rule set`): the fields given, in the config's forms
+/// (checked by the same parsers as the config's).
+#[derive(Serialize, Deserialize, Debug, Clone, Default, PartialEq)]
+pub struct RuleChange {
+    pub name: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub threshold: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ban_threshold: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ban_duration: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub burst: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exceed_action: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preview: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub soft_limit: Option<f64>,
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone)]

@@ -1,11 +1,26 @@
-//! The daemon: loads and attaches the program, applies the config, and runs a few long-lived
-//! tasks over one owned `State`: the control API, the event reader, ban persistence, the
-//! interface watcher, and signal handling. The background tasks run under a supervisor
-//! ([`crate::supervise`]): one that fails is restarted with backoff and shown in `status` and
-//! `/metrics`. Event lines are written by a thread of their own (`events.rs`) that nothing
-//! waits for: the event reader hands them over without taking the state lock. SIGTERM and
-//! SIGINT leave the program attached and enforcing (its links are pinned); `ratelimit detach`
-//! removes it.
+//! The daemon: loads and attaches the program, applies the config, and runs its tasks.
+//!
+//! ## Who owns what, and who may wait for whom
+//! - **The owner task** ([`own`]) alone holds [`State`]: the config, the map handles it writes
+//!   through and the datapath. It takes jobs from one bounded channel ([`Handle::with`]) and
+//!   runs them one at a time: the control socket's changes (`ban add`, `ban del`, `rule set`,
+//!   `reload`), SIGHUP's reload, the persistence task's sweep and save, the interface
+//!   watcher's re-attach. It waits for nothing but the kernel's map calls and the disk.
+//! - **Reports** (`status`, `stats`, `top`, `offenders`, `bans`, `/metrics`) run off the owner
+//!   task ([`crate::reader`]): map handles of their own, the [`reader::View`] the owner
+//!   publishes after each job, the blocking pool, [`reader::REPORTS_AT_ONCE`] at a time. A
+//!   report waits for a turn, never for the owner; the owner never waits for a report.
+//! - **The events reader** drains the ring buffer into the events writer's queue (a thread of
+//!   its own, `events.rs`) and leaves what the bans bookkeeping needs in a mailbox the owner
+//!   empties ([`BanNews`]): it waits for no one.
+//! - **Control connections and the HTTP listener** wait for the owner (a change) or a report
+//!   turn (a report), each bounded: the HTTP listener answers 503 after its request timeout.
+//! - **Ban persistence and the interface watcher** hand their work to the owner as jobs and
+//!   wait for it; they run under a supervisor ([`crate::supervise`]): one that fails is
+//!   restarted with backoff and shown in `status` and `/metrics`.
+//!
+//! SIGTERM and SIGINT leave the program attached and enforcing (its links are pinned);
+//! `ratelimit detach` removes it.
 
 use std::{
     collections::BTreeMap,
@@ -22,21 +37,20 @@ use ratelimit_common::{
     event::{EV_BAN, EV_UNBAN, Event},
     maps::*,
 };
-use serde::Serialize;
 use tokio::{
     io::{AsyncBufReadExt as _, AsyncWriteExt as _, BufReader, unix::AsyncFd},
-    sync::Mutex,
+    sync::{Mutex, Notify, mpsc, oneshot},
 };
 use tracing::{error, info, warn};
 
 use crate::{
     apply::{self, prefix},
     bans,
-    cli::{RuleSetArgs, TopBy},
     config::{self, Config},
-    control::{self, BanSpec, Request, Response},
+    control::{self, BanSpec, Request, Response, RuleChange},
     datapath::{Attached, Datapath, Maps},
     events::{self, Events},
+    reader::{self, Reports},
     report, supervise,
 };
 
@@ -55,8 +69,8 @@ pub struct State {
     pub xdp_mode_override: Option<config::XdpMode>,
     pub maps: Maps,
     pub dp: Datapath,
-    pub started: SystemTime,
-    pub ban_reasons: BTreeMap<String, String>,
+    /// Shared with the reports' view (copied on the next write after a publish).
+    pub ban_reasons: Arc<BTreeMap<String, String>>,
     /// Where event lines go (a queue to the events writer).
     pub events: Events,
     /// Bans changed since they were last written to `state_dir`.
@@ -64,19 +78,76 @@ pub struct State {
     /// Earliest expiry (CLOCK_MONOTONIC) among the bans this daemon knows of: the expired-ban
     /// sweep walks the ban map only once it has passed. 0 = walk at the next tick.
     pub next_ban_expiry: u64,
-    /// The known-sources filter's last rebuild (None: not on yet).
-    pub known_status: Arc<std::sync::Mutex<Option<crate::known::Rebuilt>>>,
-    /// The health of the background tasks.
-    pub tasks: Arc<supervise::Tasks>,
     /// What became of the saved bans at start (and whether saving is refused).
     pub bans_restore: bans::RestoreReport,
+    /// The reports' side, to publish the view to after every job.
+    pub reports: Arc<Reports>,
 }
 
 /// How often the daemon checks whether the known-sources filter needs a rebuild (a rebuild
 /// that took `t` is followed by the next check `10 t` later at the earliest).
 pub const KNOWN_REBUILD_PERIOD: Duration = Duration::from_secs(10);
 
-pub type Shared = Arc<Mutex<State>>;
+/// A job for the owner task.
+type Job = Box<dyn FnOnce(&mut State) + Send>;
+
+/// Jobs waiting for the owner task at most; more wait to be queued.
+const JOBS_QUEUED: usize = 64;
+
+/// How the daemon's other tasks reach it: changes as jobs for the owner task, reports on
+/// their own handles.
+#[derive(Clone)]
+pub struct Handle {
+    jobs: mpsc::Sender<Job>,
+    pub reports: Arc<Reports>,
+}
+
+impl Handle {
+    /// Run `f` on the owner task and wait for its result.
+    pub async fn with<T: Send + 'static>(
+        &self,
+        f: impl FnOnce(&mut State) -> T + Send + 'static,
+    ) -> anyhow::Result<T> {
+        let (tx, rx) = oneshot::channel();
+        self.jobs
+            .send(Box::new(move |s: &mut State| {
+                let _ = tx.send(f(s));
+            }))
+            .await
+            .map_err(|_| anyhow::anyhow!("the daemon is stopping"))?;
+        rx.await
+            .map_err(|_| anyhow::anyhow!("the daemon is stopping"))
+    }
+
+    /// The control API's answer to `req`: a report here, a change on the owner task.
+    pub async fn request(&self, req: Request) -> Response {
+        if Reports::is_report(&req) {
+            return self.reports.run(req).await;
+        }
+        self.with(move |s| s.handle(req))
+            .await
+            .unwrap_or_else(|e| Response::err(format!("{e:#}")))
+    }
+}
+
+/// The owner task: runs jobs and applies the events reader's news, one at a time, and
+/// publishes the reports' view after each. Ends when every [`Handle`] is gone, handing the
+/// state back.
+async fn own(mut s: State, mut jobs: mpsc::Receiver<Job>, news: Arc<NewsBox>) -> State {
+    loop {
+        tokio::select! {
+            job = jobs.recv() => match job {
+                // Map calls are syscalls: off the async workers.
+                Some(job) => tokio::task::block_in_place(|| job(&mut s)),
+                None => break,
+            },
+            _ = news.ready.notified() => news.take().apply_to(&mut s),
+        }
+        let view = s.view();
+        s.reports.publish(view);
+    }
+    s
+}
 
 /// One ban write of a request, to undo it: (table, prefix length, address, the ban that was
 /// there before: `None` = none).
@@ -90,6 +161,24 @@ fn load_config(path: Option<&PathBuf>) -> anyhow::Result<Config> {
 }
 
 impl State {
+    /// What the reports need to know of the config and the datapath.
+    pub fn view(&self) -> reader::View {
+        reader::View {
+            rule_names: self.rule_names(),
+            live_rules: self.live_rules(),
+            ban_reasons: self.ban_reasons.clone(),
+            ifaces: self.ifaces(),
+            attached: self.dp.attached.clone(),
+            max_sources: self.cfg.tracking.max_sources,
+            config: self.config_path.as_ref().map(|p| p.display().to_string()),
+            adopted: self.dp.adopted,
+            bpffs_dir: self.cfg.daemon.bpffs_dir.display().to_string(),
+            preview_all: self.preview_all,
+            program: self.dp.program_info(),
+            bans_restore: self.bans_restore.clone(),
+        }
+    }
+
     pub fn rule_names(&self) -> Vec<String> {
         self.cfg.rules.iter().map(|r| r.name.clone()).collect()
     }
@@ -243,45 +332,13 @@ impl State {
 
     fn try_handle(&mut self, req: Request) -> anyhow::Result<Response> {
         Ok(match req {
-            Request::Status => Response::ok(self.status()),
-            Request::Stats => Response::ok(report::stats(
-                &self.maps,
-                &self.ifaces(),
-                &self.rule_names(),
-            )?),
-            Request::Top { n, by } => Response::ok(report::top(
-                &self.maps,
-                &self.live_rules(),
-                n,
-                match by {
-                    TopBy::Packets => report::Rank::Packets,
-                    TopBy::Bytes => report::Rank::Bytes,
-                    TopBy::Drops => report::Rank::Drops,
-                },
-            )?),
-            Request::Bans { limit } => {
-                let mut b = report::bans(&self.maps, &self.live_rules(), &self.ban_reasons);
-                if let Some(limit) = limit {
-                    b.truncate(limit);
-                }
-                Response::ok(b)
-            }
-            Request::Offenders { limit } => {
-                let mut c: Vec<_> = report::clients(&self.maps, &self.live_rules())?
-                    .into_iter()
-                    .filter(|c| c.throttled || c.above_soft_limit)
-                    .collect();
-                let by_usage = |c: &report::Client| std::cmp::Reverse(c.usage);
-                if let Some(limit) = limit
-                    && limit < c.len()
-                {
-                    // The `limit` highest first, without sorting the rest.
-                    c.select_nth_unstable_by_key(limit, by_usage);
-                    c.truncate(limit);
-                }
-                c.sort_by_key(by_usage);
-                Response::ok(c)
-            }
+            // Reports are answered off this task (`Handle::request`); here only when asked
+            // directly.
+            Request::Status
+            | Request::Stats
+            | Request::Top { .. }
+            | Request::Bans { .. }
+            | Request::Offenders { .. } => self.reports.answer(req),
             Request::BanAdd { bans } => Response::ok(self.ban_add(&bans)?),
             Request::BanDel { cidrs } => Response::ok(self.ban_del(&cidrs)?),
             Request::BanLift { rule, region } => {
@@ -290,60 +347,6 @@ impl State {
             Request::RuleSet { set } => Response::ok(self.rule_set(&set)?),
             Request::Reload => Response::ok(self.reload()?),
         })
-    }
-
-    fn status(&self) -> serde_json::Value {
-        #[derive(Serialize)]
-        struct Status<'a> {
-            version: &'a str,
-            pid: u32,
-            started: String,
-            config: Option<String>,
-            adopted_pinned_state: bool,
-            bpffs_dir: String,
-            preview_all: bool,
-            interfaces: &'a [Attached],
-            program: Option<serde_json::Value>,
-            rules: Vec<String>,
-            tracked_clients: usize,
-            max_sources: u32,
-            active_bans: usize,
-            known_filter: Option<crate::known::Rebuilt>,
-            events: crate::events::Status,
-            tasks: BTreeMap<&'static str, supervise::TaskHealth>,
-            bans_restore: &'a bans::RestoreReport,
-        }
-        let tracked = report::tracked_clients(&self.maps).unwrap_or(0) as usize;
-        let ring_buffer_lost =
-            report::global_packets(&self.maps, ratelimit_common::stats::global::EVENTS_LOST)
-                .unwrap_or(0);
-        serde_json::to_value(Status {
-            version: env!("CARGO_PKG_VERSION"),
-            pid: std::process::id(),
-            started: report::rfc3339(self.started),
-            config: self.config_path.as_ref().map(|p| p.display().to_string()),
-            adopted_pinned_state: self.dp.adopted,
-            bpffs_dir: self.cfg.daemon.bpffs_dir.display().to_string(),
-            preview_all: self.preview_all,
-            interfaces: &self.dp.attached,
-            program: self
-                .dp
-                .program_info()
-                .map(|(x, v)| serde_json::json!({"xlated_insns": x, "verified_insns": v})),
-            rules: self.rule_names(),
-            tracked_clients: tracked,
-            max_sources: self.cfg.tracking.max_sources,
-            active_bans: report::bans(&self.maps, &self.live_rules(), &BTreeMap::new()).len(),
-            known_filter: self
-                .known_status
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .clone(),
-            events: self.events.status(ring_buffer_lost),
-            tasks: self.tasks.snapshot(),
-            bans_restore: &self.bans_restore,
-        })
-        .unwrap_or_default()
     }
 
     /// `ban add`, all or nothing: every entry is checked before any is applied, and if a
@@ -382,10 +385,10 @@ impl State {
             added.push(ban_event(EV_BAN, &entry, now));
             match &s.reason {
                 Some(r) => {
-                    self.ban_reasons.insert(net.to_string(), r.clone());
+                    Arc::make_mut(&mut self.ban_reasons).insert(net.to_string(), r.clone());
                 }
                 None if !self.ban_reasons.is_empty() => {
-                    self.ban_reasons.remove(&net.to_string());
+                    Arc::make_mut(&mut self.ban_reasons).remove(&net.to_string());
                 }
                 None => {}
             }
@@ -483,7 +486,7 @@ impl State {
             return Err(e);
         }
         for net in &nets {
-            self.ban_reasons.remove(&net.to_string());
+            Arc::make_mut(&mut self.ban_reasons).remove(&net.to_string());
         }
         let removed = lifted.len();
         self.bans_changed();
@@ -580,7 +583,7 @@ impl State {
         }))
     }
 
-    fn rule_set(&mut self, set: &RuleSetArgs) -> anyhow::Result<serde_json::Value> {
+    fn rule_set(&mut self, set: &RuleChange) -> anyhow::Result<serde_json::Value> {
         let idx = self
             .cfg
             .rules
@@ -611,35 +614,92 @@ impl State {
         Ok(serde_json::json!({ "rule": set.name, "index": idx }))
     }
 
+    /// Re-read the config file and apply it whole, or not at all. Everything that can fail
+    /// is prepared first (the config read and checked, the GeoIP database read, each new
+    /// interface found and its entry point chosen, a new events file opened); then the new
+    /// interfaces are attached and the maps written. If an attach or a map write still fails,
+    /// what this reload did is undone (the interfaces it attached detached, the old config's
+    /// maps written again) and the old config keeps running; the error names what failed.
     pub fn reload(&mut self) -> anyhow::Result<serde_json::Value> {
         let Some(path) = self.config_path.clone() else {
             bail!("the daemon was started without --config; nothing to reload");
         };
-        let cfg = config::load(&path).map_err(|e| {
-            anyhow::anyhow!("reload rejected, the running config is unchanged:\n{e}")
-        })?;
+        const REJECTED: &str = "reload rejected, the running config is unchanged";
+        let cfg = config::load(&path).map_err(|e| anyhow::anyhow!("{REJECTED}:\n{e}"))?;
         if cfg.tracking.max_sources != self.cfg.tracking.max_sources {
             warn!(
                 "tracking.max_sources changes take effect after `ratelimit detach` and a restart"
             );
         }
-        // Read the GeoIP database before touching any map, so a bad one rejects the reload
-        // whole.
+        // Prepare: nothing below touches a map or an interface.
         let regions = match &cfg.geoip {
-            Some(g) => Some(
-                crate::geoip::load(&g.database)
-                    .context("reload rejected, the running config is unchanged")?,
-            ),
+            Some(g) => Some(crate::geoip::load(&g.database).context(REJECTED)?),
             None => None,
         };
+        let mut wanted = cfg.daemon.interfaces.clone();
+        for i in &self.opts_ifaces {
+            if !wanted.contains(i) {
+                wanted.push(i.clone());
+            }
+        }
+        let mut to_attach = Vec::new();
+        for iface in &wanted {
+            // Not attached yet, or re-created since (a new ifindex under the same name).
+            let current = crate::datapath::ifindex(iface)
+                .with_context(|| format!("{REJECTED}: interface {iface}"))?;
+            crate::datapath::Entry::for_iface(iface)
+                .with_context(|| format!("{REJECTED}: interface {iface}"))?;
+            if !self
+                .dp
+                .attached
+                .iter()
+                .any(|a| &a.iface == iface && a.ifindex == current)
+            {
+                to_attach.push(iface.clone());
+            }
+        }
+        let new_output = if cfg.daemon.events != self.cfg.daemon.events {
+            Some(
+                events::Output::open(cfg.daemon.events.as_ref())
+                    .with_context(|| format!("{REJECTED}: the events sink"))?,
+            )
+        } else {
+            None
+        };
         let plan = apply::plan(&cfg, self.preview_all);
+        let mode = self.xdp_mode_override.unwrap_or(cfg.daemon.xdp_mode);
+
+        // Attach: the interfaces new to this config, judged by the running config's maps until
+        // the maps are written below. One that fails undoes the others.
+        let mut attached_now = Vec::new();
+        for iface in &to_attach {
+            let was = self.dp.attached.iter().find(|a| &a.iface == iface).cloned();
+            match self.dp.attach(iface, mode, &mut self.maps) {
+                Ok(_) => attached_now.push((iface.clone(), was)),
+                Err(e) => {
+                    self.undo_attach(attached_now);
+                    return Err(e.context(format!("{REJECTED}: attaching to {iface}")));
+                }
+            }
+        }
+
+        // Commit the maps. A write that fails midway is undone by writing the old config's
+        // maps again.
         let old_names = self.rule_names();
         let held = bans::aggregates_by_name(&self.maps, &old_names, report::mono_ns());
         // Bans issued from here on name the new rules' positions.
         let cut = report::mono_ns();
-        apply::apply(&mut self.maps, &plan).context("applying the new config")?;
-        if let Some(table) = &regions {
-            crate::geoip::apply(&mut self.maps.regions, table)?;
+        let applied = apply::apply(&mut self.maps, &plan).and_then(|()| match &regions {
+            Some(table) => crate::geoip::apply(&mut self.maps.regions, table).map(drop),
+            None => Ok(()),
+        });
+        if let Err(e) = applied {
+            let old_plan = apply::plan(&self.cfg, self.preview_all);
+            if let Err(undo) = apply::apply(&mut self.maps, &old_plan) {
+                error!("writing the running config's maps again failed: {undo:#}");
+            }
+            self.undo_attach(attached_now);
+            return Err(e.context(format!("{REJECTED}: writing the maps")));
         }
         let new_names: Vec<String> = cfg.rules.iter().map(|r| r.name.clone()).collect();
         let new_rules = config_rules(&cfg);
@@ -653,26 +713,10 @@ impl State {
         );
         save_rule_names(&cfg.daemon.state_dir, &new_names);
         self.events.set_rule_names(new_names);
-        let old_sink_target = self.cfg.daemon.events.clone();
         self.cfg = cfg;
-        let wanted = self.interfaces_wanted();
-        let mode = self.xdp_mode_override.unwrap_or(self.cfg.daemon.xdp_mode);
-        for iface in wanted {
-            // Not attached yet, or re-created since (a new ifindex under the same name).
-            let current = crate::datapath::ifindex(&iface).ok();
-            if !self
-                .dp
-                .attached
-                .iter()
-                .any(|a| a.iface == iface && Some(a.ifindex) == current)
-            {
-                self.dp.attach(&iface, mode, &mut self.maps)?;
-            }
-        }
-        if old_sink_target != self.cfg.daemon.events {
-            self.events.retarget(self.cfg.daemon.events.as_ref())?;
-        } else {
-            self.events.reopen();
+        match new_output {
+            Some(out) => self.events.replace(out),
+            None => self.events.reopen(),
         }
         self.events.set_per_sec(self.cfg.daemon.events_per_sec);
         self.write_dropped(&lifted);
@@ -680,6 +724,18 @@ impl State {
         Ok(
             serde_json::json!({ "reloaded": path.display().to_string(), "rules": self.rule_names() }),
         )
+    }
+
+    /// Detach what a failed reload attached (and take back over what it replaced).
+    fn undo_attach(&mut self, attached_now: Vec<(String, Option<Attached>)>) {
+        for (iface, was) in attached_now.into_iter().rev() {
+            if let Err(e) = self.dp.detach_iface(&iface) {
+                error!("undoing the attach to {iface}: {e:#}");
+            }
+            if let Some(was) = was {
+                self.dp.attached.push(was);
+            }
+        }
     }
 }
 
@@ -934,7 +990,14 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         cfg.daemon.events_per_sec,
         names.clone(),
     )?;
-    let state: Shared = Arc::new(Mutex::new(State {
+    let reports = Arc::new(Reports::new(
+        dp.open_maps().context("opening the maps for reports")?,
+        reader::View::default(),
+        events.clone(),
+        tasks.clone(),
+        known_status,
+    ));
+    let mut state = State {
         cfg,
         opts_ifaces: opts.ifaces,
         config_path: opts.config_path,
@@ -942,44 +1005,48 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         xdp_mode_override: opts.xdp_mode,
         maps,
         dp,
-        started: SystemTime::now(),
-        ban_reasons: restored.reasons,
+        ban_reasons: Arc::new(restored.reasons),
         events: events.clone(),
         bans_dirty: false,
         next_ban_expiry: 0,
-        known_status,
-        tasks: tasks.clone(),
         bans_restore: restored.report,
-    }));
-    {
-        let mut s = state.lock().await;
-        s.write_dropped(&dropped);
-        info!(socket = %s.cfg.daemon.control_socket.display(), "control socket ready");
-    }
+        reports: reports.clone(),
+    };
+    state.write_dropped(&dropped);
+    reports.publish(state.view());
+    let control_socket = state.cfg.daemon.control_socket.clone();
+    let (jobs_tx, jobs_rx) = mpsc::channel(JOBS_QUEUED);
+    let news = Arc::new(NewsBox::default());
+    let owner = tokio::spawn(own(state, jobs_rx, news.clone()));
+    let handle = Handle {
+        jobs: jobs_tx,
+        reports,
+    };
+    info!(socket = %control_socket.display(), "control socket ready");
     // Each background task under the supervisor: restarted with backoff if it fails.
     let first = Duration::from_secs(1);
-    let st = state.clone();
+    let h = handle.clone();
     supervise::spawn(&tasks, "control", first, move || {
-        serve_control(listener.clone(), st.clone())
+        serve_control(listener.clone(), h.clone())
     });
     if let Some(ring) = events_ring {
-        let st = state.clone();
         let ev = events.clone();
+        let news = news.clone();
         supervise::spawn(&tasks, "events", first, move || {
-            read_events(ring.clone(), st.clone(), ev.clone())
+            read_events(ring.clone(), news.clone(), ev.clone())
         });
     }
-    let st = state.clone();
+    let h = handle.clone();
     supervise::spawn(&tasks, "ban_persistence", first, move || {
-        persist_bans(st.clone())
+        persist_bans(h.clone())
     });
-    let st = state.clone();
+    let h = handle.clone();
     supervise::spawn(&tasks, "interface_watch", first, move || {
-        watch_interfaces(st.clone())
+        watch_interfaces(h.clone())
     });
     let mut tasks = tokio::task::JoinSet::new();
     if let Some(l) = http_listener {
-        tasks.spawn(crate::http::serve(l, state.clone()));
+        tasks.spawn(crate::http::serve(l, handle.clone()));
     }
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
@@ -995,10 +1062,10 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             _ = hup.recv() => {
                 // Log rotation first: the events file is reopened even if the reload fails.
                 events.reopen();
-                let mut s = state.lock().await;
-                if s.config_path.is_some()
-                    && let Err(e) = tokio::task::block_in_place(|| s.reload())
-                {
+                let reloaded = handle
+                    .with(|s| if s.config_path.is_some() { s.reload().map(drop) } else { Ok(()) })
+                    .await;
+                if let Err(e) = reloaded.and_then(|r| r) {
                     error!("{e:#}");
                 }
             }
@@ -1011,11 +1078,19 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             }
         }
     }
-    let mut s = state.lock().await;
-    if let Err(e) = s.save_bans() {
-        warn!("{e:#}");
+    // The last job: save the bans. Later jobs (a request that raced the signal) fail.
+    let saved = handle
+        .with(|s| {
+            let saved = s.save_bans();
+            let _ = std::fs::remove_file(&s.cfg.daemon.control_socket);
+            saved
+        })
+        .await;
+    match saved {
+        Ok(Err(e)) | Err(e) => warn!("{e:#}"),
+        Ok(Ok(())) => {}
     }
-    let _ = std::fs::remove_file(&s.cfg.daemon.control_socket);
+    drop(owner);
     // The lines still queued, unless the sink is stalled.
     tokio::task::block_in_place(|| events.close(Duration::from_secs(1)));
     info!("stopping; the XDP program stays attached and enforcing (`ratelimit detach` removes it)");
@@ -1024,7 +1099,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
 
 async fn serve_control(
     listener: Arc<tokio::net::UnixListener>,
-    state: Shared,
+    handle: Handle,
 ) -> anyhow::Result<()> {
     loop {
         let stream = match listener.accept().await {
@@ -1036,7 +1111,7 @@ async fn serve_control(
                 continue;
             }
         };
-        let state = state.clone();
+        let handle = handle.clone();
         tokio::spawn(async move {
             if control::peer_uid(&stream) != Some(0) {
                 let (_, mut w) = stream.into_split();
@@ -1059,11 +1134,12 @@ async fn serve_control(
                                 | Request::BanDel { .. }
                                 | Request::BanLift { .. }
                         );
-                        let mut s = state.lock().await;
-                        // Map walks are syscalls: keep them off the async workers' hot path.
-                        let resp = tokio::task::block_in_place(|| s.handle(req));
-                        let events = writes_events.then(|| (s.events.clone(), s.events.last_seq()));
-                        drop(s);
+                        let events = writes_events.then(|| handle.reports.events.clone());
+                        let resp = handle.request(req).await;
+                        let events = events.map(|e| {
+                            let seq = e.last_seq();
+                            (e, seq)
+                        });
                         // The answer follows the request's event lines, so whoever reads the
                         // events file after `ban add` finds them; unless the sink has stalled,
                         // which delays the answer by `events::STALL` at most.
@@ -1110,13 +1186,12 @@ fn give_back_freed_memory() {
 /// where the last one failed.
 type EventsRing = Arc<Mutex<AsyncFd<RingBuf<MapData>>>>;
 
-/// Drain the events ring buffer into the events writer's queue. The state lock is not needed
-/// for that, so a long report (a `top` over millions of clients) holding it does not leave the
-/// ring buffer to fill: the ban bookkeeping the events call for (the expiry sweep's next
-/// deadline, bans to save) is applied when the lock is free, by a task of its own if it is not.
-async fn read_events(ring: EventsRing, state: Shared, events: Events) -> anyhow::Result<()> {
+/// Drain the events ring buffer into the events writer's queue, and leave what the bans
+/// bookkeeping needs (the expiry sweep's next deadline, bans to save) in the owner's mailbox.
+/// It waits for no one: a long report or a slow job of the owner's does not leave the ring
+/// buffer to fill.
+async fn read_events(ring: EventsRing, news: Arc<NewsBox>, events: Events) -> anyhow::Result<()> {
     let mut fd = ring.lock().await;
-    let pending = Arc::new(std::sync::Mutex::new(BanNews::default()));
     loop {
         let mut guard = fd.readable_mut().await?;
         let rb = guard.get_inner_mut();
@@ -1129,10 +1204,10 @@ async fn read_events(ring: EventsRing, state: Shared, events: Events) -> anyhow:
             }
         }
         guard.clear_ready();
-        let news = BanNews::of(&batch);
+        let n = BanNews::of(&batch);
         events.data_plane(batch);
-        if news.changed {
-            news.apply(&state, &pending);
+        if n.changed {
+            news.put(n);
         }
     }
 }
@@ -1143,8 +1218,6 @@ async fn read_events(ring: EventsRing, state: Shared, events: Events) -> anyhow:
 struct BanNews {
     changed: bool,
     earliest_expiry: u64,
-    /// A task is waiting for the state lock to apply what is pending.
-    applying: bool,
 }
 
 impl Default for BanNews {
@@ -1152,7 +1225,6 @@ impl Default for BanNews {
         Self {
             changed: false,
             earliest_expiry: u64::MAX,
-            applying: false,
         }
     }
 }
@@ -1182,51 +1254,52 @@ impl BanNews {
             s.bans_changed();
         }
     }
+}
 
-    /// Apply now if the state lock is free, else leave it to a task that waits for it (one at
-    /// a time: later news joins what that task will apply).
-    fn apply(self, state: &Shared, pending: &Arc<std::sync::Mutex<BanNews>>) {
-        if let Ok(mut s) = state.try_lock() {
-            self.apply_to(&mut s);
-            return;
-        }
-        let mut p = pending.lock().unwrap_or_else(|e| e.into_inner());
-        p.merge(self);
-        if p.applying {
-            return;
-        }
-        p.applying = true;
-        drop(p);
-        let (state, pending) = (state.clone(), pending.clone());
-        tokio::spawn(async move {
-            let mut s = state.lock().await;
-            let news = std::mem::take(&mut *pending.lock().unwrap_or_else(|e| e.into_inner()));
-            news.apply_to(&mut s);
-        });
+/// The events reader's news for the owner task: merged while the owner is busy, so the
+/// reader never waits and nothing queues up.
+#[derive(Default)]
+struct NewsBox {
+    news: std::sync::Mutex<BanNews>,
+    ready: Notify,
+}
+
+impl NewsBox {
+    fn put(&self, n: BanNews) {
+        self.news.lock().unwrap_or_else(|e| e.into_inner()).merge(n);
+        self.ready.notify_one();
+    }
+
+    fn take(&self) -> BanNews {
+        std::mem::take(&mut *self.news.lock().unwrap_or_else(|e| e.into_inner()))
     }
 }
 
 /// Write bans to `state_dir` within a second of a change (and every minute regardless, so
-/// remaining times stay fresh on disk).
-async fn persist_bans(state: Shared) -> anyhow::Result<()> {
+/// remaining times stay fresh on disk): a job of the owner's each second.
+async fn persist_bans(handle: Handle) -> anyhow::Result<()> {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
     let mut n = 0u32;
     loop {
         tick.tick().await;
         n = n.wrapping_add(1);
-        let mut s = state.lock().await;
-        tokio::task::block_in_place(|| {
-            s.sweep_expired_bans();
-            s.maps.refresh_bans_present();
-        });
-        if n.is_multiple_of(60) {
-            // Bans issued while events were lost would otherwise never be swept.
-            s.next_ban_expiry = 0;
-        }
-        if s.bans_dirty || n.is_multiple_of(60) {
+        let minute = n.is_multiple_of(60);
+        handle
+            .with(move |s| {
+                s.sweep_expired_bans();
+                s.maps.refresh_bans_present();
+                if minute {
+                    // Bans issued while events were lost would otherwise never be swept.
+                    s.next_ban_expiry = 0;
+                }
+                if s.bans_dirty || minute {
+                    s.save_bans()
+                } else {
+                    Ok(())
+                }
+            })
             // A failure ends this run: the supervisor shows it and retries with backoff.
-            tokio::task::block_in_place(|| s.save_bans())?;
-        }
+            .await??;
     }
 }
 
@@ -1238,40 +1311,45 @@ pub const IFACE_WATCH_PERIOD: Duration = Duration::from_secs(2);
 /// device, attach to it, without waiting for a reload. Until then the new device is
 /// unprotected; at most one period. An attach that fails is logged once per device, not once
 /// per period.
-async fn watch_interfaces(state: Shared) -> anyhow::Result<()> {
+async fn watch_interfaces(handle: Handle) -> anyhow::Result<()> {
     let mut tick = tokio::time::interval(IFACE_WATCH_PERIOD);
-    let mut failed: Vec<(String, u32)> = Vec::new();
+    let failed: Arc<std::sync::Mutex<Vec<(String, u32)>>> = Arc::default();
     loop {
         tick.tick().await;
-        let mut s = state.lock().await;
-        let wanted = s.interfaces_wanted();
-        let recreated: Vec<(String, u32)> =
-            s.dp.attached
-                .iter()
-                .filter(|a| wanted.contains(&a.iface))
-                .filter_map(|a| match crate::datapath::ifindex(&a.iface) {
-                    Ok(i) if i != a.ifindex => Some((a.iface.clone(), i)),
-                    _ => None,
-                })
-                .filter(|k| !failed.contains(k))
-                .collect();
-        let mode = s.xdp_mode_override.unwrap_or(s.cfg.daemon.xdp_mode);
-        for (iface, ifindex) in recreated {
-            let s = &mut *s;
-            match tokio::task::block_in_place(|| s.dp.attach(&iface, mode, &mut s.maps)) {
-                Ok(_) => info!(
-                    iface,
-                    ifindex, "{iface} was re-created: attached to the new device"
-                ),
-                Err(e) => {
-                    error!(
-                        "{iface} was re-created (ifindex {ifindex}) and attaching to it failed, \
-                         so it is unprotected: {e:#}; fix it and run `ratelimit reload`"
-                    );
-                    failed.push((iface, ifindex));
+        let failed = failed.clone();
+        handle
+            .with(move |s| {
+                let mut failed = failed.lock().unwrap_or_else(|e| e.into_inner());
+                let wanted = s.interfaces_wanted();
+                let recreated: Vec<(String, u32)> =
+                    s.dp.attached
+                        .iter()
+                        .filter(|a| wanted.contains(&a.iface))
+                        .filter_map(|a| match crate::datapath::ifindex(&a.iface) {
+                            Ok(i) if i != a.ifindex => Some((a.iface.clone(), i)),
+                            _ => None,
+                        })
+                        .filter(|k| !failed.contains(k))
+                        .collect();
+                let mode = s.xdp_mode_override.unwrap_or(s.cfg.daemon.xdp_mode);
+                for (iface, ifindex) in recreated {
+                    match s.dp.attach(&iface, mode, &mut s.maps) {
+                        Ok(_) => info!(
+                            iface,
+                            ifindex, "{iface} was re-created: attached to the new device"
+                        ),
+                        Err(e) => {
+                            error!(
+                                "{iface} was re-created (ifindex {ifindex}) and attaching to it \
+                                 failed, so it is unprotected: {e:#}; fix it and run `ratelimit \
+                                 reload`"
+                            );
+                            failed.push((iface, ifindex));
+                        }
+                    }
                 }
-            }
-        }
+            })
+            .await?;
     }
 }
 

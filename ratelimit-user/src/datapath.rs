@@ -570,6 +570,50 @@ impl Datapath {
         crate::clients::ClientStore::open(&self.pin_dir)
     }
 
+    /// Detach the program from `iface` (its pinned link removed), leaving the maps and the
+    /// other interfaces as they are: to undo an attach.
+    pub fn detach_iface(&mut self, iface: &str) -> anyhow::Result<()> {
+        detach(&self.pin_dir, &[iface.to_string()])?;
+        self.attached.retain(|a| a.iface != iface);
+        Ok(())
+    }
+
+    /// Handles of their own on the maps, from their pins, for the reports (read only: the
+    /// presence flags of the ban tables are left as the owner's handles set them, and there
+    /// is no ring buffer).
+    pub fn open_maps(&self) -> anyhow::Result<Maps> {
+        let open = |name: &str| {
+            let path = self.pin_dir.join(name);
+            MapData::from_pin(&path).with_context(|| format!("opening {}", path.display()))
+        };
+        use aya::maps::Map;
+        Ok(Maps {
+            global: Array::try_from(Map::Array(open("RL_GLOBAL")?))?,
+            rules: Array::try_from(Map::Array(open("RL_RULES")?))?,
+            sources: LpmTrie::try_from(Map::LpmTrie(open("RL_SOURCES")?))?,
+            overrides: LpmTrie::try_from(Map::LpmTrie(open("RL_OVERRIDES")?))?,
+            region_overrides: HashMap::try_from(Map::HashMap(open("RL_REGION_OVERRIDES")?))?,
+            regions: LpmTrie::try_from(Map::LpmTrie(open("RL_REGIONS")?))?,
+            clients: crate::clients::ClientStore::open(&self.pin_dir)?,
+            overflow: Array::try_from(Map::Array(open("RL_OVERFLOW")?))?,
+            fast: PerCpuArray::try_from(Map::PerCpuArray(open("RL_FAST")?))?,
+            ovf_tick: PerCpuArray::try_from(Map::PerCpuArray(open("RL_OVF_TICK")?))?,
+            bans: [
+                LpmTrie::try_from(Map::LpmTrie(open("RL_BANS_OPERATOR")?))?,
+                LpmTrie::try_from(Map::LpmTrie(open("RL_BANS")?))?,
+                LpmTrie::try_from(Map::LpmTrie(open("RL_BANS_PASSING")?))?,
+            ],
+            stats: PerCpuArray::try_from(Map::PerCpuArray(open("RL_STATS")?))?,
+            ifaces: HashMap::try_from(Map::HashMap(open("RL_IFACES")?))?,
+            ifslots: Array::try_from(Map::Array(open("RL_IFSLOTS")?))?,
+            bans_present: Array::try_from(Map::Array(open("RL_BANS_PRESENT")?))?,
+            bans_flag_set: [true; BAN_TABLES as usize],
+            ban_epoch: Array::try_from(Map::Array(open("RL_BAN_EPOCH")?))?,
+            ban_epoch_pending: false,
+            events: None,
+        })
+    }
+
     /// Take typed handles on every map (once).
     pub fn take_maps(&mut self) -> anyhow::Result<Maps> {
         let e = &mut self.ebpf;

@@ -363,12 +363,17 @@ impl Events {
     /// Write to `target` from now on (after the lines queued before). The new file is opened
     /// here, so a bad path is an error for the caller, and the old sink stays.
     pub fn retarget(&self, target: Option<&EventsSink>) -> anyhow::Result<()> {
-        let out = Output::open(target)?;
+        self.replace(Output::open(target)?);
+        Ok(())
+    }
+
+    /// Write the lines queued from now on to `out`, opened beforehand ([`Output::open`]: a
+    /// reload opens the new sink before it changes anything).
+    pub fn replace(&self, out: Output) {
         *lock(&self.0.sink) = out.describe();
         let enabled = !out.is_none();
         self.send(Msg::Replace(out));
         self.0.enabled.store(enabled, Ordering::Relaxed);
-        Ok(())
     }
 
     /// Change `daemon.events_per_sec`.
@@ -450,14 +455,14 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 }
 
 /// Where event lines go.
-enum Output {
+pub enum Output {
     None,
     Stdout(Target),
     File { path: PathBuf, target: Target },
 }
 
 /// An open file, pipe or terminal to write lines to.
-struct Target {
+pub struct Target {
     file: File,
     /// A regular file, whose torn tail can be cut off.
     regular: bool,
@@ -471,7 +476,7 @@ impl Target {
 }
 
 impl Output {
-    fn open(target: Option<&EventsSink>) -> anyhow::Result<Output> {
+    pub fn open(target: Option<&EventsSink>) -> anyhow::Result<Output> {
         Ok(match target {
             None => Output::None,
             Some(EventsSink::Stdout) => {

@@ -15,7 +15,6 @@
 //! [`MAX_CONNECTIONS`] file descriptors, well under the 1,024 a systemd service gets by default.
 
 use std::{
-    collections::BTreeMap,
     convert::Infallible,
     future::Future,
     io::ErrorKind,
@@ -48,10 +47,10 @@ use tower::ServiceExt as _;
 use tracing::{info, warn};
 
 use crate::{
-    cli::TopBy,
-    control::{self, Request},
-    daemon::{self, Shared},
+    control::{self, Request, TopBy},
+    daemon::Handle,
     events,
+    reader::Reports,
     report::{self, Pb, Stats},
 };
 
@@ -103,7 +102,7 @@ pub async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
 }
 
 /// Serve the listener until the task is dropped.
-pub async fn serve(listener: TcpListener, state: Shared) -> anyhow::Result<()> {
+pub async fn serve(listener: TcpListener, state: Handle) -> anyhow::Result<()> {
     serve_with(listener, state, Limits::DEFAULT).await
 }
 
@@ -271,16 +270,13 @@ trait Backend: Clone + Send + Sync + 'static {
     fn snapshot(&self) -> impl Future<Output = anyhow::Result<(Stats, Gauges)>> + Send;
 }
 
-impl Backend for Shared {
+impl Backend for Handle {
     async fn request(&self, req: Request) -> control::Response {
-        let mut s = self.lock().await;
-        // Map walks are syscalls: keep them off the async workers' hot path.
-        tokio::task::block_in_place(|| s.handle(req))
+        Handle::request(self, req).await
     }
 
     async fn snapshot(&self) -> anyhow::Result<(Stats, Gauges)> {
-        let s = self.lock().await;
-        tokio::task::block_in_place(|| snapshot(&s))
+        self.reports.with_turn(snapshot).await?
     }
 }
 
@@ -291,16 +287,17 @@ struct App<B> {
     conns: Arc<Conns>,
 }
 
-/// Read everything `/metrics` shows, in one go, under the state lock.
-fn snapshot(s: &daemon::State) -> anyhow::Result<(Stats, Gauges)> {
+/// Read everything `/metrics` shows, in one go, on the reports' own map handles.
+fn snapshot(s: &Reports) -> anyhow::Result<(Stats, Gauges)> {
     use anyhow::Context as _;
-    let ifaces = s.dp.counter_slots();
-    let stats = report::stats(&s.maps, &ifaces, &s.rule_names()).context("reading counters")?;
-    let tracked = report::tracked_clients(&s.maps).context("walking the per-client state map")?;
+    let view = s.view();
+    let stats =
+        report::stats(s.maps(), &view.ifaces, &view.rule_names).context("reading counters")?;
+    let census = s.census(&view);
     let gauges = Gauges {
-        active_bans: report::bans(&s.maps, &s.live_rules(), &BTreeMap::new()).len() as u64,
-        tracked_clients: tracked,
-        tracked_clients_capacity: u64::from(s.cfg.tracking.max_sources),
+        active_bans: census.active_bans,
+        tracked_clients: census.tracked_clients,
+        tracked_clients_capacity: u64::from(view.max_sources),
         known_filter: s
             .known_status
             .lock()
@@ -315,8 +312,8 @@ fn snapshot(s: &daemon::State) -> anyhow::Result<(Stats, Gauges)> {
             .into_iter()
             .map(|(name, h)| (name, h.up, h.restarts))
             .collect(),
-        saved_bans: s.bans_restore.outcomes(),
-        bans_files_set_aside: u64::from(s.bans_restore.set_aside.is_some()),
+        saved_bans: view.bans_restore.outcomes(),
+        bans_files_set_aside: u64::from(view.bans_restore.set_aside.is_some()),
     };
     Ok((stats, gauges))
 }

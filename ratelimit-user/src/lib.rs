@@ -17,6 +17,7 @@ pub mod http;
 pub mod kernel_log;
 pub mod known;
 pub mod lock;
+pub mod reader;
 pub mod report;
 pub mod ruleset;
 pub mod supervise;

@@ -109,7 +109,10 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Status(_) => Request::Status,
         Command::Stats(_) => Request::Stats,
-        Command::Top(t) => Request::Top { n: t.n, by: t.by },
+        Command::Top(t) => Request::Top {
+            n: t.n,
+            by: t.by.into(),
+        },
         Command::Bans(_) => Request::Bans { limit: None },
         Command::Offenders(_) => Request::Offenders { limit: None },
         Command::Reload(_) => Request::Reload,
@@ -169,7 +172,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Rule {
             action: RuleCommand::Set(set),
-        } => Request::RuleSet { set: set.clone() },
+        } => Request::RuleSet { set: set.into() },
     };
     let json = match &cli.command {
         Command::Status(j)

@@ -3,8 +3,8 @@
 use anyhow::{Context as _, bail};
 
 use crate::{
-    cli::RuleSetArgs,
     config::{Action, ExceedAction, Rule, Threshold},
+    control::RuleChange,
 };
 
 /// `COUNT/INTERVAL` (e.g. `2000/20m`) or `BYTES/INTERVAL` with a unit (e.g. `10MiB/1s`), with
@@ -14,7 +14,7 @@ pub fn parse_threshold(s: &str) -> anyhow::Result<Threshold> {
         .map_err(|e| anyhow::anyhow!("{s:?}: {e}"))
 }
 
-pub fn apply_changes(rule: &mut Rule, set: &RuleSetArgs) -> anyhow::Result<()> {
+pub fn apply_changes(rule: &mut Rule, set: &RuleChange) -> anyhow::Result<()> {
     let was_default_ban = rule.ban_threshold == rule.threshold;
     let burst_was_default = rule.burst == rule.threshold.amount;
     if let Some(t) = &set.threshold {
@@ -121,7 +121,7 @@ mod tests {
     #[test]
     fn a_byte_burst_below_the_largest_packet_is_rejected() {
         let mut rule = bytes_rule();
-        let set = RuleSetArgs {
+        let set = RuleChange {
             burst: Some(1500),
             ..Default::default()
         };
@@ -132,7 +132,7 @@ mod tests {
         );
         let e = apply_changes(
             &mut rule,
-            &RuleSetArgs {
+            &RuleChange {
                 threshold: Some("1500B/1s".into()),
                 ..Default::default()
             },
@@ -158,14 +158,14 @@ mod tests {
                 "--ban-duration: 365250d is longer than 10 years (3650d)",
             ),
         ] {
-            let set = RuleSetArgs {
+            let set = RuleChange {
                 ban_duration: Some(d.into()),
                 ..Default::default()
             };
             let e = apply_changes(&mut rule, &set).unwrap_err().to_string();
             assert!(e.starts_with(want), "{d}: {e}");
         }
-        let set = RuleSetArgs {
+        let set = RuleChange {
             ban_duration: Some("3650d".into()),
             ..Default::default()
         };

@@ -545,6 +545,98 @@ algorithm = "fixed_window"
     let _ = dir;
 }
 
+/// A reload that cannot be applied whole applies nothing: a missing interface, an events
+/// file that cannot be opened, or a GeoIP database that cannot be read, each next to a
+/// threshold change, leave the running config judging traffic, and the error names what
+/// failed.
+#[test]
+fn a_reload_that_fails_midway_leaves_the_running_config_untouched() {
+    kernel_test!();
+    let mut s = Scenario::new("rlx");
+    s.start(
+        r#"
+[[rule]]
+name = "udp"
+match = { protocol = "udp", dst_ports = ["9000"] }
+threshold = { count = 100, interval = "1h" }
+algorithm = "fixed_window"
+"#,
+    );
+    let sink = s.sink(PORT);
+    let src = ip4(45, 1);
+    let mut tx = s.sender();
+    tx.send_n(std::iter::repeat(s.udp(src, PORT)), 80, None);
+    sink.wait_quiet(Duration::from_millis(300));
+    assert_eq!(sink.snapshot().from(src), 80);
+    let good = std::fs::read_to_string(s.daemon().config_path()).unwrap();
+    let iface = s.daemon_table(s.daemon().config_dir());
+    let iface = iface
+        .lines()
+        .find(|l| l.starts_with("interfaces = "))
+        .unwrap()
+        .to_string();
+    let lowered = good.replace("count = 100", "count = 50");
+    let missing = iface.replace("]", ", \"rlx-missing0\"]");
+    let bad_events = s.daemon().config_dir().join("not-a-dir");
+    std::fs::write(&bad_events, "a file, not a directory").unwrap();
+    let cases = [
+        (
+            "a missing interface",
+            lowered.replace(&iface, &missing),
+            "rlx-missing0",
+        ),
+        (
+            "an events file that cannot be opened",
+            lowered.replace(
+                "events = ",
+                &format!(
+                    "events = {:?}\n# was: events = ",
+                    bad_events.join("events.jsonl")
+                ),
+            ),
+            "events",
+        ),
+        (
+            "an unreadable GeoIP database",
+            format!(
+                "{}\n[geoip]\ndatabase = {:?}\n",
+                lowered,
+                s.daemon().config_dir().join("no-such.mmdb")
+            ),
+            "no-such.mmdb",
+        ),
+    ];
+    let mut delivered = 80;
+    for (what, config, named) in cases {
+        s.daemon_mut().write_config(&config);
+        let out = s.daemon().cli(&["reload"]);
+        let err = String::from_utf8_lossy(&out.stderr).to_string();
+        assert!(!out.status.success(), "{what}: the reload must fail");
+        assert!(err.contains(named), "{what}: the error names it: {err}");
+        // Still 100 an hour: 5 more pass (50 would pass none).
+        tx.send_n(std::iter::repeat(s.udp(src, PORT)), 5, None);
+        delivered += 5;
+        sink.wait_quiet(Duration::from_millis(300));
+        assert_eq!(
+            sink.snapshot().from(src),
+            delivered,
+            "{what}: the running threshold (100/1h) still judges traffic"
+        );
+        let status = s.daemon().cli_json(&["status"]);
+        assert_eq!(
+            status["interfaces"].as_array().map(Vec::len),
+            Some(1),
+            "{what}: no interface attached: {status}"
+        );
+    }
+    // The same change without the broken part applies.
+    s.daemon_mut().write_config(&lowered);
+    s.daemon().cli_ok(&["reload"]);
+    tx.send_n(std::iter::repeat(s.udp(src, PORT)), 5, None);
+    sink.wait_quiet(Duration::from_millis(300));
+    assert_eq!(sink.stop().from(src), delivered, "50/1h: over it already");
+}
+
 #[test]
 fn bulk_bans_apply_fast_and_remove_cleanly() {
     kernel_test!();

@@ -1,0 +1,307 @@
+//! Reports, off the owner task. `status`, `stats`, `top`, `offenders`, `bans` and `/metrics`
+//! read the maps through handles of their own (opened from the pins), on the blocking pool, at
+//! most [`REPORTS_AT_ONCE`] at a time; what they need to know of the config (rule names, the
+//! rules as the data plane holds them, ban reasons, interfaces) is a [`View`] the owner task
+//! publishes after every change. A report never waits for the owner task, and the owner task
+//! never waits for a report: a `top` over millions of clients delays neither a `ban add` nor
+//! the events reader nor ban persistence.
+
+use std::{
+    collections::BTreeMap,
+    sync::{
+        Arc, RwLock,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::{Duration, Instant, SystemTime},
+};
+
+use ratelimit_common::{maps::RuleConfig, stats::global};
+use serde::Serialize;
+
+use crate::{
+    bans,
+    control::{Request, Response, TopBy},
+    datapath::{Attached, Maps},
+    events::Events,
+    report, supervise,
+};
+
+/// Reports running at once at most (the machine has few cores to spare; more wait for a
+/// turn, and the HTTP listener answers 503 to those that wait too long).
+pub const REPORTS_AT_ONCE: usize = 2;
+
+/// How old the counts `status` and `/metrics` show (tracked clients, bans in force) may be
+/// while nothing that changes them happened; any change of the owner task's or the program's
+/// (a ban, a new state) makes them read again.
+const CENSUS_MAX_AGE: Duration = Duration::from_secs(5);
+
+/// What the reports know of the daemon besides the maps: published by the owner task.
+#[derive(Clone, Debug, Default)]
+pub struct View {
+    pub rule_names: Vec<String>,
+    /// Rules as the data plane holds them (live `rule set` changes included).
+    pub live_rules: Vec<(String, RuleConfig)>,
+    pub ban_reasons: Arc<BTreeMap<String, String>>,
+    /// (counter slot, interface).
+    pub ifaces: Vec<(u32, String)>,
+    pub attached: Vec<Attached>,
+    pub max_sources: u32,
+    pub config: Option<String>,
+    pub adopted: bool,
+    pub bpffs_dir: String,
+    pub preview_all: bool,
+    /// (translated, verified) instructions of the loaded program.
+    pub program: Option<(u32, u32)>,
+    pub bans_restore: bans::RestoreReport,
+}
+
+/// Counts that take a walk over maps: kept for `status` and `/metrics` while still true.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Census {
+    pub tracked_clients: u64,
+    pub active_bans: u64,
+    /// What it was taken at: the owner's generation and the program's counters that change
+    /// the counts (states created, bans issued and expired).
+    mark: (u64, u64),
+    at: Instant,
+}
+
+pub struct Reports {
+    /// Handles of the reports' own; never written through (see [`ReadMaps`]).
+    maps: ReadMaps,
+    view: RwLock<Arc<View>>,
+    permits: tokio::sync::Semaphore,
+    census: std::sync::Mutex<Option<Census>>,
+    /// Bumped by the owner task at every change of bans or states of its own.
+    generation: AtomicU64,
+    started: SystemTime,
+    pub events: Events,
+    pub tasks: Arc<supervise::Tasks>,
+    pub known_status: Arc<std::sync::Mutex<Option<crate::known::Rebuilt>>>,
+}
+
+/// Map handles only read through: `Maps`' writing methods take `&mut`, which this never
+/// hands out.
+pub struct ReadMaps(Maps);
+
+impl std::ops::Deref for ReadMaps {
+    type Target = Maps;
+    fn deref(&self) -> &Maps {
+        &self.0
+    }
+}
+
+impl Reports {
+    pub fn new(
+        maps: Maps,
+        view: View,
+        events: Events,
+        tasks: Arc<supervise::Tasks>,
+        known_status: Arc<std::sync::Mutex<Option<crate::known::Rebuilt>>>,
+    ) -> Self {
+        Self {
+            maps: ReadMaps(maps),
+            view: RwLock::new(Arc::new(view)),
+            permits: tokio::sync::Semaphore::new(REPORTS_AT_ONCE),
+            census: std::sync::Mutex::new(None),
+            generation: AtomicU64::new(0),
+            started: SystemTime::now(),
+            events,
+            tasks,
+            known_status,
+        }
+    }
+
+    /// The owner task's latest view.
+    pub fn view(&self) -> Arc<View> {
+        self.view.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Publish the owner task's view (after every change it made).
+    pub fn publish(&self, view: View) {
+        *self.view.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(view);
+        self.generation.fetch_add(1, Ordering::AcqRel);
+    }
+
+    pub fn maps(&self) -> &Maps {
+        &self.maps
+    }
+
+    /// Whether `req` is a report (answered here) rather than a change (the owner task's).
+    pub fn is_report(req: &Request) -> bool {
+        matches!(
+            req,
+            Request::Status
+                | Request::Stats
+                | Request::Top { .. }
+                | Request::Bans { .. }
+                | Request::Offenders { .. }
+        )
+    }
+
+    /// Answer a report on the blocking pool, once a turn is free.
+    pub async fn run(self: &Arc<Self>, req: Request) -> Response {
+        // `status` reads no walk's worth unless its counts changed: it takes no turn, so it
+        // answers while long reports run.
+        let _permit = if matches!(req, Request::Status) {
+            None
+        } else {
+            match self.permits.acquire().await {
+                Ok(p) => Some(p),
+                Err(_) => return Response::err("the daemon is stopping"),
+            }
+        };
+        let me = self.clone();
+        match tokio::task::spawn_blocking(move || me.answer(req)).await {
+            Ok(r) => r,
+            Err(e) => Response::err(format!("the report failed: {e}")),
+        }
+    }
+
+    /// Run `f` on the blocking pool with a turn (for `/metrics`).
+    pub async fn with_turn<T: Send + 'static>(
+        self: &Arc<Self>,
+        f: impl FnOnce(&Reports) -> T + Send + 'static,
+    ) -> anyhow::Result<T> {
+        let _permit = self
+            .permits
+            .acquire()
+            .await
+            .map_err(|_| anyhow::anyhow!("the daemon is stopping"))?;
+        let me = self.clone();
+        tokio::task::spawn_blocking(move || f(&me))
+            .await
+            .map_err(|e| anyhow::anyhow!("the report failed: {e}"))
+    }
+
+    pub fn answer(&self, req: Request) -> Response {
+        match self.try_answer(req) {
+            Ok(r) => r,
+            Err(e) => Response::err(format!("{e:#}")),
+        }
+    }
+
+    fn try_answer(&self, req: Request) -> anyhow::Result<Response> {
+        let view = self.view();
+        Ok(match req {
+            Request::Status => Response::ok(self.status(&view)),
+            Request::Stats => {
+                Response::ok(report::stats(&self.maps, &view.ifaces, &view.rule_names)?)
+            }
+            Request::Top { n, by } => Response::ok(report::top(
+                &self.maps,
+                &view.live_rules,
+                n,
+                match by {
+                    TopBy::Packets => report::Rank::Packets,
+                    TopBy::Bytes => report::Rank::Bytes,
+                    TopBy::Drops => report::Rank::Drops,
+                },
+            )?),
+            Request::Bans { limit } => {
+                let mut b = report::bans(&self.maps, &view.live_rules, &view.ban_reasons);
+                if let Some(limit) = limit {
+                    b.truncate(limit);
+                }
+                Response::ok(b)
+            }
+            Request::Offenders { limit } => {
+                let mut c: Vec<_> = report::clients(&self.maps, &view.live_rules)?
+                    .into_iter()
+                    .filter(|c| c.throttled || c.above_soft_limit)
+                    .collect();
+                let by_usage = |c: &report::Client| std::cmp::Reverse(c.usage);
+                if let Some(limit) = limit
+                    && limit < c.len()
+                {
+                    // The `limit` highest first, without sorting the rest.
+                    c.select_nth_unstable_by_key(limit, by_usage);
+                    c.truncate(limit);
+                }
+                c.sort_by_key(by_usage);
+                Response::ok(c)
+            }
+            other => anyhow::bail!("not a report: {other:?}"),
+        })
+    }
+
+    /// The counts that take a walk, read again only when something changed them or they are
+    /// [`CENSUS_MAX_AGE`] old. Callers at the same time share one walk.
+    pub fn census(&self, view: &View) -> Census {
+        let program = [
+            global::STATE_CREATED,
+            global::BANS_ISSUED,
+            global::BANS_EXPIRED,
+        ]
+        .iter()
+        .map(|&i| report::global_packets(&self.maps, i).unwrap_or(0))
+        .fold(0u64, u64::wrapping_add);
+        let mark = (self.generation.load(Ordering::Acquire), program);
+        let mut c = self.census.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(now) = *c
+            && now.mark == mark
+            && now.at.elapsed() < CENSUS_MAX_AGE
+        {
+            return now;
+        }
+        let fresh = Census {
+            tracked_clients: report::tracked_clients(&self.maps).unwrap_or(0),
+            active_bans: report::bans(&self.maps, &view.live_rules, &BTreeMap::new()).len() as u64,
+            mark,
+            at: Instant::now(),
+        };
+        *c = Some(fresh);
+        fresh
+    }
+
+    fn status(&self, view: &View) -> serde_json::Value {
+        #[derive(Serialize)]
+        struct Status<'a> {
+            version: &'a str,
+            pid: u32,
+            started: String,
+            config: Option<&'a str>,
+            adopted_pinned_state: bool,
+            bpffs_dir: &'a str,
+            preview_all: bool,
+            interfaces: &'a [Attached],
+            program: Option<serde_json::Value>,
+            rules: &'a [String],
+            tracked_clients: u64,
+            max_sources: u32,
+            active_bans: u64,
+            known_filter: Option<crate::known::Rebuilt>,
+            events: crate::events::Status,
+            tasks: BTreeMap<&'static str, supervise::TaskHealth>,
+            bans_restore: &'a bans::RestoreReport,
+        }
+        let census = self.census(view);
+        let ring_buffer_lost = report::global_packets(&self.maps, global::EVENTS_LOST).unwrap_or(0);
+        serde_json::to_value(Status {
+            version: env!("CARGO_PKG_VERSION"),
+            pid: std::process::id(),
+            started: report::rfc3339(self.started),
+            config: view.config.as_deref(),
+            adopted_pinned_state: view.adopted,
+            bpffs_dir: &view.bpffs_dir,
+            preview_all: view.preview_all,
+            interfaces: &view.attached,
+            program: view
+                .program
+                .map(|(x, v)| serde_json::json!({"xlated_insns": x, "verified_insns": v})),
+            rules: &view.rule_names,
+            tracked_clients: census.tracked_clients,
+            max_sources: view.max_sources,
+            active_bans: census.active_bans,
+            known_filter: self
+                .known_status
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone(),
+            events: self.events.status(ring_buffer_lost),
+            tasks: self.tasks.snapshot(),
+            bans_restore: &view.bans_restore,
+        })
+        .unwrap_or_default()
+    }
+}
