@@ -272,6 +272,14 @@ impl State {
     /// Remove bans that expired without their client coming back (the program lifts a ban
     /// at the client's next packet; this reports the others) and write their `unban` events.
     pub fn sweep_expired_bans(&mut self) -> usize {
+        let n = self.sweep_expired_bans_inner();
+        if n > 0 {
+            self.reports.changed();
+        }
+        n
+    }
+
+    fn sweep_expired_bans_inner(&mut self) -> usize {
         let now = report::mono_ns();
         if self.next_ban_expiry == u64::MAX || now < self.next_ban_expiry {
             return 0;
@@ -324,10 +332,16 @@ impl State {
     }
 
     pub fn handle(&mut self, req: Request) -> Response {
-        match self.try_handle(req) {
+        let changes = !Reports::is_report(&req);
+        let resp = match self.try_handle(req) {
             Ok(r) => r,
             Err(e) => Response::err(format!("{e:#}")),
+        };
+        if changes {
+            // Even a failed change may have undone part of itself.
+            self.reports.changed();
         }
+        resp
     }
 
     fn try_handle(&mut self, req: Request) -> anyhow::Result<Response> {
@@ -1014,6 +1028,9 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     };
     state.write_dropped(&dropped);
     reports.publish(state.view());
+    reports
+        .spawn_census()
+        .context("starting the reports' census thread")?;
     let control_socket = state.cfg.daemon.control_socket.clone();
     let (jobs_tx, jobs_rx) = mpsc::channel(JOBS_QUEUED);
     let news = Arc::new(NewsBox::default());
@@ -1063,7 +1080,14 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
                 // Log rotation first: the events file is reopened even if the reload fails.
                 events.reopen();
                 let reloaded = handle
-                    .with(|s| if s.config_path.is_some() { s.reload().map(drop) } else { Ok(()) })
+                    .with(|s| {
+                        if s.config_path.is_none() {
+                            return Ok(());
+                        }
+                        let r = s.reload().map(drop);
+                        s.reports.changed();
+                        r
+                    })
                     .await;
                 if let Err(e) = reloaded.and_then(|r| r) {
                     error!("{e:#}");

@@ -12,7 +12,7 @@ use std::{
         Arc, RwLock,
         atomic::{AtomicU64, Ordering},
     },
-    time::{Duration, Instant, SystemTime},
+    time::{Duration, SystemTime},
 };
 
 use ratelimit_common::{maps::RuleConfig, stats::global};
@@ -30,10 +30,15 @@ use crate::{
 /// turn, and the HTTP listener answers 503 to those that wait too long).
 pub const REPORTS_AT_ONCE: usize = 2;
 
-/// How old the counts `status` and `/metrics` show (tracked clients, bans in force) may be
-/// while nothing that changes them happened; any change of the owner task's or the program's
-/// (a ban, a new state) makes them read again.
-const CENSUS_MAX_AGE: Duration = Duration::from_secs(5);
+/// How often the census thread looks for changes. The counts that take a walk (tracked
+/// clients, bans in force) are shown by `status` and `/metrics` as this thread's latest
+/// census, at most one walk and this period old, instead of walking a million states per
+/// request; after a change of the owner task's (an operator's `ban add`), the next request
+/// counts afresh.
+pub const CENSUS_PERIOD: Duration = Duration::from_millis(500);
+
+/// A census older than this (the census thread is behind) is taken again by the request.
+const CENSUS_MAX_AGE: Duration = Duration::from_secs(3);
 
 /// What the reports know of the daemon besides the maps: published by the owner task.
 #[derive(Clone, Debug, Default)]
@@ -63,7 +68,7 @@ pub struct Census {
     /// What it was taken at: the owner's generation and the program's counters that change
     /// the counts (states created, bans issued and expired).
     mark: (u64, u64),
-    at: Instant,
+    at: std::time::Instant,
 }
 
 pub struct Reports {
@@ -117,9 +122,13 @@ impl Reports {
         self.view.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
-    /// Publish the owner task's view (after every change it made).
+    /// Publish the owner task's view (after every job).
     pub fn publish(&self, view: View) {
         *self.view.write().unwrap_or_else(|e| e.into_inner()) = Arc::new(view);
+    }
+
+    /// The owner task changed bans or states: the next request counts them afresh.
+    pub fn changed(&self) {
         self.generation.fetch_add(1, Ordering::AcqRel);
     }
 
@@ -225,9 +234,7 @@ impl Reports {
         })
     }
 
-    /// The counts that take a walk, read again only when something changed them or they are
-    /// [`CENSUS_MAX_AGE`] old. Callers at the same time share one walk.
-    pub fn census(&self, view: &View) -> Census {
+    fn mark(&self) -> (u64, u64) {
         let program = [
             global::STATE_CREATED,
             global::BANS_ISSUED,
@@ -236,22 +243,57 @@ impl Reports {
         .iter()
         .map(|&i| report::global_packets(&self.maps, i).unwrap_or(0))
         .fold(0u64, u64::wrapping_add);
-        let mark = (self.generation.load(Ordering::Acquire), program);
-        let mut c = self.census.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(now) = *c
-            && now.mark == mark
-            && now.at.elapsed() < CENSUS_MAX_AGE
-        {
-            return now;
-        }
+        (self.generation.load(Ordering::Acquire), program)
+    }
+
+    fn cached(&self) -> Option<Census> {
+        *self.census.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Walk the maps (without holding the cache, so no request waits for another's walk).
+    fn take_census(&self, view: &View, mark: (u64, u64)) -> Census {
         let fresh = Census {
             tracked_clients: report::tracked_clients(&self.maps).unwrap_or(0),
             active_bans: report::bans(&self.maps, &view.live_rules, &BTreeMap::new()).len() as u64,
             mark,
-            at: Instant::now(),
+            at: std::time::Instant::now(),
         };
-        *c = Some(fresh);
+        *self.census.lock().unwrap_or_else(|e| e.into_inner()) = Some(fresh);
         fresh
+    }
+
+    /// The counts that take a walk: the census thread's latest, taken afresh when the owner
+    /// task changed something since (an operator's `ban add` shows at once).
+    pub fn census(&self, view: &View) -> Census {
+        let mark = self.mark();
+        let before = self.cached();
+        if let Some(c) = before
+            && (c.mark == mark || (c.mark.0 == mark.0 && c.at.elapsed() < CENSUS_MAX_AGE))
+        {
+            return c;
+        }
+        self.take_census(view, mark)
+    }
+
+    /// The census thread: a census whenever the counts moved, so requests during a flood find
+    /// a recent one.
+    pub fn spawn_census(self: &Arc<Self>) -> anyhow::Result<()> {
+        let me = Arc::downgrade(self);
+        std::thread::Builder::new()
+            .name("census".into())
+            .spawn(move || {
+                while let Some(r) = me.upgrade() {
+                    let mark = r.mark();
+                    let before = r.cached();
+                    if before.is_none_or(|c| c.mark != mark) {
+                        let view = r.view();
+                        r.take_census(&view, mark);
+                    }
+                    drop(r);
+                    std::thread::sleep(CENSUS_PERIOD);
+                }
+            })?;
+        Ok(())
     }
 
     fn status(&self, view: &View) -> serde_json::Value {

@@ -57,7 +57,18 @@ algorithm = "fixed_window"
     assert_eq!(got.from(ip4(51, 1)), 100);
     assert_eq!(got.from(ip4(50, 1)), 0);
 
-    let (code, text) = s.http_get("/metrics");
+    // The counts that take a walk (tracked clients) are the reports' latest census, at most
+    // a census period and a walk old: wait for the one that has the new state.
+    let give_up = std::time::Instant::now() + Duration::from_secs(10);
+    let (code, text) = loop {
+        let (code, text) = s.http_get("/metrics");
+        if metric(&text, "ratelimit_tracked_clients", &[]) == Some(1.0)
+            || std::time::Instant::now() > give_up
+        {
+            break (code, text);
+        }
+        std::thread::sleep(ratelimit_user::reader::CENSUS_PERIOD / 2);
+    };
     assert_eq!(code, 200, "{text}");
     let m = |name: &str, labels: &[(&str, &str)]| {
         metric(&text, name, labels).unwrap_or_else(|| panic!("{name} {labels:?} missing:\n{text}"))
