@@ -97,14 +97,16 @@ impl Shared {
     }
 
     fn wait_quiet(&self, quiet: Duration) {
-        let give_up = Instant::now() + WAIT_QUIET_MAX;
+        let called = Instant::now();
+        let give_up = called + WAIT_QUIET_MAX;
         loop {
             let last = match self.last_rx.load(Ordering::Acquire) {
                 0 => self.start,
                 ns => self.start + Duration::from_nanos(ns - 1),
             };
-            // A receiver that has already been silent long enough returns at once.
-            let silent = last.elapsed();
+            // Quiet since the call at the earliest: frames the caller has just sent may not
+            // have reached the receiver yet, however long it was silent before.
+            let silent = last.max(called).elapsed();
             if silent >= quiet {
                 return;
             }
@@ -200,8 +202,8 @@ impl Tap {
         self.shared.snapshot()
     }
 
-    /// Returns once no frame has arrived for `quiet` (at once if none ever
-    /// did and the tap is older than `quiet`).
+    /// Returns once no frame has arrived for `quiet`, counted from the call at
+    /// the earliest (so frames just sent have time to arrive).
     ///
     /// # Panics
     ///
@@ -331,7 +333,8 @@ impl UdpSink {
         self.shared.snapshot()
     }
 
-    /// Returns once no datagram has arrived for `quiet`.
+    /// Returns once no datagram has arrived for `quiet`, counted from the call
+    /// at the earliest (so datagrams just sent have time to arrive).
     ///
     /// # Panics
     ///
