@@ -30,14 +30,16 @@ use crate::{
 /// turn, and the HTTP listener answers 503 to those that wait too long).
 pub const REPORTS_AT_ONCE: usize = 2;
 
-/// How often the census thread looks for changes. The counts that take a walk (tracked
-/// clients, bans in force) are shown by `status` and `/metrics` as this thread's latest
-/// census, at most one walk and this period old, instead of walking a million states per
-/// request; after a change of the owner task's (an operator's `ban add`), the next request
-/// counts afresh.
+/// How often the census thread looks for changes of the counts that take a walk (tracked
+/// clients, bans in force). While the program keeps changing them (a flood: new states, bans
+/// issued and expiring), `status` and `/metrics` show this thread's latest census, at most one
+/// walk and this period old, instead of walking a million states per request. Otherwise a
+/// request whose counts changed since the last census (a ban the program issued once, an
+/// operator's `ban add`) counts afresh, so it shows them exactly.
 pub const CENSUS_PERIOD: Duration = Duration::from_millis(500);
 
-/// A census older than this (the census thread is behind) is taken again by the request.
+/// A census older than this (the census thread is behind) is taken again by the request,
+/// flood or not.
 const CENSUS_MAX_AGE: Duration = Duration::from_secs(3);
 
 /// What the reports know of the daemon besides the maps: published by the owner task.
@@ -77,6 +79,8 @@ pub struct Reports {
     view: RwLock<Arc<View>>,
     permits: tokio::sync::Semaphore,
     census: std::sync::Mutex<Option<Census>>,
+    /// The census thread saw the program's counters move between its last two looks.
+    churning: std::sync::atomic::AtomicBool,
     /// Bumped by the owner task at every change of bans or states of its own.
     generation: AtomicU64,
     started: SystemTime,
@@ -109,6 +113,7 @@ impl Reports {
             view: RwLock::new(Arc::new(view)),
             permits: tokio::sync::Semaphore::new(REPORTS_AT_ONCE),
             census: std::sync::Mutex::new(None),
+            churning: std::sync::atomic::AtomicBool::new(false),
             generation: AtomicU64::new(0),
             started: SystemTime::now(),
             events,
@@ -262,13 +267,15 @@ impl Reports {
         fresh
     }
 
-    /// The counts that take a walk: the census thread's latest, taken afresh when the owner
-    /// task changed something since (an operator's `ban add` shows at once).
+    /// The counts that take a walk: the last census while nothing changed them, or while
+    /// the program keeps changing them (see [`CENSUS_PERIOD`]); else counted afresh.
     pub fn census(&self, view: &View) -> Census {
         let mark = self.mark();
-        let before = self.cached();
-        if let Some(c) = before
-            && (c.mark == mark || (c.mark.0 == mark.0 && c.at.elapsed() < CENSUS_MAX_AGE))
+        if let Some(c) = self.cached()
+            && (c.mark == mark
+                || (c.mark.0 == mark.0
+                    && self.churning.load(Ordering::Acquire)
+                    && c.at.elapsed() < CENSUS_MAX_AGE))
         {
             return c;
         }
@@ -282,8 +289,14 @@ impl Reports {
         std::thread::Builder::new()
             .name("census".into())
             .spawn(move || {
+                let mut last_look = None;
                 while let Some(r) = me.upgrade() {
                     let mark = r.mark();
+                    r.churning.store(
+                        last_look.is_some_and(|(_, program)| program != mark.1),
+                        Ordering::Release,
+                    );
+                    last_look = Some(mark);
                     let before = r.cached();
                     if before.is_none_or(|c| c.mark != mark) {
                         let view = r.view();

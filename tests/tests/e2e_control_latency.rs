@@ -176,7 +176,9 @@ threshold = {{ count = 1000, interval = "1s" }}
                 })
             })
         };
-        std::thread::sleep(Duration::from_millis(500));
+        // Steady state: the reports have seen the counts keep moving (a census period or
+        // two).
+        std::thread::sleep(ratelimit_user::reader::CENSUS_PERIOD * 3);
 
         let mut took: Vec<Duration> = (0..SAMPLES)
             .map(|_| {
