@@ -131,22 +131,23 @@ impl Handle {
 }
 
 /// The owner task: runs jobs and applies the events reader's news, one at a time, and
-/// publishes the reports' view after each. Ends when every [`Handle`] is gone, handing the
-/// state back.
-async fn own(mut s: State, mut jobs: mpsc::Receiver<Job>, news: Arc<NewsBox>) -> State {
+/// publishes the reports' view after each job. Ends when every [`Handle`] is gone.
+async fn own(mut s: State, mut jobs: mpsc::Receiver<Job>, news: Arc<NewsBox>) {
     loop {
         tokio::select! {
             job = jobs.recv() => match job {
-                // Map calls are syscalls: off the async workers.
-                Some(job) => tokio::task::block_in_place(|| job(&mut s)),
+                Some(job) => {
+                    // Map calls are syscalls: off the async workers.
+                    tokio::task::block_in_place(|| job(&mut s));
+                    let view = s.view();
+                    s.reports.publish(view);
+                }
                 None => break,
             },
+            // Bookkeeping only: nothing the reports show.
             _ = news.ready.notified() => news.take().apply_to(&mut s),
         }
-        let view = s.view();
-        s.reports.publish(view);
     }
-    s
 }
 
 /// One ban write of a request, to undo it: (table, prefix length, address, the ban that was
@@ -206,13 +207,7 @@ impl State {
     }
 
     fn interfaces_wanted(&self) -> Vec<String> {
-        let mut v = self.cfg.daemon.interfaces.clone();
-        for i in &self.opts_ifaces {
-            if !v.contains(i) {
-                v.push(i.clone());
-            }
-        }
-        v
+        interfaces_wanted(&self.cfg, &self.opts_ifaces)
     }
 
     /// Note that bans changed; the persistence task writes them within a second. (Writing
@@ -650,12 +645,7 @@ impl State {
             Some(g) => Some(crate::geoip::load(&g.database).context(REJECTED)?),
             None => None,
         };
-        let mut wanted = cfg.daemon.interfaces.clone();
-        for i in &self.opts_ifaces {
-            if !wanted.contains(i) {
-                wanted.push(i.clone());
-            }
-        }
+        let wanted = interfaces_wanted(&cfg, &self.opts_ifaces);
         let mut to_attach = Vec::new();
         for iface in &wanted {
             // Not attached yet, or re-created since (a new ifindex under the same name).
@@ -904,6 +894,17 @@ pub fn parse_cidr(s: &str) -> anyhow::Result<IpNet> {
     Ok(IpNet::from(a))
 }
 
+/// The config's interfaces, then those of `--iface` it does not name.
+fn interfaces_wanted(cfg: &Config, extra: &[String]) -> Vec<String> {
+    let mut v = cfg.daemon.interfaces.clone();
+    for i in extra {
+        if !v.contains(i) {
+            v.push(i.clone());
+        }
+    }
+    v
+}
+
 pub async fn run(opts: Options) -> anyhow::Result<()> {
     let cfg = load_config(opts.config_path.as_ref())?;
     // First of all: a daemon already running on these directories keeps them, untouched.
@@ -913,12 +914,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         Some(addr) => Some(crate::http::bind(addr).await?),
         None => None,
     };
-    let mut ifaces = cfg.daemon.interfaces.clone();
-    for i in &opts.ifaces {
-        if !ifaces.contains(i) {
-            ifaces.push(i.clone());
-        }
-    }
+    let ifaces = interfaces_wanted(&cfg, &opts.ifaces);
     if ifaces.is_empty() {
         bail!("no interface to attach to: pass --iface IF or set daemon.interfaces in the config");
     }
@@ -1034,7 +1030,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     let control_socket = state.cfg.daemon.control_socket.clone();
     let (jobs_tx, jobs_rx) = mpsc::channel(JOBS_QUEUED);
     let news = Arc::new(NewsBox::default());
-    let owner = tokio::spawn(own(state, jobs_rx, news.clone()));
+    tokio::spawn(own(state, jobs_rx, news.clone()));
     let handle = Handle {
         jobs: jobs_tx,
         reports,
@@ -1114,7 +1110,6 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         Ok(Err(e)) | Err(e) => warn!("{e:#}"),
         Ok(Ok(())) => {}
     }
-    drop(owner);
     // The lines still queued, unless the sink is stalled.
     tokio::task::block_in_place(|| events.close(Duration::from_secs(1)));
     info!("stopping; the XDP program stays attached and enforcing (`ratelimit detach` removes it)");
@@ -1158,17 +1153,13 @@ async fn serve_control(
                                 | Request::BanDel { .. }
                                 | Request::BanLift { .. }
                         );
-                        let events = writes_events.then(|| handle.reports.events.clone());
                         let resp = handle.request(req).await;
-                        let events = events.map(|e| {
-                            let seq = e.last_seq();
-                            (e, seq)
-                        });
                         // The answer follows the request's event lines, so whoever reads the
                         // events file after `ban add` finds them; unless the sink has stalled,
                         // which delays the answer by `events::STALL` at most.
-                        if let Some((events, seq)) = events {
-                            events.written(seq).await;
+                        if writes_events {
+                            let events = &handle.reports.events;
+                            events.written(events.last_seq()).await;
                         }
                         resp
                     }

@@ -582,35 +582,11 @@ impl Datapath {
     /// presence flags of the ban tables are left as the owner's handles set them, and there
     /// is no ring buffer).
     pub fn open_maps(&self) -> anyhow::Result<Maps> {
-        let open = |name: &str| {
+        typed_maps(self.hash_key, |name| {
             let path = self.pin_dir.join(name);
-            MapData::from_pin(&path).with_context(|| format!("opening {}", path.display()))
-        };
-        use aya::maps::Map;
-        Ok(Maps {
-            global: Array::try_from(Map::Array(open("RL_GLOBAL")?))?,
-            rules: Array::try_from(Map::Array(open("RL_RULES")?))?,
-            sources: LpmTrie::try_from(Map::LpmTrie(open("RL_SOURCES")?))?,
-            overrides: LpmTrie::try_from(Map::LpmTrie(open("RL_OVERRIDES")?))?,
-            region_overrides: HashMap::try_from(Map::HashMap(open("RL_REGION_OVERRIDES")?))?,
-            regions: LpmTrie::try_from(Map::LpmTrie(open("RL_REGIONS")?))?,
-            clients: crate::clients::ClientStore::open(&self.pin_dir)?,
-            overflow: Array::try_from(Map::Array(open("RL_OVERFLOW")?))?,
-            fast: PerCpuArray::try_from(Map::PerCpuArray(open("RL_FAST")?))?,
-            ovf_tick: PerCpuArray::try_from(Map::PerCpuArray(open("RL_OVF_TICK")?))?,
-            bans: [
-                LpmTrie::try_from(Map::LpmTrie(open("RL_BANS_OPERATOR")?))?,
-                LpmTrie::try_from(Map::LpmTrie(open("RL_BANS")?))?,
-                LpmTrie::try_from(Map::LpmTrie(open("RL_BANS_PASSING")?))?,
-            ],
-            stats: PerCpuArray::try_from(Map::PerCpuArray(open("RL_STATS")?))?,
-            ifaces: HashMap::try_from(Map::HashMap(open("RL_IFACES")?))?,
-            ifslots: Array::try_from(Map::Array(open("RL_IFSLOTS")?))?,
-            bans_present: Array::try_from(Map::Array(open("RL_BANS_PRESENT")?))?,
-            bans_flag_set: [true; BAN_TABLES as usize],
-            ban_epoch: Array::try_from(Map::Array(open("RL_BAN_EPOCH")?))?,
-            ban_epoch_pending: false,
-            events: None,
+            let data =
+                MapData::from_pin(&path).with_context(|| format!("opening {}", path.display()))?;
+            Ok(aya::maps::Map::from_map_data(data)?)
         })
     }
 
@@ -621,43 +597,50 @@ impl Datapath {
             e.take_map(name)
                 .ok_or_else(|| anyhow!("map {name} missing"))
         };
-        Ok(Maps {
-            global: Array::try_from(take("RL_GLOBAL")?)?,
-            rules: Array::try_from(take("RL_RULES")?)?,
-            sources: LpmTrie::try_from(take("RL_SOURCES")?)?,
-            overrides: LpmTrie::try_from(take("RL_OVERRIDES")?)?,
-            region_overrides: HashMap::try_from(take("RL_REGION_OVERRIDES")?)?,
-            regions: LpmTrie::try_from(take("RL_REGIONS")?)?,
-            clients: crate::clients::ClientStore::new(
-                take("RL_SHARED")?,
-                take("RL_CLIENTS")?,
-                self.hash_key,
-            )?,
-            overflow: Array::try_from(take("RL_OVERFLOW")?)?,
-            fast: PerCpuArray::try_from(take("RL_FAST")?)?,
-            ovf_tick: PerCpuArray::try_from(take("RL_OVF_TICK")?)?,
-            bans: [
-                LpmTrie::try_from(take("RL_BANS_OPERATOR")?)?,
-                LpmTrie::try_from(take("RL_BANS")?)?,
-                LpmTrie::try_from(take("RL_BANS_PASSING")?)?,
-            ],
-            stats: PerCpuArray::try_from(take("RL_STATS")?)?,
-            ifaces: HashMap::try_from(take("RL_IFACES")?)?,
-            ifslots: Array::try_from(take("RL_IFSLOTS")?)?,
-            bans_present: {
-                // Conservative at every start: the sweep clears it once the map is empty.
-                let mut a = Array::try_from(take("RL_BANS_PRESENT")?)?;
-                for t in 0..BAN_TABLES {
-                    a.set(t, 1, 0)?;
-                }
-                a
-            },
-            bans_flag_set: [true; BAN_TABLES as usize],
-            ban_epoch: Array::try_from(take("RL_BAN_EPOCH")?)?,
-            ban_epoch_pending: false,
-            events: Some(RingBuf::try_from(take("RL_EVENTS")?)?),
-        })
+        let mut maps = typed_maps(self.hash_key, &mut take)?;
+        // Conservative at every start: the sweep clears it once the map is empty.
+        for t in 0..BAN_TABLES {
+            maps.bans_present.set(t, 1, 0)?;
+        }
+        maps.events = Some(RingBuf::try_from(take("RL_EVENTS")?)?);
+        Ok(maps)
     }
+}
+
+/// Typed handles on every map but the ring buffer, each from `take`.
+fn typed_maps(
+    hash_key: HashKey,
+    mut take: impl FnMut(&str) -> anyhow::Result<aya::maps::Map>,
+) -> anyhow::Result<Maps> {
+    Ok(Maps {
+        global: Array::try_from(take("RL_GLOBAL")?)?,
+        rules: Array::try_from(take("RL_RULES")?)?,
+        sources: LpmTrie::try_from(take("RL_SOURCES")?)?,
+        overrides: LpmTrie::try_from(take("RL_OVERRIDES")?)?,
+        region_overrides: HashMap::try_from(take("RL_REGION_OVERRIDES")?)?,
+        regions: LpmTrie::try_from(take("RL_REGIONS")?)?,
+        clients: crate::clients::ClientStore::new(
+            take("RL_SHARED")?,
+            take("RL_CLIENTS")?,
+            hash_key,
+        )?,
+        overflow: Array::try_from(take("RL_OVERFLOW")?)?,
+        fast: PerCpuArray::try_from(take("RL_FAST")?)?,
+        ovf_tick: PerCpuArray::try_from(take("RL_OVF_TICK")?)?,
+        bans: [
+            LpmTrie::try_from(take("RL_BANS_OPERATOR")?)?,
+            LpmTrie::try_from(take("RL_BANS")?)?,
+            LpmTrie::try_from(take("RL_BANS_PASSING")?)?,
+        ],
+        stats: PerCpuArray::try_from(take("RL_STATS")?)?,
+        ifaces: HashMap::try_from(take("RL_IFACES")?)?,
+        ifslots: Array::try_from(take("RL_IFSLOTS")?)?,
+        bans_present: Array::try_from(take("RL_BANS_PRESENT")?)?,
+        bans_flag_set: [true; BAN_TABLES as usize],
+        ban_epoch: Array::try_from(take("RL_BAN_EPOCH")?)?,
+        ban_epoch_pending: false,
+        events: None,
+    })
 }
 
 /// The trie key of a ban of `addr/prefix_len` (a prefix over the 16-byte address).

@@ -809,13 +809,7 @@ impl Writer {
                     if self.out.is_none() {
                         break;
                     }
-                    if serde_json::to_writer(&mut self.chunk.bytes, line).is_ok() {
-                        self.chunk.bytes.push(b'\n');
-                        self.chunk.lines.push((self.chunk.bytes.len(), Line::Event));
-                    }
-                    if self.chunk.bytes.len() >= CHUNK {
-                        self.flush();
-                    }
+                    self.push_line(line);
                 }
                 self.counters.queued.fetch_sub(n, Ordering::AcqRel);
             }
@@ -870,13 +864,18 @@ impl Writer {
                 }
             }
             let line = line_with(e, names, &mut time);
-            if serde_json::to_writer(&mut self.chunk.bytes, &line).is_ok() {
-                self.chunk.bytes.push(b'\n');
-                self.chunk.lines.push((self.chunk.bytes.len(), Line::Event));
-            }
-            if self.chunk.bytes.len() >= CHUNK {
-                self.flush();
-            }
+            self.push_line(&line);
+        }
+    }
+
+    /// Add an event line to the chunk, writing the chunk once it is full.
+    fn push_line(&mut self, line: &EventLine) {
+        if serde_json::to_writer(&mut self.chunk.bytes, line).is_ok() {
+            self.chunk.bytes.push(b'\n');
+            self.chunk.lines.push((self.chunk.bytes.len(), Line::Event));
+        }
+        if self.chunk.bytes.len() >= CHUNK {
+            self.flush();
         }
     }
 

@@ -128,3 +128,26 @@ pub fn workspace_root() -> PathBuf {
         .parent()
         .map_or_else(|| manifest.clone(), |p| p.to_path_buf())
 }
+
+/// Raise this process's soft limit of open files to at least `need` (a test that holds
+/// a thousand sockets), up to the hard limit.
+///
+/// # Panics
+///
+/// If the hard limit is lower than `need`, or the limit cannot be set.
+pub fn raise_own_nofile(need: u64) {
+    let mut lim = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: valid out-pointer.
+    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
+    assert!(
+        lim.rlim_max >= need,
+        "this test needs {need} file descriptors; the hard limit is {}",
+        lim.rlim_max
+    );
+    lim.rlim_cur = lim.rlim_cur.max(need);
+    // SAFETY: valid in-pointer.
+    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0);
+}

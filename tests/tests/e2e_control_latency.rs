@@ -14,7 +14,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use ratelimit_tests::{kernel_test, scenario::Scenario};
+use ratelimit_tests::{env::raise_own_nofile, kernel_test, scenario::Scenario};
 
 const PORT: u16 = 9000;
 const HTTP_PORT: u16 = 9478;
@@ -26,20 +26,6 @@ const SOURCES: u32 = 1_050_000;
 const SAMPLES: usize = 300;
 /// The bound on their 99th percentile.
 const P99_BOUND: Duration = Duration::from_millis(100);
-
-/// The test process holds a thousand sockets: raise its own soft limit to its hard one.
-fn raise_own_nofile(need: u64) {
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: valid out-pointer.
-    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
-    assert!(lim.rlim_max >= need, "needs {need} file descriptors");
-    lim.rlim_cur = lim.rlim_cur.max(need);
-    // SAFETY: valid in-pointer.
-    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0);
-}
 
 /// One `status` over the control socket: its round trip and the tracked clients it shows.
 fn status(socket: &std::path::Path) -> (Duration, u64) {

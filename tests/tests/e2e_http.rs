@@ -10,7 +10,9 @@ use std::{
     time::{Duration, Instant},
 };
 
-use ratelimit_tests::{daemon::run_with_timeout, kernel_test, scenario::Scenario};
+use ratelimit_tests::{
+    daemon::run_with_timeout, env::raise_own_nofile, kernel_test, scenario::Scenario,
+};
 use ratelimit_user::http::{HEADER_READ_TIMEOUT, MAX_CONNECTIONS};
 
 const HTTP_PORT: u16 = 9477;
@@ -49,24 +51,6 @@ fn set_nofile(pid: u32, soft: u64) {
         )
     };
     assert_eq!(rc, 0, "prlimit: {}", std::io::Error::last_os_error());
-}
-
-/// The test process itself holds a thousand sockets: raise its own soft limit to its hard one.
-fn raise_own_nofile(need: u64) {
-    let mut lim = libc::rlimit {
-        rlim_cur: 0,
-        rlim_max: 0,
-    };
-    // SAFETY: valid out-pointer.
-    assert_eq!(unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut lim) }, 0);
-    assert!(
-        lim.rlim_max >= need,
-        "this test needs {need} file descriptors; the hard limit is {}",
-        lim.rlim_max
-    );
-    lim.rlim_cur = lim.rlim_cur.max(need);
-    // SAFETY: valid in-pointer.
-    assert_eq!(unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &lim) }, 0);
 }
 
 /// The daemon's open file descriptors and its soft limit, from /proc.
