@@ -38,9 +38,10 @@ pub const REPORTS_AT_ONCE: usize = 2;
 /// operator's `ban add`) counts afresh, so it shows them exactly.
 pub const CENSUS_PERIOD: Duration = Duration::from_millis(500);
 
-/// A census older than this (the census thread is behind) is taken again by the request,
-/// flood or not.
-const CENSUS_MAX_AGE: Duration = Duration::from_secs(3);
+/// A census older than this is taken again by the request, flood or not: the census
+/// thread is behind, or the maps were written by another process than the program and the
+/// daemon (whose changes the census notices at once), such as a benchmark filling them.
+pub const CENSUS_MAX_AGE: Duration = Duration::from_secs(3);
 
 /// What the reports know of the daemon besides the maps: published by the owner task.
 #[derive(Clone, Debug, Default)]
@@ -272,10 +273,8 @@ impl Reports {
     pub fn census(&self, view: &View) -> Census {
         let mark = self.mark();
         if let Some(c) = self.cached()
-            && (c.mark == mark
-                || (c.mark.0 == mark.0
-                    && self.churning.load(Ordering::Acquire)
-                    && c.at.elapsed() < CENSUS_MAX_AGE))
+            && c.at.elapsed() < CENSUS_MAX_AGE
+            && (c.mark == mark || (c.mark.0 == mark.0 && self.churning.load(Ordering::Acquire)))
         {
             return c;
         }

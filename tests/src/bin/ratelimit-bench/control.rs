@@ -287,9 +287,18 @@ threshold = {{ count = 1000, interval = "1s" }}
         }
         secs
     };
-    let tracked_reported = d.cli_json(&["status"])["tracked_clients"]
-        .as_u64()
-        .unwrap_or(0);
+    // Written from this process, not by the program: the daemon's census sees them once its
+    // last one is older than `CENSUS_MAX_AGE`.
+    let give_up = Instant::now() + ratelimit_user::reader::CENSUS_MAX_AGE * 2;
+    let tracked_reported = loop {
+        let n = d.cli_json(&["status"])["tracked_clients"]
+            .as_u64()
+            .unwrap_or(0);
+        if n == u64::from(z.tracked) || Instant::now() > give_up {
+            break n;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    };
     if tracked_reported != u64::from(z.tracked) {
         problems.push(format!(
             "status reports {tracked_reported} tracked clients, {} were inserted",
