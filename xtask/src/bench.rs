@@ -1,5 +1,5 @@
 //! `cargo xtask bench [--quick] [--only PART]`: the benchmark suite (the `ratelimit-bench`
-//! binary of the lab crate). The full run writes bench/results.json and BENCHMARKS.md;
+//! crate in bench/). The full run writes bench/results.json and BENCHMARKS.md;
 //! `--quick` (under a minute, part of `cargo xtask test`) proves every case runs with the right
 //! verdict and asserts no speed; `--only` runs one part and prints its figures, writing nothing.
 
@@ -52,7 +52,7 @@ fn run_part(quick: bool, only: Option<Only>) -> Result<()> {
         "-p",
         "ratelimit-user",
         "-p",
-        "ratelimit-tests",
+        "ratelimit-bench",
         "--bin",
         "ratelimit",
         "--bin",

@@ -176,6 +176,8 @@ pub fn run(options: Options) -> Result<()> {
         "-p",
         "ratelimit-user",
         "-p",
+        "ratelimit-bench",
+        "-p",
         "xtask",
     ]))
     .context("host tests")?;
