@@ -1,8 +1,8 @@
 //! The one place that knows how an XDP object of this workspace is built: from a build script,
 //! with aya-build (nightly, `-Z build-std=core`, bpf-linker through the wrapper that
 //! `.cargo/config.toml` names for the BPF target), into the build script's `OUT_DIR`, where
-//! `include_bytes_aligned!` picks it up. Every object is built by [`build`]; the daemon's is
-//! built from `ratelimit-user/build.rs`.
+//! `include_bytes_aligned!` picks it up. The daemon's object (`ratelimit-user/build.rs`) and
+//! the benchmark's (`bench/build.rs`) are both built by [`build`].
 use std::collections::BTreeSet;
 
 use anyhow::{Context as _, anyhow};
@@ -12,8 +12,9 @@ use cargo_metadata::{DependencyKind, Metadata, MetadataCommand, Package};
 /// Build the bins of the workspace's eBPF package `name` in release for the BPF target, each to
 /// `OUT_DIR/<bin name>`. Cargo reruns the calling build script when the package, or any
 /// package of the workspace it depends on, changes: an eBPF package that compiles another's
-/// library is rebuilt when that library's sources change, which a host build dependency on it
-/// cannot see (every module of the program is `cfg(target_arch = "bpf")`).
+/// library (as the benchmark's object does the program's) is rebuilt when that library's
+/// sources change, which a host build dependency on it cannot see (every module of the
+/// program is `cfg(target_arch = "bpf")`).
 pub fn build(name: &str) -> anyhow::Result<()> {
     let metadata = MetadataCommand::new()
         .no_deps()
