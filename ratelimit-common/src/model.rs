@@ -460,7 +460,7 @@ impl Model {
         self.clients.len()
     }
 
-    /// One frame through the program (`main.rs`): the XDP action and the counters it bumps.
+    /// One frame through the program (`ratelimit-ebpf/src/program.rs`): the XDP action and the counters it bumps.
     pub fn run(&mut self, frame: &[u8], now: u64) -> Outcome {
         let mut o = Outcome {
             action: XDP_PASS,
@@ -508,7 +508,7 @@ impl Model {
         o
     }
 
-    /// Lists → bans → rules (`main.rs::decide`): the verdict counter.
+    /// Lists → bans → rules (`program.rs::decide`): the verdict counter.
     fn decide(&mut self, pkt: &Parsed, len: u64, now: u64, o: &mut Outcome) -> u32 {
         let g = self.policy.global;
         let mut src_mask = None;

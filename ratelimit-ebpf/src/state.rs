@@ -183,15 +183,3 @@ pub fn client_state(key: &ClientKey, sets: u32) -> Option<*mut ClientState> {
         Some(unsafe { &raw mut (*p).state })
     }
 }
-
-/// The floor reference (`bench` feature): the `cur` counter of rule 0's state of `src` as a
-/// /32 (/128) key, the lookup every per-client design makes.
-#[cfg(feature = "bench")]
-#[inline(always)]
-pub fn bench_client_counter(src: &ratelimit_common::addr::IpKey) -> Option<*mut u64> {
-    let key = client_key(0, KEY_IP, 128, src.addr);
-    let sets = crate::policy::global().store_sets;
-    let st = store::bench_lookup(&key, sets)?;
-    // SAFETY: a live map value.
-    Some(unsafe { &raw mut (*st).cur })
-}

@@ -510,11 +510,3 @@ pub extern "C" fn rl_store_insert(
     }
     victim
 }
-
-/// The bench's floor: the state of `key`, found as every packet finds it.
-#[cfg(feature = "bench")]
-#[inline(always)]
-pub fn bench_lookup(key: &ClientKey, sets: u32) -> Option<*mut ClientState> {
-    let (_, tag, sets) = place(key, sets);
-    lookup(key, tag, sets)
-}

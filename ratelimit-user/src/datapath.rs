@@ -327,11 +327,18 @@ pub fn record_pinned_layout(state_dir: &Path) -> anyhow::Result<()> {
 impl Datapath {
     /// Load the program against the pinned maps in `pin_dir` (created if absent).
     pub fn load(pin_dir: &Path, max_sources: u32) -> anyhow::Result<Self> {
-        Self::load_object(PROGRAM, pin_dir, max_sources)
+        Self::load_with(pin_dir, max_sources, |loader| loader.load(PROGRAM))
     }
 
-    /// [`Datapath::load`] with another build of the object (the benchmark's `bench` build).
-    pub fn load_object(object: &[u8], pin_dir: &Path, max_sources: u32) -> anyhow::Result<Self> {
+    /// [`Datapath::load`], with the object loaded by `load` from the loader it is handed (map
+    /// pins in `pin_dir`, the per-source maps sized for `max_sources`): for an object that
+    /// links the program beside programs and maps of its own, which `load` may size (the
+    /// benchmark's).
+    pub fn load_with(
+        pin_dir: &Path,
+        max_sources: u32,
+        load: impl FnOnce(&mut EbpfLoader<'_>) -> Result<Ebpf, aya::EbpfError>,
+    ) -> anyhow::Result<Self> {
         if let Err(e) = raise_memlock() {
             debug!(
                 "raising RLIMIT_MEMLOCK failed ({e}); not needed on kernels with memcg accounting"
@@ -339,7 +346,8 @@ impl Datapath {
         }
         ensure_bpffs(pin_dir)?;
         let adopted = pin_dir.join("RL_STATS").exists();
-        let ebpf = EbpfLoader::new()
+        let mut loader = EbpfLoader::new();
+        loader
             .default_map_pin_directory(pin_dir)
             .map_max_entries(
                 "RL_CLIENTS",
@@ -348,12 +356,8 @@ impl Datapath {
             .map_max_entries(
                 "RL_KNOWN",
                 ratelimit_common::maps::known_map_entries(max_sources),
-            )
-            // The bench build's memory floors (a line per source); no other object has them.
-            .map_max_entries("RL_BENCH_LINES64", max_sources)
-            .map_max_entries("RL_BENCH_LINES16", max_sources)
-            .load(object)
-            .context("loading the XDP program and its maps")?;
+            );
+        let ebpf = load(&mut loader).context("loading the XDP program and its maps")?;
         let mut dp = Self {
             ebpf,
             pin_dir: pin_dir.to_owned(),
@@ -393,7 +397,8 @@ impl Datapath {
         Ok(key)
     }
 
-    /// The loaded object, for the benchmark's extra programs and maps.
+    /// The loaded object: maps no typed handle covers (the log ring, say), and any other
+    /// program in it.
     pub fn ebpf_mut(&mut self) -> &mut Ebpf {
         &mut self.ebpf
     }
@@ -428,8 +433,8 @@ impl Datapath {
         Ok((r.return_value, r.duration))
     }
 
-    /// BPF_PROG_TEST_RUN of any program in the object (loading it on first use): the bench's
-    /// reference programs (`ref_pass`, `ref_drop`, `ref_parse`) or `ratelimit` itself.
+    /// BPF_PROG_TEST_RUN of any program in the object, by name (loading it on first use):
+    /// `ratelimit_l3`, say, which [`Datapath::test_run`] does not run.
     pub fn test_run_program(
         &mut self,
         name: &str,
@@ -1104,6 +1109,48 @@ mod tests {
             super::detach(&dir, &[]).unwrap(),
             Vec::<String>::new(),
             "absent: nothing to do"
+        );
+    }
+
+    /// The object the daemon embeds is the program and nothing else: its only programs are
+    /// the two entry points, and no symbol of the benchmark's object (per-run source
+    /// variation, reference and floor programs, the flood generator, their maps) is in it.
+    #[test]
+    fn the_embedded_object_holds_the_two_entry_points_and_nothing_of_the_benchmark() {
+        use object::{Object as _, ObjectSection as _, ObjectSymbol as _, SymbolKind};
+        let file = object::File::parse(super::PROGRAM).expect("the embedded object is ELF");
+        let mut programs = std::collections::BTreeSet::new();
+        let mut foreign = Vec::new();
+        for sym in file.symbols() {
+            let name = sym.name().expect("a symbol name in UTF-8");
+            let lower = name.to_ascii_lowercase();
+            if lower.contains("bench")
+                || lower.contains("vary")
+                || name.starts_with("ref_")
+                || name.starts_with("gen_")
+            {
+                foreign.push(name.to_string());
+            }
+            // A program is a function in a section of its own (`xdp`); global functions are
+            // in `.text`.
+            let section = sym
+                .section_index()
+                .and_then(|i| file.section_by_index(i).ok())
+                .and_then(|s| s.name().ok().map(str::to_string));
+            if sym.kind() == SymbolKind::Text
+                && sym.is_global()
+                && section.as_deref().is_some_and(|s| s != ".text")
+            {
+                programs.insert(name.to_string());
+            }
+        }
+        let want: std::collections::BTreeSet<String> =
+            [super::PROGRAM_NAME, super::PROGRAM_NAME_L3]
+                .map(String::from)
+                .into();
+        assert!(
+            programs == want && foreign.is_empty(),
+            "programs {programs:?} (want exactly {want:?}); benchmark symbols {foreign:?} (want none)"
         );
     }
 

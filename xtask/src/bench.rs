@@ -1,5 +1,6 @@
 //! `cargo xtask bench [--quick] [--only PART]`: the benchmark suite (the `ratelimit-bench`
-//! binary of the lab crate). The full run writes bench/results.json and BENCHMARKS.md;
+//! crate in bench/, which embeds its own XDP object, built from bench-ebpf/ by its build
+//! script the way the daemon's is). The full run writes bench/results.json and BENCHMARKS.md;
 //! `--quick` (under a minute, part of `cargo xtask test`) proves every case runs with the right
 //! verdict and asserts no speed; `--only` runs one part and prints its figures, writing nothing.
 
@@ -52,14 +53,13 @@ fn run_part(quick: bool, only: Option<Only>) -> Result<()> {
         "-p",
         "ratelimit-user",
         "-p",
-        "ratelimit-tests",
+        "ratelimit-bench",
         "--bin",
         "ratelimit",
         "--bin",
         "ratelimit-bench",
     ]))
     .context("building the daemon and the benchmark")?;
-    let object = build_bench_object()?;
     let bin = util::target_dir()?.join("debug").join("ratelimit-bench");
     let bin = if bin.is_absolute() {
         bin
@@ -68,7 +68,6 @@ fn run_part(quick: bool, only: Option<Only>) -> Result<()> {
     };
     let daemon = bin.with_file_name("ratelimit");
     let mut cmd = std::process::Command::new(&bin);
-    cmd.env("RATELIMIT_BENCH_OBJ", &object);
     // The control part runs the real daemon: this build of it, never a stale one.
     cmd.env("RATELIMIT_BIN", &daemon);
     if quick {
@@ -81,47 +80,4 @@ fn run_part(quick: bool, only: Option<Only>) -> Result<()> {
     }
     cmd.current_dir(util::workspace_root());
     util::run(&mut cmd).context("benchmark")
-}
-
-/// Build the XDP object with the `bench` feature (per-run source variation, the live-frames
-/// flood generator, floor reference programs) into its own target directory, the way
-/// aya-build builds the release object. The feature never reaches the daemon: only the
-/// benchmark loads this object.
-fn build_bench_object() -> Result<std::path::PathBuf> {
-    let root = util::workspace_root();
-    let target_dir = root.join("target").join("bench-ebpf");
-    let mut cmd = std::process::Command::new("rustup");
-    cmd.args([
-        "run",
-        "nightly",
-        "cargo",
-        "build",
-        "--package",
-        "ratelimit-ebpf",
-        "--bins",
-        "--release",
-        "--target",
-        "bpfel-unknown-none",
-        "-Z",
-        "build-std=core",
-        "--features",
-        "bench",
-    ])
-    .arg("--target-dir")
-    .arg(&target_dir)
-    .current_dir(&root)
-    .env_remove("RUSTC")
-    .env_remove("RUSTC_WORKSPACE_WRAPPER")
-    .env(
-        "CARGO_ENCODED_RUSTFLAGS",
-        format!(
-            "--cfg=bpf_target_arch=\"{}\"\x1f-Cdebuginfo=2\x1f-Clink-arg=--btf",
-            std::env::consts::ARCH
-        ),
-    );
-    util::run(&mut cmd).context("building the bench XDP object")?;
-    Ok(target_dir
-        .join("bpfel-unknown-none")
-        .join("release")
-        .join("ratelimit"))
 }

@@ -37,7 +37,7 @@ enum Command {
     Test(test::Options),
     /// A self-contained lab: namespaces, veth links, a flood, throttling and bans live.
     Demo(demo::Options),
-    /// The benchmark suite.
+    /// The benchmark suite (`bench/`, with its own XDP object from `bench-ebpf/`).
     Bench(bench::Options),
     /// Boot another kernel (6.1, 6.12, the newest in trixie-backports) under qemu and run a
     /// command in it: `cargo xtask vm --kernel 6.1 -- COMMAND ARGS`.

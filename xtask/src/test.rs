@@ -149,7 +149,7 @@ pub fn run(options: Options) -> Result<()> {
     util::run(&mut util::cargo(["fmt", "--all", "--", "--check"]))
         .context("formatting check (run `cargo fmt --all`)")?;
 
-    header(2, "clippy (host, then the XDP program on the BPF target)");
+    header(2, "clippy (host, then the XDP objects on the BPF target)");
     util::run(&mut util::cargo([
         "clippy",
         "--workspace",
@@ -159,14 +159,7 @@ pub fn run(options: Options) -> Result<()> {
         "warnings",
     ]))
     .context("clippy")?;
-    for features in [None, Some("bench")] {
-        util::run(&mut clippy_bpf(features)).with_context(|| {
-            format!(
-                "clippy on the XDP program for the BPF target{}",
-                features.map_or(String::new(), |f| format!(" (features: {f})"))
-            )
-        })?;
-    }
+    util::run(&mut clippy_bpf()).context("clippy on the XDP objects for the BPF target")?;
 
     header(3, "host tests");
     util::run(&mut util::cargo([
@@ -175,6 +168,8 @@ pub fn run(options: Options) -> Result<()> {
         "ratelimit-common",
         "-p",
         "ratelimit-user",
+        "-p",
+        "ratelimit-bench",
         "-p",
         "xtask",
     ]))
@@ -230,11 +225,12 @@ pub fn run(options: Options) -> Result<()> {
     Ok(())
 }
 
-/// Clippy on `ratelimit-ebpf` for the BPF target, the way aya lints its eBPF crates. Every
-/// module of the program is `cfg(target_arch = "bpf")`, so the host clippy above sees none of
-/// it. Same toolchain, target and cfg as the object aya-build (and `bench.rs`) builds, in a
-/// target directory of its own so it invalidates neither of their builds.
-fn clippy_bpf(features: Option<&str>) -> std::process::Command {
+/// Clippy on the eBPF crates (the program, `ratelimit-ebpf`, and the benchmark's object,
+/// `ratelimit-bench-ebpf`) for the BPF target, the way aya lints its eBPF crates. Every module
+/// of them is `cfg(target_arch = "bpf")`, so the host clippy above sees none of it. Same
+/// toolchain, target and cfg as the objects `ratelimit-ebpf-build` builds, in a target
+/// directory of its own so it invalidates none of their builds.
+fn clippy_bpf() -> std::process::Command {
     let root = util::workspace_root();
     let mut cmd = std::process::Command::new("rustup");
     cmd.args([
@@ -244,15 +240,14 @@ fn clippy_bpf(features: Option<&str>) -> std::process::Command {
         "clippy",
         "--package",
         "ratelimit-ebpf",
+        "--package",
+        "ratelimit-bench-ebpf",
         "--target",
         "bpfel-unknown-none",
         "-Z",
         "build-std=core",
         "--release",
     ]);
-    if let Some(features) = features {
-        cmd.args(["--features", features]);
-    }
     cmd.arg("--target-dir")
         .arg(root.join("target").join("clippy-ebpf"))
         .args(["--", "-D", "warnings"])

@@ -483,7 +483,6 @@ mod tests {
     fn ctx(dir: &Path) -> Ctx {
         Ctx {
             quick: true,
-            object: Vec::new(),
             out_dir: dir.to_path_buf(),
         }
     }

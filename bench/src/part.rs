@@ -29,11 +29,10 @@ impl TargetRow {
     }
 }
 
-/// What every part gets: whether this is the quick run, and the bench build of the XDP object.
+/// What every part gets: whether this is the quick run, and where plots go. (The parts that
+/// load the benchmark's XDP object do so through `object.rs`.)
 pub struct Ctx {
     pub quick: bool,
-    /// `RATELIMIT_BENCH_OBJ`: the object built with the `bench` feature.
-    pub object: Vec<u8>,
     /// Where plots go (bench/ in the workspace).
     pub out_dir: std::path::PathBuf,
 }

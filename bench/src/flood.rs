@@ -5,7 +5,7 @@
 //! * The generator is the bench object's `gen_flood`, run with BPF_PROG_TEST_RUN in XDP
 //!   live-frames mode from the sending namespace on CPU 0: every run rewrites the source (and
 //!   the checksum) of a valid UDP frame to the receiver's real MAC and address and returns
-//!   XDP_TX, which sends it through the veth (flood_gen.rs, ratelimit-ebpf/src/generator.rs).
+//!   XDP_TX, which sends it through the veth (flood_gen.rs, bench-ebpf/src/generator.rs).
 //! * The receiving veth runs its NAPI as a kernel thread pinned to CPU 1 (threaded NAPI), so
 //!   everything the receiver does — the XDP program, or the stack with nftables, iptables and
 //!   socket delivery — runs on a CPU of its own, and the generator keeps the other one.
@@ -41,7 +41,7 @@ use aya::{
 use contenders::{BURST, Contender, RATE};
 use generator::{Family, GenRun, Generator, Plan};
 use ratelimit_tests::Scenario;
-use ratelimit_user::datapath::{self, Datapath};
+use ratelimit_user::datapath;
 use serde::Serialize;
 
 use crate::part::{Ctx, Section, TargetRow};
@@ -244,12 +244,11 @@ pub fn run(ctx: &Ctx) -> Option<Section> {
         "/sys/fs/bpf/rl-flood-{}",
         std::process::id()
     )));
-    let mut dp = Datapath::load_object(&ctx.object, &pins.0, 1024).expect("load the bench object");
+    let mut dp = crate::object::load(&pins.0, 1024).expect("load the benchmark's object");
     let ebpf = dp.ebpf_mut();
     let map = |ebpf: &mut aya::Ebpf, name: &str| {
-        ebpf.take_map(name).unwrap_or_else(|| {
-            panic!("{name}: not in the object (build it with `cargo xtask bench`)")
-        })
+        ebpf.take_map(name)
+            .unwrap_or_else(|| panic!("{name}: not in the benchmark's object"))
     };
     let cfg = Array::try_from(map(ebpf, "RL_BENCH_GEN_CFG")).unwrap();
     let state = PerCpuArray::try_from(map(ebpf, "RL_BENCH_GEN_STATE")).unwrap();

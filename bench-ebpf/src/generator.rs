@@ -1,4 +1,4 @@
-//! The live-frames flood generator (`bench` feature).
+//! The live-frames flood generator.
 //!
 //! `gen_flood` is run by the benchmark with BPF_PROG_TEST_RUN in XDP live-frames mode
 //! (`BPF_F_TEST_XDP_LIVE_FRAMES`) from the sending namespace, with `ingress_ifindex` the sending

@@ -1,5 +1,5 @@
 //! User-space side of the live-frames generator (`gen_flood` in
-//! ratelimit-ebpf/src/generator.rs): its configuration, the template frame and checksum base,
+//! bench-ebpf/src/generator.rs): its configuration, the template frame and checksum base,
 //! and the BPF_PROG_TEST_RUN loop that runs it from the sending namespace.
 
 use std::{

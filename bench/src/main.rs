@@ -4,7 +4,9 @@
 //! * Program cost through BPF_PROG_TEST_RUN (repeat in the hundreds of thousands, median of
 //!   several samples, thread pinned): our pass, throttle-drop, banned, allow-listed and
 //!   deny-listed paths against reference programs in the same object (XDP_PASS, XDP_DROP, our
-//!   parser then XDP_PASS).
+//!   parser then XDP_PASS). "Ours" is the daemon's own program, linked unchanged into the
+//!   benchmark's object (`object.rs`); the cases that spread runs over many sources run it
+//!   behind the object's per-run source variation.
 //! * Scale: the pass path with 1k .. 1M (10M in the full run) tracked sources in the map.
 //! * Memory: bytes per tracked source from the kernel's own accounting (map fdinfo memlock).
 //! * Control plane: 100k bans inserted, and one walk of every tracked source (what `top` does).
@@ -14,11 +16,13 @@
 
 mod control;
 mod flood;
+mod object;
 mod part;
 mod plots;
 
 use std::{collections::BTreeMap, net::Ipv4Addr, path::PathBuf, time::Instant};
 
+use object::{OURS, OURS_VARIED};
 use part::{Ctx, Section};
 
 use ratelimit_common::{
@@ -264,12 +268,8 @@ fn main() {
         "the benchmark loads BPF programs: run it as root (cargo xtask bench)"
     );
     let cpus = ratelimit_tests::sender::online_cpus();
-    let object_path = std::env::var_os("RATELIMIT_BENCH_OBJ")
-        .expect("RATELIMIT_BENCH_OBJ: the bench build of the XDP object (run `cargo xtask bench`)");
     let ctx = Ctx {
         quick,
-        object: std::fs::read(&object_path)
-            .unwrap_or_else(|e| panic!("{}: {e}", object_path.to_string_lossy())),
         out_dir: ratelimit_tests::env::workspace_root().join("bench"),
     };
     // RATELIMIT_BENCH_ONLY=flood|control|cost|program: run that part alone and print what it
@@ -307,8 +307,7 @@ fn main() {
         "/sys/fs/bpf/rl-bench-{}",
         std::process::id()
     )));
-    let mut dp =
-        Datapath::load_object(&ctx.object, &pins.0, max_sources).expect("load the program");
+    let mut dp = object::load(&pins.0, max_sources).expect("load the program");
     let mut maps = dp.take_maps().expect("maps");
     let cfg = config::parse("bench.toml", POLICY).expect("bench policy");
     apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
@@ -369,33 +368,33 @@ fn main() {
     );
     push(
         "ours: pass (rule matched, under threshold)",
-        "ratelimit",
+        OURS,
         "pass",
-        b.paired("ratelimit", &udp, XDP_PASS),
+        b.paired(OURS, &udp, XDP_PASS),
     );
     push(
         "ours: pass (no rule matches)",
-        "ratelimit",
+        OURS,
         "pass",
-        b.paired("ratelimit", &frame_udp_port([198, 18, 1, 1], 53), XDP_PASS),
+        b.paired(OURS, &frame_udp_port([198, 18, 1, 1], 53), XDP_PASS),
     );
     push(
         "ours: throttle drop",
-        "ratelimit",
+        OURS,
         "drop",
-        b.paired("ratelimit", &frame_syn([198, 18, 3, 3]), XDP_DROP),
+        b.paired(OURS, &frame_syn([198, 18, 3, 3]), XDP_DROP),
     );
     // The same refusal judged in full: 4096 sources over their limit in turn, far more than
     // the 64 slots of the tick's fast-drop table, so nearly every run looks its client up.
     set_vary(&mut b.dp, VARY_SPREAD, 4096, 0x0c00_0000);
     let syn = frame_syn([12, 0, 0, 0]);
-    b.dp.test_run_program("ratelimit", &syn, 2 * 4096)
+    b.dp.test_run_program(OURS_VARIED, &syn, 2 * 4096)
         .expect("every source takes its one admission");
     push(
         "ours: throttle drop, 4096 sources in turn (judged in full)",
-        "ratelimit",
+        OURS_VARIED,
         "drop",
-        b.paired("ratelimit", &syn, XDP_DROP),
+        b.paired(OURS_VARIED, &syn, XDP_DROP),
     );
     set_vary(&mut b.dp, 0, 0, 0);
     // The drop path with nothing ahead of the rules: no allow or deny list and no ban in
@@ -415,30 +414,30 @@ fn main() {
     maps.refresh_bans_present();
     push(
         "ours: throttle drop, rules only (no list, no ban in force)",
-        "ratelimit",
+        OURS,
         "drop",
-        b.paired("ratelimit", &frame_syn([198, 18, 3, 3]), XDP_DROP),
+        b.paired(OURS, &frame_syn([198, 18, 3, 3]), XDP_DROP),
     );
     apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
     maps.insert_ban(BanEntry::manual(plen, key.addr, report::mono_ns(), 0))
         .unwrap();
     push(
         "ours: banned",
-        "ratelimit",
+        OURS,
         "drop",
-        b.paired("ratelimit", &frame_udp([198, 18, 202, 9]), XDP_DROP),
+        b.paired(OURS, &frame_udp([198, 18, 202, 9]), XDP_DROP),
     );
     push(
         "ours: allow-listed",
-        "ratelimit",
+        OURS,
         "pass",
-        b.paired("ratelimit", &frame_udp([198, 18, 200, 1]), XDP_PASS),
+        b.paired(OURS, &frame_udp([198, 18, 200, 1]), XDP_PASS),
     );
     push(
         "ours: deny-listed",
-        "ratelimit",
+        OURS,
         "drop",
-        b.paired("ratelimit", &frame_udp([198, 18, 201, 1]), XDP_DROP),
+        b.paired(OURS, &frame_udp([198, 18, 201, 1]), XDP_DROP),
     );
     push(
         "floor: the clock (bpf_ktime_get_ns), then XDP_PASS",
@@ -495,10 +494,10 @@ fn main() {
     for &n in sizes {
         let (populate_secs, untracked) = populate_more(&mut maps, populated, n);
         populated = n;
-        let (ns_same, _) = b.measure("ratelimit", &udp, XDP_PASS);
+        let (ns_same, _) = b.measure(OURS, &udp, XDP_PASS);
         // Every run a different tracked source, drawn across the populated set.
         set_vary(&mut b.dp, VARY_SPREAD, n, 0x0b00_0000);
-        let (ns, _) = b.measure("ratelimit", &udp, XDP_PASS);
+        let (ns, _) = b.measure(OURS_VARIED, &udp, XDP_PASS);
         // The floor (one lookup, one atomic) over the same spread: the cache misses any
         // per-client design pays at this size.
         let (floor_ns, _) = b.measure("ref_lookup", &udp, XDP_DROP);
@@ -506,15 +505,7 @@ fn main() {
         let (line64_ns, _) = b.measure("ref_line64", &udp, XDP_DROP);
         let (line16_ns, _) = b.measure("ref_line16", &udp, XDP_DROP);
         if sized_at.contains(&n) {
-            sized.push(measure_sized(
-                &mut b,
-                &ctx,
-                &cfg,
-                n,
-                max_sources,
-                &udp,
-                ref_pass,
-            ));
+            sized.push(measure_sized(&mut b, &cfg, n, max_sources, &udp, ref_pass));
         }
         set_vary(&mut b.dp, 0, 0, 0);
         let t = Instant::now();
@@ -542,9 +533,9 @@ fn main() {
     // updated with atomics) when two CPUs hit the same client, and of state creation when
     // every packet is a new source.
     let mut concurrency = BTreeMap::new();
-    let one_cpu = b.measure("ratelimit", &udp, XDP_PASS).0;
+    let one_cpu = b.measure(OURS, &udp, XDP_PASS).0;
     set_vary(&mut b.dp, VARY_CHURN, 0, 0);
-    let churn = b.measure("ratelimit", &udp, XDP_PASS).0;
+    let churn = b.measure(OURS_VARIED, &udp, XDP_PASS).0;
     // The same with a new-source admission budget (`tracking.new_sources_per_sec`): sources
     // over the budget share the rule's overflow state instead of each inserting one.
     let mut g = maps.global.get(&0, 0).unwrap();
@@ -552,7 +543,7 @@ fn main() {
     (g.admission_inc_ns, g.admission_burst_ns) =
         ratelimit_common::maps::admission_gcra(10_000, 10_000);
     maps.global.set(0, g, 0).unwrap();
-    let churn_budget = b.measure("ratelimit", &udp, XDP_PASS).0;
+    let churn_budget = b.measure(OURS_VARIED, &udp, XDP_PASS).0;
     concurrency.insert(
         "one_cpu_churn_admission_10k_per_sec_ns".to_string(),
         churn_budget,
@@ -565,7 +556,7 @@ fn main() {
     let rebuilt = known
         .rebuild(&maps.clients)
         .expect("rebuilding the known-sources filter");
-    let churn_known = b.measure("ratelimit", &udp, XDP_PASS).0;
+    let churn_known = b.measure(OURS_VARIED, &udp, XDP_PASS).0;
     known.disable();
     maps.global.set(0, saved, 0).unwrap();
     concurrency.insert(
@@ -583,9 +574,9 @@ fn main() {
         "  one CPU, one client: {one_cpu:.1} ns; one CPU, a new source every packet: {churn:.1} ns"
     );
     if cpus > 1 && !program_only {
-        let hammer = two_cpus(&mut b, &udp);
+        let hammer = two_cpus(&mut b, OURS, &udp);
         set_vary(&mut b.dp, VARY_CHURN, 0, 0);
-        let churn2 = two_cpus(&mut b, &udp);
+        let churn2 = two_cpus(&mut b, OURS_VARIED, &udp);
         set_vary(&mut b.dp, 0, 0, 0);
         println!(
             "  two CPUs, one client: {:.1} / {:.1} ns; two CPUs churning: {:.1} / {:.1} ns",
@@ -659,14 +650,14 @@ fn main() {
             XDP_PASS,
         ),
     ] {
-        let p = b.paired("ratelimit", &frame, want);
+        let p = b.paired(OURS, &frame, want);
         println!(
             "  {name:<42} {:>8.1} ns   (+{:>6.1} over XDP_PASS)",
             p.ns, p.over_pass
         );
         cases.push(CaseResult {
             name: name.into(),
-            program: "ratelimit".into(),
+            program: OURS.into(),
             verdict: if want == XDP_DROP { "drop" } else { "pass" },
             ns: p.ns,
             samples: p.samples,
@@ -751,22 +742,24 @@ fn line_floor_verdict(r: &Results, pass: f64) -> String {
     out
 }
 
-/// Per-run source variation of the bench build (see ratelimit-ebpf/src/bench.rs).
+/// Per-run source variation of the benchmark's object (see bench-ebpf/src/vary.rs), for the
+/// runs of [`OURS_VARIED`] and of the floors.
 fn set_vary(dp: &mut Datapath, mode: u64, n: u64, base: u32) {
     let map = dp
         .ebpf_mut()
         .map_mut("RL_BENCH_VARY")
-        .expect("the bench build of the object");
+        .expect("the benchmark's object has RL_BENCH_VARY");
     let mut a: aya::maps::Array<_, [u64; 3]> = aya::maps::Array::try_from(map).unwrap();
     a.set(0, [mode, n, base as u64], 0).unwrap();
 }
 
-/// The limiter on two CPUs at once, each thread pinned to its CPU: median ns per run on each.
-fn two_cpus(b: &mut Bench, frame: &[u8]) -> (f64, f64) {
+/// The limiter (`program`, loaded) on two CPUs at once, each thread pinned to its CPU: median
+/// ns per run on each.
+fn two_cpus(b: &mut Bench, program: &str, frame: &[u8]) -> (f64, f64) {
     use aya::programs::{TestRun as _, TestRunOptions, Xdp};
     let prog: &Xdp =
         b.dp.ebpf_mut()
-            .program("ratelimit")
+            .program(program)
             .unwrap()
             .try_into()
             .unwrap();
@@ -797,7 +790,6 @@ fn two_cpus(b: &mut Bench, frame: &[u8]) -> (f64, f64) {
 /// `max_sources`), measured in turn, twice each, best of each kept (noise only adds).
 fn measure_sized(
     b: &mut Bench,
-    ctx: &Ctx,
     cfg: &config::Config,
     n: u64,
     big_max: u32,
@@ -809,8 +801,7 @@ fn measure_sized(
         "/sys/fs/bpf/rl-bench-sized-{}",
         std::process::id()
     )));
-    let mut dp = Datapath::load_object(&ctx.object, &pins.0, sized_max)
-        .expect("load the program (sized map)");
+    let mut dp = object::load(&pins.0, sized_max).expect("load the program (sized map)");
     let mut maps = dp.take_maps().expect("maps");
     apply::apply(&mut maps, &apply::plan(cfg, false)).expect("apply");
     let (plen, key) = apply::prefix(&"198.18.202.0/24".parse().unwrap());
@@ -823,10 +814,10 @@ fn measure_sized(
     let (mut big, mut big_floor) = (f64::MAX, f64::MAX);
     let (mut ns, mut floor_ns) = (f64::MAX, f64::MAX);
     for _ in 0..2 {
-        big = big.min(b.measure("ratelimit", udp, XDP_PASS).0);
+        big = big.min(b.measure(OURS_VARIED, udp, XDP_PASS).0);
         big_floor = big_floor.min(b.measure("ref_lookup", udp, XDP_DROP).0);
         std::mem::swap(&mut b.dp, &mut dp);
-        ns = ns.min(b.measure("ratelimit", udp, XDP_PASS).0);
+        ns = ns.min(b.measure(OURS_VARIED, udp, XDP_PASS).0);
         floor_ns = floor_ns.min(b.measure("ref_lookup", udp, XDP_DROP).0);
         std::mem::swap(&mut b.dp, &mut dp);
     }
@@ -885,6 +876,9 @@ fn populate_more(maps: &mut Maps, from: u64, to: u64) -> (f64, u64) {
     (t.elapsed().as_secs_f64(), untracked)
 }
 
+/// The paragraph of BENCHMARKS.md that says how the suite is run and what it loads.
+const HOW_TO_RUN: &str = "How to run: `cargo xtask bench` runs everything and writes this file, bench/results.json and the plots in bench/; `cargo xtask bench --quick` runs every case with few repeats and checks its verdict, asserting no speed (what `cargo xtask test` runs); `cargo xtask bench --only program|cost|flood|control` runs one part and prints it, writing nothing (`program`, a few minutes, is the one to run in two trees in turn to compare them). The suite is the `ratelimit-bench` crate (bench/). It loads an XDP object of its own, built from bench-ebpf/ by the recipe that builds the daemon's (ratelimit-ebpf-build/): the daemon's program linked in unchanged (its entry `ratelimit`, every map and global function), beside the reference and floor programs, the flood generator, and `ratelimit_varied`, the same entry behind the per-run source variation that the cases spread over many sources run. None of these is in the daemon's object.";
+
 fn write_reports(ctx: &Ctx, r: &Results, sections: &[Section]) {
     let root = ratelimit_tests::env::workspace_root();
     let dir = root.join("bench");
@@ -897,6 +891,8 @@ fn write_reports(ctx: &Ctx, r: &Results, sections: &[Section]) {
     let mut md = String::from(
         "# Benchmarks\n\nGenerated by `cargo xtask bench` (do not edit by hand). Figures are ratios and differences measured within one run on one machine; the machine is shared and noisy, so absolute ns are not comparable across runs.\n\n",
     );
+    md.push_str(HOW_TO_RUN);
+    md.push_str("\n\n");
     md.push_str(&format!(
         "Kernel {}, {} CPUs, BPF_PROG_TEST_RUN repeat {}, median of {} samples, thread pinned. In the program-cost table each sample of a case runs right after a sample of each reference program, and its cost over a reference is the median of the per-sample differences, so load that comes and goes on this shared machine moves a case and its references together.\n\n",
         r.kernel, r.cpus, r.repeat, r.samples
@@ -910,7 +906,7 @@ fn write_reports(ctx: &Ctx, r: &Results, sections: &[Section]) {
             c.name, c.ns, c.over_ref_pass, c.over_ref_drop
         ));
     }
-    md.push_str(&format!("\n## Scale (pass path, sources tracked)\n\nEach run of the program sees a different tracked source, drawn across the populated set in a scrambled order (the bench build rewrites the frame's source per run), so lookups miss the CPU caches as real traffic does. *One source* replays the same source every run. *Floor* is `ref_lookup` (parse, one lookup in ours' per-source store, one atomic add) over the same spread: what finding the client costs at that size. *A line per source* is below any keyed store: parse, then one atomic add to the source's own 64-byte (or 16-byte) line of an array indexed directly by its place in the tracked set (no hashing, no key to compare), over the same spread: the memory cost of any per-client store holding that much per source. All columns are ns per packet, XDP_PASS and XDP_DROP included. The store holds {} sources (the largest set is 80% of it); *untracked* counts the sources of the set that found both their sets full when it was populated.\n\n| tracked sources | ns | over XDP_PASS | one source | floor | a line per source: 64 B | 16 B | walk of the store | untracked |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n", r.memory.get("clients_max_sources").and_then(|v| v.as_u64()).unwrap_or(0)));
+    md.push_str(&format!("\n## Scale (pass path, sources tracked)\n\nEach run of the program sees a different tracked source, drawn across the populated set in a scrambled order (the benchmark's object rewrites the frame's source per run, then enters the daemon's program), so lookups miss the CPU caches as real traffic does. *One source* replays the same source every run. *Floor* is `ref_lookup` (parse, one lookup in ours' per-source store, one atomic add) over the same spread: what finding the client costs at that size. *A line per source* is below any keyed store: parse, then one atomic add to the source's own 64-byte (or 16-byte) line of an array indexed directly by its place in the tracked set (no hashing, no key to compare), over the same spread: the memory cost of any per-client store holding that much per source. All columns are ns per packet, XDP_PASS and XDP_DROP included. The store holds {} sources (the largest set is 80% of it); *untracked* counts the sources of the set that found both their sets full when it was populated.\n\n| tracked sources | ns | over XDP_PASS | one source | floor | a line per source: 64 B | 16 B | walk of the store | untracked |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n", r.memory.get("clients_max_sources").and_then(|v| v.as_u64()).unwrap_or(0)));
     for s in &r.scale {
         md.push_str(&format!(
             "| {} | {:.1} | {:+.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2} s | {} |\n",
