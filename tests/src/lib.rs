@@ -28,7 +28,7 @@ pub mod tun;
 
 pub use daemon::Daemon;
 pub use env::{ratelimit_bin, require_kernel_tests, skip_unless_kernel};
-pub use link::{VethEnd, VethPair, disable_rp_filter};
+pub use link::{VethEnd, VethPair, disable_rp_filter, silence};
 pub use netns::NetNs;
 pub use packet::Frame;
 pub use receiver::{Counts, Tap, UdpSink};
