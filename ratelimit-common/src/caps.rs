@@ -26,8 +26,16 @@ pub const MAX_REGION_OVERRIDES: u32 = 4_096;
 pub const MAX_REGION_PREFIXES: u32 = 1_048_576;
 /// Destination port ranges one rule may match.
 pub const MAX_PORT_RANGES: usize = 8;
-/// Interfaces whose counters are kept apart; further interfaces share slot 0.
+/// Counter slots of the `STATS` array: [`UNLISTED_SLOT`], one slot per interface for up to
+/// `MAX_IFACES - 2` interfaces, and [`RETIRED_SLOT`].
 pub const MAX_IFACES: u32 = 16;
+/// The slot of the interfaces beyond the per-interface slots: the frames they receive.
+pub const UNLISTED_SLOT: u32 = 0;
+/// The slot that keeps the counts of interfaces no longer attached, so that totals never go
+/// backwards when a slot is freed. No frame is counted here: it is a slot apart from
+/// [`UNLISTED_SLOT`] so that a series of the frames received (`/metrics`) never jumps by the
+/// counts of an interface gone.
+pub const RETIRED_SLOT: u32 = MAX_IFACES - 1;
 /// Interfaces with an ifindex below this find their counter slot in an array (one indexed
 /// load); higher ones in a hash map.
 pub const IFSLOT_ARRAY_LEN: u32 = 4096;

@@ -180,3 +180,35 @@ pub fn bind(path: &Path) -> anyhow::Result<tokio::net::UnixListener> {
 pub fn peer_uid(stream: &tokio::net::UnixStream) -> Option<u32> {
     stream.peer_cred().ok().map(|c| c.uid())
 }
+
+/// The answer to a peer that is not root.
+pub const REFUSAL: &str = "permission denied: the control socket is for root only";
+/// How long a refused peer may take to finish sending its request.
+pub const REFUSAL_LINGER: Duration = Duration::from_secs(1);
+/// The most of a refused peer's request that is read (and thrown away).
+const REFUSAL_READ_MAX: usize = 64 * 1024;
+
+/// Answer a peer that is not root with [`REFUSAL`], then read and drop what it sends until it
+/// closes, for at most [`REFUSAL_LINGER`] and [`REFUSAL_READ_MAX`] bytes. Closing at once
+/// would race the peer's request: a request written after the close fails with EPIPE, and
+/// its sender never reads why it was refused.
+pub async fn refuse(stream: tokio::net::UnixStream) {
+    use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
+    let (mut r, mut w) = stream.into_split();
+    let mut line = serde_json::to_vec(&Response::err(REFUSAL)).unwrap_or_default();
+    line.push(b'\n');
+    if w.write_all(&line).await.is_err() || w.shutdown().await.is_err() {
+        return;
+    }
+    let mut buf = [0u8; 4096];
+    let mut read = 0;
+    let _ = tokio::time::timeout(REFUSAL_LINGER, async {
+        while read < REFUSAL_READ_MAX {
+            match r.read(&mut buf).await {
+                Ok(0) | Err(_) => break,
+                Ok(n) => read += n,
+            }
+        }
+    })
+    .await;
+}

@@ -1132,14 +1132,10 @@ async fn serve_control(
         };
         let handle = handle.clone();
         tokio::spawn(async move {
+            // The socket's mode (0600) keeps others out already; this check holds whatever
+            // the mode and the directory's permissions have become.
             if control::peer_uid(&stream) != Some(0) {
-                let (_, mut w) = stream.into_split();
-                let mut line = serde_json::to_vec(&Response::err(
-                    "permission denied: the control socket is for root only",
-                ))
-                .unwrap_or_default();
-                line.push(b'\n');
-                let _ = w.write_all(&line).await;
+                control::refuse(stream).await;
                 return;
             }
             let (r, mut w) = stream.into_split();

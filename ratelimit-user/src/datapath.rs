@@ -29,7 +29,7 @@ use aya::{
 };
 use ratelimit_common::{
     addr::{IpKey, LpmAddr, lpm_prefix},
-    caps::{IFSLOT_ARRAY_LEN, MAX_IFACES},
+    caps::{IFSLOT_ARRAY_LEN, RETIRED_SLOT, UNLISTED_SLOT},
     maps::{
         BAN_TABLES, BanEntry, ClientKey, ClientState, FastEntry, GlobalConfig, HashKey, ListValue,
         OverrideKey, OverrideValue, RegionOverrideKey, RuleConfig, ban_table,
@@ -550,11 +550,11 @@ impl Datapath {
     }
 
     /// (slot, interface) of the attached interfaces with counters of their own: one beyond
-    /// the slots counts in slot 0, which is no interface's series.
+    /// the slots counts in [`UNLISTED_SLOT`], which is no interface's series.
     pub fn counter_slots(&self) -> Vec<(u32, String)> {
         self.attached
             .iter()
-            .filter(|a| a.slot != 0)
+            .filter(|a| a.slot != UNLISTED_SLOT)
             .map(|a| (a.slot, a.iface.clone()))
             .collect()
     }
@@ -767,31 +767,40 @@ impl Maps {
 }
 
 /// Counter slot for `ifindex`: the one already assigned, else the lowest free one. With every
-/// slot taken the interface is not listed, and counts in slot 0 with unlisted interfaces
-/// (counted, and said in a warning, rather than refusing to protect it).
+/// slot taken the interface is not listed, and counts in [`UNLISTED_SLOT`] with the other
+/// unlisted interfaces (counted, and said in a warning, rather than refusing to protect it).
 fn assign_slot(
     ifaces: &mut HashMap<MapData, u32, u32>,
     ifslots: &mut Array<MapData, u32>,
     ifindex: u32,
 ) -> anyhow::Result<u32> {
-    if let Ok(s) = ifaces.get(&ifindex, 0) {
-        if ifindex < IFSLOT_ARRAY_LEN {
-            ifslots.set(ifindex, s, 0)?;
+    match ifaces.get(&ifindex, 0) {
+        // Pinned by a daemon that gave interfaces the last slot too: its counts stay there
+        // as retired ones, and the interface gets a slot of its own from here on.
+        Ok(RETIRED_SLOT) => {
+            ifaces.remove(&ifindex).ok();
         }
-        return Ok(s);
+        Ok(s) => {
+            if ifindex < IFSLOT_ARRAY_LEN {
+                ifslots.set(ifindex, s, 0)?;
+            }
+            return Ok(s);
+        }
+        Err(_) => {}
     }
     let used: Vec<u32> = ifaces
         .iter()
         .filter_map(|r| r.ok().map(|(_, v)| v))
         .collect();
-    let Some(slot) = (1..MAX_IFACES).find(|s| !used.contains(s)) else {
+    let Some(slot) = (UNLISTED_SLOT + 1..RETIRED_SLOT).find(|s| !used.contains(s)) else {
         warn!(
             ifindex,
             "all {} per-interface counter slots are in use by attached interfaces: this one's \
-             counts go to the totals only (interface=\"all\"), not to a series of its own",
-            MAX_IFACES - 1
+             counts go to the series of unlisted interfaces (interface=\"\") and the totals, \
+             not to a series of its own",
+            RETIRED_SLOT - UNLISTED_SLOT - 1
         );
-        return Ok(0);
+        return Ok(UNLISTED_SLOT);
     };
     ifaces
         .insert(ifindex, slot, 0)
@@ -807,11 +816,13 @@ fn assign_slot(
 /// attached kept its slot: the 16th distinct ifindex (an interface re-created 15 times) got
 /// the shared slot 0 and the 17th could not be attached at all.
 ///
-/// A freed slot's counters are added to slot 0 (the unlisted interfaces', part of the totals)
-/// and zeroed: the totals (`interface="all"`, the rules' counters) stay monotonic, as counters
-/// must, and the next interface given the slot starts from zero instead of inheriting another
-/// device's counts. An interface re-created under the same name is a new device: its series
-/// restarts from zero, which Prometheus reads as a counter reset.
+/// A freed slot's counters are added to [`RETIRED_SLOT`] and zeroed: the totals (`ratelimit
+/// stats`, the reasons' and the rules' counters) stay monotonic, as counters must, and the
+/// next interface given the slot starts from zero instead of inheriting another device's
+/// counts. The interface's series of `/metrics` ends; no other series takes its counts (which
+/// Prometheus would read as that many frames arriving at once). An interface re-created under
+/// the same name is a new device: its series restarts from zero, which Prometheus reads as a
+/// counter reset.
 fn prune_slots(maps: &mut Maps, pin_dir: &Path, keep: u32) -> anyhow::Result<Vec<u32>> {
     let mut live = vec![keep];
     if let Ok(entries) = fs::read_dir(pin_dir) {
@@ -845,8 +856,8 @@ fn prune_slots(maps: &mut Maps, pin_dir: &Path, keep: u32) -> anyhow::Result<Vec
         if ifindex < IFSLOT_ARRAY_LEN {
             maps.ifslots.set(ifindex, 0, 0)?;
         }
-        if slot != 0 && slot < MAX_IFACES {
-            fold_slot_into_zero(&mut maps.stats, slot)?;
+        if slot != UNLISTED_SLOT && slot < RETIRED_SLOT {
+            retire_slot(&mut maps.stats, slot)?;
         }
         info!(
             ifindex,
@@ -856,14 +867,14 @@ fn prune_slots(maps: &mut Maps, pin_dir: &Path, keep: u32) -> anyhow::Result<Vec
     Ok(stale.into_iter().map(|(i, _)| i).collect())
 }
 
-/// Add every counter of `slot` to slot 0's and zero it, CPU by CPU. (Slot 0 is written only
-/// for interfaces beyond the slots, rarely: a packet one of them counts between the read and
-/// the write of its CPU's value here is lost from slot 0, at this rare moment only.)
-fn fold_slot_into_zero(stats: &mut PerCpuArray<MapData, Counter>, slot: u32) -> anyhow::Result<()> {
+/// Add every counter of `slot` to [`RETIRED_SLOT`]'s and zero it, CPU by CPU. (Nothing counts
+/// in either any more: the program is no longer attached to the slot's interface, and no
+/// frame is ever counted in the retired slot.)
+fn retire_slot(stats: &mut PerCpuArray<MapData, Counter>, slot: u32) -> anyhow::Result<()> {
     use ratelimit_common::stats::{PER_IFACE, global_index};
     for k in 0..PER_IFACE {
         let from = global_index(slot, k);
-        let to = global_index(0, k);
+        let to = global_index(RETIRED_SLOT, k);
         let src = stats.get(&from, 0)?;
         if src.iter().all(|c| c.packets == 0 && c.bytes == 0) {
             continue;

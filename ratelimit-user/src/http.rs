@@ -41,6 +41,7 @@ use prometheus_client::{
     metrics::{MetricType, counter::ConstCounter, gauge::ConstGauge},
     registry::Registry,
 };
+use ratelimit_common::stats::{global, rule};
 use serde::Deserialize;
 use tokio::{net::TcpListener, sync::Semaphore};
 use tower::ServiceExt as _;
@@ -51,7 +52,7 @@ use crate::{
     daemon::Handle,
     events,
     reader::Reports,
-    report::{self, Pb, Stats},
+    report::{self, Pb, RuleCounters, Stats},
 };
 
 /// Content type of `/metrics`: the OpenMetrics text format, which Prometheus negotiates by
@@ -422,29 +423,116 @@ fn encode_value(metric: MetricEncoder, value: &Value) -> Result<(), std::fmt::Er
     }
 }
 
-fn reason(stats: &Stats, name: &str) -> u64 {
-    stats.all.reasons.get(name).map_or(0, |pb| pb.packets)
+/// The detail counters (`stats::global`, after the verdicts) that count packets: each is a
+/// series of `ratelimit_reason_packets_total{reason}`. The others count something else (bans,
+/// states, events) and have families of their own ([`NON_PACKET_REASONS`]).
+/// `http_metrics_export_every_counter_once` checks that every counter is in one list.
+const PACKET_REASONS: [u32; 14] = [
+    global::PREVIEW_WOULD_DROP,
+    global::EXCEED_PASS,
+    global::BAN_PASS,
+    global::FRAGMENTS,
+    global::MALFORMED_L2,
+    global::MALFORMED_IPV4,
+    global::MALFORMED_IPV6,
+    global::MALFORMED_L4,
+    global::IPV6_EXT_LIMIT,
+    global::LOOKUP_SKIPPED,
+    global::ADMISSION_REFUSED,
+    global::STATE_PROTECTED,
+    global::STATE_INSERT_FAILED,
+    global::CONTENDED,
+];
+
+/// The detail counters that count no packets, each a family of its own: (counter, family
+/// name without `_total`, help). The ring buffer's lost events are a series of
+/// `ratelimit_events_lost_total`, beside the daemon's own.
+const NON_PACKET_REASONS: [(u32, &str, &str); 6] = [
+    (
+        global::BANS_ISSUED,
+        "ratelimit_bans_issued",
+        "Bans issued by rate_based_ban rules (by rule: ratelimit_rule_bans_issued_total)",
+    ),
+    (
+        global::BANS_EXPIRED,
+        "ratelimit_bans_expired",
+        "Expired bans the XDP program removed from its ban tables when it met them",
+    ),
+    (
+        global::BAN_HELD_IN_STATE,
+        "ratelimit_bans_held_in_state",
+        "Rule bans issued while the rules' ban table was full, held in the client's own state instead (they drop as any ban does)",
+    ),
+    (
+        global::BAN_INSERT_FAILED,
+        "ratelimit_ban_insert_failures",
+        "Rule bans that could not be recorded (the ban table refused them for another reason than being full); the client is throttled instead",
+    ),
+    (
+        global::STATE_CREATED,
+        "ratelimit_client_states_created",
+        "Per-client states created in the per-source store",
+    ),
+    (
+        global::STATE_EVICTED,
+        "ratelimit_client_states_evicted",
+        "Per-client states evicted: a new source took the slot of the state idle longest in its set of the full per-source store",
+    ),
+];
+
+/// What a rule did with the packets it matched (`stats::rule`): each matched packet has at
+/// most one of these outcomes, so they are the series of one family, beside `matched` (their
+/// sum) and `bans` (not packets), which have families of their own.
+const RULE_OUTCOMES: [u32; 5] = [
+    rule::ADMITTED,
+    rule::DROPPED,
+    rule::BANNED_DROPPED,
+    rule::WOULD_DROP,
+    rule::EXCEED_PASSED,
+];
+
+fn reason(stats: &Stats, counter: u32) -> u64 {
+    stats
+        .all
+        .reasons
+        .get(global::NAMES[counter as usize])
+        .map_or(0, |pb| pb.packets)
+}
+
+fn rule_counter(r: &RuleCounters, counter: u32) -> Pb {
+    r.counters
+        .get(rule::NAMES[counter as usize])
+        .copied()
+        .unwrap_or_default()
 }
 
 /// The `/metrics` exposition (OpenMetrics text, `# EOF` included) of one reading of the maps.
+///
+/// Prometheus' conventions, which the tests hold it to: no series is the sum of others of its
+/// family (totals are what `sum()` gives: there is no `interface="all"` series), a
+/// `_packets_total` family counts packets and nothing else, counters end in `_total`, units
+/// (packets, bytes) are in the names, and a ratio is a `_ratio` gauge from 0 to 1.
 pub fn render_metrics(stats: &Stats, gauges: &Gauges) -> String {
     use MetricType::{Counter, Gauge, Info};
 
     let mut packets = Family::new(
         "ratelimit_packets",
         Counter,
-        "Frames seen by the XDP program, by verdict and interface (interface=all: every interface); each frame has exactly one verdict",
+        "Frames seen by the XDP program, by verdict and by the interface that received them: each frame has one verdict and one interface, so a sum counts every frame once. An empty interface label stands for the interfaces beyond the per-interface counter slots (from their first frame on). A detached interface's series ends with it",
     );
     let mut bytes = Family::new(
         "ratelimit_bytes",
         Counter,
-        "Bytes of the frames seen by the XDP program, by verdict and interface (interface=all: every interface)",
+        "Bytes of the frames seen by the XDP program, by verdict and by the interface that received them (as ratelimit_packets_total)",
     );
+    // The unlisted interfaces' series only once one of them received a frame: in most setups
+    // there are none.
+    let unlisted = (stats.unlisted.total.packets != 0).then_some(("", &stats.unlisted));
     let by_iface = stats
         .interfaces
         .iter()
         .map(|i| (i.iface.as_str(), &i.counters))
-        .chain([("all", &stats.all)]);
+        .chain(unlisted);
     for (iface, counters) in by_iface {
         for (verdict, pb) in &counters.verdicts {
             let labels = || {
@@ -458,34 +546,65 @@ pub fn render_metrics(stats: &Stats, gauges: &Gauges) -> String {
         }
     }
 
-    let mut reasons = Family::new(
-        "ratelimit_reason_packets",
-        Counter,
-        "Detail counters beside the verdicts, by reason (a frame may be in several or none)",
+    let reasons = PACKET_REASONS.iter().fold(
+        Family::new(
+            "ratelimit_reason_packets",
+            Counter,
+            "Packets by a detail of how they were handled, beside their verdict (reason): a packet has none, one or several, so a sum over reasons is not a count of packets",
+        ),
+        |f, &r| {
+            f.with(
+                vec![("reason", global::NAMES[r as usize].into())],
+                Value::Counter(reason(stats, r)),
+            )
+        },
     );
-    for (name, pb) in &stats.all.reasons {
-        reasons = reasons.with(
-            vec![("reason", name.to_string())],
-            Value::Counter(pb.packets),
-        );
-    }
+    let non_packet_reasons = NON_PACKET_REASONS.iter().map(|&(r, name, help)| {
+        Family::new(name, Counter, help).with(vec![], Value::Counter(reason(stats, r)))
+    });
 
+    let mut rule_matched_packets = Family::new(
+        "ratelimit_rule_matched_packets",
+        Counter,
+        "Packets each rule matched (and so counted); a packet that several rules matched is counted by each",
+    );
+    let mut rule_matched_bytes = Family::new(
+        "ratelimit_rule_matched_bytes",
+        Counter,
+        "Bytes of the packets each rule matched",
+    );
     let mut rule_packets = Family::new(
         "ratelimit_rule_packets",
         Counter,
-        "Packets counted by each rule, by counter (matched = admitted + dropped + would_drop + exceed_passed; bans = bans issued)",
+        "Packets each rule matched, by what it did with them (outcome): admitted (within the threshold), dropped (over it, the packet that gets its client banned included), banned_dropped (dropped by a ban of the rule that the rule enforces itself: of a key = all or region, or held in the client's state), would_drop (over it, passed: preview), exceed_passed (over it, passed: exceed_action = pass). They add up to ratelimit_rule_matched_packets_total but for packets let through unmetered because no state could be had for them (reason state_insert_failed)",
     );
     let mut rule_bytes = Family::new(
         "ratelimit_rule_bytes",
         Counter,
-        "Bytes counted by each rule, by counter",
+        "Bytes of the packets each rule matched, by outcome (as ratelimit_rule_packets_total)",
+    );
+    let mut rule_bans = Family::new(
+        "ratelimit_rule_bans_issued",
+        Counter,
+        "Bans each rate_based_ban rule issued",
     );
     for r in &stats.rules {
-        for (counter, Pb { packets, bytes }) in &r.counters {
-            let labels = || vec![("rule", r.name.clone()), ("counter", counter.to_string())];
-            rule_packets = rule_packets.with(labels(), Value::Counter(*packets));
-            rule_bytes = rule_bytes.with(labels(), Value::Counter(*bytes));
+        let name = || vec![("rule", r.name.clone())];
+        let matched = rule_counter(r, rule::MATCHED);
+        rule_matched_packets = rule_matched_packets.with(name(), Value::Counter(matched.packets));
+        rule_matched_bytes = rule_matched_bytes.with(name(), Value::Counter(matched.bytes));
+        for outcome in RULE_OUTCOMES {
+            let labels = || {
+                vec![
+                    ("rule", r.name.clone()),
+                    ("outcome", rule::NAMES[outcome as usize].into()),
+                ]
+            };
+            let Pb { packets, bytes } = rule_counter(r, outcome);
+            rule_packets = rule_packets.with(labels(), Value::Counter(packets));
+            rule_bytes = rule_bytes.with(labels(), Value::Counter(bytes));
         }
+        rule_bans = rule_bans.with(name(), Value::Counter(rule_counter(r, rule::BANS).packets));
     }
 
     let tracked = gauges.tracked_clients;
@@ -495,28 +614,25 @@ pub fn render_metrics(stats: &Stats, gauges: &Gauges) -> String {
     } else {
         tracked as f64 / capacity as f64
     };
-    // The program counts each state that took another's slot (the one idle longest in its
-    // set of the per-source store).
-    let evictions = reason(stats, "state_evicted");
 
-    let families = vec![
+    let mut families = vec![
         packets,
         bytes,
         reasons,
+        rule_matched_packets,
+        rule_matched_bytes,
         rule_packets,
         rule_bytes,
+        rule_bans,
         Family::new(
             "ratelimit_active_bans",
             Gauge,
             "Bans in force now (operator- and rule-issued)",
         )
         .with(vec![], Value::Gauge(gauges.active_bans)),
-        Family::new(
-            "ratelimit_bans_issued",
-            Counter,
-            "Bans issued by rate_based_ban rules",
-        )
-        .with(vec![], Value::Counter(reason(stats, "bans_issued"))),
+    ];
+    families.extend(non_packet_reasons);
+    families.extend([
         Family::new(
             "ratelimit_tracked_clients",
             Gauge,
@@ -542,25 +658,13 @@ pub fn render_metrics(stats: &Stats, gauges: &Gauges) -> String {
             )
         })),
         Family::new(
-            "ratelimit_evictions",
-            Counter,
-            "Per-client states evicted: a new source took the slot of the state idle longest in its set of the full per-source store",
-        )
-        .with(vec![], Value::Counter(evictions)),
-        Family::new(
-            "ratelimit_admission_refused",
-            Counter,
-            "Packets from new sources refused per-client state by the admission budget (tracking.new_sources_per_sec); they are limited in aggregate",
-        )
-        .with(vec![], Value::Counter(reason(stats, "admission_refused"))),
-        Family::new(
             "ratelimit_events_lost",
             Counter,
             "Events that never became a line, by where they were lost: the program found the ring buffer full, the daemon's queue to the events writer was full, or writing the line failed",
         )
         .with(
             vec![("stage", "ring_buffer".into())],
-            Value::Counter(reason(stats, "events_lost")),
+            Value::Counter(reason(stats, global::EVENTS_LOST)),
         )
         .with(
             vec![("stage", "queue".into())],
@@ -651,7 +755,7 @@ pub fn render_metrics(stats: &Stats, gauges: &Gauges) -> String {
             vec![("version", env!("CARGO_PKG_VERSION").into())],
             Value::Info,
         ),
-    ];
+    ]);
 
     let mut registry = Registry::default();
     registry.register_collector(Box::new(Snapshot(families)));
@@ -858,59 +962,60 @@ fn router<B: Backend>(app: App<B>) -> Router {
 
 #[cfg(test)]
 mod tests {
-    use std::sync::{Arc, Mutex};
+    use std::{
+        collections::BTreeSet,
+        sync::{Arc, Mutex},
+    };
 
     use tokio::io::{AsyncReadExt as _, AsyncWriteExt as _};
 
+    use ratelimit_common::{
+        caps::{MAX_IFACES, RETIRED_SLOT, UNLISTED_SLOT},
+        stats::PER_IFACE,
+    };
+
     use super::*;
-    use crate::report::{Counters, IfaceCounters, RuleCounters};
 
     fn pb(packets: u64, bytes: u64) -> Pb {
         Pb { packets, bytes }
     }
 
-    fn counters(pass: Pb, drop_rule: Pb) -> Counters {
-        let mut c = Counters::default();
-        c.verdicts.insert("pass", pass);
-        c.verdicts.insert("drop_rule", drop_rule);
-        c.total = pass;
-        c.total += drop_rule;
-        c
+    /// Raw counters as `report::read_all` gives them: `[slot][index]`, all zero.
+    fn raw_slots() -> Vec<Vec<Pb>> {
+        vec![vec![Pb::default(); PER_IFACE as usize]; MAX_IFACES as usize]
     }
 
+    fn rule_index(rule: u32, counter: u32) -> usize {
+        (global::COUNT + rule * rule::COUNT + counter) as usize
+    }
+
+    const IFACES: [(u32, &str); 2] = [(1, "eth0"), (2, "eth1")];
+
+    fn stats_of(slots: &[Vec<Pb>], rules: &[&str]) -> Stats {
+        let ifaces: Vec<(u32, String)> = IFACES.iter().map(|&(s, n)| (s, n.into())).collect();
+        let rules: Vec<String> = rules.iter().map(|r| r.to_string()).collect();
+        report::stats_of(slots, &ifaces, &rules)
+    }
+
+    /// Two interfaces (eth0, eth1), a frame's worth of an unlisted one, the counts of an
+    /// interface gone (in the retired slot), and one rule.
     fn synthetic() -> Stats {
-        let mut all = counters(pb(30, 3000), pb(7, 700));
-        all.reasons.insert("state_created", pb(12, 0));
-        all.reasons.insert("state_evicted", pb(7, 0));
-        all.reasons.insert("bans_issued", pb(2, 0));
-        all.reasons.insert("admission_refused", pb(4, 240));
-        all.reasons.insert("events_lost", pb(1, 0));
-        Stats {
-            all,
-            interfaces: vec![
-                IfaceCounters {
-                    iface: "eth0".into(),
-                    slot: 1,
-                    counters: counters(pb(20, 2000), pb(7, 700)),
-                },
-                IfaceCounters {
-                    iface: "eth1".into(),
-                    slot: 2,
-                    counters: counters(pb(10, 1000), pb(0, 0)),
-                },
-            ],
-            rules: vec![RuleCounters {
-                name: "syn-per-client".into(),
-                counters: [
-                    ("matched", pb(9, 900)),
-                    ("admitted", pb(2, 200)),
-                    ("dropped", pb(7, 700)),
-                    ("bans", pb(2, 0)),
-                ]
-                .into_iter()
-                .collect(),
-            }],
-        }
+        let mut s = raw_slots();
+        s[1][global::PASS as usize] = pb(20, 2000);
+        s[1][global::DROP_RULE as usize] = pb(7, 700);
+        s[2][global::PASS as usize] = pb(10, 1000);
+        s[UNLISTED_SLOT as usize][global::PASS as usize] = pb(4, 400);
+        s[RETIRED_SLOT as usize][global::PASS as usize] = pb(100, 10_000);
+        s[1][global::STATE_CREATED as usize] = pb(12, 0);
+        s[1][global::STATE_EVICTED as usize] = pb(7, 0);
+        s[1][global::BANS_ISSUED as usize] = pb(2, 0);
+        s[1][global::ADMISSION_REFUSED as usize] = pb(4, 240);
+        s[1][global::EVENTS_LOST as usize] = pb(1, 0);
+        s[1][rule_index(0, rule::MATCHED)] = pb(9, 900);
+        s[1][rule_index(0, rule::ADMITTED)] = pb(2, 200);
+        s[1][rule_index(0, rule::DROPPED)] = pb(7, 700);
+        s[1][rule_index(0, rule::BANS)] = pb(2, 0);
+        stats_of(&s, &["syn-per-client"])
     }
 
     const GAUGES: Gauges = Gauges {
@@ -946,6 +1051,91 @@ mod tests {
         text.lines().collect()
     }
 
+    /// One sample of an exposition.
+    #[derive(Debug, Clone)]
+    struct Sample {
+        /// The family's name (`# TYPE` line), and its type.
+        family: String,
+        kind: String,
+        /// The sample's own name (`_total`, `_info` added).
+        name: String,
+        labels: Vec<(String, String)>,
+        value: f64,
+    }
+
+    /// Every family of an exposition: (name, help lines, type lines), and every sample.
+    fn parse(text: &str) -> (Vec<(String, usize, usize)>, Vec<Sample>) {
+        let mut families: Vec<(String, usize, usize)> = Vec::new();
+        let mut samples = Vec::new();
+        let mut kind = String::new();
+        let family_of = |families: &mut Vec<(String, usize, usize)>, name: &str| {
+            if families.last().is_none_or(|f| f.0 != name) {
+                families.push((name.into(), 0, 0));
+            }
+            families.len() - 1
+        };
+        for line in text.lines() {
+            if line == "# EOF" {
+                continue;
+            }
+            if let Some(rest) = line.strip_prefix("# HELP ") {
+                let (name, help) = rest.split_once(' ').expect(line);
+                assert!(!help.trim().is_empty(), "empty help: {line}");
+                let i = family_of(&mut families, name);
+                families[i].1 += 1;
+                continue;
+            }
+            if let Some(rest) = line.strip_prefix("# TYPE ") {
+                let (name, k) = rest.split_once(' ').expect(line);
+                let i = family_of(&mut families, name);
+                families[i].2 += 1;
+                kind = k.into();
+                continue;
+            }
+            assert!(!line.starts_with('#'), "unexpected line {line:?}");
+            let (series, value) = line.rsplit_once(' ').expect(line);
+            let (name, labels) = match series.split_once('{') {
+                Some((name, rest)) => (name, parse_labels(rest.strip_suffix('}').expect(line))),
+                None => (series, Vec::new()),
+            };
+            samples.push(Sample {
+                family: families.last().expect("a sample after its TYPE").0.clone(),
+                kind: kind.clone(),
+                name: name.into(),
+                labels,
+                value: value.parse().expect(line),
+            });
+        }
+        (families, samples)
+    }
+
+    /// `a="x",b="y\"z"` → [(a, x), (b, y"z)].
+    fn parse_labels(s: &str) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        let mut chars = s.chars().peekable();
+        while chars.peek().is_some() {
+            let name: String = chars.by_ref().take_while(|&c| c != '=').collect();
+            assert_eq!(chars.next(), Some('"'), "{s}");
+            let mut value = String::new();
+            while let Some(c) = chars.next() {
+                match c {
+                    '"' => break,
+                    '\\' => match chars.next() {
+                        Some('n') => value.push('\n'),
+                        Some(c) => value.push(c),
+                        None => panic!("{s}"),
+                    },
+                    c => value.push(c),
+                }
+            }
+            out.push((name, value));
+            if chars.peek() == Some(&',') {
+                chars.next();
+            }
+        }
+        out
+    }
+
     #[test]
     fn http_metrics_render_exact_series() {
         let gauges = Gauges {
@@ -955,24 +1145,33 @@ mod tests {
         let text = render_metrics(&synthetic(), &gauges);
         let l = lines(&text);
         for want in [
-            "# HELP ratelimit_packets Frames seen by the XDP program, by verdict and interface (interface=all: every interface); each frame has exactly one verdict",
+            "# HELP ratelimit_packets Frames seen by the XDP program, by verdict and by the interface that received them: each frame has one verdict and one interface, so a sum counts every frame once. An empty interface label stands for the interfaces beyond the per-interface counter slots (from their first frame on). A detached interface's series ends with it",
             "# TYPE ratelimit_packets counter",
-            "ratelimit_packets_total{verdict=\"drop_rule\",interface=\"eth0\"} 7",
-            "ratelimit_packets_total{verdict=\"pass\",interface=\"eth1\"} 10",
-            "ratelimit_packets_total{verdict=\"pass\",interface=\"all\"} 30",
-            "ratelimit_bytes_total{verdict=\"drop_rule\",interface=\"all\"} 700",
+            "ratelimit_bytes_total{verdict=\"drop_rule\",interface=\"eth0\"} 700",
+            "ratelimit_bytes_total{verdict=\"pass\",interface=\"\"} 400",
+            "# TYPE ratelimit_reason_packets counter",
             "ratelimit_reason_packets_total{reason=\"admission_refused\"} 4",
-            "ratelimit_rule_packets_total{rule=\"syn-per-client\",counter=\"dropped\"} 7",
-            "ratelimit_rule_bytes_total{rule=\"syn-per-client\",counter=\"matched\"} 900",
+            "ratelimit_reason_packets_total{reason=\"contended\"} 0",
+            "ratelimit_rule_matched_packets_total{rule=\"syn-per-client\"} 9",
+            "ratelimit_rule_matched_bytes_total{rule=\"syn-per-client\"} 900",
+            "ratelimit_rule_packets_total{rule=\"syn-per-client\",outcome=\"admitted\"} 2",
+            "ratelimit_rule_packets_total{rule=\"syn-per-client\",outcome=\"dropped\"} 7",
+            "ratelimit_rule_packets_total{rule=\"syn-per-client\",outcome=\"would_drop\"} 0",
+            "ratelimit_rule_bytes_total{rule=\"syn-per-client\",outcome=\"dropped\"} 700",
+            "ratelimit_rule_bans_issued_total{rule=\"syn-per-client\"} 2",
             "# TYPE ratelimit_active_bans gauge",
             "ratelimit_active_bans 3",
+            "# TYPE ratelimit_bans_issued counter",
             "ratelimit_bans_issued_total 2",
+            "ratelimit_bans_expired_total 0",
+            "ratelimit_bans_held_in_state_total 0",
+            "ratelimit_ban_insert_failures_total 0",
+            "ratelimit_client_states_created_total 12",
+            "ratelimit_client_states_evicted_total 7",
             "ratelimit_tracked_clients 5",
             "ratelimit_tracked_clients_capacity 20",
             "ratelimit_map_fill_ratio{map=\"clients\"} 0.25",
             "ratelimit_map_fill_ratio{map=\"known_filter\"} 0.25",
-            "ratelimit_evictions_total 7",
-            "ratelimit_admission_refused_total 4",
             "ratelimit_events_lost_total{stage=\"ring_buffer\"} 1",
             "ratelimit_events_lost_total{stage=\"queue\"} 2",
             "ratelimit_events_lost_total{stage=\"write\"} 3",
@@ -998,33 +1197,281 @@ mod tests {
             assert!(l.contains(&want), "missing {want:?} in:\n{text}");
         }
         assert!(text.ends_with("\n# EOF\n"), "{text}");
-        // Series in a stable order: per interface, then all; verdicts sorted by name.
+        // Per interface in slot order, then the unlisted ones; verdicts sorted by name. No
+        // "all", and nothing of the interface gone (the retired slot's 100).
         let packets: Vec<_> = l
             .iter()
-            .filter(|s| s.starts_with("ratelimit_packets_total"))
+            .filter(|s| s.starts_with("ratelimit_packets_total") && !s.ends_with(" 0"))
             .collect();
         assert_eq!(
             packets,
             [
                 &"ratelimit_packets_total{verdict=\"drop_rule\",interface=\"eth0\"} 7",
                 &"ratelimit_packets_total{verdict=\"pass\",interface=\"eth0\"} 20",
-                &"ratelimit_packets_total{verdict=\"drop_rule\",interface=\"eth1\"} 0",
                 &"ratelimit_packets_total{verdict=\"pass\",interface=\"eth1\"} 10",
-                &"ratelimit_packets_total{verdict=\"drop_rule\",interface=\"all\"} 7",
-                &"ratelimit_packets_total{verdict=\"pass\",interface=\"all\"} 30",
+                &"ratelimit_packets_total{verdict=\"pass\",interface=\"\"} 4",
             ]
         );
-        // Every family has one HELP and one TYPE line.
-        for f in [
-            "ratelimit_packets ",
-            "ratelimit_evictions ",
-            "ratelimit_map_fill_ratio ",
-        ] {
+        let verdicts = global::VERDICTS as usize;
+        assert_eq!(
+            l.iter()
+                .filter(|s| s.starts_with("ratelimit_packets_total"))
+                .count(),
+            3 * verdicts,
+            "every verdict of eth0, eth1 and the unlisted interfaces"
+        );
+        // Without a frame of an unlisted interface, no series of them.
+        let mut stats = synthetic();
+        stats.unlisted = report::Counters::default();
+        let text = render_metrics(&stats, &gauges);
+        assert_eq!(
+            text.lines()
+                .filter(|s| s.starts_with("ratelimit_packets_total"))
+                .count(),
+            2 * verdicts,
+            "{text}"
+        );
+        assert!(
+            !text
+                .lines()
+                .any(|l| !l.starts_with('#') && l.contains("interface=\"\"")),
+            "{text}"
+        );
+    }
+
+    /// Prometheus' conventions, for every family: one HELP and one TYPE line, a counter's
+    /// samples end in `_total` (and only a counter's), an info's in `_info` with the value 1,
+    /// a `_ratio` is a gauge from 0 to 1, names and label names in snake case, and no series
+    /// twice.
+    #[test]
+    fn http_metrics_follow_prometheus_naming_conventions() {
+        let gauges = Gauges {
+            tasks: vec![("ban_persistence", true, 0), ("events", false, 3)],
+            ..GAUGES
+        };
+        let text = render_metrics(&synthetic(), &gauges);
+        let (families, samples) = parse(&text);
+        let snake = |s: &str| {
+            s.starts_with(|c: char| c.is_ascii_lowercase())
+                && s.chars()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_')
+                && !s.contains("__")
+        };
+        let mut names = BTreeSet::new();
+        for (family, helps, types) in &families {
+            assert!(names.insert(family), "{family} declared twice");
+            assert_eq!((helps, types), (&1, &1), "{family}: HELP and TYPE lines");
+            assert!(
+                family.starts_with("ratelimit_") && snake(family),
+                "{family}: not a snake-case name in the ratelimit_ namespace"
+            );
+            assert!(
+                !family.ends_with("_total") && !family.ends_with("_info"),
+                "{family}: the suffix belongs to the samples"
+            );
+        }
+        let mut series = BTreeSet::new();
+        for s in &samples {
+            let want = match s.kind.as_str() {
+                "counter" => format!("{}_total", s.family),
+                "info" => format!("{}_info", s.family),
+                "gauge" => s.family.clone(),
+                k => panic!("{}: unexpected type {k}", s.family),
+            };
+            assert_eq!(s.name, want, "{s:?}");
+            if s.kind == "gauge" {
+                assert!(
+                    !s.name.ends_with("_total"),
+                    "a gauge named as a counter: {s:?}"
+                );
+            }
+            if s.kind == "info" {
+                assert_eq!(s.value, 1.0, "{s:?}");
+            }
+            if s.family.ends_with("_ratio") {
+                assert_eq!(s.kind, "gauge", "{s:?}");
+                assert!((0.0..=1.0).contains(&s.value), "{s:?}");
+            }
+            for (label, _) in &s.labels {
+                assert!(snake(label), "{s:?}: label name {label}");
+            }
+            let mut labels = s.labels.clone();
+            labels.sort();
+            assert!(series.insert((s.name.clone(), labels)), "twice: {s:?}");
+        }
+        // Units in the names: what counts bytes says so, and only that.
+        for s in &samples {
+            let bytes = s.family.ends_with("_bytes");
             assert_eq!(
-                l.iter()
-                    .filter(|s| s.starts_with(&format!("# TYPE {f}")))
-                    .count(),
-                1
+                bytes,
+                [
+                    "ratelimit_bytes",
+                    "ratelimit_rule_matched_bytes",
+                    "ratelimit_rule_bytes"
+                ]
+                .contains(&s.family.as_str()),
+                "{s:?}"
+            );
+        }
+    }
+
+    /// Whether some two or more of `parts` add up to `total`.
+    fn is_a_sum_of(total: f64, parts: &[f64]) -> Option<Vec<f64>> {
+        let parts: Vec<f64> = parts.iter().copied().filter(|&p| p != 0.0).collect();
+        assert!(
+            parts.len() < 24,
+            "too many series for the subset sums: {parts:?}"
+        );
+        (1u32..1 << parts.len())
+            .filter(|m| m.count_ones() >= 2)
+            .map(|m| {
+                (0..parts.len())
+                    .filter(|i| m & 1 << i != 0)
+                    .map(|i| parts[i])
+                    .collect::<Vec<_>>()
+            })
+            .find(|subset| subset.iter().sum::<f64>() == total)
+    }
+
+    /// A sum over a family's labels never counts anything twice: no series is the sum of
+    /// others of its family that differ from it in one label (an `interface="all"` beside the
+    /// interfaces, a rule's `matched` beside its outcomes). The counters are written as the
+    /// program writes them (a frame in one verdict of its interface's slot, a rule's matched
+    /// packet in `matched` and in one outcome), and every series that could be a part of
+    /// another is a sum of powers of two no other series has, so no sum comes out equal by
+    /// chance.
+    #[test]
+    fn http_metrics_no_series_is_the_sum_of_others_of_its_family() {
+        let mut s = raw_slots();
+        let power = |n: u32| pb(1 << n, 100 << n);
+        // The verdicts (whose series are split by interface), then the reasons (whose
+        // series are each a sum over the interfaces): each its own pair of powers.
+        for k in 0..global::COUNT {
+            let j = if k < global::VERDICTS {
+                k
+            } else {
+                k - global::VERDICTS
+            };
+            s[1][k as usize] = power(2 * j);
+            s[2][k as usize] = power(2 * j + 1);
+        }
+        // What the program does with a matched packet (`rules.rs`): `matched`, and one of
+        // these (or none, when it passes the packet unmetered).
+        let outcomes = [
+            rule::ADMITTED,
+            rule::DROPPED,
+            rule::BANNED_DROPPED,
+            rule::WOULD_DROP,
+            rule::EXCEED_PASSED,
+        ];
+        for r in 0..2 {
+            let mut matched = Pb::default();
+            for (j, outcome) in (0..).zip(outcomes) {
+                let p = power(r * 8 + j);
+                s[1][rule_index(r, outcome)] = p;
+                matched += p;
+            }
+            s[1][rule_index(r, rule::MATCHED)] = matched;
+            s[1][rule_index(r, rule::BANS)] = power(r * 8 + 6);
+        }
+        // The daemon's own counters too, each a power of two of its own.
+        let gauges = Gauges {
+            events: events::Counts {
+                lost_queue: 1 << 50,
+                lost_write: 1 << 51,
+                ..GAUGES.events
+            },
+            http: HttpCounts {
+                header_timeouts: 1,
+                request_timeouts: 2,
+                ..GAUGES.http
+            },
+            tasks: vec![("a", true, 1), ("b", true, 2), ("c", false, 4)],
+            saved_bans: [
+                ("restored", 1),
+                ("pinned", 2),
+                ("expired", 4),
+                ("rule_gone", 8),
+                ("failed", 16),
+            ],
+            ..GAUGES
+        };
+        let text = render_metrics(&stats_of(&s, &["a", "b"]), &gauges);
+        let (_, samples) = parse(&text);
+        let mut checked = 0;
+        for (i, sample) in samples.iter().enumerate() {
+            if sample.kind != "counter" || sample.value == 0.0 {
+                continue;
+            }
+            for (label, _) in &sample.labels {
+                let rest = |x: &Sample| {
+                    let mut l: Vec<(String, String)> = x
+                        .labels
+                        .iter()
+                        .filter(|(k, _)| k != label)
+                        .cloned()
+                        .collect();
+                    l.sort();
+                    l
+                };
+                let siblings: Vec<f64> = samples
+                    .iter()
+                    .enumerate()
+                    .filter(|(j, x)| *j != i && x.name == sample.name && rest(x) == rest(sample))
+                    .map(|(_, x)| x.value)
+                    .collect();
+                if let Some(parts) = is_a_sum_of(sample.value, &siblings) {
+                    panic!(
+                        "{} {:?} = {} is the sum of others over {label}: {parts:?}\n{text}",
+                        sample.name, sample.labels, sample.value
+                    );
+                }
+                checked += 1;
+            }
+        }
+        assert!(checked > 50, "{checked} series checked");
+    }
+
+    /// Every counter of the program is in `/metrics` exactly once: a verdict in
+    /// `ratelimit_packets_total`, a packet reason in `ratelimit_reason_packets_total`, any
+    /// other reason in a family of its own. A counter added to `stats::global` fails here
+    /// until it is given its place.
+    #[test]
+    fn http_metrics_export_every_counter_once() {
+        let classified: Vec<u32> = (0..global::VERDICTS)
+            .chain(PACKET_REASONS)
+            .chain(NON_PACKET_REASONS.iter().map(|r| r.0))
+            .chain([global::EVENTS_LOST])
+            .collect();
+        let mut sorted = classified.clone();
+        sorted.sort();
+        assert_eq!(
+            sorted,
+            (0..global::COUNT).collect::<Vec<_>>(),
+            "each counter of stats::global classified once"
+        );
+        // Each counter of one interface's slot a value of its own: each value is in exactly
+        // one packet series.
+        let mut s = raw_slots();
+        let value = |k: u32| 1000 + u64::from(k);
+        for k in 0..global::COUNT {
+            s[1][k as usize] = pb(value(k), 0);
+        }
+        let text = render_metrics(&stats_of(&s, &[]), &GAUGES);
+        let (_, samples) = parse(&text);
+        for k in 0..global::COUNT {
+            let found: Vec<_> = samples
+                .iter()
+                .filter(|x| x.value == value(k) as f64 && !x.family.ends_with("_bytes"))
+                .collect();
+            assert_eq!(found.len(), 1, "{}: {found:?}", global::NAMES[k as usize]);
+            let in_packets = found[0].family.ends_with("_packets");
+            assert_eq!(
+                in_packets,
+                k < global::VERDICTS || PACKET_REASONS.contains(&k),
+                "{} in {}",
+                global::NAMES[k as usize],
+                found[0].family
             );
         }
     }
@@ -1042,7 +1489,10 @@ mod tests {
             },
         );
         let l = lines(&text);
-        assert!(l.contains(&"ratelimit_evictions_total 0"), "{text}");
+        assert!(
+            l.contains(&"ratelimit_client_states_evicted_total 0"),
+            "{text}"
+        );
         assert!(
             l.contains(&"ratelimit_map_fill_ratio{map=\"clients\"} 0.0"),
             "{text}"
@@ -1055,7 +1505,14 @@ mod tests {
         stats.rules[0].name = "a\"b\\c".into();
         let text = render_metrics(&stats, &GAUGES);
         assert!(
-            text.contains("ratelimit_rule_packets_total{rule=\"a\\\"b\\\\c\",counter=\"bans\"} 2"),
+            text.contains("ratelimit_rule_bans_issued_total{rule=\"a\\\"b\\\\c\"} 2"),
+            "{text}"
+        );
+        let (_, samples) = parse(&text);
+        assert!(
+            samples
+                .iter()
+                .any(|s| s.labels.contains(&("rule".into(), "a\"b\\c".into()))),
             "{text}"
         );
     }

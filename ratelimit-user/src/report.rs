@@ -8,7 +8,7 @@ use std::{
 
 use ratelimit_common::{
     addr::IpKey,
-    caps::MAX_IFACES,
+    caps::{MAX_IFACES, UNLISTED_SLOT},
     limiter,
     maps::*,
     stats::{self, Counter, global, rule},
@@ -80,13 +80,18 @@ pub struct IfaceCounters {
 
 #[derive(Serialize, Debug)]
 pub struct Stats {
+    /// Every slot: the interfaces', the unlisted interfaces', and those of the interfaces no
+    /// longer attached.
     #[serde(flatten)]
     pub all: Counters,
     pub interfaces: Vec<IfaceCounters>,
+    /// The frames of the interfaces beyond the per-interface slots (`caps::UNLISTED_SLOT`).
+    /// Part of `all` (which is what the JSON shows), apart for `/metrics`.
+    #[serde(skip)]
+    pub unlisted: Counters,
     pub rules: Vec<RuleCounters>,
 }
 
-/// Sum over CPUs of every counter: `[slot][index]`.
 /// The packets of one global counter (`stats::global::*`) over every interface slot: a
 /// few lookups instead of the whole array `stats` reads.
 pub fn global_packets(maps: &Maps, index: u32) -> anyhow::Result<u64> {
@@ -98,6 +103,7 @@ pub fn global_packets(maps: &Maps, index: u32) -> anyhow::Result<u64> {
     Ok(sum)
 }
 
+/// Every counter summed over the CPUs: `[slot][index]`.
 fn read_all(maps: &Maps) -> anyhow::Result<Vec<Vec<Pb>>> {
     let mut out = vec![vec![Pb::default(); stats::PER_IFACE as usize]; MAX_IFACES as usize];
     for (i, vals) in maps.stats.iter().enumerate() {
@@ -137,9 +143,13 @@ pub fn stats(
     ifaces: &[(u32, String)],
     rule_names: &[String],
 ) -> anyhow::Result<Stats> {
-    let all = read_all(maps)?;
+    Ok(stats_of(&read_all(maps)?, ifaces, rule_names))
+}
+
+/// [`stats`] of counters already read (`[slot][index]`, as [`read_all`] gives them).
+pub fn stats_of(all: &[Vec<Pb>], ifaces: &[(u32, String)], rule_names: &[String]) -> Stats {
     let mut total = vec![Pb::default(); stats::PER_IFACE as usize];
-    for slot in &all {
+    for slot in all {
         for (t, v) in total.iter_mut().zip(slot) {
             *t += *v;
         }
@@ -166,11 +176,14 @@ pub fn stats(
             }
         })
         .collect();
-    Ok(Stats {
+    Stats {
         all: counters(&total),
         interfaces,
+        unlisted: all
+            .get(UNLISTED_SLOT as usize)
+            .map_or_else(Counters::default, |c| counters(c)),
         rules,
-    })
+    }
 }
 
 /// One tracked client, as reports show it.

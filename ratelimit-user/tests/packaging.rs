@@ -10,12 +10,15 @@ use std::{
 };
 
 use clap::{CommandFactory as _, Parser as _};
-use ratelimit_common::stats::{global, rule};
+use ratelimit_common::{
+    caps::{MAX_IFACES, UNLISTED_SLOT},
+    stats::PER_IFACE,
+};
 use ratelimit_user::{
     cli::Cli,
     config::{self, KeyKind, OverrideTarget},
     http::{Gauges, render_metrics},
-    report::{Counters, IfaceCounters, Pb, RuleCounters, Stats},
+    report::{self, Pb, Stats},
 };
 
 fn packaging(file: &str) -> PathBuf {
@@ -125,47 +128,19 @@ fn packaging_example_config_shows_every_key() {
     assert!(text.contains("new_sources_burst"));
 }
 
-/// A reading of the counters with every verdict, reason and rule counter in it.
+/// A reading of the counters with every verdict, reason and rule counter in it, on one
+/// interface and on an unlisted one.
 fn synthetic_stats() -> Stats {
-    let counters = |scale: u64| {
-        let mut c = Counters::default();
-        for (i, name) in global::NAMES.iter().enumerate() {
-            let pb = Pb {
-                packets: scale * (i as u64 + 1),
-                bytes: scale * 100 * (i as u64 + 1),
+    let mut slots = vec![vec![Pb::default(); PER_IFACE as usize]; MAX_IFACES as usize];
+    for slot in [UNLISTED_SLOT as usize, 1] {
+        for (i, pb) in slots[slot].iter_mut().enumerate() {
+            *pb = Pb {
+                packets: i as u64 + 1,
+                bytes: 100 * (i as u64 + 1),
             };
-            if (i as u32) < global::VERDICTS {
-                c.total += pb;
-                c.verdicts.insert(name, pb);
-            } else {
-                c.reasons.insert(name, pb);
-            }
         }
-        c
-    };
-    Stats {
-        all: counters(2),
-        interfaces: vec![IfaceCounters {
-            iface: "eth0".into(),
-            slot: 1,
-            counters: counters(1),
-        }],
-        rules: vec![RuleCounters {
-            name: "syn-per-client".into(),
-            counters: rule::NAMES
-                .iter()
-                .map(|n| {
-                    (
-                        *n,
-                        Pb {
-                            packets: 5,
-                            bytes: 500,
-                        },
-                    )
-                })
-                .collect(),
-        }],
     }
+    report::stats_of(&slots, &[(1, "eth0".into())], &["syn-per-client".into()])
 }
 
 /// Series name → label name → label values, from an OpenMetrics exposition.
@@ -324,25 +299,40 @@ fn packaging_grafana_dashboard_queries_only_exported_metrics() {
     for want in [
         "ratelimit_packets_total",
         "ratelimit_bytes_total",
+        "ratelimit_reason_packets_total",
         "ratelimit_rule_packets_total",
+        "ratelimit_rule_matched_packets_total",
+        "ratelimit_rule_bans_issued_total",
         "ratelimit_active_bans",
         "ratelimit_bans_issued_total",
         "ratelimit_tracked_clients",
         "ratelimit_tracked_clients_capacity",
         "ratelimit_map_fill_ratio",
-        "ratelimit_evictions_total",
-        "ratelimit_admission_refused_total",
+        "ratelimit_client_states_evicted_total",
         "ratelimit_events_lost_total",
     ] {
         assert!(queried.contains(want), "no panel shows {want}");
     }
-    for counter in ["dropped", "would_drop"] {
+    for outcome in ["dropped", "would_drop", "exceed_passed"] {
         assert!(
             exprs
                 .iter()
-                .any(|e| e.contains(&format!("counter=\"{counter}\""))),
-            "no panel shows rule counter {counter}"
+                .any(|e| e.contains("ratelimit_rule_packets_total{")
+                    && e.contains("outcome=")
+                    && e.contains(outcome)),
+            "no panel shows rule outcome {outcome}"
         );
+    }
+    assert!(
+        exprs
+            .iter()
+            .any(|e| e.contains("reason=\"admission_refused\"")),
+        "no panel shows admission refused"
+    );
+    // No query sums a family with a series that is the sum of others: there are none to
+    // exclude, and a query that excludes one (interface!="all") is left from before.
+    for expr in &exprs {
+        assert!(!expr.contains("\"all\""), "{expr:?}");
     }
 
     // Every panel queries the imported data source.
@@ -360,21 +350,25 @@ fn packaging_grafana_dashboard_queries_only_exported_metrics() {
 #[test]
 fn packaging_selector_parser() {
     let s = selectors(
-        r#"sum by (rule) (rate(ratelimit_rule_packets_total{counter="dropped",rule=~"$rule"}[5m])) / ratelimit_up"#,
+        r#"sum by (rule) (rate(ratelimit_rule_packets_total{outcome="dropped",rule=~"$rule"}[5m])) / ratelimit_up"#,
     );
     assert_eq!(s.len(), 2);
     assert_eq!(s[0].0, "ratelimit_rule_packets_total");
     assert_eq!(
         s[0].1,
         [
-            ("counter".into(), ("=".into(), "dropped".into())),
+            ("outcome".into(), ("=".into(), "dropped".into())),
             ("rule".into(), ("=~".into(), "$rule".into())),
         ]
     );
     assert_eq!(s[1], ("ratelimit_up".into(), vec![]));
     let series = exposed_series();
-    assert!(series["ratelimit_packets_total"]["interface"].contains("all"));
-    assert!(series["ratelimit_rule_packets_total"]["counter"].contains("would_drop"));
+    assert_eq!(
+        series["ratelimit_packets_total"]["interface"],
+        ["", "eth0"].map(String::from).into()
+    );
+    assert!(series["ratelimit_rule_packets_total"]["outcome"].contains("would_drop"));
+    assert!(!series["ratelimit_rule_packets_total"]["outcome"].contains("matched"));
     assert!(series.contains_key("ratelimit_build_info"));
 }
 

@@ -476,7 +476,7 @@ fn pipe() -> (OwnedFd, OwnedFd) {
 }
 
 /// A fresh, private `/tmp/ratelimit-lab-PID-N`.
-fn make_temp_dir() -> PathBuf {
+pub(crate) fn make_temp_dir() -> PathBuf {
     use std::os::unix::fs::DirBuilderExt;
     let pid = std::process::id();
     loop {

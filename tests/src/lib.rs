@@ -5,6 +5,7 @@
 //! [`link`]), starts the daemon on the protected side ([`daemon`]), sends
 //! crafted frames ([`packet`]) from the client side ([`sender`]) and counts
 //! what arrived with receivers that do not trust the daemon ([`receiver`]).
+//! A real Prometheus server can scrape the daemon there ([`prometheus`]).
 //! Every resource is a guard that cleans up on drop, also when a test panics.
 //! Kernel tests start with [`kernel_test!`] ([`env`]), which skips them
 //! outside `cargo xtask test`.
@@ -21,6 +22,7 @@ pub mod mmdb;
 pub mod netns;
 pub mod packet;
 pub mod pins;
+pub mod prometheus;
 pub mod receiver;
 pub mod scenario;
 pub mod sender;
@@ -28,7 +30,7 @@ pub mod tun;
 
 pub use daemon::Daemon;
 pub use env::{ratelimit_bin, require_kernel_tests, skip_unless_kernel};
-pub use link::{VethEnd, VethPair, disable_rp_filter};
+pub use link::{VethEnd, VethPair, disable_rp_filter, silence};
 pub use netns::NetNs;
 pub use packet::Frame;
 pub use receiver::{Counts, Tap, UdpSink};

@@ -262,6 +262,16 @@ pub fn disable_rp_filter(ns: &NetNs, iface: &str) {
     }
 }
 
+/// Keeps the stack of `ns` from sending anything out of `iface` on its own: IPv6 off on it
+/// (no link-local address, so no router solicitations, neighbour discovery or MLD reports
+/// minutes after the link came up; IPv4 sends nothing unless asked). The frames that reach
+/// the other end are then exactly the ones the test sends, so counts of every frame there
+/// (`ratelimit_packets_total` summed) can be exact. The test's own IPv6 frames, sent on a
+/// packet socket, are not affected.
+pub fn silence(ns: &NetNs, iface: &str) {
+    ns.sysctl(&format!("net.ipv6.conf.{iface}.disable_ipv6"), "1");
+}
+
 /// Adds an extra address (`"198.19.5.1/24"`, `"2001:db8:ff::1/64"`) to
 /// `iface`; IPv6 addresses are added without DAD so they work at once.
 pub fn add_address(ns: &NetNs, iface: &str, cidr: &str) {

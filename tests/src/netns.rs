@@ -159,19 +159,7 @@ impl NetNs {
     ///
     /// If `setns` fails (before `f` runs), or if `f` panics.
     pub fn enter<T: Send>(&self, f: impl FnOnce() -> T + Send) -> T {
-        let fd = self.fd();
-        let name = &self.name;
-        std::thread::scope(|s| {
-            let handle = s.spawn(move || {
-                setns_net(fd.as_raw_fd())
-                    .unwrap_or_else(|e| panic!("setns into netns {name}: {e}"));
-                f()
-            });
-            match handle.join() {
-                Ok(v) => v,
-                Err(payload) => std::panic::resume_unwind(payload),
-            }
-        })
+        in_netns(self.fd(), f)
     }
 
     /// A [`Command`] whose child joins this namespace (network only: mounts,
@@ -179,6 +167,25 @@ impl NetNs {
     pub fn command_in(&self, program: impl AsRef<OsStr>) -> Command {
         command_in_fd(self.dup_fd(), program)
     }
+}
+
+/// [`NetNs::enter`] for a holder of the namespace's file alone: runs `f` on a new thread that
+/// has joined the namespace `fd`, and returns its result.
+///
+/// # Panics
+///
+/// If `setns` fails (before `f` runs), or if `f` panics.
+pub fn in_netns<T: Send>(fd: BorrowedFd<'_>, f: impl FnOnce() -> T + Send) -> T {
+    std::thread::scope(|s| {
+        let handle = s.spawn(move || {
+            setns_net(fd.as_raw_fd()).unwrap_or_else(|e| panic!("setns into a netns: {e}"));
+            f()
+        });
+        match handle.join() {
+            Ok(v) => v,
+            Err(payload) => std::panic::resume_unwind(payload),
+        }
+    })
 }
 
 /// A [`Command`] whose child `setns()`-es into the network namespace `ns_fd`

@@ -282,6 +282,23 @@ pub fn rule_counter(stats: &serde_json::Value, rule: &str, counter: &str) -> u64
         .unwrap_or(0)
 }
 
+/// The sum of the values of every series of `name` in an exposition (`/metrics`) that has
+/// these labels, whatever its others: PromQL's `sum(name{labels})`.
+pub fn metric_sum(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
+    text.lines()
+        .filter(|l| !l.starts_with('#'))
+        .filter_map(|l| {
+            let (series, value) = l.rsplit_once(' ')?;
+            let (n, rest) = series.split_once('{').unwrap_or((series, ""));
+            (n == name
+                && labels
+                    .iter()
+                    .all(|(k, v)| rest.contains(&format!("{k}=\"{v}\""))))
+            .then(|| value.parse::<f64>().ok())?
+        })
+        .sum()
+}
+
 /// Sum of the pass verdicts.
 pub fn passed(stats: &serde_json::Value) -> u64 {
     ["pass", "pass_non_ip", "pass_malformed", "pass_allow"]

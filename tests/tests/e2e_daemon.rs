@@ -700,28 +700,124 @@ fn bulk_bans_apply_fast_and_remove_cleanly() {
     assert_eq!(unbans[0]["rule"], "", "{}", unbans[0]);
 }
 
+/// uid and gid of `nobody`: a local user who is not root.
+const NOBODY: u32 = 65534;
+
+/// Runs `f` on a thread of its own whose credentials are uid and gid [`NOBODY`], with no
+/// supplementary groups: a connection it makes has a non-root peer (SO_PEERCRED). The raw
+/// syscalls change the calling thread alone (the C library's `setuid` would change every
+/// thread of the test process); the thread ends with `f`.
+fn on_a_thread_as_nobody<T: Send>(f: impl FnOnce() -> T + Send) -> T {
+    std::thread::scope(|s| {
+        let t = s.spawn(|| {
+            // SAFETY: syscalls with no pointer but a null list of no groups; they change the
+            // credentials of this thread only.
+            let rcs = unsafe {
+                [
+                    libc::syscall(libc::SYS_setgroups, 0, std::ptr::null::<libc::gid_t>()),
+                    libc::syscall(libc::SYS_setresgid, NOBODY, NOBODY, NOBODY),
+                    libc::syscall(libc::SYS_setresuid, NOBODY, NOBODY, NOBODY),
+                ]
+            };
+            assert_eq!(
+                rcs,
+                [0; 3],
+                "dropping to nobody: {}",
+                std::io::Error::last_os_error()
+            );
+            f()
+        });
+        match t.join() {
+            Ok(v) => v,
+            Err(panic) => std::panic::resume_unwind(panic),
+        }
+    })
+}
+
+/// The control socket is root's, twice over: its mode (0600) keeps other users from
+/// connecting at all, and the daemon itself checks the peer's credentials (SO_PEERCRED), so
+/// that a socket opened to everyone (a chmod, a directory with other permissions) still
+/// takes no request from anyone but root. The second is tested with the socket and its
+/// directory opened: a request from `nobody` reaches the daemon, which refuses it with its
+/// own answer and changes nothing.
 #[test]
 fn control_socket_refuses_non_root_and_cli_rejects_bad_arguments() {
+    use std::{
+        io::{Read as _, Write as _},
+        os::unix::{fs::PermissionsExt as _, net::UnixStream},
+        path::Path,
+    };
     kernel_test!();
     let mut s = Scenario::new("rlq");
     s.start("");
     let sock = s.daemon().socket_path().to_path_buf();
-    let meta = std::fs::metadata(&sock).unwrap();
-    use std::os::unix::fs::PermissionsExt as _;
-    assert_eq!(
-        meta.permissions().mode() & 0o777,
-        0o600,
-        "socket is root-only"
-    );
-    let out = Command::new(ratelimit_tests::ratelimit_bin())
-        .args(["status", "--socket", sock.to_str().unwrap()])
-        .uid(65534)
-        .gid(65534)
-        .output()
-        .unwrap();
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(&sock), 0o600, "socket is root-only");
+    let as_nobody = |args: &[&str]| {
+        Command::new(ratelimit_tests::ratelimit_bin())
+            .args(args)
+            .arg("--socket")
+            .arg(&sock)
+            .uid(NOBODY)
+            .gid(NOBODY)
+            .output()
+            .unwrap()
+    };
+    let daemon_refusal = "the control socket is for root only";
+
+    // The socket's mode: the kernel refuses the connection.
+    let out = as_nobody(&["status"]);
     assert!(!out.status.success(), "non-root must be refused");
     let err = String::from_utf8_lossy(&out.stderr);
-    assert!(err.contains("ermission denied"), "{err}");
+    assert!(
+        err.contains("cannot reach the daemon") && err.contains("Permission denied"),
+        "{err}"
+    );
+    assert!(!err.contains(daemon_refusal), "{err}");
+
+    // The daemon's own check: with the socket and the way to it open to everyone, the
+    // request of `nobody` gets to the daemon, which answers that it is for root only.
+    let dir = sock.parent().unwrap();
+    std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711)).unwrap();
+    std::fs::set_permissions(&sock, std::fs::Permissions::from_mode(0o666)).unwrap();
+    let out = as_nobody(&["ban", "add", "198.19.70.1", "--reason", "not root"]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        !out.status.success(),
+        "`ban add` as nobody must be refused: {err}"
+    );
+    assert!(
+        err.contains(daemon_refusal),
+        "the daemon's own refusal: {err}"
+    );
+    // A peer that takes its time to send its request still reads the refusal (no EPIPE).
+    let request = serde_json::json!({
+        "cmd": "ban_add",
+        "bans": [{ "cidr": "198.19.70.2/32" }],
+    })
+    .to_string();
+    let answer = on_a_thread_as_nobody(|| -> std::io::Result<String> {
+        let mut c = UnixStream::connect(&sock)?;
+        std::thread::sleep(Duration::from_millis(100));
+        c.write_all(format!("{request}\n").as_bytes())?;
+        let mut answer = String::new();
+        c.read_to_string(&mut answer)?;
+        Ok(answer)
+    })
+    .expect("a slow request of nobody gets an answer");
+    let answer: serde_json::Value = serde_json::from_str(&answer).expect(&answer);
+    assert_eq!(answer["ok"], false, "{answer}");
+    assert!(
+        answer["error"].as_str().unwrap().contains(daemon_refusal),
+        "{answer}"
+    );
+    // Nothing changed: root sees no ban.
+    assert_eq!(
+        s.daemon().cli_json(&["bans"]),
+        serde_json::json!([]),
+        "no ban was added by nobody"
+    );
+    assert_eq!(s.daemon().cli_json(&["status"])["active_bans"], 0);
     for bad in [
         vec!["frobnicate"],
         vec!["top", "--by", "colour"],

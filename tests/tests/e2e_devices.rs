@@ -11,7 +11,7 @@ use std::{
 use ratelimit_tests::{
     Daemon, NetNs, UdpSink, VethPair, kernel_test,
     packet::Frame,
-    scenario::{Scenario, verdict},
+    scenario::{Scenario, metric_sum, verdict},
     tun::{Tun, ip_packet},
 };
 
@@ -291,11 +291,13 @@ fn a_link_pinned_on_a_renamed_interface_is_detached_from_it() {
 /// comes and goes): each new one gets a counter slot of its own, because slots of interfaces
 /// no longer attached are freed. A freed slot's counts stay in the totals and the next
 /// interface starts from zero. Before, slots were never freed: the 15th new interface counted
-/// in the shared slot 0 and the 16th could not be attached at all.
+/// in the shared slot 0 and the 16th could not be attached at all. In `/metrics`, an
+/// interface's series ends with it, and no other series takes over its counts (which
+/// Prometheus would read as a burst of that many frames).
 #[test]
 fn interfaces_that_come_and_go_never_run_out_of_counter_slots() {
     kernel_test!();
-    let mut s = Scenario::new("rlslot");
+    let mut s = Scenario::new("rlslot").with_http(19478);
     s.start("[lists]\ndeny = [\"198.19.66.0/24\"]\n");
     let dir = s.daemon().config_dir().to_path_buf();
     let base = s.daemon_table(&dir) + "[lists]\ndeny = [\"198.19.66.0/24\"]\n";
@@ -335,19 +337,38 @@ fn interfaces_that_come_and_go_never_run_out_of_counter_slots() {
             3 * round,
             "round {round}: the totals keep the counts of the interfaces gone"
         );
+        let (code, text) = s.http_get("/metrics");
+        assert_eq!(code, 200, "{text}");
+        let deny = |labels: &[(&str, &str)]| {
+            metric_sum(
+                &text,
+                "ratelimit_packets_total",
+                &[&[("verdict", "drop_deny")], labels].concat(),
+            )
+        };
+        assert_eq!(
+            (deny(&[]), deny(&[("interface", &extra.b().name)])),
+            (3.0, 3.0),
+            "round {round}: the series of the interfaces attached now, the one gone in none\n{text}"
+        );
+        assert!(
+            !text.contains("interface=\"\"} "),
+            "round {round}: no frame of an unlisted interface\n{text}"
+        );
         drop(tx);
         drop(extra);
     }
 }
 
 /// Seventeen interfaces attached at once, more than there are counter slots: every one is
-/// attached and protected; the first fifteen have a series of their own, the others count in
-/// the totals only (and are not listed with another interface's counts). Before, the
-/// seventeenth could not be attached at all (the slot map was full) and the reload failed.
+/// attached and protected; the first fourteen have a series of their own, the others count
+/// together in the unlisted slot (`interface=""` in `/metrics`), not with another interface's
+/// counts. Before, the seventeenth could not be attached at all (the slot map was full) and
+/// the reload failed.
 #[test]
 fn more_interfaces_at_once_than_counter_slots_are_all_attached_and_protected() {
     kernel_test!();
-    let mut s = Scenario::new("rlmany");
+    let mut s = Scenario::new("rlmany").with_http(19479);
     let deny = "[lists]\ndeny = [\"198.19.66.0/24\"]\n";
     s.start(deny);
     let extras: Vec<VethPair> = (0..16)
@@ -377,7 +398,7 @@ fn more_interfaces_at_once_than_counter_slots_are_all_attached_and_protected() {
         .map(|i| i["slot"].as_u64().unwrap())
         .collect();
     assert_eq!(slots.len(), 17, "{status}");
-    assert_eq!(slots.iter().filter(|&&s| s == 0).count(), 2, "{slots:?}");
+    assert_eq!(slots.iter().filter(|&&s| s == 0).count(), 3, "{slots:?}");
     for e in &extras {
         let frame = Frame::new(e.a().mac, e.b().mac)
             .ipv4(Ipv4Addr::new(198, 19, 66, 1), e.b().ipv4)
@@ -391,10 +412,23 @@ fn more_interfaces_at_once_than_counter_slots_are_all_attached_and_protected() {
     let listed = st["interfaces"].as_array().unwrap();
     assert_eq!(
         listed.len(),
-        15,
+        14,
         "only interfaces with a slot of their own: {st}"
     );
     for i in listed.iter().filter(|i| i["iface"] != main.as_str()) {
         assert_eq!(i["verdicts"]["drop_deny"]["packets"], 2, "{i}");
     }
+    // In /metrics: the three without a slot of their own in one series, and the sum over
+    // the interfaces is every frame denied.
+    let (code, text) = s.http_get("/metrics");
+    assert_eq!(code, 200, "{text}");
+    let deny = |labels: &[(&str, &str)]| {
+        metric_sum(
+            &text,
+            "ratelimit_packets_total",
+            &[&[("verdict", "drop_deny")], labels].concat(),
+        )
+    };
+    assert_eq!(deny(&[("interface", "")]), 6.0, "{text}");
+    assert_eq!(deny(&[]), 32.0, "{text}");
 }

@@ -8,7 +8,7 @@ use std::{
 
 use ratelimit_tests::{
     kernel_test,
-    scenario::{Scenario, rule_counter, verdict},
+    scenario::{Scenario, metric_sum, rule_counter, verdict},
 };
 
 const PORT: u16 = 9000;
@@ -36,6 +36,8 @@ fn metric(text: &str, name: &str, labels: &[(&str, &str)]) -> Option<f64> {
 fn metrics_and_json_agree_with_the_receiver() {
     kernel_test!();
     let mut s = Scenario::new("rlh").with_http(19477);
+    // Only the test's frames cross the link: the totals below count every frame.
+    ratelimit_tests::silence(&s.client, &s.pair.a().name);
     s.start(
         r#"
 [lists]
@@ -73,19 +75,28 @@ algorithm = "fixed_window"
     let m = |name: &str, labels: &[(&str, &str)]| {
         metric(&text, name, labels).unwrap_or_else(|| panic!("{name} {labels:?} missing:\n{text}"))
     };
+    let iface = s.pair.b().name.as_str();
     assert_eq!(
         m(
             "ratelimit_packets_total",
-            &[("verdict", "drop_deny"), ("interface", "all")]
+            &[("verdict", "drop_deny"), ("interface", iface)]
         ),
         40.0
     );
+    // Totals are sums: every frame sent is counted once, in one verdict of one interface.
+    assert!(!text.contains("interface=\"all\""), "{text}");
+    assert_eq!(metric_sum(&text, "ratelimit_packets_total", &[]), 290.0);
     assert_eq!(
-        m(
+        metric_sum(
+            &text,
             "ratelimit_packets_total",
-            &[("verdict", "drop_rule"), ("interface", "all")]
+            &[("verdict", "drop_rule")]
         ),
         150.0
+    );
+    assert_eq!(
+        metric_sum(&text, "ratelimit_bytes_total", &[]),
+        290.0 * 60.0
     );
     assert_eq!(
         m(
@@ -100,28 +111,38 @@ algorithm = "fixed_window"
     assert_eq!(
         m(
             "ratelimit_bytes_total",
-            &[("verdict", "drop_deny"), ("interface", "all")]
+            &[("verdict", "drop_deny"), ("interface", iface)]
         ),
         40.0 * 60.0
     );
     assert_eq!(
         m(
             "ratelimit_rule_packets_total",
-            &[("rule", "udp"), ("counter", "admitted")]
+            &[("rule", "udp"), ("outcome", "admitted")]
         ),
         got.from(ip4(51, 1)) as f64
     );
     assert_eq!(
         m(
             "ratelimit_rule_packets_total",
-            &[("rule", "udp"), ("counter", "dropped")]
+            &[("rule", "udp"), ("outcome", "dropped")]
         ),
         150.0
+    );
+    // The rule matched the 250 packets of 198.19.51.1 (the denied ones never reached it),
+    // each with one outcome.
+    assert_eq!(
+        m("ratelimit_rule_matched_packets_total", &[("rule", "udp")]),
+        250.0
+    );
+    assert_eq!(
+        metric_sum(&text, "ratelimit_rule_packets_total", &[("rule", "udp")]),
+        250.0
     );
     assert_eq!(m("ratelimit_tracked_clients", &[]), 1.0);
     assert_eq!(m("ratelimit_active_bans", &[]), 0.0);
     assert!(metric(&text, "ratelimit_events_lost_total", &[]).is_some());
-    assert!(metric(&text, "ratelimit_evictions_total", &[]).is_some());
+    assert!(metric(&text, "ratelimit_client_states_evicted_total", &[]).is_some());
     // The known-sources filter was built at the daemon's start, from a map of at most the one
     // state: a few bits of 2^23.
     let fill = m("ratelimit_map_fill_ratio", &[("map", "known_filter")]);

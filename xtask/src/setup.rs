@@ -25,6 +25,9 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "nftables",
     "iptables",
     "redis-server",
+    // The metrics test has a real Prometheus scrape the daemon (its own server, started by
+    // the test; the package's service is disabled, see `PACKAGE_SERVICES`).
+    "prometheus",
     "tcpdump",
     // The durability test traces the daemon's fsyncs and renames.
     "strace",
@@ -39,6 +42,11 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "kmod",
     "xz-utils",
 ];
+
+/// Packages whose installation starts a system service the tests must not meet (the
+/// Prometheus server on port 9090 scraping nothing of ours): after setup installs one, the
+/// service is stopped and disabled. The tests start servers of their own.
+const PACKAGE_SERVICES: &[(&str, &str)] = &[("prometheus", "prometheus")];
 
 const LLVM_PREFIX: &str = "/usr/lib/llvm-22";
 
@@ -124,12 +132,32 @@ fn debian_packages(installed: &mut Vec<String>) -> Result<()> {
             bail!("apt-get succeeded but Debian package {package} is still not installed");
         }
     }
+    for (package, service) in PACKAGE_SERVICES {
+        if missing.contains(package) {
+            disable_service(service)?;
+        }
+    }
     installed.extend(
         missing
             .iter()
             .map(|package| format!("Debian package {package}")),
     );
     Ok(())
+}
+
+/// Stops `service` and keeps it from starting at boot. Without systemd running (a container)
+/// there is nothing to stop: only the boot links are removed.
+fn disable_service(service: &str) -> Result<()> {
+    println!(
+        "setup: disabling the {service} service the package installed (the tests run their own)"
+    );
+    let mut cmd = Command::new("systemctl");
+    if std::path::Path::new("/run/systemd/system").is_dir() {
+        cmd.args(["disable", "--now", service]);
+    } else {
+        cmd.args(["disable", service]);
+    }
+    util::run(&mut cmd).with_context(|| format!("disabling the {service} service"))
 }
 
 /// Whether `rustup toolchain list` output names the nightly toolchain (`nightly-<host>`, not a

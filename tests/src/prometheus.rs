@@ -1,0 +1,342 @@
+//! A real Prometheus server scraping the daemon, run in a lab namespace: what an operator's
+//! monitoring reads back, through Prometheus' own parser, storage and PromQL rather than the
+//! lab's reading of the exposition.
+//!
+//! The guard owns the process and a private temp dir (the generated `prometheus.yml`, the
+//! TSDB, the server's log). On drop it stops the server and removes the dir, also when a test
+//! panics, and then prints the log, which is what a failed scrape is debugged with.
+//!
+//! The server runs in the namespace of the daemon it scrapes and listens on that namespace's
+//! loopback: it reaches the daemon's `http_listen` there, never uses a host port, and no
+//! system Prometheus (the Debian package's service, on 9090) can answer in its place.
+
+use std::collections::BTreeMap;
+use std::fs::{File, OpenOptions};
+use std::io::{Read as _, Write as _};
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::{AsFd as _, OwnedFd};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use crate::netns::{NetNs, command_in_fd, describe, in_netns};
+
+/// How long [`Prometheus::start`] waits for the server to say it is ready.
+pub const READY_TIMEOUT: Duration = Duration::from_secs(30);
+/// How long a stop waits after SIGTERM before SIGKILL.
+pub const STOP_TIMEOUT: Duration = Duration::from_secs(10);
+/// How often the server scrapes its targets (`scrape_interval`).
+pub const SCRAPE_INTERVAL: Duration = Duration::from_secs(1);
+/// Upper bound on one request to the server's HTTP API.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// The `prometheus` binary on `PATH`.
+///
+/// # Panics
+///
+/// If there is none, saying how to install it: under `cargo xtask test` a test that cannot
+/// run its server has nothing to test, and must not pass.
+pub fn binary() -> PathBuf {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|dir| dir.join("prometheus"))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| {
+            panic!(
+                "no `prometheus` binary on PATH: run `cargo xtask setup`, which installs the \
+                 Debian package prometheus (or `apt-get install prometheus`)"
+            )
+        })
+}
+
+/// One series of a PromQL instant vector: its labels and value.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Sample {
+    pub labels: BTreeMap<String, String>,
+    pub value: f64,
+}
+
+/// A running `prometheus` in a lab namespace, with its own temp dir.
+#[derive(Debug)]
+pub struct Prometheus {
+    child: Option<Child>,
+    dir: PathBuf,
+    ns_fd: OwnedFd,
+    addr: SocketAddr,
+}
+
+impl Prometheus {
+    /// Starts `prometheus` in `ns`, serving its API on `listen` (a loopback address in `ns`)
+    /// and scraping `targets` (addresses as seen from `ns`, path `/metrics`) every
+    /// [`SCRAPE_INTERVAL`] as job `ratelimit`, and waits until it is ready.
+    ///
+    /// # Panics
+    ///
+    /// If the binary is missing (see [`binary`]), or the server exits or is not ready within
+    /// [`READY_TIMEOUT`] (the message includes its log).
+    pub fn start(ns: &NetNs, listen: SocketAddr, targets: &[SocketAddr]) -> Prometheus {
+        let bin = binary();
+        let dir = crate::daemon::make_temp_dir();
+        // The guard exists from here on, so the dir is removed even on panic.
+        let mut p = Prometheus {
+            child: None,
+            dir,
+            ns_fd: ns.dup_fd(),
+            addr: listen,
+        };
+        let targets: Vec<String> = targets.iter().map(|t| format!("\"{t}\"")).collect();
+        let config = p.dir.join("prometheus.yml");
+        let secs = SCRAPE_INTERVAL.as_secs();
+        std::fs::write(
+            &config,
+            format!(
+                "global:\n  scrape_interval: {secs}s\n  scrape_timeout: {secs}s\n\
+                 scrape_configs:\n  - job_name: ratelimit\n    static_configs:\n      \
+                 - targets: [{}]\n",
+                targets.join(", ")
+            ),
+        )
+        .unwrap_or_else(|e| panic!("writing {}: {e}", config.display()));
+        let log = p.log_file();
+        let mut cmd = command_in_fd(p.ns_fd.try_clone().expect("dup netns fd"), &bin);
+        cmd.arg(format!("--config.file={}", config.display()))
+            .arg(format!(
+                "--storage.tsdb.path={}",
+                p.dir.join("data").display()
+            ))
+            .arg(format!("--web.listen-address={listen}"))
+            .current_dir(&p.dir)
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("dup log file"))
+            .stderr(log);
+        p.child = Some(
+            cmd.spawn()
+                .unwrap_or_else(|e| panic!("starting `{}`: {e}", describe(&cmd))),
+        );
+        if let Err(e) = p.wait_ready(READY_TIMEOUT) {
+            panic!("prometheus did not become ready: {e}\n{}", p.log());
+        }
+        p
+    }
+
+    fn log_file(&self) -> File {
+        let path = self.dir.join("prometheus.log");
+        OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .unwrap_or_else(|e| panic!("opening {}: {e}", path.display()))
+    }
+
+    /// The server's log so far.
+    pub fn log(&self) -> String {
+        let path = self.dir.join("prometheus.log");
+        format!(
+            "----- prometheus log ({}) -----\n{}\n----- end of prometheus log -----",
+            path.display(),
+            std::fs::read_to_string(&path).unwrap_or_else(|e| format!("({e})"))
+        )
+    }
+
+    /// The server's temp dir (config, TSDB, log; removed on drop).
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    fn wait_ready(&mut self, timeout: Duration) -> Result<(), String> {
+        let give_up = Instant::now() + timeout;
+        loop {
+            if let Some(child) = self.child.as_mut()
+                && let Ok(Some(status)) = child.try_wait()
+            {
+                self.child = None;
+                return Err(format!("prometheus exited during startup ({status})"));
+            }
+            let last = match self.get("/-/ready") {
+                Ok((200, _)) => return Ok(()),
+                Ok((code, body)) => format!("/-/ready answered {code}: {}", body.trim()),
+                Err(e) => e,
+            };
+            if Instant::now() >= give_up {
+                return Err(format!(
+                    "not ready after {timeout:?} on {}: {last}",
+                    self.addr
+                ));
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    }
+
+    /// `GET path` from the server, from inside its namespace: (status, body).
+    fn get(&self, path: &str) -> Result<(u16, String), String> {
+        let addr = self.addr;
+        let path = path.to_string();
+        in_netns(
+            self.ns_fd.as_fd(),
+            move || -> Result<(u16, String), String> {
+                let mut c = TcpStream::connect_timeout(&addr, REQUEST_TIMEOUT)
+                    .map_err(|e| format!("connecting to prometheus at {addr}: {e}"))?;
+                c.set_read_timeout(Some(REQUEST_TIMEOUT))
+                    .and_then(|()| c.set_write_timeout(Some(REQUEST_TIMEOUT)))
+                    .map_err(|e| e.to_string())?;
+                // HTTP/1.0: the answer comes whole, not chunked, and the server closes after it.
+                write!(c, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")
+                    .map_err(|e| format!("GET {path}: {e}"))?;
+                let mut raw = String::new();
+                c.read_to_string(&mut raw)
+                    .map_err(|e| format!("GET {path}: reading the answer: {e}"))?;
+                let (head, body) = raw
+                    .split_once("\r\n\r\n")
+                    .ok_or_else(|| format!("GET {path}: no end of headers in {raw:?}"))?;
+                let status = head
+                    .split(' ')
+                    .nth(1)
+                    .and_then(|s| s.parse().ok())
+                    .ok_or_else(|| format!("GET {path}: no status in {head:?}"))?;
+                Ok((status, body.to_string()))
+            },
+        )
+    }
+
+    /// The instant vector of `promql` at the server's now (`/api/v1/query`).
+    ///
+    /// # Panics
+    ///
+    /// If the request or the query fails, or the result is not a vector.
+    pub fn query(&self, promql: &str) -> Vec<Sample> {
+        let path = format!("/api/v1/query?query={}", percent_encode(promql));
+        let (status, body) = self
+            .get(&path)
+            .unwrap_or_else(|e| panic!("query {promql:?}: {e}\n{}", self.log()));
+        let v: serde_json::Value = serde_json::from_str(&body)
+            .unwrap_or_else(|e| panic!("query {promql:?}: answer is not JSON ({e}): {body}"));
+        assert!(
+            status == 200 && v["status"] == "success",
+            "query {promql:?} failed ({status}): {body}"
+        );
+        assert_eq!(
+            v["data"]["resultType"], "vector",
+            "query {promql:?}: {body}"
+        );
+        v["data"]["result"]
+            .as_array()
+            .unwrap_or_else(|| panic!("query {promql:?}: no result list: {body}"))
+            .iter()
+            .map(|r| Sample {
+                labels: r["metric"]
+                    .as_object()
+                    .into_iter()
+                    .flatten()
+                    .map(|(k, v)| (k.clone(), v.as_str().unwrap_or_default().to_string()))
+                    .collect(),
+                value: r["value"][1]
+                    .as_str()
+                    .and_then(|s| s.parse().ok())
+                    .unwrap_or_else(|| panic!("query {promql:?}: no value in {r}")),
+            })
+            .collect()
+    }
+
+    /// The value of a query whose result is one series without labels (a `sum(...)`, say);
+    /// None when the result is empty (nothing matched).
+    ///
+    /// # Panics
+    ///
+    /// As [`Prometheus::query`], and if the result has more than one series.
+    pub fn value(&self, promql: &str) -> Option<f64> {
+        let r = self.query(promql);
+        assert!(
+            r.len() <= 1,
+            "query {promql:?}: more than one series: {r:?}"
+        );
+        r.first().map(|s| s.value)
+    }
+
+    /// Waits until the server holds a sample of `metric` from a scrape that started after
+    /// `after`: a scrape of counters that were read once everything before `after` had
+    /// been counted.
+    ///
+    /// # Panics
+    ///
+    /// If there is none within `timeout`, with the scrape's state and the server's log.
+    pub fn wait_for_scrape_after(&self, metric: &str, after: SystemTime, timeout: Duration) {
+        let after = after
+            .duration_since(UNIX_EPOCH)
+            .expect("after the epoch")
+            .as_secs_f64();
+        let give_up = Instant::now() + timeout;
+        let mut last = None;
+        loop {
+            // The time of the latest sample (the scrape's start), in Unix seconds.
+            last = self.value(&format!("timestamp({metric})")).or(last);
+            if last.is_some_and(|t| t > after) {
+                return;
+            }
+            if Instant::now() >= give_up {
+                let targets = self.get("/api/v1/targets").map(|(_, body)| body);
+                panic!(
+                    "prometheus has no sample of {metric} scraped after {after:.3} within \
+                     {timeout:?} (latest: {last:?}); targets: {targets:?}\n{}",
+                    self.log()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+    }
+
+    /// SIGTERM, then SIGKILL after [`STOP_TIMEOUT`].
+    pub fn stop(&mut self) {
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
+        if let Ok(pid) = libc::pid_t::try_from(child.id()) {
+            // SAFETY: kill(2) on our own unreaped child's pid, which cannot be reused.
+            unsafe { libc::kill(pid, libc::SIGTERM) };
+        }
+        let give_up = Instant::now() + STOP_TIMEOUT;
+        while Instant::now() < give_up {
+            if let Ok(Some(_)) = child.try_wait() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        eprintln!("prometheus ignored SIGTERM for {STOP_TIMEOUT:?}: SIGKILL");
+        let _ = child.kill();
+        let _ = child.wait();
+    }
+}
+
+impl Drop for Prometheus {
+    fn drop(&mut self) {
+        self.stop();
+        if std::thread::panicking() {
+            eprintln!("{}", self.log());
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// `s` as a URL query value: every byte but the unreserved ones percent-encoded.
+fn percent_encode(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                char::from(b).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn promql_is_percent_encoded() {
+        assert_eq!(
+            percent_encode(r#"sum by (verdict) (x{a=~"b.*"})"#),
+            "sum%20by%20%28verdict%29%20%28x%7Ba%3D~%22b.%2A%22%7D%29"
+        );
+    }
+}
