@@ -12,7 +12,11 @@ use std::{
 use anyhow::{Context as _, bail};
 use serde::{Deserialize, Serialize};
 
-use crate::cli::{RuleSetArgs, TopBy};
+use crate::{
+    cli::TopBy,
+    live::{OverrideAt, OverrideSpec},
+    ruleset::RuleChanges,
+};
 
 #[derive(Serialize, Deserialize, Debug, Clone)]
 #[serde(tag = "cmd", rename_all = "snake_case")]
@@ -44,9 +48,27 @@ pub enum Request {
         rule: String,
         region: Option<String>,
     },
+    /// Change fields of a live rule; kept across restarts and reloads.
     RuleSet {
-        set: RuleSetArgs,
+        name: String,
+        changes: RuleChanges,
     },
+    /// Return a rule to the config's values.
+    RuleReset {
+        name: String,
+    },
+    /// Every rule with its values in force and its live changes.
+    Rules,
+    /// Add (or replace) a per-client override live; kept across restarts and reloads.
+    OverrideAdd {
+        spec: OverrideSpec,
+    },
+    /// Remove a live override (the config's at the same key, if any, applies again).
+    OverrideDel {
+        at: OverrideAt,
+    },
+    /// Every override in force, with where it comes from.
+    Overrides,
     Reload,
 }
 

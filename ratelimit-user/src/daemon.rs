@@ -32,7 +32,7 @@ use tracing::{error, info, warn};
 use crate::{
     apply::{self, prefix},
     bans,
-    cli::{RuleSetArgs, TopBy},
+    cli::TopBy,
     config::{self, Config},
     control::{self, BanSpec, Request, Response},
     datapath::{Attached, Datapath, Maps},
@@ -70,6 +70,8 @@ pub struct State {
     pub tasks: Arc<supervise::Tasks>,
     /// What became of the saved bans at start (and whether saving is refused).
     pub bans_restore: bans::RestoreReport,
+    /// Live changes (`rule set`, `override add`) over the config file; `cfg` has them applied.
+    pub live: crate::live::Live,
 }
 
 /// How often the daemon checks whether the known-sources filter needs a rebuild (a rebuild
@@ -287,7 +289,33 @@ impl State {
             Request::BanLift { rule, region } => {
                 Response::ok(self.ban_lift(&rule, region.as_deref())?)
             }
-            Request::RuleSet { set } => Response::ok(self.rule_set(&set)?),
+            Request::RuleSet { name, changes } => Response::ok(self.live.rule_set(
+                &mut self.maps,
+                &mut self.cfg,
+                self.preview_all,
+                &name,
+                &changes,
+            )?),
+            Request::RuleReset { name } => Response::ok(self.live.rule_reset(
+                &mut self.maps,
+                &mut self.cfg,
+                self.preview_all,
+                &name,
+            )?),
+            Request::Rules => Response::ok(self.live.rules(&self.cfg)),
+            Request::OverrideAdd { spec } => Response::ok(self.live.override_add(
+                &mut self.maps,
+                &mut self.cfg,
+                self.preview_all,
+                &spec,
+            )?),
+            Request::OverrideDel { at } => Response::ok(self.live.override_del(
+                &mut self.maps,
+                &mut self.cfg,
+                self.preview_all,
+                &at,
+            )?),
+            Request::Overrides => Response::ok(self.live.overrides(&self.cfg)),
             Request::Reload => Response::ok(self.reload()?),
         })
     }
@@ -312,6 +340,7 @@ impl State {
             events: crate::events::Status,
             tasks: BTreeMap<&'static str, supervise::TaskHealth>,
             bans_restore: &'a bans::RestoreReport,
+            live_changes: &'a crate::live::Report,
         }
         let tracked = report::tracked_clients(&self.maps).unwrap_or(0) as usize;
         let ring_buffer_lost =
@@ -342,6 +371,7 @@ impl State {
             events: self.events.status(ring_buffer_lost),
             tasks: self.tasks.snapshot(),
             bans_restore: &self.bans_restore,
+            live_changes: &self.live.report,
         })
         .unwrap_or_default()
     }
@@ -580,44 +610,16 @@ impl State {
         }))
     }
 
-    fn rule_set(&mut self, set: &RuleSetArgs) -> anyhow::Result<serde_json::Value> {
-        let idx = self
-            .cfg
-            .rules
-            .iter()
-            .position(|r| r.name == set.name)
-            .with_context(|| {
-                format!(
-                    "no rule named {:?} (rules: {})",
-                    set.name,
-                    self.rule_names().join(", ")
-                )
-            })?;
-        let mut rule = self.cfg.rules[idx].clone();
-        crate::ruleset::apply_changes(&mut rule, set)?;
-        let rc = apply::rule_config(&rule);
-        // In place: the rule keeps its index, so per-client state and counters carry on.
-        self.maps
-            .rules
-            .set(idx as u32, rc, 0)
-            .context("writing the rule")?;
-        // Overrides inherit ban settings from the rule: rewrite them too.
-        let mut cfg = self.cfg.clone();
-        cfg.rules[idx] = rule;
-        let plan = apply::plan(&cfg, self.preview_all);
-        apply::apply(&mut self.maps, &plan)?;
-        self.cfg = cfg;
-        info!(rule = %set.name, "rule changed live");
-        Ok(serde_json::json!({ "rule": set.name, "index": idx }))
-    }
-
     pub fn reload(&mut self) -> anyhow::Result<serde_json::Value> {
         let Some(path) = self.config_path.clone() else {
             bail!("the daemon was started without --config; nothing to reload");
         };
-        let cfg = config::load(&path).map_err(|e| {
+        let file = config::load(&path).map_err(|e| {
             anyhow::anyhow!("reload rejected, the running config is unchanged:\n{e}")
         })?;
+        // The live changes that still fit the new file, applied on top of it.
+        let resolved = self.live.resolve(file);
+        let cfg = resolved.config.clone();
         if cfg.tracking.max_sources != self.cfg.tracking.max_sources {
             warn!(
                 "tracking.max_sources changes take effect after `ratelimit detach` and a restart"
@@ -654,7 +656,7 @@ impl State {
         save_rule_names(&cfg.daemon.state_dir, &new_names);
         self.events.set_rule_names(new_names);
         let old_sink_target = self.cfg.daemon.events.clone();
-        self.cfg = cfg;
+        self.cfg = self.live.commit(resolved, Vec::new());
         let wanted = self.interfaces_wanted();
         let mode = self.xdp_mode_override.unwrap_or(self.cfg.daemon.xdp_mode);
         for iface in wanted {
@@ -786,7 +788,7 @@ fn rules_changed(
     lifted
 }
 
-/// The config's rules as the data plane first holds them (before any `rule set`).
+/// The rules as a config (live changes applied) writes them into the data plane.
 fn config_rules(cfg: &Config) -> Vec<(String, RuleConfig)> {
     cfg.rules
         .iter()
@@ -838,6 +840,8 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     let cfg = load_config(opts.config_path.as_ref())?;
     // First of all: a daemon already running on these directories keeps them, untouched.
     let _locks = crate::lock::lock_dirs(&cfg.daemon.state_dir, &cfg.daemon.bpffs_dir)?;
+    // The live changes saved by the last run, on top of the config.
+    let (live, cfg) = crate::live::Live::load(cfg);
     // Before touching the kernel: a taken port fails the start with nothing attached.
     let http_listener = match cfg.daemon.http_listen {
         Some(addr) => Some(crate::http::bind(addr).await?),
@@ -950,6 +954,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         known_status,
         tasks: tasks.clone(),
         bans_restore: restored.report,
+        live,
     }));
     {
         let mut s = state.lock().await;
@@ -984,8 +989,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
     let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
-    // SIGUSR1: reopen the events file only (log rotation without a config reload, which would
-    // undo live `rule set` changes).
+    // SIGUSR1: reopen the events file only (log rotation without re-reading the config).
     let mut usr1 = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined1())?;
     loop {
         tokio::select! {
