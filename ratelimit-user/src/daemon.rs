@@ -656,6 +656,7 @@ impl State {
         save_rule_names(&cfg.daemon.state_dir, &new_names);
         self.events.set_rule_names(new_names);
         let old_sink_target = self.cfg.daemon.events.clone();
+        let dropped = resolved.dropped.clone();
         self.cfg = self.live.commit(resolved, Vec::new());
         let wanted = self.interfaces_wanted();
         let mode = self.xdp_mode_override.unwrap_or(self.cfg.daemon.xdp_mode);
@@ -679,9 +680,11 @@ impl State {
         self.events.set_per_sec(self.cfg.daemon.events_per_sec);
         self.write_dropped(&lifted);
         info!(config = %path.display(), "config reloaded");
-        Ok(
-            serde_json::json!({ "reloaded": path.display().to_string(), "rules": self.rule_names() }),
-        )
+        Ok(serde_json::json!({
+            "reloaded": path.display().to_string(),
+            "rules": self.rule_names(),
+            "live_changes_dropped": dropped,
+        }))
     }
 }
 

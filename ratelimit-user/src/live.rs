@@ -430,7 +430,9 @@ pub struct RuleEntry {
     pub action: String,
     pub algorithm: String,
     pub threshold: String,
-    pub burst: u64,
+    /// A token bucket's capacity.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub burst: Option<u64>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ban_threshold: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -810,7 +812,7 @@ impl Live {
                     action: r.action.to_string(),
                     algorithm: r.algorithm.to_string(),
                     threshold: r.threshold.to_string(),
-                    burst: r.burst,
+                    burst: (r.algorithm == Algorithm::TokenBucket).then_some(r.burst),
                     ban_threshold: ban.then(|| r.ban_threshold.to_string()),
                     ban_duration: ban.then(|| config::format_duration(r.ban_duration)),
                     exceed_action: r.exceed_action.to_string(),

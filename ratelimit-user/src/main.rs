@@ -381,7 +381,13 @@ fn print_human(req: &Request, data: &serde_json::Value) {
                 };
                 println!(
                     "{:<20} {:<7} {:<15} {:<15} {:>14} {:>10} {:>9}  {source}",
-                    r.name, r.key, r.action, r.algorithm, r.threshold, r.burst, r.overrides
+                    r.name,
+                    r.key,
+                    r.action,
+                    r.algorithm,
+                    r.threshold,
+                    r.burst.map_or_else(|| "-".to_string(), |b| b.to_string()),
+                    r.overrides
                 );
             }
         }
