@@ -55,6 +55,15 @@ pub enum Command {
         #[command(subcommand)]
         action: RuleCommand,
     },
+    /// Every rule with its values in force, and the fields changed live (`rule set`).
+    Rules(JsonArg),
+    /// Add or remove per-client overrides live, without resetting a counter.
+    Override {
+        #[command(subcommand)]
+        action: OverrideCommand,
+    },
+    /// Every override in force: its rule, CIDR or region, values, and source (config or live).
+    Overrides(JsonArg),
     /// Re-read the config file (SIGHUP does the same).
     Reload(JsonArg),
     /// Remove the XDP program and the pinned state.
@@ -166,8 +175,16 @@ pub enum BanCommand {
 
 #[derive(Subcommand, Debug)]
 pub enum RuleCommand {
-    /// Change fields of a live rule; unspecified fields keep their values.
+    /// Change fields of a live rule; unspecified fields keep their values. Kept across
+    /// restarts and reloads until `rule reset`.
     Set(RuleSetArgs),
+    /// Return a rule to the config's values (undo its `rule set` changes), counters kept.
+    Reset {
+        /// Rule name.
+        name: String,
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Args, Debug, Clone, Default)]
@@ -199,17 +216,89 @@ pub struct RuleSetArgs {
     pub json: bool,
 }
 
-impl From<&RuleSetArgs> for control::RuleChange {
-    fn from(a: &RuleSetArgs) -> Self {
-        control::RuleChange {
-            name: a.name.clone(),
-            threshold: a.threshold.clone(),
-            ban_threshold: a.ban_threshold.clone(),
-            ban_duration: a.ban_duration.clone(),
-            burst: a.burst,
-            exceed_action: a.exceed_action.clone(),
-            preview: a.preview,
-            soft_limit: a.soft_limit,
+impl RuleSetArgs {
+    /// The fields given, as the control API carries them.
+    pub fn changes(&self) -> crate::ruleset::RuleChanges {
+        crate::ruleset::RuleChanges {
+            threshold: self.threshold.clone(),
+            ban_threshold: self.ban_threshold.clone(),
+            ban_duration: self.ban_duration.clone(),
+            burst: self.burst,
+            exceed_action: self.exceed_action.clone(),
+            preview: self.preview,
+            soft_limit: self.soft_limit,
+        }
+    }
+}
+
+#[derive(Subcommand, Debug)]
+pub enum OverrideCommand {
+    /// Set a rule's thresholds for one network (rules keyed `ip` or `all`) or one region
+    /// (rules keyed `region`), replacing any override at the same key while it exists. Kept
+    /// across restarts and reloads until `override del`.
+    Add(OverrideAddArgs),
+    /// Remove a live override; the config's override at the same key, if any, applies again.
+    Del {
+        /// Rule name.
+        rule: String,
+        #[command(flatten)]
+        target: OverrideTargetArgs,
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Whom an override is for: a network, or a region.
+#[derive(Args, Debug, Clone, Default)]
+pub struct OverrideTargetArgs {
+    /// Address or CIDR, IPv4 or IPv6 (the most specific override wins).
+    #[arg(required_unless_present = "region", conflicts_with = "region")]
+    pub cidr: Option<String>,
+    /// ISO 3166-1 alpha-2 country code (ZZ = unknown), for a rule keyed `region`.
+    #[arg(long, value_name = "CC")]
+    pub region: Option<String>,
+}
+
+#[derive(Args, Debug, Clone, Default)]
+pub struct OverrideAddArgs {
+    /// Rule name.
+    pub rule: String,
+    #[command(flatten)]
+    pub target: OverrideTargetArgs,
+    /// COUNT/INTERVAL or BYTES/INTERVAL, counting what the rule counts, e.g. 5000/20m.
+    #[arg(long)]
+    pub threshold: String,
+    /// Token bucket capacity (token_bucket rules): packets, or bytes with a unit (e.g. 1MiB).
+    /// Default: the threshold's amount.
+    #[arg(long)]
+    pub burst: Option<String>,
+    /// Ban threshold (rate_based_ban rules), same form as --threshold. Default: the rule's ban
+    /// threshold, or this threshold where it is higher.
+    #[arg(long)]
+    pub ban_threshold: Option<String>,
+    #[arg(long)]
+    pub json: bool,
+}
+
+impl OverrideTargetArgs {
+    /// The override's key on the control API.
+    pub fn at(&self, rule: &str) -> crate::live::OverrideAt {
+        crate::live::OverrideAt {
+            rule: rule.to_string(),
+            cidr: self.cidr.clone(),
+            region: self.region.clone(),
+        }
+    }
+}
+
+impl OverrideAddArgs {
+    /// The override as the control API carries it.
+    pub fn spec(&self) -> crate::live::OverrideSpec {
+        crate::live::OverrideSpec {
+            at: self.target.at(&self.rule),
+            threshold: self.threshold.clone(),
+            burst: self.burst.clone(),
+            ban_threshold: self.ban_threshold.clone(),
         }
     }
 }
@@ -432,9 +521,10 @@ fn trailer() -> Roff {
     item(
         &mut r,
         "/var/lib/ratelimit/",
-        "State directory (daemon.state_dir): bans survive restarts here. The running daemon \
-         holds a lock (flock) on it and on the bpffs directory: a second daemon given either \
-         exits with an error naming the first, having changed nothing.",
+        "State directory (daemon.state_dir): bans (bans.json) and live changes (live.json: \
+         rule set, override add) survive restarts here. The running daemon holds a lock \
+         (flock) on it and on the bpffs directory: a second daemon given either exits with an \
+         error naming the first, having changed nothing.",
     );
     item(
         &mut r,
@@ -453,12 +543,13 @@ fn trailer() -> Roff {
         &mut r,
         "SIGHUP",
         "Reopen the events file (after log rotation), then re-read the config file, as \
-         ratelimit reload does.",
+         ratelimit reload does: live changes (rule set, override add) are applied on top of \
+         it again.",
     );
     item(
         &mut r,
         "SIGUSR1",
-        "Reopen the events file only (what the logrotate script sends): live rule changes stay.",
+        "Reopen the events file only (what the logrotate script sends).",
     );
     item(
         &mut r,
@@ -496,6 +587,11 @@ fn trailer() -> Roff {
         (
             "ratelimit rule set syn-per-client --threshold 3000/20m",
             "Raise a live rule's threshold without resetting its counters.",
+        ),
+        (
+            "ratelimit override add syn-per-client 192.0.2.10 --threshold 20000/20m",
+            "Let one client send ten times the rule's threshold; kept across restarts and \
+             reloads until ratelimit override del syn-per-client 192.0.2.10.",
         ),
         (
             "ratelimit top -n 20 --by drops",

@@ -40,7 +40,8 @@ mod tests;
 
 pub use values::{
     MAX_BAN_DURATION, MIN_BYTE_AMOUNT, check_ban_duration, check_byte_burst, format_duration,
-    parse_ban_duration, parse_bytes, parse_duration, parse_net, parse_port_range, parse_tcp_flags,
+    parse_ban_duration, parse_bytes, parse_duration, parse_net, parse_port_range, parse_region,
+    parse_tcp_flags,
 };
 
 /// Default `daemon.control_socket`.
@@ -329,6 +330,21 @@ impl fmt::Display for OverrideTarget {
             OverrideTarget::Cidr(net) => write!(f, "cidr {net}"),
             OverrideTarget::Region([a, b]) => write!(f, "region {}{}", *a as char, *b as char),
         }
+    }
+}
+
+/// Whether a rule keyed `key` takes an override by CIDR (`region = false`) or by region: a
+/// CIDR override needs key = "ip" or "all" (the shared bucket's threshold for those sources),
+/// a region override key = "region". The error follows the field's name.
+pub fn override_fits(key: KeyKind, region: bool) -> Result<(), String> {
+    match (key, region) {
+        (KeyKind::Region, false) => {
+            Err("overrides need key = \"ip\" or \"all\" (this rule has key = \"region\")".into())
+        }
+        (KeyKind::Ip | KeyKind::All, true) => Err(format!(
+            "overrides need key = \"region\" (this rule has key = \"{key}\")"
+        )),
+        _ => Ok(()),
     }
 }
 

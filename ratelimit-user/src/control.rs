@@ -12,6 +12,11 @@ use std::{
 use anyhow::{Context as _, bail};
 use serde::{Deserialize, Serialize};
 
+use crate::{
+    live::{OverrideAt, OverrideSpec},
+    ruleset::RuleChanges,
+};
+
 #[derive(Serialize, Deserialize, Debug, Clone)]
 #[serde(tag = "cmd", rename_all = "snake_case")]
 pub enum Request {
@@ -42,9 +47,27 @@ pub enum Request {
         rule: String,
         region: Option<String>,
     },
+    /// Change fields of a live rule; kept across restarts and reloads.
     RuleSet {
-        set: RuleChange,
+        name: String,
+        changes: RuleChanges,
     },
+    /// Return a rule to the config's values.
+    RuleReset {
+        name: String,
+    },
+    /// Every rule with its values in force and its live changes.
+    Rules,
+    /// Add (or replace) a per-client override live; kept across restarts and reloads.
+    OverrideAdd {
+        spec: OverrideSpec,
+    },
+    /// Remove a live override (the config's at the same key, if any, applies again).
+    OverrideDel {
+        at: OverrideAt,
+    },
+    /// Every override in force, with where it comes from.
+    Overrides,
     Reload,
 }
 
@@ -56,27 +79,6 @@ pub enum TopBy {
     Packets,
     Bytes,
     Drops,
-}
-
-/// A live change of a rule (`ratelimit rule set`): the fields given, in the config's forms
-/// (checked by the same parsers as the config's).
-#[derive(Serialize, Deserialize, Debug, Clone, Default, PartialEq)]
-pub struct RuleChange {
-    pub name: String,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub threshold: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ban_threshold: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub ban_duration: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub burst: Option<u64>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub exceed_action: Option<String>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub preview: Option<bool>,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub soft_limit: Option<f64>,
 }
 
 #[derive(Serialize, Deserialize, Debug, Clone)]

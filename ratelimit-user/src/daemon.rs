@@ -47,7 +47,7 @@ use crate::{
     apply::{self, prefix},
     bans,
     config::{self, Config},
-    control::{self, BanSpec, Request, Response, RuleChange},
+    control::{self, BanSpec, Request, Response},
     datapath::{Attached, Datapath, Maps},
     events::{self, Events},
     reader::{self, Reports},
@@ -82,6 +82,8 @@ pub struct State {
     pub bans_restore: bans::RestoreReport,
     /// The reports' side, to publish the view to after every job.
     pub reports: Arc<Reports>,
+    /// Live changes (`rule set`, `override add`) over the config file; `cfg` has them applied.
+    pub live: crate::live::Live,
 }
 
 /// How often the daemon checks whether the known-sources filter needs a rebuild (a rebuild
@@ -177,6 +179,7 @@ impl State {
             preview_all: self.preview_all,
             program: self.dp.program_info(),
             bans_restore: self.bans_restore.clone(),
+            live_changes: self.live.report.clone(),
         }
     }
 
@@ -353,7 +356,33 @@ impl State {
             Request::BanLift { rule, region } => {
                 Response::ok(self.ban_lift(&rule, region.as_deref())?)
             }
-            Request::RuleSet { set } => Response::ok(self.rule_set(&set)?),
+            Request::RuleSet { name, changes } => Response::ok(self.live.rule_set(
+                &mut self.maps,
+                &mut self.cfg,
+                self.preview_all,
+                &name,
+                &changes,
+            )?),
+            Request::RuleReset { name } => Response::ok(self.live.rule_reset(
+                &mut self.maps,
+                &mut self.cfg,
+                self.preview_all,
+                &name,
+            )?),
+            Request::Rules => Response::ok(self.live.rules(&self.cfg)),
+            Request::OverrideAdd { spec } => Response::ok(self.live.override_add(
+                &mut self.maps,
+                &mut self.cfg,
+                self.preview_all,
+                &spec,
+            )?),
+            Request::OverrideDel { at } => Response::ok(self.live.override_del(
+                &mut self.maps,
+                &mut self.cfg,
+                self.preview_all,
+                &at,
+            )?),
+            Request::Overrides => Response::ok(self.live.overrides(&self.cfg)),
             Request::Reload => Response::ok(self.reload()?),
         })
     }
@@ -592,37 +621,6 @@ impl State {
         }))
     }
 
-    fn rule_set(&mut self, set: &RuleChange) -> anyhow::Result<serde_json::Value> {
-        let idx = self
-            .cfg
-            .rules
-            .iter()
-            .position(|r| r.name == set.name)
-            .with_context(|| {
-                format!(
-                    "no rule named {:?} (rules: {})",
-                    set.name,
-                    self.rule_names().join(", ")
-                )
-            })?;
-        let mut rule = self.cfg.rules[idx].clone();
-        crate::ruleset::apply_changes(&mut rule, set)?;
-        let rc = apply::rule_config(&rule);
-        // In place: the rule keeps its index, so per-client state and counters carry on.
-        self.maps
-            .rules
-            .set(idx as u32, rc, 0)
-            .context("writing the rule")?;
-        // Overrides inherit ban settings from the rule: rewrite them too.
-        let mut cfg = self.cfg.clone();
-        cfg.rules[idx] = rule;
-        let plan = apply::plan(&cfg, self.preview_all);
-        apply::apply(&mut self.maps, &plan)?;
-        self.cfg = cfg;
-        info!(rule = %set.name, "rule changed live");
-        Ok(serde_json::json!({ "rule": set.name, "index": idx }))
-    }
-
     /// Re-read the config file and apply it whole, or not at all. Everything that can fail
     /// is prepared first (the config read and checked, the GeoIP database read, each new
     /// interface found and its entry point chosen, a new events file opened); then the new
@@ -634,7 +632,10 @@ impl State {
             bail!("the daemon was started without --config; nothing to reload");
         };
         const REJECTED: &str = "reload rejected, the running config is unchanged";
-        let cfg = config::load(&path).map_err(|e| anyhow::anyhow!("{REJECTED}:\n{e}"))?;
+        let file = config::load(&path).map_err(|e| anyhow::anyhow!("{REJECTED}:\n{e}"))?;
+        // The live changes that still fit the new file, applied on top of it.
+        let resolved = self.live.resolve(file);
+        let cfg = resolved.config.clone();
         if cfg.tracking.max_sources != self.cfg.tracking.max_sources {
             warn!(
                 "tracking.max_sources changes take effect after `ratelimit detach` and a restart"
@@ -717,7 +718,8 @@ impl State {
         );
         save_rule_names(&cfg.daemon.state_dir, &new_names);
         self.events.set_rule_names(new_names);
-        self.cfg = cfg;
+        let dropped = resolved.dropped.clone();
+        self.cfg = self.live.commit(resolved, Vec::new());
         match new_output {
             Some(out) => self.events.replace(out),
             None => self.events.reopen(),
@@ -725,9 +727,11 @@ impl State {
         self.events.set_per_sec(self.cfg.daemon.events_per_sec);
         self.write_dropped(&lifted);
         info!(config = %path.display(), "config reloaded");
-        Ok(
-            serde_json::json!({ "reloaded": path.display().to_string(), "rules": self.rule_names() }),
-        )
+        Ok(serde_json::json!({
+            "reloaded": path.display().to_string(),
+            "rules": self.rule_names(),
+            "live_changes_dropped": dropped,
+        }))
     }
 
     /// Detach what a failed reload attached (and take back over what it replaced).
@@ -846,7 +850,7 @@ fn rules_changed(
     lifted
 }
 
-/// The config's rules as the data plane first holds them (before any `rule set`).
+/// The rules as a config (live changes applied) writes them into the data plane.
 fn config_rules(cfg: &Config) -> Vec<(String, RuleConfig)> {
     cfg.rules
         .iter()
@@ -909,6 +913,8 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     let cfg = load_config(opts.config_path.as_ref())?;
     // First of all: a daemon already running on these directories keeps them, untouched.
     let _locks = crate::lock::lock_dirs(&cfg.daemon.state_dir, &cfg.daemon.bpffs_dir)?;
+    // The live changes saved by the last run, on top of the config.
+    let (live, cfg) = crate::live::Live::load(cfg);
     // Before touching the kernel: a taken port fails the start with nothing attached.
     let http_listener = match cfg.daemon.http_listen {
         Some(addr) => Some(crate::http::bind(addr).await?),
@@ -1020,6 +1026,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         bans_dirty: false,
         next_ban_expiry: 0,
         bans_restore: restored.report,
+        live,
         reports: reports.clone(),
     };
     state.write_dropped(&dropped);
@@ -1064,8 +1071,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
     let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
-    // SIGUSR1: reopen the events file only (log rotation without a config reload, which would
-    // undo live `rule set` changes).
+    // SIGUSR1: reopen the events file only (log rotation without re-reading the config).
     let mut usr1 = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::user_defined1())?;
     loop {
         tokio::select! {

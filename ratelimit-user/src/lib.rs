@@ -16,6 +16,7 @@ pub mod geoip;
 pub mod http;
 pub mod kernel_log;
 pub mod known;
+pub mod live;
 pub mod lock;
 pub mod reader;
 pub mod report;

@@ -10,10 +10,10 @@ use anyhow::Context as _;
 use clap::Parser as _;
 
 use ratelimit_user::{
-    cli::{self, BanCommand, Cli, Command, RuleCommand, XdpModeArg},
+    cli::{self, BanCommand, Cli, Command, OverrideCommand, RuleCommand, XdpModeArg},
     config,
     control::{self, BanSpec, Request},
-    daemon, datapath,
+    daemon, datapath, live,
 };
 
 const DEFAULT_SOCKET: &str = "/run/ratelimit/control.sock";
@@ -172,14 +172,32 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::Rule {
             action: RuleCommand::Set(set),
-        } => Request::RuleSet { set: set.into() },
+        } => Request::RuleSet {
+            name: set.name.clone(),
+            changes: set.changes(),
+        },
+        Command::Rule {
+            action: RuleCommand::Reset { name, .. },
+        } => Request::RuleReset { name: name.clone() },
+        Command::Rules(_) => Request::Rules,
+        Command::Override {
+            action: OverrideCommand::Add(add),
+        } => Request::OverrideAdd { spec: add.spec() },
+        Command::Override {
+            action: OverrideCommand::Del { rule, target, .. },
+        } => Request::OverrideDel {
+            at: target.at(rule),
+        },
+        Command::Overrides(_) => Request::Overrides,
     };
     let json = match &cli.command {
         Command::Status(j)
         | Command::Stats(j)
         | Command::Bans(j)
         | Command::Offenders(j)
-        | Command::Reload(j) => j.json,
+        | Command::Reload(j)
+        | Command::Rules(j)
+        | Command::Overrides(j) => j.json,
         Command::Top(t) => t.json,
         Command::Ban {
             action: BanCommand::Add { json, .. } | BanCommand::Del { json, .. },
@@ -187,6 +205,15 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Rule {
             action: RuleCommand::Set(s),
         } => s.json,
+        Command::Rule {
+            action: RuleCommand::Reset { json, .. },
+        } => *json,
+        Command::Override {
+            action: OverrideCommand::Add(a),
+        } => a.json,
+        Command::Override {
+            action: OverrideCommand::Del { json, .. },
+        } => *json,
         _ => false,
     };
     let data = control::call(&socket_path(&cli)?, &req)?;
@@ -317,6 +344,113 @@ fn print_human(req: &Request, data: &serde_json::Value) {
             ),
             None => println!("lifted the ban of rule {rule}"),
         },
-        _ => println!("{}", serde_json::to_string_pretty(data).unwrap_or_default()),
+        Request::Overrides => {
+            let Some(entries) = typed::<Vec<live::OverrideEntry>>(data) else {
+                return print_raw(data);
+            };
+            println!(
+                "{:<20} {:<40} {:>14} {:>10} {:>14}  source",
+                "rule", "cidr/region", "threshold", "burst", "ban_threshold"
+            );
+            for e in entries {
+                let v = &e.values;
+                let source = match (e.source, e.replaces_config) {
+                    (live::Source::Live, true) => "live (replaces the config's)",
+                    (live::Source::Live, false) => "live",
+                    (live::Source::Config, _) => "config",
+                };
+                println!(
+                    "{:<20} {:<40} {:>14} {:>10} {:>14}  {source}",
+                    v.at.rule,
+                    target_label(&v.at),
+                    v.threshold,
+                    v.burst.as_deref().unwrap_or("-"),
+                    v.ban_threshold.as_deref().unwrap_or("-"),
+                );
+            }
+        }
+        Request::Rules => {
+            let Some(rules) = typed::<Vec<live::RuleEntry>>(data) else {
+                return print_raw(data);
+            };
+            println!(
+                "{:<20} {:<7} {:<15} {:<15} {:>14} {:>10} {:>9}  source",
+                "rule", "key", "action", "algorithm", "threshold", "burst", "overrides"
+            );
+            for r in rules {
+                let source = match &r.live {
+                    Some(c) => format!("live: {}", c.describe()),
+                    None => "config".into(),
+                };
+                println!(
+                    "{:<20} {:<7} {:<15} {:<15} {:>14} {:>10} {:>9}  {source}",
+                    r.name,
+                    r.key,
+                    r.action,
+                    r.algorithm,
+                    r.threshold,
+                    r.burst.map_or_else(|| "-".to_string(), |b| b.to_string()),
+                    r.overrides
+                );
+            }
+        }
+        Request::OverrideAdd { .. } => {
+            let Some(a) = typed::<live::OverrideAdded>(data) else {
+                return print_raw(data);
+            };
+            let replaced = match a.replaced {
+                Some(live::Source::Config) => " (replaces the config's override while it exists)",
+                Some(live::Source::Live) => " (replaces the earlier live override)",
+                None => "",
+            };
+            println!(
+                "rule {}: override for {} set to {}{replaced}",
+                a.added.at.rule,
+                target_label(&a.added.at),
+                a.added.threshold
+            );
+        }
+        Request::OverrideDel { .. } => {
+            let Some(d) = typed::<live::OverrideRemoved>(data) else {
+                return print_raw(data);
+            };
+            let now = match &d.restored {
+                Some(c) => format!("the config's override applies again: {}", c.threshold),
+                None => "the rule's own threshold applies".into(),
+            };
+            println!(
+                "rule {}: live override for {} removed; {now}",
+                d.removed.at.rule,
+                target_label(&d.removed.at)
+            );
+        }
+        Request::RuleSet { .. } | Request::RuleReset { .. } => {
+            let Some(c) = typed::<live::RuleChanged>(data) else {
+                return print_raw(data);
+            };
+            match &c.live {
+                Some(l) => println!("rule {}: live changes now {}", c.rule, l.describe()),
+                None => println!("rule {}: the config's values apply", c.rule),
+            }
+        }
+        _ => print_raw(data),
+    }
+}
+
+/// An answer read as the type the daemon wrote it from (None: it is not one, and is printed
+/// as it came).
+fn typed<T: serde::de::DeserializeOwned>(data: &serde_json::Value) -> Option<T> {
+    serde_json::from_value(data.clone()).ok()
+}
+
+fn print_raw(data: &serde_json::Value) {
+    println!("{}", serde_json::to_string_pretty(data).unwrap_or_default());
+}
+
+fn target_label(at: &live::OverrideAt) -> String {
+    match (&at.cidr, &at.region) {
+        (Some(c), _) => c.clone(),
+        (None, Some(r)) => format!("region {r}"),
+        (None, None) => String::new(),
     }
 }

@@ -61,6 +61,8 @@ pub struct View {
     /// (translated, verified) instructions of the loaded program.
     pub program: Option<(u32, u32)>,
     pub bans_restore: bans::RestoreReport,
+    /// The live changes over the config file (`rule set`, `override add`).
+    pub live_changes: crate::live::Report,
 }
 
 /// Counts that take a walk over maps: kept for `status` and `/metrics` while still true.
@@ -328,6 +330,7 @@ impl Reports {
             events: crate::events::Status,
             tasks: BTreeMap<&'static str, supervise::TaskHealth>,
             bans_restore: &'a bans::RestoreReport,
+            live_changes: &'a crate::live::Report,
         }
         let census = self.census(view);
         let ring_buffer_lost = report::global_packets(&self.maps, global::EVENTS_LOST).unwrap_or(0);
@@ -355,6 +358,7 @@ impl Reports {
             events: self.events.status(ring_buffer_lost),
             tasks: self.tasks.snapshot(),
             bans_restore: &view.bans_restore,
+            live_changes: &view.live_changes,
         })
         .unwrap_or_default()
     }

@@ -1,11 +1,81 @@
 //! `ratelimit rule set NAME ...`: field changes to a live rule, validated like the config.
+//! The changes are kept by rule name as they were given ([`RuleChanges`]) and applied on top of
+//! the config's rule, so that they can be applied again after a restart or a reload
+//! ([`crate::live`]).
 
 use anyhow::{Context as _, bail};
+use serde::{Deserialize, Serialize};
 
-use crate::{
-    config::{Action, ExceedAction, Rule, Threshold},
-    control::RuleChange,
-};
+use crate::config::{Action, ExceedAction, Rule, Threshold};
+
+/// The fields of a rule changed live, in their command-line spelling; `None` keeps the
+/// config's value. On the control API (`rule set`) and in the saved live changes.
+#[derive(Serialize, Deserialize, Debug, Clone, Default, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RuleChanges {
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub threshold: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ban_threshold: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ban_duration: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub burst: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exceed_action: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preview: Option<bool>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub soft_limit: Option<f64>,
+}
+
+impl RuleChanges {
+    pub fn is_empty(&self) -> bool {
+        *self == Self::default()
+    }
+
+    /// These changes followed by `newer`: each field `newer` gives replaces this one's. A
+    /// field given explicitly keeps its value; the ones derived from it (a default ban
+    /// threshold or burst following the threshold) are derived again when applied.
+    pub fn merged(&self, newer: &RuleChanges) -> RuleChanges {
+        RuleChanges {
+            threshold: newer.threshold.clone().or_else(|| self.threshold.clone()),
+            ban_threshold: newer
+                .ban_threshold
+                .clone()
+                .or_else(|| self.ban_threshold.clone()),
+            ban_duration: newer
+                .ban_duration
+                .clone()
+                .or_else(|| self.ban_duration.clone()),
+            burst: newer.burst.or(self.burst),
+            exceed_action: newer
+                .exceed_action
+                .clone()
+                .or_else(|| self.exceed_action.clone()),
+            preview: newer.preview.or(self.preview),
+            soft_limit: newer.soft_limit.or(self.soft_limit),
+        }
+    }
+
+    /// As typed: `--threshold 150/1h --preview true`.
+    pub fn describe(&self) -> String {
+        let mut out = Vec::new();
+        let mut flag = |name: &str, v: Option<String>| {
+            if let Some(v) = v {
+                out.push(format!("--{name} {v}"));
+            }
+        };
+        flag("threshold", self.threshold.clone());
+        flag("ban-threshold", self.ban_threshold.clone());
+        flag("ban-duration", self.ban_duration.clone());
+        flag("burst", self.burst.map(|b| b.to_string()));
+        flag("exceed-action", self.exceed_action.clone());
+        flag("preview", self.preview.map(|b| b.to_string()));
+        flag("soft-limit", self.soft_limit.map(|b| b.to_string()));
+        out.join(" ")
+    }
+}
 
 /// `COUNT/INTERVAL` (e.g. `2000/20m`) or `BYTES/INTERVAL` with a unit (e.g. `10MiB/1s`), with
 /// the config file's rules (the same parser).
@@ -14,7 +84,7 @@ pub fn parse_threshold(s: &str) -> anyhow::Result<Threshold> {
         .map_err(|e| anyhow::anyhow!("{s:?}: {e}"))
 }
 
-pub fn apply_changes(rule: &mut Rule, set: &RuleChange) -> anyhow::Result<()> {
+pub fn apply_changes(rule: &mut Rule, set: &RuleChanges) -> anyhow::Result<()> {
     let was_default_ban = rule.ban_threshold == rule.threshold;
     let burst_was_default = rule.burst == rule.threshold.amount;
     if let Some(t) = &set.threshold {
@@ -121,7 +191,7 @@ mod tests {
     #[test]
     fn a_byte_burst_below_the_largest_packet_is_rejected() {
         let mut rule = bytes_rule();
-        let set = RuleChange {
+        let set = RuleChanges {
             burst: Some(1500),
             ..Default::default()
         };
@@ -132,7 +202,7 @@ mod tests {
         );
         let e = apply_changes(
             &mut rule,
-            &RuleChange {
+            &RuleChanges {
                 threshold: Some("1500B/1s".into()),
                 ..Default::default()
             },
@@ -158,14 +228,14 @@ mod tests {
                 "--ban-duration: 365250d is longer than 10 years (3650d)",
             ),
         ] {
-            let set = RuleChange {
+            let set = RuleChanges {
                 ban_duration: Some(d.into()),
                 ..Default::default()
             };
             let e = apply_changes(&mut rule, &set).unwrap_err().to_string();
             assert!(e.starts_with(want), "{d}: {e}");
         }
-        let set = RuleChange {
+        let set = RuleChanges {
             ban_duration: Some("3650d".into()),
             ..Default::default()
         };

@@ -493,6 +493,9 @@ fn packaging_manpage_covers_every_command() {
         "ratelimit ban add",
         "ratelimit ban del",
         "ratelimit rule set",
+        "ratelimit rule reset",
+        "ratelimit override add",
+        "ratelimit override del",
     ] {
         assert!(sections.contains(&format!(".SS \"{nested}\"").as_str()));
     }

@@ -17,8 +17,8 @@ use super::values::{
 };
 use super::{
     Action, Algorithm, Config, Daemon, EventsSink, ExceedAction, GeoIp, KeyKind, Lists, Match,
-    Override, OverrideTarget, Protocol, Rule, Threshold, Tracking, Unit, parse_bytes,
-    parse_duration, parse_net, parse_port_range, parse_tcp_flags,
+    Override, OverrideTarget, Protocol, Rule, Threshold, Tracking, Unit, override_fits,
+    parse_bytes, parse_duration, parse_net, parse_port_range, parse_region, parse_tcp_flags,
 };
 
 pub(super) fn build(root: &Item, ck: &mut Checker) -> Config {
@@ -712,20 +712,14 @@ fn override_(
             (None, None)
         }
         (Some(c), None) => {
-            if ctx.key == Some(KeyKind::Region) {
-                c.error_at_key(
-                    ck,
-                    "overrides need key = \"ip\" or \"all\" (this rule has key = \"region\")",
-                );
+            if let Some(Err(e)) = ctx.key.map(|k| override_fits(k, false)) {
+                c.error_at_key(ck, e);
             }
             (net(&c, ck).map(OverrideTarget::Cidr), Some(c))
         }
         (None, Some(r)) => {
-            if let Some(k) = ctx.key.filter(|&k| k != KeyKind::Region) {
-                r.error_at_key(
-                    ck,
-                    format!("overrides need key = \"region\" (this rule has key = \"{k}\")"),
-                );
+            if let Some(Err(e)) = ctx.key.map(|k| override_fits(k, true)) {
+                r.error_at_key(ck, e);
             }
             (region_code(&r, ck).map(OverrideTarget::Region), Some(r))
         }
@@ -779,27 +773,8 @@ fn override_(
     })
 }
 
-/// Two uppercase ASCII letters.
+/// Two uppercase ASCII letters ([`parse_region`]).
 fn region_code(f: &Field, ck: &mut Checker) -> Option<[u8; 2]> {
     let s = f.str(ck)?;
-    match *s.as_bytes() {
-        [a, b] if a.is_ascii_uppercase() && b.is_ascii_uppercase() => Some([a, b]),
-        [a, b] if a.is_ascii_alphabetic() && b.is_ascii_alphabetic() => {
-            let upper = s.to_ascii_uppercase();
-            f.invalid(
-                ck,
-                format!("{s:?} must be uppercase; did you mean {upper:?}?"),
-            );
-            None
-        }
-        _ => {
-            f.invalid(
-                ck,
-                format!(
-                    "{s:?} is not a two-letter country code (ISO 3166 alpha-2; \"ZZ\" is unknown)"
-                ),
-            );
-            None
-        }
-    }
+    parse_region(s).map_err(|e| f.invalid(ck, e)).ok()
 }

@@ -44,6 +44,21 @@ pub fn parse_net(s: &str) -> Result<IpNet, String> {
     Ok(net)
 }
 
+/// A region: an ISO 3166 alpha-2 country code as two uppercase ASCII letters, `ZZ` for
+/// unknown.
+pub fn parse_region(s: &str) -> Result<[u8; 2], String> {
+    match *s.as_bytes() {
+        [a, b] if a.is_ascii_uppercase() && b.is_ascii_uppercase() => Ok([a, b]),
+        [a, b] if a.is_ascii_alphabetic() && b.is_ascii_alphabetic() => {
+            let upper = s.to_ascii_uppercase();
+            Err(format!("{s:?} must be uppercase; did you mean {upper:?}?"))
+        }
+        _ => Err(format!(
+            "{s:?} is not a two-letter country code (ISO 3166 alpha-2; \"ZZ\" is unknown)"
+        )),
+    }
+}
+
 /// A byte size: digits with an optional unit `B`, `KB`/`kB` (1000), `KiB` (1024), `MB`, `MiB`,
 /// `GB` or `GiB`; a space between number and unit is allowed.
 pub fn parse_bytes(s: &str) -> Result<u64, String> {
