@@ -9,8 +9,12 @@
 //! * The daemon's RSS (VmRSS / VmHWM): idle with an empty map, after `top` over 1M, after the
 //!   bans.
 //! * A reload with 1k overrides under traffic with no misjudged packet (`control_reload.rs`).
+//! * `status` under load: its latency over the control socket while 1M sources are tracked,
+//!   new ones keep arriving, `/metrics` is fetched every 100 ms and 1k idle HTTP connections
+//!   are open (the load of the kernel test `e2e_control_latency`, from the lab's
+//!   `control_load`).
 //!
-//! `--quick`: 10k bans, 100k tracked sources, 100 overrides; correctness is asserted (the part
+//! `--quick`: 10k bans, 100k tracked sources, 100 overrides, `status` over 100k; correctness is asserted (the part
 //! panics on a wrong answer), times are printed but not held against the targets. In the full
 //! run a wrong answer is reported (and its target marked not met) rather than aborting the
 //! suite.
@@ -30,7 +34,11 @@ use ratelimit_common::{
     addr::IpKey,
     maps::{ClientKey, ClientState, KEY_IP},
 };
-use ratelimit_tests::{Daemon, scenario::Scenario};
+use ratelimit_tests::{
+    Daemon,
+    control_load::{self, Load},
+    scenario::Scenario,
+};
 use serde_json::json;
 
 use crate::part::{Ctx, Section, TargetRow};
@@ -113,6 +121,13 @@ pub fn run(ctx: &Ctx) -> Option<Section> {
         "  control: reload under traffic in {:.1}s",
         t1.elapsed().as_secs_f64()
     );
+    let t2 = Instant::now();
+    let load = status_under_load(if ctx.quick { Load::QUICK } else { Load::FULL });
+    println!(
+        "  control: status under load in {:.1}s:\n    {}",
+        t2.elapsed().as_secs_f64(),
+        load.summary().replace('\n', "\n    ")
+    );
     if ctx.quick {
         assert!(
             problems.is_empty(),
@@ -124,7 +139,17 @@ pub fn run(ctx: &Ctx) -> Option<Section> {
             println!("  control: WRONG: {p}");
         }
     }
-    Some(section(ctx, &cp, &rl, &problems))
+    Some(section(ctx, &cp, &rl, &load, &problems))
+}
+
+/// The HTTP port of the `status` under load daemon, inside its namespace.
+const LOAD_HTTP_PORT: u16 = 9478;
+
+/// `status` latency under the load of [`control_load`], on a daemon of its own.
+fn status_under_load(load: Load) -> control_load::Figures {
+    let mut s = Scenario::new("rlbl").with_http(LOAD_HTTP_PORT);
+    s.start(&load.config());
+    control_load::measure(&s, LOAD_HTTP_PORT, load)
 }
 
 /// What the bans / `top` / memory daemon measured.
@@ -452,7 +477,13 @@ threshold = {{ count = 1000, interval = "1s" }}
     }
 }
 
-fn section(ctx: &Ctx, cp: &ControlPlane, rl: &reload::Outcome, problems: &[String]) -> Section {
+fn section(
+    ctx: &Ctx,
+    cp: &ControlPlane,
+    rl: &reload::Outcome,
+    load: &control_load::Figures,
+    problems: &[String],
+) -> Section {
     let json = json!({
         "quick": ctx.quick,
         "bans": {
@@ -478,6 +509,7 @@ fn section(ctx: &Ctx, cp: &ControlPlane, rl: &reload::Outcome, problems: &[Strin
             "after_bans": cp.rss_after_bans,
         },
         "reload": rl.json(),
+        "status_under_load": load,
         "problems": problems,
     });
     let tracked = human(u64::from(cp.tracked));
@@ -531,6 +563,21 @@ fn section(ctx: &Ctx, cp: &ControlPlane, rl: &reload::Outcome, problems: &[Strin
     ));
     md.push('\n');
     md.push_str(&rl.markdown());
+    md.push_str(&format!(
+        "\n### `status` under load\n\n{} sources tracked (one real packet each through the veth pair, filled in {:.1} s), 200 new sources a second arriving throughout, `/metrics` fetched every 100 ms, {} idle HTTP connections open; then {} `status` requests over the control socket, 20 ms apart, each timed from connect to the answer.\n\n| request | answered | p50 | p99 | max |\n|---|---:|---:|---:|---:|\n| `status` | {} | {:.2} ms | {:.2} ms | {:.2} ms |\n| `/metrics` | {} ({} turned away while the idle connections held the listener's slots) | {:.2} ms | {:.2} ms | - |\n",
+        human(load.tracked),
+        load.fill_secs,
+        load.idle_connections,
+        load.status_us.len(),
+        load.status_us.len(),
+        load.status_p50_ms,
+        load.status_p99_ms,
+        load.status_max_ms,
+        load.metrics_us.len(),
+        load.metrics_failed,
+        load.metrics_p50_ms,
+        load.metrics_p99_ms,
+    ));
     if !problems.is_empty() {
         md.push_str("\n**Wrong answers in this run:**\n\n");
         for p in problems {
@@ -571,6 +618,20 @@ fn section(ctx: &Ctx, cp: &ControlPlane, rl: &reload::Outcome, problems: &[Strin
                 rl.misjudged
             ),
             met(rl.ok && rl.overrides >= 1_000),
+        ),
+        TargetRow::new(
+            "`status` p99 < 100 ms over 1M tracked clients, `/metrics` every 100 ms, 1k idle HTTP connections",
+            format!(
+                "p99 {:.2} ms (p50 {:.2}, max {:.2}) over {} tracked, {} idle connections",
+                load.status_p99_ms,
+                load.status_p50_ms,
+                load.status_max_ms,
+                human(load.tracked),
+                load.idle_connections
+            ),
+            met(load.tracked >= 1_000_000
+                && load.idle_connections >= 1_000
+                && load.status_p99_ms < 100.0),
         ),
     ];
     Section {

@@ -13,6 +13,7 @@
 //! Use it as `use ratelimit_tests as lab;`.
 
 pub mod bans;
+pub mod control_load;
 pub mod daemon;
 pub mod env;
 pub mod fuzz;
