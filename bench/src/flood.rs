@@ -11,7 +11,9 @@
 //!   socket delivery — runs on a CPU of its own, and the generator keeps the other one.
 //! * Scenarios: (F) one heavy source, (R) random spoofed sources (a new one each frame), (M) 100
 //!   legitimate clients at half their limit, known before the flood, mixed with a random-source
-//!   flood paced at 30% of what our limiter absorbed in (R); each in IPv4 and IPv6. One lab
+//!   flood paced at 30% of what our limiter absorbed in (R), (B) a botnet: 100k real sources
+//!   sending in turn, each far over a threshold of its own (the [`contenders::BOTNET`] policy);
+//!   each in IPv4 and IPv6. One lab
 //!   (namespaces, veth pair) per family; each case installs its contender and removes it.
 //! * Cleanup on any exit: the lab's guards delete the namespaces (and with them the veth pair,
 //!   the nftables table and the iptables rules), the daemon guard stops and detaches ours, the
@@ -38,7 +40,7 @@ use aya::{
     maps::{Array, PerCpuArray},
     programs::Xdp,
 };
-use contenders::{BURST, Contender, RATE};
+use contenders::{BOTNET, BOTNET_SOURCES, Contender, PER_SOURCE, Policy};
 use generator::{Family, GenRun, Generator, Plan};
 use ratelimit_tests::Scenario;
 use ratelimit_user::datapath;
@@ -67,6 +69,7 @@ enum Kind {
     F,
     R,
     M,
+    B,
 }
 
 impl Kind {
@@ -75,6 +78,7 @@ impl Kind {
             Kind::F => "F",
             Kind::R => "R",
             Kind::M => "M",
+            Kind::B => "B",
         }
     }
 
@@ -83,6 +87,15 @@ impl Kind {
             Kind::F => "one heavy source",
             Kind::R => "random spoofed sources",
             Kind::M => "100 legitimate clients under their limit + random-source flood",
+            Kind::B => "botnet: 100k real sources in turn, each over its threshold",
+        }
+    }
+
+    /// The policy every contender applies in this scenario.
+    fn policy(self) -> &'static Policy {
+        match self {
+            Kind::B => &BOTNET,
+            _ => &PER_SOURCE,
         }
     }
 
@@ -103,6 +116,9 @@ impl Kind {
         let (flood_base, flood_n) = match self {
             Kind::F => (heavy, 1),
             Kind::R | Kind::M => (random, 1 << 24),
+            // In turn: the generator's multiplicative walk modulo a count coprime to its
+            // multiplier visits each source once per round.
+            Kind::B => (random, BOTNET_SOURCES),
         };
         Plan {
             family,
@@ -309,7 +325,7 @@ pub fn run(ctx: &Ctx) -> Option<Section> {
         // contender: a flood the host can take, where the question is what the limiter does to
         // the legitimate clients.
         let mut m_flood_pps = M_FLOOD_FALLBACK_PPS;
-        for kind in [Kind::F, Kind::R, Kind::M] {
+        for kind in [Kind::F, Kind::R, Kind::M, Kind::B] {
             let mut list = contenders.clone();
             if kind == Kind::R && !ctx.quick {
                 list.insert(1, Contender::OursNoBudget);
@@ -418,7 +434,8 @@ fn run_case(
 ) -> ContenderResult {
     // Let the previous case's cleanup finish before this one starts.
     std::thread::sleep(Duration::from_millis(200));
-    let inst = contenders::install(sc, c, env.drop_prog);
+    let policy = kind.policy();
+    let inst = contenders::install(sc, c, policy, env.drop_prog);
     let debug = std::env::var_os("RL_FLOOD_DEBUG").is_some();
     // An XDP attach may re-create the NAPI thread: look it up (and pin it) again.
     let rx_pid = contenders::receiver_thread(sc, RX_CPU);
@@ -532,11 +549,21 @@ fn run_case(
     let passed = seen - dropped.min(seen);
     let processed_total = veth_processed(sc) - processed_before;
 
-    let (accuracy, expected) = if kind == Kind::F && c.limits() {
-        let expected = BURST as f64 + RATE as f64 * run.elapsed.as_secs_f64();
-        (Some(passed as f64 / expected), Some(expected))
-    } else {
-        (None, None)
+    // What the policy lets through over the flood: every source's burst and its rate.
+    let sources = match kind {
+        Kind::F => Some(1.0),
+        Kind::B => Some(plan.flood_n as f64),
+        Kind::R | Kind::M => None,
+    };
+    let (accuracy, expected) = match sources {
+        Some(n) if c.limits() => {
+            // Whole tokens: a source sending several times its rate gets its burst and one
+            // frame per token earned, none for the fraction of one.
+            let expected = n
+                * (policy.burst as f64 + (policy.rate as f64 * run.elapsed.as_secs_f64()).floor());
+            (Some(passed as f64 / expected), Some(expected))
+        }
+        _ => (None, None),
     };
     let mut legit_share = None;
     let mut legit_sent_total = None;
@@ -552,7 +579,7 @@ fn run_case(
             let addr = plan.legit_addr(i as u32);
             let g = from(&counts, addr) - from(&sb, addr);
             // Offered under the limit: never more than the bucket allows over the flood.
-            let cap = BURST as f64 + RATE as f64 * run.elapsed.as_secs_f64();
+            let cap = policy.burst as f64 + policy.rate as f64 * run.elapsed.as_secs_f64();
             assert!(
                 (s as f64) <= cap,
                 "legitimate client {addr} offered {s} frames in {:?}, over its limit",
@@ -740,6 +767,23 @@ fn check_verdict(kind: Kind, c: Contender, r: &ContenderResult) {
             );
         }
     }
+    if kind == Kind::B && c.limits() {
+        // Each bot is offered far over its allowance: most of the flood is dropped, and ours
+        // never lets through more than the allowances add up to (it may let through less:
+        // frames the ring lost never reached it).
+        assert!(
+            r.dropped > r.passed,
+            "{ctx}: most of a botnet flood over its thresholds must be dropped: {r:?}"
+        );
+        if c == Contender::Ours {
+            assert!(
+                r.accuracy.unwrap_or(0.0) <= 1.1,
+                "{ctx}: passed {} of an allowance of {:.0}",
+                r.passed,
+                r.expected_passed.unwrap_or(0.0)
+            );
+        }
+    }
     if kind == Kind::M && c == Contender::Ours {
         // Under their limits and tracked since the warm-up, the clients lose no packet to our
         // verdicts. (What the ring loses when this shared machine stalls the receiver is a
@@ -774,11 +818,12 @@ fn not_measured(why: &str) -> Section {
                 "-",
                 None,
             ),
+            TargetRow::new("botnet (B) absorbed >= 3x nftables", "-", None),
         ],
     }
 }
 
-const METHOD: &str = "Generator: the bench object's gen_flood XDP program, run with BPF_PROG_TEST_RUN in live-frames mode (batch 64) from the sending namespace on a thread pinned to CPU 0 at nice -20; each run rewrites the source address, UDP port and checksum of a valid 60-62 byte Ethernet/IP/UDP frame to the receiver's real MAC and address and returns XDP_TX, which sends it through the veth (a few long test-run calls per flood: each call's teardown waits for an RCU grace period). Receiver: the receiving veth with GRO on (a veth needs NAPI to take XDP_TX frames without an XDP program of its own) and threaded NAPI, the NAPI thread pinned to CPU 1 and real-time (SCHED_FIFO, so no other thread on this shared machine holds it off its ring), so the contender - its XDP program, or the stack with nftables or iptables - runs on CPU 1 and the generator keeps CPU 0. Absorbed Mpps: frames the receiving veth's NAPI took off its 256-frame ring per second, whatever their verdict (its rx_packets in /proc/net/dev, read from inside its namespace, which for a veth with NAPI on equals ethtool -S rx_queue_0_xdp_packets), between two reads 0.5 s (quick: 0.2 s) into the flood and 0.1 s before its end; what did not fit the ring was lost before any contender saw it (ring loss). Receiver CPU: CPU 1's busy share over the same window (/proc/stat); Mpps per receiver CPU = absorbed / that share, the receiver's capacity where the generator (which idles for an RCU grace period between its test-run calls, and shares this machine's host) was the slower side. Passed and dropped: each contender's own counters over the whole flood (our rule counters from `ratelimit stats --json`; nftables named counters; iptables -nvx -L with a counting rule before and after hashlimit, since hashlimit drops a new source without counting it when its table is full; the veth's XDP drop counter). Accuracy (F): passed / (burst + 1000 x flood seconds). (M): the 100 clients, 500 pps each, are paced by the generator from its clock and run alone for a warm-up first, so each has state; the random-source flood is paced at 30% of what our limiter absorbed in (R) of the same family in this run (a paced flood costs a receiver about twice per frame what a saturating one does), the same offered rate for every contender; legitimate share = datagrams a UDP socket in the receiving namespace got from the clients / frames the generator sent them during the flood (the socket is drained every millisecond by a thread on CPU 0, so a delivery costs CPU 1 no reader wake-up). Full run: every scenario goes round three times, contenders interleaved, and each contender's best round is reported: the fastest in (F) and (R), the one that kept the largest legitimate share in (M) (other work on this shared machine only slows a flood down, and a stall of the receiver's CPU by the host only loses frames at the ring).";
+const METHOD: &str = "Generator: the bench object's gen_flood XDP program, run with BPF_PROG_TEST_RUN in live-frames mode (batch 64) from the sending namespace on a thread pinned to CPU 0 at nice -20; each run rewrites the source address, UDP port and checksum of a valid 60-62 byte Ethernet/IP/UDP frame to the receiver's real MAC and address and returns XDP_TX, which sends it through the veth (a few long test-run calls per flood: each call's teardown waits for an RCU grace period). Receiver: the receiving veth with GRO on (a veth needs NAPI to take XDP_TX frames without an XDP program of its own) and threaded NAPI, the NAPI thread pinned to CPU 1 and real-time (SCHED_FIFO, so no other thread on this shared machine holds it off its ring), so the contender - its XDP program, or the stack with nftables or iptables - runs on CPU 1 and the generator keeps CPU 0. Absorbed Mpps: frames the receiving veth's NAPI took off its 256-frame ring per second, whatever their verdict (its rx_packets in /proc/net/dev, read from inside its namespace, which for a veth with NAPI on equals ethtool -S rx_queue_0_xdp_packets), between two reads 0.5 s (quick: 0.2 s) into the flood and 0.1 s before its end; what did not fit the ring was lost before any contender saw it (ring loss). Receiver CPU: CPU 1's busy share over the same window (/proc/stat); Mpps per receiver CPU = absorbed / that share, the receiver's capacity where the generator (which idles for an RCU grace period between its test-run calls, and shares this machine's host) was the slower side. Passed and dropped: each contender's own counters over the whole flood (our rule counters from `ratelimit stats --json`; nftables named counters; iptables -nvx -L with a counting rule before and after hashlimit, since hashlimit drops a new source without counting it when its table is full; the veth's XDP drop counter). Accuracy (F): passed / (burst + whole tokens earned at 1000 per second over the flood); (B): passed / (100k x (burst + whole tokens earned at 1 per second)), the bots' allowances added up. (M): the 100 clients, 500 pps each, are paced by the generator from its clock and run alone for a warm-up first, so each has state; the random-source flood is paced at 30% of what our limiter absorbed in (R) of the same family in this run (a paced flood costs a receiver about twice per frame what a saturating one does), the same offered rate for every contender; legitimate share = datagrams a UDP socket in the receiving namespace got from the clients / frames the generator sent them during the flood (the socket is drained every millisecond by a thread on CPU 0, so a delivery costs CPU 1 no reader wake-up). Full run: every scenario goes round three times, contenders interleaved, and each contender's best round is reported: the fastest in (F) and (R), the one that kept the largest legitimate share in (M) (other work on this shared machine only slows a flood down, and a stall of the receiver's CPU by the host only loses frames at the ring).";
 
 /// Where each frame's time goes on the receiver CPU, from this run's own figures: ns per frame
 /// = 1000 / (Mpps per receiver CPU). XDP_DROP's figure is what the veth and XDP cost before
@@ -835,27 +880,32 @@ fn section(results: &[ScenarioResult], skipped: &[String], quick: bool, secs: f6
     };
     let mut md = String::from("## Live floods\n\n");
     md.push_str(&format!(
-        "Per source 1000 pps, burst 100, drop the excess, on the receiving veth of a pair between two namespaces; {}each flood {:.1} s; this part took {secs:.0} s.\n\n",
+        "Per source 1000 pps, burst 100 ((B): 1 pps, burst 1), drop the excess, on the receiving veth of a pair between two namespaces; {}each flood {:.1} s; this part took {secs:.0} s.\n\n",
         if quick { "quick run, " } else { "" },
         results.first().map_or(0.0, |s| s.duration_secs),
     ));
     md.push_str(&format!("How it is measured: {METHOD}\n\n"));
     md.push_str(&format!(
         "Contenders: **ours** — the daemon, native XDP, `token_bucket` 1000/1s burst 100 per /32 and /128, `max_sources = {}`, admission budget `new_sources_per_sec = {}` (burst the same; sources refused state share the rule's one aggregate bucket), the known-sources filter on (the daemon builds it at its start, so a spoofed source skips its per-client lookup){}; **nftables** — netdev ingress, `update @meter {{ ip saddr limit rate over 1000/second burst 100 packets }} drop` on a dynamic set of size {} with a 10 s timeout (a new source finding the set full is not limited); **hashlimit** — iptables-legacy / ip6tables-legacy raw PREROUTING `--hashlimit-above 1000/sec --hashlimit-burst 100 --hashlimit-mode srcip`, htable size and max {}, expiry 10 s (a new source finding the table full is dropped); **xdp_drop** — an XDP program returning XDP_DROP; **no_filter** — nothing.\n\n",
-        contenders::STATE_MAX,
-        contenders::ADMISSION,
+        PER_SOURCE.state_max,
+        PER_SOURCE.admission.unwrap_or(0),
         if results.iter().any(|s| s.contenders.iter().any(|c| c.name == "ours_no_admission_budget")) {
             "; **ours_no_admission_budget** (R only) — the same without the budget"
         } else {
             ""
         },
-        contenders::STATE_MAX,
-        contenders::STATE_MAX,
+        PER_SOURCE.state_max,
+        PER_SOURCE.state_max,
+    ));
+    md.push_str(&format!(
+        "In (B) every contender applies 1 pps, burst 1 per source, with room for {} sources (our `max_sources`, the set's size, hashlimit's htable size and max): {} real sources send in turn (the generator walks them in a scrambled order that visits each once per round), each offered the flood's rate / {}, several times its 1 pps; ours has no admission budget there (`new_sources_per_sec = 0`: a bot sends from its own address and would earn its state anyway).\n\n",
+        BOTNET.state_max, BOTNET_SOURCES, BOTNET_SOURCES
     ));
     for s in results {
         let kind = match s.name {
             "F" => Kind::F,
             "R" => Kind::R,
+            "B" => Kind::B,
             _ => Kind::M,
         };
         md.push_str(&format!(
@@ -962,6 +1012,25 @@ fn section(results: &[ScenarioResult], skipped: &[String], quick: bool, secs: f6
             None => r_met = None,
         }
     }
+    let mut b_parts = Vec::new();
+    let mut b_met = Some(true);
+    for f in fams {
+        match (ratio("B", f, "nftables"), find("B", f, "ours")) {
+            (Some(n), Some(o)) => {
+                b_parts.push(format!(
+                    "{f}: {n:.2}x nftables ({:.2} Mpps{})",
+                    o.absorbed_mpps,
+                    ratio("B", f, "hashlimit")
+                        .map(|h| format!(", {h:.2}x hashlimit"))
+                        .unwrap_or_default()
+                ));
+                if n < 3.0 {
+                    b_met = Some(false);
+                }
+            }
+            _ => b_met = None,
+        }
+    }
     let quick_note = if quick { " (quick run)" } else { "" };
     let targets = vec![
         TargetRow::new(
@@ -974,6 +1043,11 @@ fn section(results: &[ScenarioResult], skipped: &[String], quick: bool, secs: f6
             format!("{}{quick_note}", r_parts.join("; ")),
             r_met,
         ),
+        TargetRow::new(
+            "botnet (B) absorbed >= 3x nftables",
+            format!("{}{quick_note}", b_parts.join("; ")),
+            b_met,
+        ),
     ];
     Section {
         key: "flood",
@@ -981,7 +1055,9 @@ fn section(results: &[ScenarioResult], skipped: &[String], quick: bool, secs: f6
             "scenarios": results,
             "method": METHOD,
             "quick": quick,
-            "policy": {"rate_pps": RATE, "burst": BURST, "state_max": contenders::STATE_MAX, "ours_admission_per_sec": contenders::ADMISSION},
+            "policy": PER_SOURCE,
+            "botnet_policy": BOTNET,
+            "botnet_sources": BOTNET_SOURCES,
             "cpus": {"generator": GEN_CPU, "receiver": RX_CPU},
         }),
         markdown: md,

@@ -1,19 +1,42 @@
-//! The contenders on the receiving veth, each with the same policy (per source 1000 pps,
-//! burst 100, drop the excess), and how each one's own counters are read.
+//! The contenders on the receiving veth, each with the same policy (a per-source token bucket,
+//! drop the excess: [`PER_SOURCE`] for the floods (F), (R), (M), [`BOTNET`] for (B)), and how
+//! each one's own counters are read.
 
 use std::{path::PathBuf, time::Duration};
 
 use aya::programs::{Xdp, XdpMode, xdp::XdpLinkId};
 use ratelimit_tests::{Daemon, NetNs, Scenario, scenario::rule_counter};
 
-/// Policy: per-source token bucket.
-pub const RATE: u64 = 1000;
-pub const BURST: u64 = 100;
-/// Per-source state bound, the same for every contender that keeps state (our
-/// `max_sources`, the nftables set `size`, hashlimit's `htable-max`).
-pub const STATE_MAX: u64 = 65_536;
-/// Our new-source admission budget (`tracking.new_sources_per_sec`, and its burst).
-pub const ADMISSION: u64 = 10_000;
+/// A policy every contender applies alike: a per-source token bucket of `rate` per second and
+/// `burst`, with room for `state_max` sources (our `max_sources`, the nftables set `size`,
+/// hashlimit's `htable-size` and `htable-max`); ours also refuses state to more than
+/// `admission` new sources a second, when set (`tracking.new_sources_per_sec`, and its burst).
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub struct Policy {
+    pub rate: u64,
+    pub burst: u64,
+    pub state_max: u64,
+    pub admission: Option<u64>,
+}
+
+/// (F), (R), (M): 1000 pps, burst 100 per source.
+pub const PER_SOURCE: Policy = Policy {
+    rate: 1000,
+    burst: 100,
+    state_max: 65_536,
+    admission: Some(10_000),
+};
+
+/// (B): [`BOTNET_SOURCES`] real sources in turn, each allowed 1 pps, burst 1, and offered
+/// several times that (a flood of a few Mpps over 100k sources); room for all of them. No admission budget for ours: every bot keeps sending from its own
+/// address and earns its state, so a budget would only delay that.
+pub const BOTNET: Policy = Policy {
+    rate: 1,
+    burst: 1,
+    state_max: 262_144,
+    admission: None,
+};
+pub const BOTNET_SOURCES: u64 = 100_000;
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Contender {
@@ -63,17 +86,23 @@ pub fn tool_exists(tool: &str) -> bool {
         .any(|d| std::path::Path::new(d).join(tool).exists())
 }
 
-/// Our daemon's policy.
-pub fn ours_policy(budget: bool) -> String {
-    let tracking = if budget {
-        format!("new_sources_per_sec = {ADMISSION}\nnew_sources_burst = {ADMISSION}\n")
-    } else {
-        String::new()
+/// Our daemon's config for `p`; `budget` false leaves the admission budget out whatever `p`
+/// says.
+pub fn ours_policy(p: &Policy, budget: bool) -> String {
+    let Policy {
+        rate,
+        burst,
+        state_max,
+        ..
+    } = *p;
+    let tracking = match p.admission.filter(|_| budget) {
+        Some(a) => format!("new_sources_per_sec = {a}\nnew_sources_burst = {a}\n"),
+        None => "new_sources_per_sec = 0\n".to_string(),
     };
     format!(
         r#"
 [tracking]
-max_sources = {STATE_MAX}
+max_sources = {state_max}
 {tracking}
 [[rule]]
 name = "per-source"
@@ -81,37 +110,43 @@ key = "ip"
 ipv4_prefix = 32
 ipv6_prefix = 128
 action = "throttle"
-threshold = {{ count = {RATE}, interval = "1s" }}
+threshold = {{ count = {rate}, interval = "1s" }}
 algorithm = "token_bucket"
-burst = {BURST}
+burst = {burst}
 exceed_action = "drop"
 "#
     )
 }
 
 /// The nftables ruleset: netdev ingress on the receiving veth, one dynamic set per family.
-pub fn nft_ruleset(dev: &str) -> String {
+pub fn nft_ruleset(dev: &str, p: &Policy) -> String {
+    let Policy {
+        rate,
+        burst,
+        state_max,
+        ..
+    } = *p;
     format!(
         r#"table netdev rlbench {{
     counter seen {{ }}
     counter dropped {{ }}
     set meter4 {{
         type ipv4_addr
-        size {STATE_MAX}
+        size {state_max}
         flags dynamic,timeout
         timeout 10s
     }}
     set meter6 {{
         type ipv6_addr
-        size {STATE_MAX}
+        size {state_max}
         flags dynamic,timeout
         timeout 10s
     }}
     chain ingress {{
         type filter hook ingress device "{dev}" priority 0; policy accept;
         counter name "seen"
-        meta protocol ip update @meter4 {{ ip saddr limit rate over {RATE}/second burst {BURST} packets }} counter name "dropped" drop
-        meta protocol ip6 update @meter6 {{ ip6 saddr limit rate over {RATE}/second burst {BURST} packets }} counter name "dropped" drop
+        meta protocol ip update @meter4 {{ ip saddr limit rate over {rate}/second burst {burst} packets }} counter name "dropped" drop
+        meta protocol ip6 update @meter6 {{ ip6 saddr limit rate over {rate}/second burst {burst} packets }} counter name "dropped" drop
     }}
 }}
 "#
@@ -121,11 +156,17 @@ pub fn nft_ruleset(dev: &str) -> String {
 /// The iptables rules (both families, legacy backend, raw table): a counting rule, hashlimit,
 /// and a counting rule for what got past it. (When its table is full, hashlimit drops a new
 /// source's packet without counting it in its rule: the two counting rules see every drop.)
-pub fn hashlimit_rules(dev: &str, v6: bool) -> Vec<Vec<String>> {
+pub fn hashlimit_rules(dev: &str, v6: bool, p: &Policy) -> Vec<Vec<String>> {
+    let Policy {
+        rate,
+        burst,
+        state_max,
+        ..
+    } = *p;
     let name = if v6 { "rlbench6" } else { "rlbench4" };
     let count = format!("-t raw -A PREROUTING -i {dev}");
     let limit = format!(
-        "-t raw -A PREROUTING -i {dev} -m hashlimit --hashlimit-above {RATE}/sec --hashlimit-burst {BURST} --hashlimit-mode srcip --hashlimit-name {name} --hashlimit-htable-size {STATE_MAX} --hashlimit-htable-max {STATE_MAX} --hashlimit-htable-expire 10000 -j DROP"
+        "-t raw -A PREROUTING -i {dev} -m hashlimit --hashlimit-above {rate}/sec --hashlimit-burst {burst} --hashlimit-mode srcip --hashlimit-name {name} --hashlimit-htable-size {state_max} --hashlimit-htable-max {state_max} --hashlimit-htable-expire 10000 -j DROP"
     );
     [count.clone(), limit, count]
         .iter()
@@ -157,13 +198,13 @@ fn exec_ok(ns: &NetNs, args: &[&str]) -> String {
 
 /// Installs `c` on `sc`'s receiving end (the daemon is started here for ours; the scenario
 /// must have been made `with_daemon_line("xdp_mode = \"native\"")`).
-pub fn install(sc: &Scenario, c: Contender, drop_prog: &mut Xdp) -> Installed {
+pub fn install(sc: &Scenario, c: Contender, p: &Policy, drop_prog: &mut Xdp) -> Installed {
     let dev = sc.pair.b().name.clone();
     let mut xdp_link = None;
     let mut daemon = None;
     match c {
         Contender::Ours | Contender::OursNoBudget => {
-            let policy = ours_policy(c == Contender::Ours);
+            let policy = ours_policy(p, c == Contender::Ours);
             let d = Daemon::start_in(&sc.server, |dir| {
                 format!("{}{policy}", sc.daemon_table(dir))
             });
@@ -179,13 +220,13 @@ pub fn install(sc: &Scenario, c: Contender, drop_prog: &mut Xdp) -> Installed {
             daemon = Some(d);
         }
         Contender::Nftables => {
-            let path = temp_file("nft", &nft_ruleset(&dev));
+            let path = temp_file("nft", &nft_ruleset(&dev, p));
             exec_ok(&sc.server, &["nft", "-f", path.to_str().unwrap()]);
             let _ = std::fs::remove_file(&path);
         }
         Contender::Hashlimit => {
             for (tool, v6) in [("iptables-legacy", false), ("ip6tables-legacy", true)] {
-                for rule in hashlimit_rules(&dev, v6) {
+                for rule in hashlimit_rules(&dev, v6, p) {
                     let mut args = vec![tool];
                     args.extend(rule.iter().map(String::as_str));
                     exec_ok(&sc.server, &args);
