@@ -318,15 +318,14 @@ fn print_stats(stats: &report::Stats) {
     }
     row("total", stats.all.total);
     for r in &stats.rules {
-        let packets = |k: &str| r.counters.get(k).map_or(0, |c| c.packets);
         println!(
             "rule {:<17} matched {:>10}  admitted {:>10}  dropped {:>10}  would_drop {:>8}  bans {:>6}",
             r.name,
-            packets("matched"),
-            packets("admitted"),
-            packets("dropped"),
-            packets("would_drop"),
-            packets("bans"),
+            r.get("matched").packets,
+            r.get("admitted").packets,
+            r.get("dropped").packets,
+            r.get("would_drop").packets,
+            r.get("bans").packets,
         );
     }
 }

@@ -95,6 +95,40 @@ pub struct Stats {
     pub rules: Vec<RuleCounters>,
 }
 
+impl Counters {
+    /// A verdict's counts (`stats::global::NAMES`); zero for a name it does not have.
+    pub fn verdict(&self, name: &str) -> Pb {
+        self.verdicts.get(name).copied().unwrap_or_default()
+    }
+
+    /// A reason's counts (`stats::global::NAMES`); zero for a name it does not have.
+    pub fn reason(&self, name: &str) -> Pb {
+        self.reasons.get(name).copied().unwrap_or_default()
+    }
+}
+
+impl RuleCounters {
+    /// One counter of the rule (`stats::rule::NAMES`); zero for a name it does not have.
+    pub fn get(&self, counter: &str) -> Pb {
+        self.counters.get(counter).copied().unwrap_or_default()
+    }
+}
+
+impl Stats {
+    /// The counters of the rule named `name`.
+    pub fn rule(&self, name: &str) -> Option<&RuleCounters> {
+        self.rules.iter().find(|r| r.name == name)
+    }
+
+    /// The counters of the interface named `iface`.
+    pub fn iface(&self, iface: &str) -> Option<&Counters> {
+        self.interfaces
+            .iter()
+            .find(|i| i.iface == iface)
+            .map(|i| &i.counters)
+    }
+}
+
 /// The packets of one global counter (`stats::global::*`) over every interface slot: a
 /// few lookups instead of the whole array `stats` reads.
 pub fn global_packets(maps: &Maps, index: u32) -> anyhow::Result<u64> {
