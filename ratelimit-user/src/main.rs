@@ -127,7 +127,10 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             // Bounded to 10 years by the shared check, so the milliseconds fit.
             let duration_ms = duration
                 .as_deref()
-                .map(|d| config::parse_ban_duration(d).map_err(|e| anyhow::anyhow!("--for: {e}")))
+                .map(|d| {
+                    config::parse_ban_duration(d)
+                        .map_err(|e| anyhow::anyhow!(config::labelled("--for", &e)))
+                })
                 .transpose()?
                 .map(|d| d.as_millis() as u64);
             let cidrs = cidr_list(cidr.as_deref(), file.as_deref())?;

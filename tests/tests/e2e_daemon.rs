@@ -970,7 +970,7 @@ fn ban_durations_are_bounded_and_expiries_survive_a_reboot_as_unix_time() {
     let mut s = Scenario::new("rldur");
     s.start("");
     for (arg, why) in [
-        ("0s", "--for: must be greater than 0"),
+        ("0s", "--for must be greater than 0"),
         (
             "500us",
             "--for: 500us is shorter than 1ms, the shortest ban",
