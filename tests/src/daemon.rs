@@ -393,15 +393,7 @@ impl Daemon {
     ///
     /// Unless it exits 0 with JSON on stdout.
     pub fn cli_json(&self, args: &[&str]) -> serde_json::Value {
-        let mut all = args.to_vec();
-        all.push("--json");
-        let stdout = self.cli_ok(&all);
-        serde_json::from_str(&stdout).unwrap_or_else(|e| {
-            panic!(
-                "`ratelimit {}` printed no JSON ({e}):\n{stdout}",
-                all.join(" ")
-            )
-        })
+        self.cli_as(args)
     }
 
     /// Runs `ratelimit ARGS --json --socket PATH` and reads stdout as the control API's
