@@ -432,7 +432,7 @@ threshold = {{ count = 1000, interval = "1s" }}
             ));
         }
     }
-    let active = d.cli_json(&["status"])["active_bans"].as_u64().unwrap_or(0);
+    let active = d.status().active_bans;
     let listed = timed_cli(&sock, &["bans", "--json"], Duration::from_secs(60));
     let bans_listed = serde_json::from_str::<serde_json::Value>(&listed.stdout())
         .ok()

@@ -284,11 +284,7 @@ pub fn veth_stats(sc: &Scenario) -> std::collections::HashMap<String, u64> {
 pub fn counters(sc: &Scenario, inst: &Installed) -> Counters {
     match inst.contender {
         Contender::Ours | Contender::OursNoBudget => {
-            let st = inst
-                .daemon
-                .as_ref()
-                .expect("ours runs a daemon")
-                .cli_json(&["stats"]);
+            let st = inst.daemon.as_ref().expect("ours runs a daemon").stats();
             Counters {
                 seen: rule_counter(&st, "per-source", "matched"),
                 dropped: rule_counter(&st, "per-source", "dropped"),

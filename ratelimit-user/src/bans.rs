@@ -128,7 +128,7 @@ pub fn save(
 
 /// What became of the saved bans at start: in the log, in `status` (`bans_restore`) and in
 /// `/metrics` (`ratelimit_saved_bans_total` by outcome, `ratelimit_bans_files_set_aside_total`).
-#[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
 pub struct RestoreReport {
     /// The file read.
     pub file: String,
@@ -661,7 +661,7 @@ mod tests {
         fn ban_files_never_panic(text in "([0-9a-fA-F.:/# \t\r]{0,45}\n){0,8}") {
             for e in file_entries(&text) {
                 prop_assert!(!e.is_empty() && !e.contains('#') && !e.contains('\n'));
-                if let Ok(net) = crate::daemon::parse_cidr(&e) {
+                if let Ok(net) = crate::config::parse_net(&e) {
                     prop_assert_eq!(net.trunc(), net);
                 }
             }

@@ -5,7 +5,7 @@ use std::{io, path::PathBuf};
 
 use clap::{Args, CommandFactory as _, Parser, Subcommand, ValueEnum};
 
-use crate::control;
+use crate::{config, control};
 use clap_mangen::{
     Man,
     roff::{Roff, bold, italic, roman},
@@ -18,15 +18,22 @@ use clap_mangen::{
     about = "XDP rate limiter for edge hosts: throttles and bans floods before the kernel allocates an skb"
 )]
 pub struct Cli {
-    /// Control socket of the running daemon (default: the config's `control_socket`, else
-    /// /run/ratelimit/control.sock).
-    #[arg(long, global = true, value_name = "PATH")]
+    /// Control socket of the running daemon.
+    #[arg(long, global = true, value_name = "PATH", help = socket_help())]
     pub socket: Option<PathBuf>,
     /// Config file (for `run`, `reload`, `detach`, and to find the control socket).
     #[arg(long, global = true, value_name = "FILE")]
     pub config: Option<PathBuf>,
     #[command(subcommand)]
     pub command: Command,
+}
+
+/// The help of `--socket`, naming the default the daemon binds.
+fn socket_help() -> String {
+    format!(
+        "Control socket of the running daemon (default: the config's `control_socket`, else {})",
+        config::DEFAULT_CONTROL_SOCKET
+    )
 }
 
 #[derive(Subcommand, Debug)]
@@ -515,7 +522,7 @@ fn trailer() -> Roff {
     );
     item(
         &mut r,
-        "/run/ratelimit/control.sock",
+        config::DEFAULT_CONTROL_SOCKET,
         "Control socket (daemon.control_socket), mode 0600: the client commands must run as root.",
     );
     item(

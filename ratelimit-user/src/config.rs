@@ -40,8 +40,8 @@ mod tests;
 
 pub use values::{
     MAX_BAN_DURATION, MIN_BYTE_AMOUNT, check_ban_duration, check_byte_burst, format_duration,
-    parse_ban_duration, parse_bytes, parse_duration, parse_net, parse_port_range, parse_region,
-    parse_tcp_flags,
+    labelled, parse_ban_duration, parse_bytes, parse_duration, parse_net, parse_port_range,
+    parse_region, parse_tcp_flags,
 };
 
 /// Default `daemon.control_socket`.

@@ -1,4 +1,6 @@
 //! The control API: one JSON request per line on a Unix socket, one JSON response per line.
+//! [`Request`] and [`Answer`] are the one typed API of the daemon: the control socket, the CLI,
+//! the HTTP listener's reports and the tests all speak it.
 //! The socket is created mode 0600 in a root-owned directory, and the server also checks the
 //! peer's credentials (SO_PEERCRED): only root may drive the daemon.
 
@@ -13,7 +15,12 @@ use anyhow::{Context as _, bail};
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    live::{OverrideAt, OverrideSpec},
+    live::{
+        OverrideAdded, OverrideAt, OverrideEntry, OverrideRemoved, OverrideSpec, RuleChanged,
+        RuleEntry,
+    },
+    reader::Status,
+    report::{Ban, Client, Key, Stats},
     ruleset::RuleChanges,
 };
 
@@ -91,40 +98,175 @@ pub struct BanSpec {
     pub reason: Option<String>,
 }
 
-#[derive(Serialize, Deserialize, Debug)]
-pub struct Response {
-    pub ok: bool,
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub error: Option<String>,
-    /// The answer, already encoded: a large one (100k bans, a million clients) is written
-    /// once as text instead of first becoming a tree of JSON values.
-    #[serde(default = "null")]
-    pub data: Box<serde_json::value::RawValue>,
+/// The answer to `ban add`.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct BansAdded {
+    /// Bans added (or replaced): every entry of the request.
+    pub added: usize,
 }
 
-fn null() -> Box<serde_json::value::RawValue> {
-    serde_json::value::RawValue::from_string("null".into()).expect("valid JSON")
+/// The answer to `ban del`.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct BansRemoved {
+    /// Bans removed (a prefix may have had one in each ban table).
+    pub removed: usize,
+    /// The entries that had no ban.
+    pub not_found: Vec<String>,
 }
+
+/// The answer to `ban del --rule`: the aggregate ban lifted.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct BanLifted {
+    pub lifted: u32,
+    pub rule: String,
+    /// `all` or `region`.
+    pub key: Key,
+    /// The region whose ban was lifted (for a rule keyed `region`).
+    pub region: Option<String>,
+}
+
+/// The answer to `reload`.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct Reloaded {
+    /// The config file read.
+    pub reloaded: String,
+    /// The rules now in force, in order.
+    pub rules: Vec<String>,
+    /// Live changes the new file no longer takes, each with why.
+    pub live_changes_dropped: Vec<String>,
+}
+
+/// The answer to each [`Request`], carrying its report: one variant per request, named as
+/// the request is. On the wire (the control socket's `data`, the HTTP listener's body, the
+/// CLI's `--json`) an answer is its report alone, serialized straight from the structs; the
+/// request it answers says which one it is ([`Answer::decode`]).
+#[derive(Serialize, Debug, Clone, PartialEq)]
+#[serde(untagged)]
+pub enum Answer {
+    Status(Box<Status>),
+    Stats(Box<Stats>),
+    /// The heaviest clients, heaviest first.
+    Top(Vec<Client>),
+    Bans(Vec<Ban>),
+    /// Offenders, highest usage first.
+    Offenders(Vec<Client>),
+    BanAdd(BansAdded),
+    BanDel(BansRemoved),
+    BanLift(BanLifted),
+    RuleSet(RuleChanged),
+    RuleReset(RuleChanged),
+    Rules(Vec<RuleEntry>),
+    OverrideAdd(OverrideAdded),
+    OverrideDel(OverrideRemoved),
+    Overrides(Vec<OverrideEntry>),
+    Reload(Reloaded),
+}
+
+impl Answer {
+    /// Read `data`, the encoded answer to `req`, as the type the daemon wrote it from.
+    pub fn decode(req: &Request, data: &str) -> serde_json::Result<Answer> {
+        use serde_json::from_str as read;
+        Ok(match req {
+            Request::Status => Answer::Status(read(data)?),
+            Request::Stats => Answer::Stats(read(data)?),
+            Request::Top { .. } => Answer::Top(read(data)?),
+            Request::Bans { .. } => Answer::Bans(read(data)?),
+            Request::Offenders { .. } => Answer::Offenders(read(data)?),
+            Request::BanAdd { .. } => Answer::BanAdd(read(data)?),
+            Request::BanDel { .. } => Answer::BanDel(read(data)?),
+            Request::BanLift { .. } => Answer::BanLift(read(data)?),
+            Request::RuleSet { .. } => Answer::RuleSet(read(data)?),
+            Request::RuleReset { .. } => Answer::RuleReset(read(data)?),
+            Request::Rules => Answer::Rules(read(data)?),
+            Request::OverrideAdd { .. } => Answer::OverrideAdd(read(data)?),
+            Request::OverrideDel { .. } => Answer::OverrideDel(read(data)?),
+            Request::Overrides => Answer::Overrides(read(data)?),
+            Request::Reload => Answer::Reload(read(data)?),
+        })
+    }
+
+    /// A list answer cut to its first `n` entries; whether anything was cut. Other answers
+    /// are left as they are.
+    pub fn truncate(&mut self, n: usize) -> bool {
+        fn cut<T>(v: &mut Vec<T>, n: usize) -> bool {
+            let cut = v.len() > n;
+            v.truncate(n);
+            cut
+        }
+        match self {
+            Answer::Top(v) | Answer::Offenders(v) => cut(v, n),
+            Answer::Bans(v) => cut(v, n),
+            Answer::Rules(v) => cut(v, n),
+            Answer::Overrides(v) => cut(v, n),
+            _ => false,
+        }
+    }
+}
+
+/// The daemon's response to one request: its answer, or why it failed. On the wire:
+/// `{"ok": true, "data": ANSWER}` or `{"ok": false, "error": "...", "data": null}`, one line.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Response(pub Result<Answer, String>);
 
 impl Response {
-    pub fn ok(data: impl Serialize) -> Self {
-        Self {
-            ok: true,
-            error: None,
-            data: serde_json::value::to_raw_value(&data).unwrap_or_else(|_| null()),
-        }
+    pub fn ok(answer: Answer) -> Self {
+        Self(Ok(answer))
     }
+
     pub fn err(e: impl std::fmt::Display) -> Self {
-        Self {
-            ok: false,
-            error: Some(e.to_string()),
-            data: null(),
+        Self(Err(e.to_string()))
+    }
+
+    /// Read a response line as the answer to `req`.
+    pub fn decode(req: &Request, line: &str) -> anyhow::Result<Self> {
+        #[derive(Deserialize)]
+        struct Wire<'a> {
+            ok: bool,
+            #[serde(default)]
+            error: Option<String>,
+            #[serde(default, borrow)]
+            data: Option<&'a serde_json::value::RawValue>,
         }
+        let wire: Wire =
+            serde_json::from_str(line).context("malformed response from the daemon")?;
+        if !wire.ok {
+            return Ok(Self::err(
+                wire.error.unwrap_or_else(|| "request failed".into()),
+            ));
+        }
+        let data = wire.data.map_or("null", |d| d.get());
+        let answer = Answer::decode(req, data).context("malformed response from the daemon")?;
+        Ok(Self::ok(answer))
     }
 }
 
-/// Send one request and wait for its response.
-pub fn call(socket: &Path, req: &Request) -> anyhow::Result<serde_json::Value> {
+impl Serialize for Response {
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        #[derive(Serialize)]
+        struct Wire<'a> {
+            ok: bool,
+            #[serde(skip_serializing_if = "Option::is_none")]
+            error: Option<&'a str>,
+            data: Option<&'a Answer>,
+        }
+        match &self.0 {
+            Ok(a) => Wire {
+                ok: true,
+                error: None,
+                data: Some(a),
+            },
+            Err(e) => Wire {
+                ok: false,
+                error: Some(e),
+                data: None,
+            },
+        }
+        .serialize(s)
+    }
+}
+
+/// Send one request and wait for its answer.
+pub fn call(socket: &Path, req: &Request) -> anyhow::Result<Answer> {
     let mut stream = UnixStream::connect(socket).with_context(|| {
         format!(
             "cannot reach the daemon at {} (is `ratelimit run` running? pass --socket or --config)",
@@ -143,12 +285,9 @@ pub fn call(socket: &Path, req: &Request) -> anyhow::Result<serde_json::Value> {
     if resp.is_empty() {
         bail!("the daemon closed the connection without answering");
     }
-    let resp: Response =
-        serde_json::from_str(&resp).context("malformed response from the daemon")?;
-    if !resp.ok {
-        bail!("{}", resp.error.unwrap_or_else(|| "request failed".into()));
-    }
-    serde_json::from_str(resp.data.get()).context("malformed response from the daemon")
+    Response::decode(req, &resp)?
+        .0
+        .map_err(|e| anyhow::anyhow!(e))
 }
 
 /// Bind the control socket: parent directory created (0700 if new), stale socket removed,
@@ -213,4 +352,445 @@ pub async fn refuse(stream: tokio::net::UnixStream) {
         }
     })
     .await;
+}
+
+/// One answer of each kind, with every optional field set, for tests of the wire format.
+#[cfg(test)]
+pub(crate) mod samples {
+    use std::collections::BTreeMap;
+
+    use super::*;
+    use crate::{
+        datapath::{Attached, Entry},
+        live::Source,
+        report::{Counters, IfaceCounters, Pb, RuleCounters},
+    };
+
+    pub fn status() -> Status {
+        Status {
+            version: "0.1.0".into(),
+            pid: 4242,
+            started: "2024-05-01T10:00:00.000Z".into(),
+            config: Some("/etc/ratelimit/ratelimit.toml".into()),
+            adopted_pinned_state: true,
+            bpffs_dir: "/sys/fs/bpf/ratelimit".into(),
+            preview_all: false,
+            interfaces: vec![Attached {
+                iface: "eth0".into(),
+                ifindex: 2,
+                mode: "native".into(),
+                slot: 1,
+                entry: Entry::Ethernet,
+            }],
+            program: Some(crate::reader::Program {
+                xlated_insns: 9000,
+                verified_insns: 120_000,
+            }),
+            rules: vec!["syn-per-client".into()],
+            tracked_clients: 12,
+            max_sources: 1 << 20,
+            active_bans: 3,
+            known_filter: Some(crate::known::Rebuilt {
+                states: 12,
+                bits_set: 10,
+                bits: 1 << 16,
+                secs: 0.25,
+                half: 1,
+            }),
+            events: crate::events::Status {
+                sink: "stdout".into(),
+                lines_per_sec: 1000,
+                queued: 1,
+                written: 2,
+                suppressed: 3,
+                lost: crate::events::Lost {
+                    ring_buffer: 4,
+                    queue: 5,
+                    write: 6,
+                },
+            },
+            tasks: BTreeMap::from([(
+                "events".to_string(),
+                crate::supervise::TaskHealth {
+                    up: false,
+                    restarts: 2,
+                    last_error: Some("boom".into()),
+                    last_failure: Some("2024-05-01T10:00:01.000Z".into()),
+                    restarts_at: Some("2024-05-01T10:00:03.000Z".into()),
+                },
+            )]),
+            bans_restore: crate::bans::RestoreReport {
+                file: "/var/lib/ratelimit/bans.json".into(),
+                restored: 1,
+                failed: 1,
+                failures: vec!["198.51.100.0/33: bad prefix".into()],
+                set_aside: Some("bans.json.bad".into()),
+                ..Default::default()
+            },
+            live_changes: crate::live::Report {
+                file: "/var/lib/ratelimit/live.json".into(),
+                rules_changed: 1,
+                drops: vec!["rule \"gone\": no such rule".into()],
+                dropped: 1,
+                kept_copy: Some("live.json.kept".into()),
+                ..Default::default()
+            },
+        }
+    }
+
+    pub fn stats() -> Stats {
+        let named = |names: &[&str]| -> BTreeMap<String, Pb> {
+            names
+                .iter()
+                .enumerate()
+                .map(|(i, n)| {
+                    let i = i as u64 + 1;
+                    (
+                        n.to_string(),
+                        Pb {
+                            packets: i,
+                            bytes: 60 * i,
+                        },
+                    )
+                })
+                .collect()
+        };
+        let counters = Counters {
+            total: Pb {
+                packets: 3,
+                bytes: 180,
+            },
+            verdicts: named(&["pass", "drop"]),
+            reasons: named(&["allow_list", "state_evicted"]),
+        };
+        Stats {
+            all: counters.clone(),
+            interfaces: vec![IfaceCounters {
+                iface: "eth0".into(),
+                slot: 1,
+                counters: counters.clone(),
+            }],
+            // Not on the wire (`/metrics` only).
+            unlisted: Counters::default(),
+            rules: vec![RuleCounters {
+                name: "syn-per-client".into(),
+                counters: named(&["matched", "dropped"]),
+            }],
+        }
+    }
+
+    pub fn client(i: u64) -> Client {
+        Client {
+            rule: "syn-per-client".into(),
+            key: Key::Ip,
+            client: format!("198.51.100.{i}/32"),
+            packets: 100 + i,
+            bytes: 6000 + i,
+            drops: i,
+            usage: 50,
+            limit: 100,
+            admitted_per_sec: 2.5,
+            offered_per_sec: Some(7.25),
+            throttled: i.is_multiple_of(2),
+            above_soft_limit: true,
+            last_seen: "2024-05-01T10:00:00.000Z".into(),
+        }
+    }
+
+    pub fn bans() -> Vec<Ban> {
+        vec![
+            Ban {
+                cidr: Some("198.51.100.0/24".into()),
+                key: Key::Ip,
+                region: None,
+                // Not on the wire (for saving only).
+                expires_ns: None,
+                rule: None,
+                manual: true,
+                preview: false,
+                since: "2024-05-01T10:00:00.000Z".into(),
+                expires: Some("2024-05-01T11:00:00.000Z".into()),
+                remaining_secs: Some(3599.5),
+                reason: Some("scanner".into()),
+            },
+            Ban {
+                cidr: None,
+                key: Key::Region,
+                region: Some("NL".into()),
+                expires_ns: None,
+                rule: Some("per-region".into()),
+                manual: false,
+                preview: true,
+                since: "2024-05-01T10:00:00.000Z".into(),
+                expires: None,
+                remaining_secs: None,
+                reason: None,
+            },
+        ]
+    }
+
+    fn spec(cidr: Option<&str>, region: Option<&str>) -> OverrideSpec {
+        OverrideSpec {
+            at: OverrideAt {
+                rule: "syn-per-client".into(),
+                cidr: cidr.map(Into::into),
+                region: region.map(Into::into),
+            },
+            threshold: "5000/20m".into(),
+            burst: Some("100".into()),
+            ban_threshold: Some("9000/20m".into()),
+        }
+    }
+
+    fn changes() -> RuleChanges {
+        RuleChanges {
+            threshold: Some("3000/20m".into()),
+            ban_threshold: Some("6000/20m".into()),
+            ban_duration: Some("1h".into()),
+            burst: Some(10),
+            exceed_action: Some("pass".into()),
+            preview: Some(true),
+            soft_limit: Some(0.5),
+        }
+    }
+
+    /// Every request, each with an answer to it.
+    pub fn exchanges() -> Vec<(Request, Answer)> {
+        let changed = RuleChanged {
+            rule: "syn-per-client".into(),
+            index: 0,
+            live: Some(changes()),
+        };
+        vec![
+            (Request::Status, Answer::Status(Box::new(status()))),
+            (Request::Stats, Answer::Stats(Box::new(stats()))),
+            (
+                Request::Top {
+                    n: 2,
+                    by: TopBy::Drops,
+                },
+                Answer::Top(vec![client(1), client(2)]),
+            ),
+            (Request::Bans { limit: None }, Answer::Bans(bans())),
+            (
+                Request::Offenders { limit: Some(1) },
+                Answer::Offenders(vec![client(3)]),
+            ),
+            (
+                Request::BanAdd {
+                    bans: vec![BanSpec {
+                        cidr: "198.51.100.0/24".into(),
+                        duration_ms: Some(3_600_000),
+                        reason: Some("scanner".into()),
+                    }],
+                },
+                Answer::BanAdd(BansAdded { added: 1 }),
+            ),
+            (
+                Request::BanDel {
+                    cidrs: vec!["198.51.100.0/24".into(), "192.0.2.1".into()],
+                },
+                Answer::BanDel(BansRemoved {
+                    removed: 1,
+                    not_found: vec!["192.0.2.1/32".into()],
+                }),
+            ),
+            (
+                Request::BanLift {
+                    rule: "per-region".into(),
+                    region: Some("nl".into()),
+                },
+                Answer::BanLift(BanLifted {
+                    lifted: 1,
+                    rule: "per-region".into(),
+                    key: Key::Region,
+                    region: Some("NL".into()),
+                }),
+            ),
+            (
+                Request::RuleSet {
+                    name: "syn-per-client".into(),
+                    changes: changes(),
+                },
+                Answer::RuleSet(changed.clone()),
+            ),
+            (
+                Request::RuleReset {
+                    name: "syn-per-client".into(),
+                },
+                Answer::RuleReset(RuleChanged {
+                    live: None,
+                    ..changed
+                }),
+            ),
+            (
+                Request::Rules,
+                Answer::Rules(vec![RuleEntry {
+                    name: "syn-per-client".into(),
+                    key: "ip".into(),
+                    action: "rate_based_ban".into(),
+                    algorithm: "sliding_window".into(),
+                    threshold: "3000/20m".into(),
+                    burst: Some(10),
+                    ban_threshold: Some("6000/20m".into()),
+                    ban_duration: Some("1h".into()),
+                    exceed_action: "drop".into(),
+                    preview: false,
+                    soft_limit: 0.8,
+                    overrides: 2,
+                    source: Source::Live,
+                    live: Some(changes()),
+                }]),
+            ),
+            (
+                Request::OverrideAdd {
+                    spec: spec(Some("192.0.2.0/24"), None),
+                },
+                Answer::OverrideAdd(OverrideAdded {
+                    added: spec(Some("192.0.2.0/24"), None),
+                    replaced: Some(Source::Config),
+                }),
+            ),
+            (
+                Request::OverrideDel {
+                    at: spec(None, Some("NL")).at,
+                },
+                Answer::OverrideDel(OverrideRemoved {
+                    removed: spec(None, Some("NL")),
+                    restored: Some(spec(None, Some("NL"))),
+                }),
+            ),
+            (
+                Request::Overrides,
+                Answer::Overrides(vec![OverrideEntry {
+                    values: spec(Some("192.0.2.0/24"), None),
+                    source: Source::Live,
+                    replaces_config: true,
+                }]),
+            ),
+            (
+                Request::Reload,
+                Answer::Reload(Reloaded {
+                    reloaded: "/etc/ratelimit/ratelimit.toml".into(),
+                    rules: vec!["syn-per-client".into()],
+                    live_changes_dropped: vec!["rule \"gone\": no such rule".into()],
+                }),
+            ),
+        ]
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every request of the API has an exchange in [`samples::exchanges`]: a new request
+    /// fails to compile here until it has one.
+    fn sampled(req: &Request) -> &'static str {
+        match req {
+            Request::Status => "status",
+            Request::Stats => "stats",
+            Request::Top { .. } => "top",
+            Request::Bans { .. } => "bans",
+            Request::Offenders { .. } => "offenders",
+            Request::BanAdd { .. } => "ban_add",
+            Request::BanDel { .. } => "ban_del",
+            Request::BanLift { .. } => "ban_lift",
+            Request::RuleSet { .. } => "rule_set",
+            Request::RuleReset { .. } => "rule_reset",
+            Request::Rules => "rules",
+            Request::OverrideAdd { .. } => "override_add",
+            Request::OverrideDel { .. } => "override_del",
+            Request::Overrides => "overrides",
+            Request::Reload => "reload",
+        }
+    }
+
+    /// Each answer goes over the wire as the daemon writes it and comes back equal, as the
+    /// answer to its request; re-encoded, it is the same JSON.
+    #[test]
+    fn every_answer_round_trips_through_the_wire() {
+        let exchanges = samples::exchanges();
+        let mut kinds: Vec<&str> = exchanges.iter().map(|(r, _)| sampled(r)).collect();
+        kinds.sort_unstable();
+        kinds.dedup();
+        assert_eq!(kinds.len(), 15, "one exchange per request");
+        for (req, answer) in exchanges {
+            // The request, as the CLI sends it and the daemon reads it.
+            let line = serde_json::to_string(&req).unwrap();
+            let read: Request = serde_json::from_str(&line).unwrap();
+            assert_eq!(serde_json::to_string(&read).unwrap(), line);
+
+            let resp = serde_json::to_string(&Response::ok(answer.clone())).unwrap();
+            assert!(!resp.contains('\n'), "one line: {resp}");
+            let back = Response::decode(&req, &resp).unwrap();
+            assert_eq!(back, Response::ok(answer.clone()), "{}", sampled(&req));
+            assert_eq!(
+                serde_json::to_value(&back).unwrap(),
+                serde_json::to_value(Response::ok(answer)).unwrap()
+            );
+        }
+    }
+
+    /// The wire form of the envelope: `ok` and `data`, or `ok`, `error` and a null `data`.
+    #[test]
+    fn responses_have_the_documented_envelope() {
+        let ok = Response::ok(Answer::BanAdd(BansAdded { added: 2 }));
+        assert_eq!(
+            serde_json::to_string(&ok).unwrap(),
+            r#"{"ok":true,"data":{"added":2}}"#
+        );
+        let err = Response::err("no such ban: 192.0.2.1/32");
+        let line = serde_json::to_string(&err).unwrap();
+        assert_eq!(
+            line,
+            r#"{"ok":false,"error":"no such ban: 192.0.2.1/32","data":null}"#
+        );
+        let req = Request::BanDel { cidrs: vec![] };
+        assert_eq!(Response::decode(&req, &line).unwrap(), err);
+        // An answer that is not the one the request asks for is malformed.
+        let wrong = serde_json::to_string(&ok).unwrap();
+        assert!(Response::decode(&Request::Bans { limit: None }, &wrong).is_err());
+    }
+
+    /// The report fields operators and scripts read from `--json` (README, tests, bench).
+    #[test]
+    fn report_json_keeps_its_field_names() {
+        let v = serde_json::to_value(Answer::Bans(samples::bans())).unwrap();
+        let keys: Vec<&str> = v[0]
+            .as_object()
+            .unwrap()
+            .keys()
+            .map(String::as_str)
+            .collect();
+        assert_eq!(
+            keys,
+            [
+                "cidr",
+                "expires",
+                "key",
+                "manual",
+                "preview",
+                "reason",
+                "region",
+                "remaining_secs",
+                "rule",
+                "since"
+            ]
+        );
+        assert_eq!(v[1]["key"], "region");
+        let v = serde_json::to_value(samples::client(1)).unwrap();
+        assert_eq!(v["key"], "ip");
+        assert_eq!(v["client"], "198.51.100.1/32");
+        let v = serde_json::to_value(samples::stats()).unwrap();
+        for key in ["total", "verdicts", "reasons", "interfaces", "rules"] {
+            assert!(v.get(key).is_some(), "{key} in {v}");
+        }
+        assert_eq!(v["interfaces"][0]["iface"], "eth0");
+        assert_eq!(v["interfaces"][0]["verdicts"]["drop"]["packets"], 2);
+        assert!(v.get("unlisted").is_none());
+        let v = serde_json::to_value(samples::status()).unwrap();
+        assert_eq!(v["program"]["verified_insns"], 120_000);
+        assert_eq!(v["tasks"]["events"]["restarts"], 2);
+    }
 }

@@ -47,7 +47,9 @@ use crate::{
     apply::{self, prefix},
     bans,
     config::{self, Config},
-    control::{self, BanSpec, Request, Response},
+    control::{
+        self, Answer, BanLifted, BanSpec, BansAdded, BansRemoved, Reloaded, Request, Response,
+    },
     datapath::{Attached, Datapath, Maps},
     events::{self, Events},
     reader::{self, Reports},
@@ -351,50 +353,49 @@ impl State {
             | Request::Top { .. }
             | Request::Bans { .. }
             | Request::Offenders { .. } => self.reports.answer(req),
-            Request::BanAdd { bans } => Response::ok(self.ban_add(&bans)?),
-            Request::BanDel { cidrs } => Response::ok(self.ban_del(&cidrs)?),
+            Request::BanAdd { bans } => Response::ok(Answer::BanAdd(self.ban_add(&bans)?)),
+            Request::BanDel { cidrs } => Response::ok(Answer::BanDel(self.ban_del(&cidrs)?)),
             Request::BanLift { rule, region } => {
-                Response::ok(self.ban_lift(&rule, region.as_deref())?)
+                Response::ok(Answer::BanLift(self.ban_lift(&rule, region.as_deref())?))
             }
-            Request::RuleSet { name, changes } => Response::ok(self.live.rule_set(
+            Request::RuleSet { name, changes } => {
+                Response::ok(Answer::RuleSet(self.live.rule_set(
+                    &mut self.maps,
+                    &mut self.cfg,
+                    self.preview_all,
+                    &name,
+                    &changes,
+                )?))
+            }
+            Request::RuleReset { name } => Response::ok(Answer::RuleReset(self.live.rule_reset(
                 &mut self.maps,
                 &mut self.cfg,
                 self.preview_all,
                 &name,
-                &changes,
-            )?),
-            Request::RuleReset { name } => Response::ok(self.live.rule_reset(
-                &mut self.maps,
-                &mut self.cfg,
-                self.preview_all,
-                &name,
-            )?),
-            Request::Rules => Response::ok(self.live.rules(&self.cfg)),
-            Request::OverrideAdd { spec } => Response::ok(self.live.override_add(
-                &mut self.maps,
-                &mut self.cfg,
-                self.preview_all,
-                &spec,
-            )?),
-            Request::OverrideDel { at } => Response::ok(self.live.override_del(
-                &mut self.maps,
-                &mut self.cfg,
-                self.preview_all,
-                &at,
-            )?),
-            Request::Overrides => Response::ok(self.live.overrides(&self.cfg)),
-            Request::Reload => Response::ok(self.reload()?),
+            )?)),
+            Request::Rules => Response::ok(Answer::Rules(self.live.rules(&self.cfg))),
+            Request::OverrideAdd { spec } => Response::ok(Answer::OverrideAdd(
+                self.live
+                    .override_add(&mut self.maps, &mut self.cfg, self.preview_all, &spec)?,
+            )),
+            Request::OverrideDel { at } => Response::ok(Answer::OverrideDel(
+                self.live
+                    .override_del(&mut self.maps, &mut self.cfg, self.preview_all, &at)?,
+            )),
+            Request::Overrides => Response::ok(Answer::Overrides(self.live.overrides(&self.cfg))),
+            Request::Reload => Response::ok(Answer::Reload(self.reload()?)),
         })
     }
 
     /// `ban add`, all or nothing: every entry is checked before any is applied, and if a
     /// map write fails midway (the ban map is full) the bans this request inserted are
     /// removed and the ones it replaced put back, with no event for any of them.
-    fn ban_add(&mut self, specs: &[BanSpec]) -> anyhow::Result<serde_json::Value> {
+    fn ban_add(&mut self, specs: &[BanSpec]) -> anyhow::Result<BansAdded> {
         let mut parsed = Vec::with_capacity(specs.len());
         for (n, s) in specs.iter().enumerate() {
+            // The config's parser: a ban takes what `allow`, `deny` and overrides take.
             let net =
-                parse_cidr(&s.cidr).with_context(|| format!("entry {}: {:?}", n + 1, s.cidr))?;
+                config::parse_net(&s.cidr).map_err(|e| anyhow::anyhow!("entry {}: {e}", n + 1))?;
             if let Some(ms) = s.duration_ms {
                 crate::config::check_ban_duration(Duration::from_millis(ms)).map_err(|e| {
                     anyhow::anyhow!("entry {}: {}: the ban's duration {e}", n + 1, s.cidr)
@@ -433,7 +434,9 @@ impl State {
         }
         self.bans_changed();
         self.events.operator(added);
-        Ok(serde_json::json!({ "added": parsed.len() }))
+        Ok(BansAdded {
+            added: parsed.len(),
+        })
     }
 
     /// Insert operator bans; `undo` gets, for each one written, its key and the entry it
@@ -480,10 +483,10 @@ impl State {
     /// removed, and a removal that fails midway puts back the bans this request removed, with
     /// no `unban` event for them. Entries with no ban are reported, not an error, unless none
     /// of the entries had one.
-    fn ban_del(&mut self, cidrs: &[String]) -> anyhow::Result<serde_json::Value> {
+    fn ban_del(&mut self, cidrs: &[String]) -> anyhow::Result<BansRemoved> {
         let mut nets = Vec::with_capacity(cidrs.len());
         for (n, c) in cidrs.iter().enumerate() {
-            nets.push(parse_cidr(c).with_context(|| format!("entry {}: {c:?}", n + 1))?);
+            nets.push(config::parse_net(c).map_err(|e| anyhow::anyhow!("entry {}: {e}", n + 1))?);
         }
         let mut undo = Vec::new();
         let mut lifted = Vec::new();
@@ -532,13 +535,16 @@ impl State {
         if removed == 0 && !missing.is_empty() {
             bail!("no such ban: {}", missing.join(", "));
         }
-        Ok(serde_json::json!({ "removed": removed, "not_found": missing }))
+        Ok(BansRemoved {
+            removed,
+            not_found: missing,
+        })
     }
 
     /// Lift the aggregate ban of a rule keyed `all` or `region` (IP bans are removed by
     /// prefix). The shared state's meters start clean, as when a ban ends on its own; its
     /// totals stay. An `unban` event line says so, and the saved bans drop it.
-    fn ban_lift(&mut self, rule: &str, region: Option<&str>) -> anyhow::Result<serde_json::Value> {
+    fn ban_lift(&mut self, rule: &str, region: Option<&str>) -> anyhow::Result<BanLifted> {
         let rules = self.live_rules();
         let Some(i) = rules.iter().position(|(n, _)| n == rule) else {
             bail!(
@@ -613,12 +619,12 @@ impl State {
         }]);
         info!(%what, "aggregate ban lifted");
         self.bans_changed();
-        Ok(serde_json::json!({
-            "lifted": 1,
-            "rule": rule,
-            "key": crate::report::key_name(key.kind),
-            "region": region.map(|c| c.to_ascii_uppercase()),
-        }))
+        Ok(BanLifted {
+            lifted: 1,
+            rule: rule.to_string(),
+            key: report::Key::of(key.kind),
+            region: region.map(|c| c.to_ascii_uppercase()),
+        })
     }
 
     /// Re-read the config file and apply it whole, or not at all. Everything that can fail
@@ -627,7 +633,7 @@ impl State {
     /// interfaces are attached and the maps written. If an attach or a map write still fails,
     /// what this reload did is undone (the interfaces it attached detached, the old config's
     /// maps written again) and the old config keeps running; the error names what failed.
-    pub fn reload(&mut self) -> anyhow::Result<serde_json::Value> {
+    pub fn reload(&mut self) -> anyhow::Result<Reloaded> {
         let Some(path) = self.config_path.clone() else {
             bail!("the daemon was started without --config; nothing to reload");
         };
@@ -727,11 +733,11 @@ impl State {
         self.events.set_per_sec(self.cfg.daemon.events_per_sec);
         self.write_dropped(&lifted);
         info!(config = %path.display(), "config reloaded");
-        Ok(serde_json::json!({
-            "reloaded": path.display().to_string(),
-            "rules": self.rule_names(),
-            "live_changes_dropped": dropped,
-        }))
+        Ok(Reloaded {
+            reloaded: path.display().to_string(),
+            rules: self.rule_names(),
+            live_changes_dropped: dropped,
+        })
     }
 
     /// Detach what a failed reload attached (and take back over what it replaced).
@@ -882,20 +888,6 @@ fn load_regions(cfg: &Config, maps: &mut Maps) -> anyhow::Result<()> {
         info!(prefixes = n, database = %g.database.display(), kind = %table.database_type, "GeoIP regions loaded");
     }
     Ok(())
-}
-
-pub fn parse_cidr(s: &str) -> anyhow::Result<IpNet> {
-    let s = s.trim();
-    if let Ok(n) = s.parse::<IpNet>() {
-        if n.trunc() != n {
-            bail!("{s} has host bits set; did you mean {}?", n.trunc());
-        }
-        return Ok(n);
-    }
-    let a: std::net::IpAddr = s
-        .parse()
-        .with_context(|| format!("{s:?} is neither an address nor a CIDR"))?;
-    Ok(IpNet::from(a))
 }
 
 /// The config's interfaces, then those of `--iface` it does not name.

@@ -93,7 +93,7 @@ pub struct Datapath {
     pub hash_key: HashKey,
 }
 
-#[derive(Clone, Debug, serde::Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 pub struct Attached {
     pub iface: String,
     pub ifindex: u32,
@@ -104,7 +104,7 @@ pub struct Attached {
 }
 
 /// The program's entry point for an interface: what its frames start with.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Entry {
     /// An Ethernet header (and VLAN tags), then IP.

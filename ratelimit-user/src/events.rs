@@ -185,7 +185,7 @@ pub struct Counts {
 }
 
 /// What `ratelimit status` shows of the events sink.
-#[derive(Serialize, Debug, Clone, PartialEq, Eq)]
+#[derive(Serialize, serde::Deserialize, Debug, Clone, PartialEq, Eq)]
 pub struct Status {
     /// The events file, `stdout`, or `none`.
     pub sink: String,
@@ -198,7 +198,7 @@ pub struct Status {
 }
 
 /// Events lost, by where they were lost.
-#[derive(Serialize, Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Serialize, serde::Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Lost {
     /// The program found the ring buffer full.
     pub ring_buffer: u64,

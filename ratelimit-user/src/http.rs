@@ -48,7 +48,7 @@ use tower::ServiceExt as _;
 use tracing::{info, warn};
 
 use crate::{
-    control::{self, Request, TopBy},
+    control::{self, Answer, Request, TopBy},
     daemon::Handle,
     events,
     reader::Reports,
@@ -824,18 +824,11 @@ fn error(status: StatusCode, msg: impl Into<String>) -> Response {
 }
 
 /// The daemon's answer to `req`, or the response that says it failed.
-async fn ask<B: Backend>(
-    backend: &B,
-    req: Request,
-) -> Result<Box<serde_json::value::RawValue>, Response> {
-    let resp = backend.request(req).await;
-    if resp.ok {
-        Ok(resp.data)
-    } else {
-        let msg = resp.error.unwrap_or_else(|| "request failed".into());
+async fn ask<B: Backend>(backend: &B, req: Request) -> Result<Answer, Response> {
+    backend.request(req).await.0.map_err(|msg| {
         warn!("HTTP read-only request failed: {msg}");
-        Err(error(StatusCode::INTERNAL_SERVER_ERROR, msg))
-    }
+        error(StatusCode::INTERNAL_SERVER_ERROR, msg)
+    })
 }
 
 async fn answer<B: Backend>(backend: &B, req: Request) -> Response {
@@ -848,22 +841,12 @@ async fn answer<B: Backend>(backend: &B, req: Request) -> Response {
 /// A list answer cut to `limit` entries. The daemon is asked for one more than that, so a
 /// list that was cut says so (`X-Truncated: true`) without anyone counting the rest.
 async fn answer_list<B: Backend>(backend: &B, req: Request, limit: usize) -> Response {
-    let data = match ask(backend, req).await {
+    let mut data = match ask(backend, req).await {
         Ok(data) => data,
         Err(resp) => return resp,
     };
-    let mut items: Vec<&serde_json::value::RawValue> = match serde_json::from_str(data.get()) {
-        Ok(items) => items,
-        Err(e) => {
-            return error(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                format!("the daemon's answer is not a list: {e}"),
-            );
-        }
-    };
-    let truncated = items.len() > limit;
-    items.truncate(limit);
-    let mut resp = (StatusCode::OK, Json(items)).into_response();
+    let truncated = data.truncate(limit);
+    let mut resp = (StatusCode::OK, Json(data)).into_response();
     if truncated {
         resp.headers_mut()
             .insert("x-truncated", HeaderValue::from_static("true"));
@@ -1479,7 +1462,7 @@ mod tests {
     #[test]
     fn http_metrics_evictions_and_empty_map() {
         let mut stats = synthetic();
-        stats.all.reasons.insert("state_evicted", pb(0, 0));
+        stats.all.reasons.insert("state_evicted".into(), pb(0, 0));
         let text = render_metrics(
             &stats,
             &Gauges {
@@ -1552,25 +1535,31 @@ mod tests {
         assert!(top("?by=rate").unwrap_err().contains("rate"));
     }
 
-    /// A daemon stand-in: records the requests, answers with canned data (30 offenders), after
-    /// `delay`.
+    /// A daemon stand-in: records the requests, answers with canned reports (`n` clients for
+    /// `top`, 30 offenders), after `delay`.
     #[derive(Clone, Default)]
     struct Fake(Arc<Mutex<Vec<serde_json::Value>>>, Duration);
 
     impl Backend for Fake {
         async fn request(&self, req: Request) -> control::Response {
+            use control::samples;
             tokio::time::sleep(self.1).await;
-            let v = serde_json::to_value(&req).unwrap();
-            self.0.lock().unwrap().push(v.clone());
-            match req {
-                Request::Bans { .. } => control::Response::err("reading bans: boom"),
-                Request::Offenders { limit } => control::Response::ok(
-                    (0..limit.unwrap_or(usize::MAX).min(30))
-                        .map(|i| serde_json::json!({ "i": i }))
-                        .collect::<Vec<_>>(),
+            self.0
+                .lock()
+                .unwrap()
+                .push(serde_json::to_value(&req).unwrap());
+            control::Response::ok(match req {
+                Request::Bans { .. } => return control::Response::err("reading bans: boom"),
+                Request::Offenders { limit } => Answer::Offenders(
+                    (0..limit.unwrap_or(usize::MAX).min(30) as u64)
+                        .map(samples::client)
+                        .collect(),
                 ),
-                _ => control::Response::ok(serde_json::json!({ "echo": v })),
-            }
+                Request::Top { n, .. } => Answer::Top((0..n as u64).map(samples::client).collect()),
+                Request::Status => Answer::Status(Box::new(samples::status())),
+                Request::Stats => Answer::Stats(Box::new(samples::stats())),
+                other => panic!("not a report: {other:?}"),
+            })
         }
         async fn snapshot(&self) -> anyhow::Result<(Stats, Gauges)> {
             Ok((synthetic(), GAUGES))
@@ -1614,21 +1603,30 @@ mod tests {
         );
         assert!(body.contains("ratelimit_up 1\n") && body.ends_with("# EOF\n"));
 
-        for (path, cmd) in [("/v1/status", "status"), ("/v1/stats", "stats")] {
+        // The bodies are the control API's answers, read back as its types.
+        use control::samples;
+        for (path, req, want) in [
+            (
+                "/v1/status",
+                Request::Status,
+                Answer::Status(Box::new(samples::status())),
+            ),
+            (
+                "/v1/stats",
+                Request::Stats,
+                Answer::Stats(Box::new(samples::stats())),
+            ),
+        ] {
             let (st, head, body) = exchange(addr, "GET", path).await;
             assert_eq!(st, 200, "{path}: {body}");
             assert!(head.contains("content-type: application/json"), "{head}");
-            let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-            assert_eq!(v, serde_json::json!({"echo": {"cmd": cmd}}));
+            assert_eq!(Answer::decode(&req, &body).unwrap(), want);
         }
 
         let (st, _, body) = exchange(addr, "GET", "/v1/top?n=3&by=drops").await;
         assert_eq!(st, 200);
-        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
-        assert_eq!(
-            v,
-            serde_json::json!({"echo": {"cmd": "top", "n": 3, "by": "drops"}})
-        );
+        let top: Vec<report::Client> = serde_json::from_str(&body).unwrap();
+        assert_eq!(top, (0..3).map(samples::client).collect::<Vec<_>>());
 
         let (st, _, body) = exchange(addr, "GET", "/v1/top?by=rate").await;
         assert_eq!(st, 400);
@@ -1638,18 +1636,13 @@ mod tests {
         // Lists: cut to `limit` (default and most: MAX_LIST), and said so.
         let (st, head, body) = exchange(addr, "GET", "/v1/offenders").await;
         assert_eq!(st, 200, "{body}");
-        let v: Vec<serde_json::Value> = serde_json::from_str(&body).unwrap();
+        let v: Vec<report::Client> = serde_json::from_str(&body).unwrap();
         assert_eq!(v.len(), 30);
         assert!(!head.contains("x-truncated"), "{head}");
         let (st, head, body) = exchange(addr, "GET", "/v1/offenders?limit=5").await;
         assert_eq!(st, 200, "{body}");
-        let v: Vec<serde_json::Value> = serde_json::from_str(&body).unwrap();
-        assert_eq!(
-            v,
-            (0..5)
-                .map(|i| serde_json::json!({ "i": i }))
-                .collect::<Vec<_>>()
-        );
+        let v: Vec<report::Client> = serde_json::from_str(&body).unwrap();
+        assert_eq!(v, (0..5).map(samples::client).collect::<Vec<_>>());
         assert!(head.contains("x-truncated: true"), "{head}");
         for bad in [
             "/v1/offenders?limit=10001",

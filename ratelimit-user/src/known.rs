@@ -49,7 +49,7 @@ unsafe impl Send for KnownFilter {}
 unsafe impl Sync for KnownFilter {}
 
 /// What a rebuild found.
-#[derive(Clone, Debug, Default, Serialize)]
+#[derive(Clone, Debug, Default, Serialize, serde::Deserialize, PartialEq)]
 pub struct Rebuilt {
     /// Per-source states walked.
     pub states: u64,

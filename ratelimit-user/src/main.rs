@@ -12,11 +12,9 @@ use clap::Parser as _;
 use ratelimit_user::{
     cli::{self, BanCommand, Cli, Command, OverrideCommand, RuleCommand, XdpModeArg},
     config,
-    control::{self, BanSpec, Request},
-    daemon, datapath, live,
+    control::{self, Answer, BanSpec, Request},
+    daemon, datapath, live, report,
 };
-
-const DEFAULT_SOCKET: &str = "/run/ratelimit/control.sock";
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
@@ -44,7 +42,7 @@ fn socket_path(cli: &Cli) -> anyhow::Result<PathBuf> {
         let cfg = config::load(c).map_err(|e| anyhow::anyhow!("{e}"))?;
         return Ok(cfg.daemon.control_socket);
     }
-    Ok(PathBuf::from(DEFAULT_SOCKET))
+    Ok(PathBuf::from(config::DEFAULT_CONTROL_SOCKET))
 }
 
 fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
@@ -130,8 +128,8 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             let duration_ms = duration
                 .as_deref()
                 .map(|d| {
-                    ratelimit_user::config::parse_ban_duration(d)
-                        .map_err(|e| anyhow::anyhow!("--for: {e}"))
+                    config::parse_ban_duration(d)
+                        .map_err(|e| anyhow::anyhow!(config::labelled("--for", &e)))
                 })
                 .transpose()?
                 .map(|d| d.as_millis() as u64);
@@ -216,11 +214,11 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         } => *json,
         _ => false,
     };
-    let data = control::call(&socket_path(&cli)?, &req)?;
+    let answer = control::call(&socket_path(&cli)?, &req)?;
     if json {
-        println!("{}", serde_json::to_string_pretty(&data)?);
+        println!("{}", serde_json::to_string_pretty(&answer)?);
     } else {
-        print_human(&req, &data);
+        print_human(&answer)?;
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -252,152 +250,26 @@ fn cidr_list(one: Option<&str>, file: Option<&Path>) -> anyhow::Result<Vec<Strin
     }
 }
 
-fn print_human(req: &Request, data: &serde_json::Value) {
-    use serde_json::Value;
-    let num = |v: &Value, k: &str| v.get(k).and_then(Value::as_u64).unwrap_or(0);
-    match req {
-        Request::Stats => {
-            println!("{:<22} {:>14} {:>16}", "verdict", "packets", "bytes");
-            if let Some(Value::Object(v)) = data.get("verdicts") {
-                for (k, c) in v {
-                    println!(
-                        "{:<22} {:>14} {:>16}",
-                        k,
-                        num(c, "packets"),
-                        num(c, "bytes")
-                    );
-                }
-            }
-            if let Some(t) = data.get("total") {
-                println!(
-                    "{:<22} {:>14} {:>16}",
-                    "total",
-                    num(t, "packets"),
-                    num(t, "bytes")
-                );
-            }
-            if let Some(Value::Array(rules)) = data.get("rules") {
-                for r in rules {
-                    let c = &r["counters"];
-                    println!(
-                        "rule {:<17} matched {:>10}  admitted {:>10}  dropped {:>10}  would_drop {:>8}  bans {:>6}",
-                        r["name"].as_str().unwrap_or(""),
-                        num(&c["matched"], "packets"),
-                        num(&c["admitted"], "packets"),
-                        num(&c["dropped"], "packets"),
-                        num(&c["would_drop"], "packets"),
-                        num(&c["bans"], "packets"),
-                    );
-                }
+fn print_human(answer: &Answer) -> anyhow::Result<()> {
+    match answer {
+        Answer::Status(status) => println!("{}", serde_json::to_string_pretty(status)?),
+        Answer::Stats(stats) => print_stats(stats),
+        Answer::Top(clients) | Answer::Offenders(clients) => print_clients(clients),
+        Answer::Bans(bans) => print_bans(bans),
+        Answer::BanAdd(a) => println!("added {} ban{}", a.added, plural(a.added)),
+        Answer::BanDel(d) => {
+            println!("removed {} ban{}", d.removed, plural(d.removed));
+            if !d.not_found.is_empty() {
+                println!("no ban at: {}", d.not_found.join(", "));
             }
         }
-        Request::Top { .. } | Request::Offenders { .. } => {
-            println!(
-                "{:<20} {:<8} {:<40} {:>10} {:>12} {:>8} {:>9} {:>9}",
-                "rule", "key", "client", "packets", "bytes", "drops", "usage", "throttled"
-            );
-            for c in data.as_array().into_iter().flatten() {
-                println!(
-                    "{:<20} {:<8} {:<40} {:>10} {:>12} {:>8} {:>9} {:>9}",
-                    c["rule"].as_str().unwrap_or(""),
-                    c["key"].as_str().unwrap_or(""),
-                    c["client"].as_str().unwrap_or(""),
-                    num(c, "packets"),
-                    num(c, "bytes"),
-                    num(c, "drops"),
-                    format!("{}/{}", num(c, "usage"), num(c, "limit")),
-                    c["throttled"].as_bool().unwrap_or(false),
-                );
-            }
-        }
-        Request::Bans { .. } => {
-            println!("{:<40} {:<20} {:<26} reason", "cidr", "rule", "expires");
-            for b in data.as_array().into_iter().flatten() {
-                // Aggregate bans have no prefix: what they cover instead.
-                let what = match (b["cidr"].as_str(), b["key"].as_str()) {
-                    (Some(c), _) => c.to_string(),
-                    (None, Some("region")) => {
-                        format!("(region {})", b["region"].as_str().unwrap_or("?"))
-                    }
-                    (None, Some(k)) => format!("({k})"),
-                    (None, None) => String::new(),
-                };
-                println!(
-                    "{:<40} {:<20} {:<26} {}",
-                    what,
-                    b["rule"]
-                        .as_str()
-                        .unwrap_or(if b["manual"].as_bool() == Some(true) {
-                            "(manual)"
-                        } else {
-                            ""
-                        }),
-                    b["expires"].as_str().unwrap_or("never"),
-                    b["reason"].as_str().unwrap_or(""),
-                );
-            }
-        }
-        Request::BanLift { rule, region } => match region {
-            Some(cc) => println!(
-                "lifted the ban of rule {rule} in region {}",
-                cc.to_ascii_uppercase()
-            ),
-            None => println!("lifted the ban of rule {rule}"),
+        Answer::BanLift(l) => match &l.region {
+            Some(cc) => println!("lifted the ban of rule {} in region {cc}", l.rule),
+            None => println!("lifted the ban of rule {}", l.rule),
         },
-        Request::Overrides => {
-            let Some(entries) = typed::<Vec<live::OverrideEntry>>(data) else {
-                return print_raw(data);
-            };
-            println!(
-                "{:<20} {:<40} {:>14} {:>10} {:>14}  source",
-                "rule", "cidr/region", "threshold", "burst", "ban_threshold"
-            );
-            for e in entries {
-                let v = &e.values;
-                let source = match (e.source, e.replaces_config) {
-                    (live::Source::Live, true) => "live (replaces the config's)",
-                    (live::Source::Live, false) => "live",
-                    (live::Source::Config, _) => "config",
-                };
-                println!(
-                    "{:<20} {:<40} {:>14} {:>10} {:>14}  {source}",
-                    v.at.rule,
-                    target_label(&v.at),
-                    v.threshold,
-                    v.burst.as_deref().unwrap_or("-"),
-                    v.ban_threshold.as_deref().unwrap_or("-"),
-                );
-            }
-        }
-        Request::Rules => {
-            let Some(rules) = typed::<Vec<live::RuleEntry>>(data) else {
-                return print_raw(data);
-            };
-            println!(
-                "{:<20} {:<7} {:<15} {:<15} {:>14} {:>10} {:>9}  source",
-                "rule", "key", "action", "algorithm", "threshold", "burst", "overrides"
-            );
-            for r in rules {
-                let source = match &r.live {
-                    Some(c) => format!("live: {}", c.describe()),
-                    None => "config".into(),
-                };
-                println!(
-                    "{:<20} {:<7} {:<15} {:<15} {:>14} {:>10} {:>9}  {source}",
-                    r.name,
-                    r.key,
-                    r.action,
-                    r.algorithm,
-                    r.threshold,
-                    r.burst.map_or_else(|| "-".to_string(), |b| b.to_string()),
-                    r.overrides
-                );
-            }
-        }
-        Request::OverrideAdd { .. } => {
-            let Some(a) = typed::<live::OverrideAdded>(data) else {
-                return print_raw(data);
-            };
+        Answer::Overrides(entries) => print_overrides(entries),
+        Answer::Rules(rules) => print_rules(rules),
+        Answer::OverrideAdd(a) => {
             let replaced = match a.replaced {
                 Some(live::Source::Config) => " (replaces the config's override while it exists)",
                 Some(live::Source::Live) => " (replaces the earlier live override)",
@@ -410,10 +282,7 @@ fn print_human(req: &Request, data: &serde_json::Value) {
                 a.added.threshold
             );
         }
-        Request::OverrideDel { .. } => {
-            let Some(d) = typed::<live::OverrideRemoved>(data) else {
-                return print_raw(data);
-            };
+        Answer::OverrideDel(d) => {
             let now = match &d.restored {
                 Some(c) => format!("the config's override applies again: {}", c.threshold),
                 None => "the rule's own threshold applies".into(),
@@ -424,27 +293,136 @@ fn print_human(req: &Request, data: &serde_json::Value) {
                 target_label(&d.removed.at)
             );
         }
-        Request::RuleSet { .. } | Request::RuleReset { .. } => {
-            let Some(c) = typed::<live::RuleChanged>(data) else {
-                return print_raw(data);
-            };
-            match &c.live {
-                Some(l) => println!("rule {}: live changes now {}", c.rule, l.describe()),
-                None => println!("rule {}: the config's values apply", c.rule),
+        Answer::RuleSet(c) | Answer::RuleReset(c) => match &c.live {
+            Some(l) => println!("rule {}: live changes now {}", c.rule, l.describe()),
+            None => println!("rule {}: the config's values apply", c.rule),
+        },
+        Answer::Reload(r) => {
+            println!("reloaded {}: rules {}", r.reloaded, r.rules.join(", "));
+            for d in &r.live_changes_dropped {
+                println!("live change dropped: {d}");
             }
         }
-        _ => print_raw(data),
+    }
+    Ok(())
+}
+
+fn plural(n: usize) -> &'static str {
+    if n == 1 { "" } else { "s" }
+}
+
+fn print_stats(stats: &report::Stats) {
+    let row = |name: &str, c: report::Pb| {
+        println!("{name:<22} {:>14} {:>16}", c.packets, c.bytes);
+    };
+    println!("{:<22} {:>14} {:>16}", "verdict", "packets", "bytes");
+    for (verdict, c) in &stats.all.verdicts {
+        row(verdict, *c);
+    }
+    row("total", stats.all.total);
+    for r in &stats.rules {
+        println!(
+            "rule {:<17} matched {:>10}  admitted {:>10}  dropped {:>10}  would_drop {:>8}  bans {:>6}",
+            r.name,
+            r.get("matched").packets,
+            r.get("admitted").packets,
+            r.get("dropped").packets,
+            r.get("would_drop").packets,
+            r.get("bans").packets,
+        );
     }
 }
 
-/// An answer read as the type the daemon wrote it from (None: it is not one, and is printed
-/// as it came).
-fn typed<T: serde::de::DeserializeOwned>(data: &serde_json::Value) -> Option<T> {
-    serde_json::from_value(data.clone()).ok()
+fn print_clients(clients: &[report::Client]) {
+    println!(
+        "{:<20} {:<8} {:<40} {:>10} {:>12} {:>8} {:>9} {:>9}",
+        "rule", "key", "client", "packets", "bytes", "drops", "usage", "throttled"
+    );
+    for c in clients {
+        println!(
+            "{:<20} {:<8} {:<40} {:>10} {:>12} {:>8} {:>9} {:>9}",
+            c.rule,
+            c.key.as_str(),
+            c.client,
+            c.packets,
+            c.bytes,
+            c.drops,
+            format!("{}/{}", c.usage, c.limit),
+            c.throttled,
+        );
+    }
 }
 
-fn print_raw(data: &serde_json::Value) {
-    println!("{}", serde_json::to_string_pretty(data).unwrap_or_default());
+fn print_bans(bans: &[report::Ban]) {
+    println!("{:<40} {:<20} {:<26} reason", "cidr", "rule", "expires");
+    for b in bans {
+        // Aggregate bans have no prefix: what they cover instead.
+        let what = match (&b.cidr, b.key) {
+            (Some(c), _) => c.clone(),
+            (None, report::Key::Region) => {
+                format!("(region {})", b.region.as_deref().unwrap_or("?"))
+            }
+            (None, k) => format!("({k})"),
+        };
+        let rule = match (&b.rule, b.manual) {
+            (Some(r), _) => r.as_str(),
+            (None, true) => "(manual)",
+            (None, false) => "",
+        };
+        println!(
+            "{:<40} {:<20} {:<26} {}",
+            what,
+            rule,
+            b.expires.as_deref().unwrap_or("never"),
+            b.reason.as_deref().unwrap_or(""),
+        );
+    }
+}
+
+fn print_overrides(entries: &[live::OverrideEntry]) {
+    println!(
+        "{:<20} {:<40} {:>14} {:>10} {:>14}  source",
+        "rule", "cidr/region", "threshold", "burst", "ban_threshold"
+    );
+    for e in entries {
+        let v = &e.values;
+        let source = match (e.source, e.replaces_config) {
+            (live::Source::Live, true) => "live (replaces the config's)",
+            (live::Source::Live, false) => "live",
+            (live::Source::Config, _) => "config",
+        };
+        println!(
+            "{:<20} {:<40} {:>14} {:>10} {:>14}  {source}",
+            v.at.rule,
+            target_label(&v.at),
+            v.threshold,
+            v.burst.as_deref().unwrap_or("-"),
+            v.ban_threshold.as_deref().unwrap_or("-"),
+        );
+    }
+}
+
+fn print_rules(rules: &[live::RuleEntry]) {
+    println!(
+        "{:<20} {:<7} {:<15} {:<15} {:>14} {:>10} {:>9}  source",
+        "rule", "key", "action", "algorithm", "threshold", "burst", "overrides"
+    );
+    for r in rules {
+        let source = match &r.live {
+            Some(c) => format!("live: {}", c.describe()),
+            None => "config".into(),
+        };
+        println!(
+            "{:<20} {:<7} {:<15} {:<15} {:>14} {:>10} {:>9}  {source}",
+            r.name,
+            r.key,
+            r.action,
+            r.algorithm,
+            r.threshold,
+            r.burst.map_or_else(|| "-".to_string(), |b| b.to_string()),
+            r.overrides
+        );
+    }
 }
 
 fn target_label(at: &live::OverrideAt) -> String {

@@ -16,11 +16,11 @@ use std::{
 };
 
 use ratelimit_common::{maps::RuleConfig, stats::global};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::{
     bans,
-    control::{Request, Response, TopBy},
+    control::{Answer, Request, Response, TopBy},
     datapath::{Attached, Maps},
     events::Events,
     report, supervise,
@@ -201,11 +201,13 @@ impl Reports {
     fn try_answer(&self, req: Request) -> anyhow::Result<Response> {
         let view = self.view();
         Ok(match req {
-            Request::Status => Response::ok(self.status(&view)),
-            Request::Stats => {
-                Response::ok(report::stats(&self.maps, &view.ifaces, &view.rule_names)?)
-            }
-            Request::Top { n, by } => Response::ok(report::top(
+            Request::Status => Response::ok(Answer::Status(Box::new(self.status(&view)))),
+            Request::Stats => Response::ok(Answer::Stats(Box::new(report::stats(
+                &self.maps,
+                &view.ifaces,
+                &view.rule_names,
+            )?))),
+            Request::Top { n, by } => Response::ok(Answer::Top(report::top(
                 &self.maps,
                 &view.live_rules,
                 n,
@@ -214,13 +216,13 @@ impl Reports {
                     TopBy::Bytes => report::Rank::Bytes,
                     TopBy::Drops => report::Rank::Drops,
                 },
-            )?),
+            )?)),
             Request::Bans { limit } => {
                 let mut b = report::bans(&self.maps, &view.live_rules, &view.ban_reasons);
                 if let Some(limit) = limit {
                     b.truncate(limit);
                 }
-                Response::ok(b)
+                Response::ok(Answer::Bans(b))
             }
             Request::Offenders { limit } => {
                 let mut c: Vec<_> = report::clients(&self.maps, &view.live_rules)?
@@ -236,7 +238,7 @@ impl Reports {
                     c.truncate(limit);
                 }
                 c.sort_by_key(by_usage);
-                Response::ok(c)
+                Response::ok(Answer::Offenders(c))
             }
             other => anyhow::bail!("not a report: {other:?}"),
         })
@@ -310,43 +312,23 @@ impl Reports {
         Ok(())
     }
 
-    fn status(&self, view: &View) -> serde_json::Value {
-        #[derive(Serialize)]
-        struct Status<'a> {
-            version: &'a str,
-            pid: u32,
-            started: String,
-            config: Option<&'a str>,
-            adopted_pinned_state: bool,
-            bpffs_dir: &'a str,
-            preview_all: bool,
-            interfaces: &'a [Attached],
-            program: Option<serde_json::Value>,
-            rules: &'a [String],
-            tracked_clients: u64,
-            max_sources: u32,
-            active_bans: u64,
-            known_filter: Option<crate::known::Rebuilt>,
-            events: crate::events::Status,
-            tasks: BTreeMap<&'static str, supervise::TaskHealth>,
-            bans_restore: &'a bans::RestoreReport,
-            live_changes: &'a crate::live::Report,
-        }
+    fn status(&self, view: &View) -> Status {
         let census = self.census(view);
         let ring_buffer_lost = report::global_packets(&self.maps, global::EVENTS_LOST).unwrap_or(0);
-        serde_json::to_value(Status {
-            version: env!("CARGO_PKG_VERSION"),
+        Status {
+            version: env!("CARGO_PKG_VERSION").to_string(),
             pid: std::process::id(),
             started: report::rfc3339(self.started),
-            config: view.config.as_deref(),
+            config: view.config.clone(),
             adopted_pinned_state: view.adopted,
-            bpffs_dir: &view.bpffs_dir,
+            bpffs_dir: view.bpffs_dir.clone(),
             preview_all: view.preview_all,
-            interfaces: &view.attached,
-            program: view
-                .program
-                .map(|(x, v)| serde_json::json!({"xlated_insns": x, "verified_insns": v})),
-            rules: &view.rule_names,
+            interfaces: view.attached.clone(),
+            program: view.program.map(|(x, v)| Program {
+                xlated_insns: x,
+                verified_insns: v,
+            }),
+            rules: view.rule_names.clone(),
             tracked_clients: census.tracked_clients,
             max_sources: view.max_sources,
             active_bans: census.active_bans,
@@ -356,10 +338,52 @@ impl Reports {
                 .unwrap_or_else(|e| e.into_inner())
                 .clone(),
             events: self.events.status(ring_buffer_lost),
-            tasks: self.tasks.snapshot(),
-            bans_restore: &view.bans_restore,
-            live_changes: &view.live_changes,
-        })
-        .unwrap_or_default()
+            tasks: self
+                .tasks
+                .snapshot()
+                .into_iter()
+                .map(|(name, health)| (name.to_string(), health))
+                .collect(),
+            bans_restore: view.bans_restore.clone(),
+            live_changes: view.live_changes.clone(),
+        }
     }
+}
+
+/// The answer to `status`: the daemon, its program and interfaces, and the counts that take a
+/// walk (from the latest census).
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct Status {
+    pub version: String,
+    pub pid: u32,
+    /// When the daemon started (RFC 3339).
+    pub started: String,
+    /// The config file, if the daemon was started with one.
+    pub config: Option<String>,
+    /// The daemon took over the maps and program a previous daemon pinned.
+    pub adopted_pinned_state: bool,
+    pub bpffs_dir: String,
+    /// `ratelimit run --preview`: nothing is dropped.
+    pub preview_all: bool,
+    pub interfaces: Vec<Attached>,
+    pub program: Option<Program>,
+    /// The rules, in evaluation order.
+    pub rules: Vec<String>,
+    pub tracked_clients: u64,
+    pub max_sources: u32,
+    pub active_bans: u64,
+    /// The known-sources filter's last rebuild.
+    pub known_filter: Option<crate::known::Rebuilt>,
+    pub events: crate::events::Status,
+    /// The supervised background tasks, by name.
+    pub tasks: BTreeMap<String, supervise::TaskHealth>,
+    pub bans_restore: bans::RestoreReport,
+    pub live_changes: crate::live::Report,
+}
+
+/// The loaded program's size, as the verifier saw it.
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Program {
+    pub xlated_insns: u32,
+    pub verified_insns: u32,
 }

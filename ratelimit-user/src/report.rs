@@ -13,7 +13,7 @@ use ratelimit_common::{
     maps::*,
     stats::{self, Counter, global, rule},
 };
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 
 use crate::{apply::net_of, datapath::Maps};
 
@@ -43,7 +43,7 @@ pub fn rfc3339(t: SystemTime) -> String {
     humantime::format_rfc3339_millis(t).to_string()
 }
 
-#[derive(Serialize, Clone, Copy, Default, Debug, PartialEq, Eq)]
+#[derive(Serialize, Deserialize, Clone, Copy, Default, Debug, PartialEq, Eq)]
 pub struct Pb {
     pub packets: u64,
     pub bytes: u64,
@@ -56,21 +56,24 @@ impl std::ops::AddAssign for Pb {
     }
 }
 
-#[derive(Serialize, Default, Debug)]
+/// Counters by name (`stats::global::NAMES`, `stats::rule::NAMES`).
+pub type Named = BTreeMap<String, Pb>;
+
+#[derive(Serialize, Deserialize, Default, Debug, Clone, PartialEq)]
 pub struct Counters {
     /// Frames seen (the sum of the verdicts).
     pub total: Pb,
-    pub verdicts: BTreeMap<&'static str, Pb>,
-    pub reasons: BTreeMap<&'static str, Pb>,
+    pub verdicts: Named,
+    pub reasons: Named,
 }
 
-#[derive(Serialize, Debug)]
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
 pub struct RuleCounters {
     pub name: String,
-    pub counters: BTreeMap<&'static str, Pb>,
+    pub counters: Named,
 }
 
-#[derive(Serialize, Debug)]
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
 pub struct IfaceCounters {
     pub iface: String,
     pub slot: u32,
@@ -78,7 +81,7 @@ pub struct IfaceCounters {
     pub counters: Counters,
 }
 
-#[derive(Serialize, Debug)]
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
 pub struct Stats {
     /// Every slot: the interfaces', the unlisted interfaces', and those of the interfaces no
     /// longer attached.
@@ -90,6 +93,40 @@ pub struct Stats {
     #[serde(skip)]
     pub unlisted: Counters,
     pub rules: Vec<RuleCounters>,
+}
+
+impl Counters {
+    /// A verdict's counts (`stats::global::NAMES`); zero for a name it does not have.
+    pub fn verdict(&self, name: &str) -> Pb {
+        self.verdicts.get(name).copied().unwrap_or_default()
+    }
+
+    /// A reason's counts (`stats::global::NAMES`); zero for a name it does not have.
+    pub fn reason(&self, name: &str) -> Pb {
+        self.reasons.get(name).copied().unwrap_or_default()
+    }
+}
+
+impl RuleCounters {
+    /// One counter of the rule (`stats::rule::NAMES`); zero for a name it does not have.
+    pub fn get(&self, counter: &str) -> Pb {
+        self.counters.get(counter).copied().unwrap_or_default()
+    }
+}
+
+impl Stats {
+    /// The counters of the rule named `name`.
+    pub fn rule(&self, name: &str) -> Option<&RuleCounters> {
+        self.rules.iter().find(|r| r.name == name)
+    }
+
+    /// The counters of the interface named `iface`.
+    pub fn iface(&self, iface: &str) -> Option<&Counters> {
+        self.interfaces
+            .iter()
+            .find(|i| i.iface == iface)
+            .map(|i| &i.counters)
+    }
 }
 
 /// The packets of one global counter (`stats::global::*`) over every interface slot: a
@@ -128,9 +165,9 @@ fn counters(v: &[Pb]) -> Counters {
     for (i, (name, value)) in global::NAMES.iter().zip(v).enumerate() {
         if (i as u32) < global::VERDICTS {
             c.total += *value;
-            c.verdicts.insert(name, *value);
+            c.verdicts.insert(name.to_string(), *value);
         } else {
-            c.reasons.insert(name, *value);
+            c.reasons.insert(name.to_string(), *value);
         }
     }
     c
@@ -168,7 +205,7 @@ pub fn stats_of(all: &[Vec<Pb>], ifaces: &[(u32, String)], rule_names: &[String]
         .map(|(r, name)| {
             let base = (global::COUNT + r as u32 * rule::COUNT) as usize;
             let counters = (0..rule::COUNT as usize)
-                .map(|k| (rule::NAMES[k], total[base + k]))
+                .map(|k| (rule::NAMES[k].to_string(), total[base + k]))
                 .collect();
             RuleCounters {
                 name: name.clone(),
@@ -187,10 +224,10 @@ pub fn stats_of(all: &[Vec<Pb>], ifaces: &[(u32, String)], rule_names: &[String]
 }
 
 /// One tracked client, as reports show it.
-#[derive(Serialize, Debug, Clone)]
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
 pub struct Client {
     pub rule: String,
-    pub key: &'static str,
+    pub key: Key,
     /// CIDR for `ip`, country code for `region`, `*` for `all` and `overflow`.
     pub client: String,
     pub packets: u64,
@@ -210,13 +247,46 @@ pub struct Client {
     pub last_seen: String,
 }
 
-pub fn key_name(kind: u8) -> &'static str {
-    match kind {
-        KEY_ALL => "all",
-        KEY_IP => "ip",
-        KEY_REGION => "region",
-        _ => "overflow",
+/// What a client state or a ban is keyed by: a prefix (`ip`), every source of its rule
+/// (`all`), a region, or a rule's shared state for sources it has no room for (`overflow`).
+#[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Key {
+    All,
+    Ip,
+    Region,
+    Overflow,
+}
+
+impl Key {
+    /// The key of a `ClientKey::kind` (`maps::KEY_*`).
+    pub fn of(kind: u8) -> Self {
+        match kind {
+            KEY_ALL => Key::All,
+            KEY_IP => Key::Ip,
+            KEY_REGION => Key::Region,
+            _ => Key::Overflow,
+        }
     }
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Key::All => "all",
+            Key::Ip => "ip",
+            Key::Region => "region",
+            Key::Overflow => "overflow",
+        }
+    }
+}
+
+impl std::fmt::Display for Key {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+pub fn key_name(kind: u8) -> &'static str {
+    Key::of(kind).as_str()
 }
 
 pub fn client_label(k: &ClientKey) -> String {
@@ -262,7 +332,7 @@ pub fn describe(
     let throttled = s.throttled_at(now, interval);
     Some(Client {
         rule: name.clone(),
-        key: key_name(k.kind),
+        key: Key::of(k.kind),
         client: client_label(k),
         packets: s.packets,
         bytes: s.bytes,
@@ -573,13 +643,13 @@ fn for_each_client_state(
     maps.clients.walk(f)
 }
 
-#[derive(Serialize, Debug, Clone)]
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
 pub struct Ban {
     /// The banned prefix; null for an aggregate ban (`key`: `all` or `region`).
     pub cidr: Option<String>,
     /// What is banned: `ip` (the prefix `cidr`), `all` (every source the rule matches) or
     /// `region` (the rule's sources in `region`).
-    pub key: &'static str,
+    pub key: Key,
     /// For `key = region`: the ISO 3166 code (`ZZ`: no region known).
     pub region: Option<String>,
     /// CLOCK_MONOTONIC end (not reported; for saving).
@@ -631,7 +701,7 @@ pub fn bans(
                 remaining_secs: (b.expires_ns != 0).then(|| (b.expires_ns - now) as f64 / 1e9),
                 reason: reasons.get(&cidr).cloned(),
                 cidr: Some(cidr),
-                key: "ip",
+                key: Key::Ip,
                 region: None,
                 expires_ns: (b.expires_ns != 0).then_some(b.expires_ns),
             }
@@ -682,7 +752,7 @@ pub fn aggregate_bans(maps: &Maps, rules: &[(String, RuleConfig)], now: u64) -> 
             }
             out.push(Ban {
                 cidr: None,
-                key: if r.key == KEY_ALL { "all" } else { "region" },
+                key: Key::of(r.key),
                 region: region.map(|c| String::from_utf8_lossy(&c).into_owned()),
                 rule: Some(name.clone()),
                 manual: false,

@@ -110,7 +110,7 @@ pub fn apply_changes(rule: &mut Rule, set: &RuleChanges) -> anyhow::Result<()> {
             bail!("--ban-duration needs a rate_based_ban rule");
         }
         rule.ban_duration = crate::config::parse_ban_duration(d)
-            .map_err(|e| anyhow::anyhow!("--ban-duration: {e}"))?;
+            .map_err(|e| anyhow::anyhow!(crate::config::labelled("--ban-duration", &e)))?;
     }
     if let Some(b) = set.burst {
         if b == 0 {
@@ -218,7 +218,7 @@ mod tests {
     fn ban_durations_are_bounded() {
         let mut rule = bytes_rule();
         for (d, want) in [
-            ("0s", "--ban-duration: must be greater than 0"),
+            ("0s", "--ban-duration must be greater than 0"),
             (
                 "11y",
                 "--ban-duration: 96426h is longer than 10 years (3650d), the longest ban",

@@ -33,7 +33,7 @@ pub fn next_backoff(last: Option<Duration>, ran: Duration, first: Duration) -> D
 }
 
 /// One task's health, as `status` shows it.
-#[derive(Debug, Clone, Default, Serialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, Serialize, serde::Deserialize, PartialEq, Eq)]
 pub struct TaskHealth {
     /// Running now (false while it waits to be restarted).
     pub up: bool,

@@ -3,12 +3,11 @@
 //! tracked through the veth pair with one real packet each, new sources arriving throughout
 //! (so no count the reports keep stays valid for long), `/metrics` fetched every 100 ms, a
 //! thousand idle HTTP connections open, then `status` requests over the control socket, timed
-//! from connect to the answer's last byte.
+//! from connect to the answer read and decoded.
 
 use std::{
-    io::{BufRead as _, BufReader, Read as _, Write as _},
+    io::{Read as _, Write as _},
     net::{Ipv4Addr, TcpStream},
-    os::unix::net::UnixStream,
     path::Path,
     sync::{
         Arc,
@@ -16,6 +15,8 @@ use std::{
     },
     time::{Duration, Instant},
 };
+
+use ratelimit_user::control::{self, Answer, Request};
 
 use crate::{env::raise_own_nofile, scenario::Scenario};
 
@@ -122,18 +123,16 @@ pub fn quantile(sorted: &[u64], p: f64) -> u64 {
     sorted[i]
 }
 
-/// One `status` over the control socket: its round trip and the tracked clients it shows.
+/// One `status` over the control socket (the API's own client): its round trip and the
+/// tracked clients it shows.
 pub fn status(socket: &Path) -> (Duration, u64) {
     let start = Instant::now();
-    let mut c = UnixStream::connect(socket).expect("connecting to the control socket");
-    c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
-    c.write_all(b"{\"cmd\":\"status\"}\n").unwrap();
-    let mut line = String::new();
-    BufReader::new(&c).read_line(&mut line).unwrap();
+    let answer = control::call(socket, &Request::Status).expect("status over the control socket");
     let took = start.elapsed();
-    let v: serde_json::Value = serde_json::from_str(&line).expect("a JSON answer");
-    assert_eq!(v["ok"], true, "{line}");
-    (took, v["data"]["tracked_clients"].as_u64().unwrap_or(0))
+    let Answer::Status(status) = answer else {
+        panic!("status answered with {answer:?}");
+    };
+    (took, status.tracked_clients)
 }
 
 /// One `/metrics` fetch: whether it was answered with the metrics.

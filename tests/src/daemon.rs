@@ -20,6 +20,10 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 use crate::netns::{NetNs, command_in_fd, describe};
+use ratelimit_user::{
+    reader::Status,
+    report::{Ban, Stats},
+};
 
 static DIRS: AtomicU32 = AtomicU32::new(0);
 
@@ -389,15 +393,41 @@ impl Daemon {
     ///
     /// Unless it exits 0 with JSON on stdout.
     pub fn cli_json(&self, args: &[&str]) -> serde_json::Value {
+        self.cli_as(args)
+    }
+
+    /// Runs `ratelimit ARGS --json --socket PATH` and reads stdout as the control API's
+    /// answer type `T` (`report::Stats` for `stats`, `Vec<report::Ban>` for `bans`, ...).
+    ///
+    /// # Panics
+    ///
+    /// Unless it exits 0 with an answer of that type on stdout.
+    pub fn cli_as<T: serde::de::DeserializeOwned>(&self, args: &[&str]) -> T {
         let mut all = args.to_vec();
         all.push("--json");
         let stdout = self.cli_ok(&all);
         serde_json::from_str(&stdout).unwrap_or_else(|e| {
             panic!(
-                "`ratelimit {}` printed no JSON ({e}):\n{stdout}",
-                all.join(" ")
+                "`ratelimit {}` printed no {} ({e}):\n{stdout}",
+                all.join(" "),
+                std::any::type_name::<T>()
             )
         })
+    }
+
+    /// `ratelimit status`, typed.
+    pub fn status(&self) -> Status {
+        self.cli_as(&["status"])
+    }
+
+    /// `ratelimit stats`, typed.
+    pub fn stats(&self) -> Stats {
+        self.cli_as(&["stats"])
+    }
+
+    /// `ratelimit bans`, typed.
+    pub fn bans(&self) -> Vec<Ban> {
+        self.cli_as(&["bans"])
     }
 
     /// Runs `ratelimit detach --config FILE` inside the namespace.

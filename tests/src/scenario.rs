@@ -12,6 +12,8 @@ use std::{
     time::Duration,
 };
 
+use ratelimit_user::report::Stats;
+
 use crate::{
     Daemon, NetNs, PacketSocket, SendStats, Tap, UdpSink, VethPair, disable_rp_filter,
     packet::Frame,
@@ -229,9 +231,9 @@ impl Scenario {
         })
     }
 
-    /// `ratelimit stats --json`.
-    pub fn stats(&self) -> serde_json::Value {
-        self.daemon().cli_json(&["stats"])
+    /// `ratelimit stats`, typed.
+    pub fn stats(&self) -> Stats {
+        self.daemon().stats()
     }
 
     /// Events written so far (JSON lines).
@@ -263,23 +265,19 @@ impl Drop for Scenario {
     }
 }
 
-/// `stats` JSON accessors.
-pub fn verdict(stats: &serde_json::Value, name: &str) -> u64 {
-    stats["verdicts"][name]["packets"].as_u64().unwrap_or(0)
+/// Packets of a verdict in `stats`.
+pub fn verdict(stats: &Stats, name: &str) -> u64 {
+    stats.all.verdict(name).packets
 }
 
-pub fn reason(stats: &serde_json::Value, name: &str) -> u64 {
-    stats["reasons"][name]["packets"].as_u64().unwrap_or(0)
+/// Packets of a reason in `stats`.
+pub fn reason(stats: &Stats, name: &str) -> u64 {
+    stats.all.reason(name).packets
 }
 
-pub fn rule_counter(stats: &serde_json::Value, rule: &str, counter: &str) -> u64 {
-    stats["rules"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .find(|r| r["name"] == rule)
-        .map(|r| r["counters"][counter]["packets"].as_u64().unwrap_or(0))
-        .unwrap_or(0)
+/// Packets of one counter of a rule in `stats` (0 if there is no such rule).
+pub fn rule_counter(stats: &Stats, rule: &str, counter: &str) -> u64 {
+    stats.rule(rule).map_or(0, |r| r.get(counter).packets)
 }
 
 /// The sum of the values of every series of `name` in an exposition (`/metrics`) that has
@@ -300,7 +298,7 @@ pub fn metric_sum(text: &str, name: &str, labels: &[(&str, &str)]) -> f64 {
 }
 
 /// Sum of the pass verdicts.
-pub fn passed(stats: &serde_json::Value) -> u64 {
+pub fn passed(stats: &Stats) -> u64 {
     ["pass", "pass_non_ip", "pass_malformed", "pass_allow"]
         .iter()
         .map(|v| verdict(stats, v))

@@ -20,6 +20,7 @@ use ratelimit_tests::{
     kernel_test,
     scenario::{Scenario, align_to_window, reason, rule_counter, verdict},
 };
+use ratelimit_user::report::Key;
 
 const PORT: u16 = 9000;
 
@@ -91,11 +92,10 @@ fn kill9_and_restart_under_traffic_keep_enforcement_bans_and_counters() {
     // Banned packets stop at the ban check and never reach the rules.
     assert_eq!(rule_counter(&st, "udp", "matched"), t.sent);
     assert_eq!(verdict(&st, "drop_ban"), b.sent);
-    let bans = s.daemon().cli_json(&["bans"]);
-    assert_eq!(bans[0]["cidr"], "198.19.40.9/32");
-    assert_eq!(bans[0]["reason"], "scanner");
-    let status = s.daemon().cli_json(&["status"]);
-    assert_eq!(status["adopted_pinned_state"], true);
+    let bans = s.daemon().bans();
+    assert_eq!(bans[0].cidr.as_deref(), Some("198.19.40.9/32"));
+    assert_eq!(bans[0].reason.as_deref(), Some("scanner"));
+    assert!(s.daemon().status().adopted_pinned_state);
 }
 
 #[test]
@@ -111,23 +111,15 @@ fn bans_survive_a_reboot_through_the_state_dir() {
     let out = s.daemon().detach();
     assert!(out.status.success());
     s.daemon_mut().restart();
-    let bans = s.daemon().cli_json(&["bans"]);
-    let cidrs: Vec<&str> = bans
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(|b| b["cidr"].as_str())
-        .collect();
+    let bans = s.daemon().bans();
+    let cidrs: Vec<&str> = bans.iter().filter_map(|b| b.cidr.as_deref()).collect();
     assert_eq!(cidrs, ["198.19.41.0/24", "2001:db8:41::/48"]);
-    let remaining = bans[0]["remaining_secs"].as_f64().unwrap();
+    let remaining = bans[0].remaining_secs.unwrap();
     assert!(
         remaining > 3500.0 && remaining <= 3600.0,
         "restored with its remaining time: {remaining}"
     );
-    assert!(
-        bans[1]["expires"].is_null(),
-        "a permanent ban stays permanent"
-    );
+    assert!(bans[1].expires.is_none(), "a permanent ban stays permanent");
     // And it is enforced.
     let sink = s.sink(PORT);
     let mut tx = s.sender();
@@ -165,11 +157,11 @@ ban_duration = "1h"
     let out = s.daemon().detach();
     assert!(out.status.success());
     s.daemon_mut().restart();
-    let bans = s.daemon().cli_json(&["bans"]);
-    assert_eq!(bans.as_array().map(Vec::len), Some(1), "{bans}");
-    assert_eq!(bans[0]["key"], "all", "{bans}");
-    assert_eq!(bans[0]["rule"], "all-ban", "{bans}");
-    let remaining = bans[0]["remaining_secs"].as_f64().unwrap();
+    let bans = s.daemon().bans();
+    assert_eq!(bans.len(), 1, "{bans:?}");
+    assert_eq!(bans[0].key, Key::All, "{bans:?}");
+    assert_eq!(bans[0].rule.as_deref(), Some("all-ban"), "{bans:?}");
+    let remaining = bans[0].remaining_secs.unwrap();
     assert!(
         remaining > 3500.0 && remaining <= 3600.0,
         "restored with its remaining time: {remaining}"
@@ -234,7 +226,7 @@ ban_duration = "1h"
     assert!(err(&["ban", "del"]).contains("--rule RULE"));
     let out = s.daemon().cli_json(&["ban", "del", "--rule", "all-ban"]);
     assert_eq!(out["lifted"], 1, "{out}");
-    assert_eq!(s.daemon().cli_json(&["bans"]), serde_json::json!([]));
+    assert_eq!(s.daemon().bans(), []);
     assert!(err(&["ban", "del", "--rule", "all-ban"]).contains("no ban in force"));
     let unban: Vec<_> = s
         .events()
@@ -253,7 +245,7 @@ ban_duration = "1h"
     s.daemon_mut().stop();
     assert!(s.daemon().detach().status.success());
     s.daemon_mut().restart();
-    assert_eq!(s.daemon().cli_json(&["bans"]), serde_json::json!([]));
+    assert_eq!(s.daemon().bans(), []);
 }
 
 /// Maps pinned by a build with another map layout would be misread: the daemon refuses them,
@@ -329,7 +321,7 @@ fn a_second_daemon_on_the_same_directories_changes_nothing_and_names_the_first()
         logs.contains(&format!("pid {first}")) && logs.contains("nothing was changed"),
         "the error names the running daemon:\n{logs}"
     );
-    assert_eq!(s.daemon().cli_json(&["status"])["pid"], first);
+    assert_eq!(s.daemon().status().pid, first);
 }
 
 /// The directory locks die with their holder: after a SIGKILL the next daemon starts on the
@@ -622,11 +614,11 @@ algorithm = "fixed_window"
             delivered,
             "{what}: the running threshold (100/1h) still judges traffic"
         );
-        let status = s.daemon().cli_json(&["status"]);
+        let status = s.daemon().status();
         assert_eq!(
-            status["interfaces"].as_array().map(Vec::len),
-            Some(1),
-            "{what}: no interface attached: {status}"
+            status.interfaces.len(),
+            1,
+            "{what}: no interface attached: {status:?}"
         );
     }
     // The same change without the broken part applies.
@@ -673,14 +665,14 @@ fn bulk_bans_apply_fast_and_remove_cleanly() {
         .cli(&["ban", "add", "--file", file.to_str().unwrap()]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("not-an-address"));
-    assert_eq!(s.daemon().cli_json(&["status"])["active_bans"], 100_000);
+    assert_eq!(s.daemon().status().active_bans, 100_000);
     let out = s.daemon().cli(&["ban", "del", "10.250.0.0/16"]);
     assert!(
         !out.status.success(),
         "deleting a ban that does not exist is an error"
     );
     s.daemon().cli_ok(&["ban", "del", "10.0.0.7"]);
-    assert_eq!(s.daemon().cli_json(&["status"])["active_bans"], 99_999);
+    assert_eq!(s.daemon().status().active_bans, 99_999);
     let _ = reason(&s.stats(), "bans_issued");
     // L7 systems following the events see the operator's bans and their removal.
     let events = s.events();
@@ -812,12 +804,8 @@ fn control_socket_refuses_non_root_and_cli_rejects_bad_arguments() {
         "{answer}"
     );
     // Nothing changed: root sees no ban.
-    assert_eq!(
-        s.daemon().cli_json(&["bans"]),
-        serde_json::json!([]),
-        "no ban was added by nobody"
-    );
-    assert_eq!(s.daemon().cli_json(&["status"])["active_bans"], 0);
+    assert_eq!(s.daemon().bans(), [], "no ban was added by nobody");
+    assert_eq!(s.daemon().status().active_bans, 0);
     for bad in [
         vec!["frobnicate"],
         vec!["top", "--by", "colour"],
@@ -847,13 +835,8 @@ fn expired_bans_are_reported_even_if_the_client_never_returns() {
     s.daemon()
         .cli_ok(&["ban", "add", "198.19.46.0/24", "--for", "1h"]);
     std::thread::sleep(Duration::from_millis(2500));
-    let bans = s.daemon().cli_json(&["bans"]);
-    let cidrs: Vec<&str> = bans
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(|b| b["cidr"].as_str())
-        .collect();
+    let bans = s.daemon().bans();
+    let cidrs: Vec<&str> = bans.iter().filter_map(|b| b.cidr.as_deref()).collect();
     assert_eq!(cidrs, ["198.19.46.0/24"]);
     let unbans: Vec<_> = s
         .events()
@@ -891,14 +874,14 @@ ban_duration = "1h"
         "rule a banned its (aggregate) key"
     );
     // The aggregate ban is listed (it lives in the rule's state, not in the ban map).
-    let bans = s.daemon().cli_json(&["bans"]);
-    assert_eq!(bans.as_array().map(Vec::len), Some(1), "{bans}");
-    assert_eq!(bans[0]["key"], "all", "{bans}");
-    assert_eq!(bans[0]["rule"], "a", "{bans}");
-    assert!(bans[0]["cidr"].is_null(), "{bans}");
-    let left = bans[0]["remaining_secs"].as_f64().unwrap();
-    assert!(left > 3590.0 && left <= 3600.0, "{bans}");
-    assert_eq!(s.daemon().cli_json(&["status"])["active_bans"], 1);
+    let bans = s.daemon().bans();
+    assert_eq!(bans.len(), 1, "{bans:?}");
+    assert_eq!(bans[0].key, Key::All, "{bans:?}");
+    assert_eq!(bans[0].rule.as_deref(), Some("a"), "{bans:?}");
+    assert_eq!(bans[0].cidr, None, "{bans:?}");
+    let left = bans[0].remaining_secs.unwrap();
+    assert!(left > 3590.0 && left <= 3600.0, "{bans:?}");
+    assert_eq!(s.daemon().status().active_bans, 1);
     // Rule a goes away; rule b takes its position.
     let good = std::fs::read_to_string(s.daemon().config_path()).unwrap();
     let head = good.split("[[rule]]").next().unwrap().to_string();
@@ -961,7 +944,7 @@ fn sighup_reloads_and_bans_read_from_stdin() {
         .unwrap();
     let out = child.wait_with_output().unwrap();
     assert!(out.status.success(), "{out:?}");
-    assert_eq!(s.daemon().cli_json(&["status"])["active_bans"], 2);
+    assert_eq!(s.daemon().status().active_bans, 2);
     let sink = s.sink(PORT);
     let mut tx = s.sender();
     for src in [ip4(48, 1), ip4(49, 1), ip4(49, 2), ip4(50, 9)] {
@@ -987,7 +970,7 @@ fn ban_durations_are_bounded_and_expiries_survive_a_reboot_as_unix_time() {
     let mut s = Scenario::new("rldur");
     s.start("");
     for (arg, why) in [
-        ("0s", "--for: must be greater than 0"),
+        ("0s", "--for must be greater than 0"),
         (
             "500us",
             "--for: 500us is shorter than 1ms, the shortest ban",
@@ -1006,7 +989,7 @@ fn ban_durations_are_bounded_and_expiries_survive_a_reboot_as_unix_time() {
         assert!(!out.status.success(), "--for {arg} must be refused");
         assert!(err.contains(why), "--for {arg}: {err}");
     }
-    assert_eq!(s.daemon().cli_json(&["status"])["active_bans"], 0);
+    assert_eq!(s.daemon().status().active_bans, 0);
     assert!(
         s.events().is_empty(),
         "no ban event for a refused ban: {:?}",
@@ -1084,20 +1067,14 @@ fn ban_durations_are_bounded_and_expiries_survive_a_reboot_as_unix_time() {
 
 /// Every ban as (prefix, whether it expires), and 198.19.50.1's time left.
 fn bans_of(s: &Scenario) -> (Vec<(String, bool)>, Option<f64>) {
-    let bans = s.daemon().cli_json(&["bans"]);
-    let list = bans.as_array().unwrap();
-    let left = list
+    let bans = s.daemon().bans();
+    let left = bans
         .iter()
-        .find(|b| b["cidr"] == "198.19.50.1/32")
-        .and_then(|b| b["remaining_secs"].as_f64());
-    let mut v: Vec<(String, bool)> = list
-        .iter()
-        .map(|b| {
-            (
-                b["cidr"].as_str().unwrap_or("").to_owned(),
-                !b["expires"].is_null(),
-            )
-        })
+        .find(|b| b.cidr.as_deref() == Some("198.19.50.1/32"))
+        .and_then(|b| b.remaining_secs);
+    let mut v: Vec<(String, bool)> = bans
+        .into_iter()
+        .map(|b| (b.cidr.unwrap_or_default(), b.expires.is_some()))
         .collect();
     v.sort();
     (v, left)
@@ -1171,7 +1148,7 @@ fn a_ban_batch_that_fills_the_ban_map_midway_is_undone() {
     std::fs::write(&file, text).unwrap();
     s.daemon()
         .cli_ok(&["ban", "add", "--file", file.to_str().unwrap()]);
-    assert_eq!(s.daemon().cli_json(&["status"])["active_bans"], max - 1);
+    assert_eq!(s.daemon().status().active_bans, u64::from(max - 1));
     let (before, ev_before) = (bans_of(&s).0, events_len(&s));
     // Replaces 198.19.50.1's ban (1h -> until removed), takes the last free entry with
     // 198.19.50.2, and fails at 198.19.50.3.
@@ -1185,7 +1162,7 @@ fn a_ban_batch_that_fills_the_ban_map_midway_is_undone() {
         .cli(&["ban", "add", "--file", file.to_str().unwrap()]);
     assert!(!out.status.success(), "the map is full");
     let (after, left) = bans_of(&s);
-    assert_eq!(s.daemon().cli_json(&["status"])["active_bans"], max - 1);
+    assert_eq!(s.daemon().status().active_bans, u64::from(max - 1));
     assert!(
         after == before,
         "the map holds exactly the bans it held before (198.19.50.2 is not banned)"
@@ -1209,7 +1186,7 @@ fn a_ban_batch_that_fills_the_ban_map_midway_is_undone() {
         .cli_ok(&["ban", "del", "--file", del.to_str().unwrap()]);
     s.daemon()
         .cli_ok(&["ban", "add", "--file", file.to_str().unwrap()]);
-    assert_eq!(s.daemon().cli_json(&["status"])["active_bans"], max - 1);
+    assert_eq!(s.daemon().status().active_bans, u64::from(max - 1));
     assert_eq!(bans_of(&s).1, None, "replaced: until removed");
     assert!(events_len(&s) > ev_before);
 }

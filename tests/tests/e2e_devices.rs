@@ -14,6 +14,7 @@ use ratelimit_tests::{
     scenario::{Scenario, metric_sum, verdict},
     tun::{Tun, ip_packet},
 };
+use ratelimit_user::report::{IfaceCounters, Stats};
 
 const PORT: u16 = 9000;
 
@@ -33,10 +34,10 @@ ban_duration = "1h"
 /// `stats --json` once `done` holds, or after 10 s: the program runs in softirq context, which
 /// a busy machine may defer (to ksoftirqd) past a fixed sleep. The caller asserts exact numbers
 /// on what is returned either way.
-fn stats_when(d: &Daemon, done: impl Fn(&serde_json::Value) -> bool) -> serde_json::Value {
+fn stats_when(d: &Daemon, done: impl Fn(&Stats) -> bool) -> Stats {
     let give_up = std::time::Instant::now() + Duration::from_secs(10);
     loop {
-        let st = d.cli_json(&["stats"]);
+        let st = d.stats();
         if done(&st) || std::time::Instant::now() >= give_up {
             return st;
         }
@@ -44,20 +45,17 @@ fn stats_when(d: &Daemon, done: impl Fn(&serde_json::Value) -> bool) -> serde_js
     }
 }
 
-/// `stats --json`'s entry for `iface`.
-fn iface_stats<'a>(stats: &'a serde_json::Value, iface: &str) -> &'a serde_json::Value {
-    stats["interfaces"]
-        .as_array()
-        .into_iter()
-        .flatten()
-        .find(|i| i["iface"] == iface)
-        .unwrap_or_else(|| panic!("no interface {iface} in {stats}"))
+/// `stats`' entry for `iface`.
+fn iface_stats<'a>(stats: &'a Stats, iface: &str) -> &'a IfaceCounters {
+    stats
+        .interfaces
+        .iter()
+        .find(|i| i.iface == iface)
+        .unwrap_or_else(|| panic!("no interface {iface} in {stats:?}"))
 }
 
-fn iface_verdict(stats: &serde_json::Value, iface: &str, name: &str) -> u64 {
-    iface_stats(stats, iface)["verdicts"][name]["packets"]
-        .as_u64()
-        .unwrap_or(0)
+fn iface_verdict(stats: &Stats, iface: &str, name: &str) -> u64 {
+    stats.iface(iface).map_or(0, |c| c.verdict(name).packets)
 }
 
 /// A tun device has no Ethernet header (link type ARPHRD_NONE, as wireguard): the daemon
@@ -135,7 +133,7 @@ fn a_tun_device_is_judged_from_its_ip_header() {
         "banned past 150"
     );
     // Banned: everything from them is dropped as banned, whatever the port.
-    let before = daemon.cli_json(&["stats"]);
+    let before = daemon.stats();
     let other_port = |src: Ipv4Addr| {
         ip_packet(
             &Frame::new([2, 0, 0, 0, 0, 1], [2, 0, 0, 0, 0, 2])
@@ -327,10 +325,11 @@ fn interfaces_that_come_and_go_never_run_out_of_counter_slots() {
         tx.send_n(std::iter::repeat(&frame), 3, None);
         let st = stats_when(s.daemon(), |st| verdict(st, "drop_deny") >= 3 * round);
         let mine = iface_stats(&st, &extra.b().name);
-        assert_ne!(mine["slot"], 0, "round {round}: a slot of its own: {st}");
+        assert_ne!(mine.slot, 0, "round {round}: a slot of its own: {st:?}");
         assert_eq!(
-            mine["verdicts"]["drop_deny"]["packets"], 3,
-            "round {round}: its own counts only, none inherited: {st}"
+            mine.counters.verdict("drop_deny").packets,
+            3,
+            "round {round}: its own counts only, none inherited: {st:?}"
         );
         assert_eq!(
             verdict(&st, "drop_deny"),
@@ -390,14 +389,9 @@ fn more_interfaces_at_once_than_counter_slots_are_all_attached_and_protected() {
         String::from_utf8_lossy(&out.stderr),
         s.daemon().logs()
     );
-    let status = s.daemon().cli_json(&["status"]);
-    let slots: Vec<u64> = status["interfaces"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .map(|i| i["slot"].as_u64().unwrap())
-        .collect();
-    assert_eq!(slots.len(), 17, "{status}");
+    let status = s.daemon().status();
+    let slots: Vec<u32> = status.interfaces.iter().map(|i| i.slot).collect();
+    assert_eq!(slots.len(), 17, "{status:?}");
     assert_eq!(slots.iter().filter(|&&s| s == 0).count(), 3, "{slots:?}");
     for e in &extras {
         let frame = Frame::new(e.a().mac, e.b().mac)
@@ -409,14 +403,14 @@ fn more_interfaces_at_once_than_counter_slots_are_all_attached_and_protected() {
     }
     let st = stats_when(s.daemon(), |st| verdict(st, "drop_deny") >= 32);
     assert_eq!(verdict(&st, "drop_deny"), 32, "every interface enforces");
-    let listed = st["interfaces"].as_array().unwrap();
+    let listed = &st.interfaces;
     assert_eq!(
         listed.len(),
         14,
-        "only interfaces with a slot of their own: {st}"
+        "only interfaces with a slot of their own: {st:?}"
     );
-    for i in listed.iter().filter(|i| i["iface"] != main.as_str()) {
-        assert_eq!(i["verdicts"]["drop_deny"]["packets"], 2, "{i}");
+    for i in listed.iter().filter(|i| i.iface != main) {
+        assert_eq!(i.counters.verdict("drop_deny").packets, 2, "{i:?}");
     }
     // In /metrics: the three without a slot of their own in one series, and the sum over
     // the interfaces is every frame denied.

@@ -124,13 +124,12 @@ fn a_stalled_stdout_pipe_does_not_stall_the_control_plane() {
     out.unwrap_or_else(|e| panic!("`ratelimit ban add` failed after {took:?}: {e}"));
     assert!(took < Duration::from_secs(2), "`ban add` took {took:?}");
     // The flood did fill the pipe: event lines are waiting, and none were written to it since.
-    let st = s.daemon().cli_json(&["status"]);
-    let ev = &st["events"];
-    println!("status.events: {ev}");
-    assert_eq!(ev["sink"], "stdout", "{ev}");
+    let ev = s.daemon().status().events;
+    println!("status.events: {ev:?}");
+    assert_eq!(ev.sink, "stdout", "{ev:?}");
     assert!(
-        ev["queued"].as_u64().unwrap() + ev["lost"]["queue"].as_u64().unwrap() > 0,
-        "the pipe never filled: {ev}"
+        ev.queued + ev.lost.queue > 0,
+        "the pipe never filled: {ev:?}"
     );
     assert_eq!(rule_counter(&s.stats(), "udp", "matched"), sent);
 }
@@ -213,15 +212,14 @@ fn a_full_disk_leaves_no_torn_event_line_and_counts_the_lost_lines() {
         "only ban lines"
     );
     let kept = written.len() as u64;
-    let st = s.daemon().cli_json(&["status"]);
-    let ev = &st["events"];
-    println!("{kept} of {n} ban lines written; status.events: {ev}");
+    let ev = s.daemon().status().events;
+    println!("{kept} of {n} ban lines written; status.events: {ev:?}");
     assert!(kept > 0 && kept < u64::from(n), "{kept} lines written");
-    assert_eq!(ev["written"], kept, "{ev}");
+    assert_eq!(ev.written, kept, "{ev:?}");
     assert_eq!(
-        ev["lost"]["write"],
+        ev.lost.write,
         u64::from(n) - kept,
-        "every line that was not written is counted: {ev}"
+        "every line that was not written is counted: {ev:?}"
     );
     assert_eq!(lost_metric(&s, "write"), Some(u64::from(n) - kept));
 
@@ -241,9 +239,9 @@ fn a_full_disk_leaves_no_torn_event_line_and_counts_the_lost_lines() {
     let after = whole_lines(&std::fs::read_to_string(&events).unwrap());
     assert_eq!(after.len(), 10, "{after:?}");
     assert!(after.iter().all(|e| e["event"] == "ban"));
-    let st = s.daemon().cli_json(&["status"]);
-    assert_eq!(st["events"]["written"], kept + 10);
-    assert_eq!(st["events"]["lost"]["write"], u64::from(n) - kept);
+    let ev = s.daemon().status().events;
+    assert_eq!(ev.written, kept + 10);
+    assert_eq!(ev.lost.write, u64::from(n) - kept);
 }
 
 /// A flood of new sources under a low-threshold rule makes far more events than the default
@@ -309,16 +307,17 @@ fn an_event_flood_is_capped_per_second_with_exact_summaries() {
         assert_eq!(by_kind, e["count"].as_u64().unwrap(), "{e}");
         assert_eq!(e["threshold"], DEFAULT_EVENTS_PER_SEC, "{e}");
     }
-    let st = s.daemon().cli_json(&["status"]);
-    let ev = &st["events"];
-    println!("status.events: {ev}");
+    let ev = s.daemon().status().events;
+    println!("status.events: {ev:?}");
     // Nothing lost on the way, so lines and summaries account for every event.
-    assert_eq!(ev["lost"]["ring_buffer"], 0, "{ev}");
-    assert_eq!(ev["lost"]["queue"], 0, "{ev}");
-    assert_eq!(ev["lost"]["write"], 0, "{ev}");
-    assert_eq!(ev["suppressed"], suppressed, "{ev}");
-    assert_eq!(ev["written"], lines.len() as u64, "{ev}");
-    assert_eq!(ev["lines_per_sec"], DEFAULT_EVENTS_PER_SEC, "{ev}");
+    assert_eq!(
+        (ev.lost.ring_buffer, ev.lost.queue, ev.lost.write),
+        (0, 0, 0),
+        "{ev:?}"
+    );
+    assert_eq!(ev.suppressed, suppressed, "{ev:?}");
+    assert_eq!(ev.written, lines.len() as u64, "{ev:?}");
+    assert_eq!(ev.lines_per_sec as usize, DEFAULT_EVENTS_PER_SEC, "{ev:?}");
     let soft_lines = lines.iter().filter(|e| e["event"] == "soft_limit").count() as u64;
     assert_eq!(
         soft_lines + suppressed_soft,

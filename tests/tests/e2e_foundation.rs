@@ -68,10 +68,10 @@ fn deny_list_drops_one_client_and_stats_agree_with_receivers() {
         tapped.total - t0.total,
         "every frame the tap saw passed XDP, and only those"
     );
-    let iface = &s1["interfaces"][0];
-    assert_eq!(iface["iface"], s.pair.b().name.as_str());
+    let iface = &s1.interfaces[0];
+    assert_eq!(iface.iface, s.pair.b().name);
     assert_eq!(
-        iface["verdicts"]["drop_deny"]["packets"].as_u64().unwrap(),
+        iface.counters.verdict("drop_deny").packets,
         verdict(&s1, "drop_deny"),
         "per-interface counters"
     );
@@ -80,15 +80,14 @@ fn deny_list_drops_one_client_and_stats_agree_with_receivers() {
         verdict(&s1, "drop_deny") * 60 - verdict(&s0, "drop_deny") * 60
     );
     assert_eq!(
-        s1["verdicts"]["drop_deny"]["bytes"].as_u64().unwrap()
-            - s0["verdicts"]["drop_deny"]["bytes"].as_u64().unwrap(),
+        s1.all.verdict("drop_deny").bytes - s0.all.verdict("drop_deny").bytes,
         200 * 60,
         "bytes are frame lengths"
     );
 
-    let status = s.daemon().cli_json(&["status"]);
-    assert_eq!(status["interfaces"][0]["iface"], s.pair.b().name.as_str());
-    assert!(status["program"]["verified_insns"].as_u64().unwrap() > 0);
+    let status = s.daemon().status();
+    assert_eq!(status.interfaces[0].iface, s.pair.b().name);
+    assert!(status.program.expect("loaded").verified_insns > 0);
 }
 
 #[test]

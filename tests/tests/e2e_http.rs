@@ -13,7 +13,10 @@ use std::{
 use ratelimit_tests::{
     daemon::run_with_timeout, env::raise_own_nofile, kernel_test, scenario::Scenario,
 };
-use ratelimit_user::http::{HEADER_READ_TIMEOUT, MAX_CONNECTIONS};
+use ratelimit_user::{
+    http::{HEADER_READ_TIMEOUT, MAX_CONNECTIONS},
+    report::Ban,
+};
 
 const HTTP_PORT: u16 = 9477;
 
@@ -304,12 +307,12 @@ fn http_list_answers_are_bounded() {
         .cli_ok(&["ban", "add", "--file", list.to_str().unwrap()]);
     let (code, head, body) = get_with_head(&s, "/v1/bans?limit=5");
     assert_eq!(code, 200, "{body}");
-    let bans: serde_json::Value = serde_json::from_str(&body).unwrap();
-    assert_eq!(bans.as_array().unwrap().len(), 5, "{body}");
+    let bans: Vec<Ban> = serde_json::from_str(&body).unwrap();
+    assert_eq!(bans.len(), 5, "{body}");
     assert!(head.contains("x-truncated: true"), "{head}");
     let (_, head, body) = get_with_head(&s, "/v1/bans");
-    let bans: serde_json::Value = serde_json::from_str(&body).unwrap();
-    assert_eq!(bans.as_array().unwrap().len(), 20, "{body}");
+    let bans: Vec<Ban> = serde_json::from_str(&body).unwrap();
+    assert_eq!(bans.len(), 20, "{body}");
     assert!(!head.contains("x-truncated"), "{head}");
 }
 

@@ -465,7 +465,7 @@ algorithm = "fixed_window"
     assert_eq!(got.from(ip4(8, 1)), 1100);
     assert_eq!(got.from(ip4(8, 2)), 550);
     let st = s.stats();
-    assert_eq!(st["rules"][0]["counters"]["admitted"]["bytes"], 132_000);
+    assert_eq!(st.rules[0].get("admitted").bytes, 132_000);
 }
 
 #[test]

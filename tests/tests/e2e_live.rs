@@ -11,6 +11,7 @@ use std::{
 };
 
 use ratelimit_tests::{Scenario, UdpSink, kernel_test, mmdb::write_country_db};
+use ratelimit_user::control::Reloaded;
 use serde_json::json;
 
 const PORT: u16 = 9000;
@@ -303,25 +304,20 @@ threshold = { count = 200, interval = "1h" }
     s.daemon_mut().write_config(&format!(
         "{head}[[rule]]\nname = \"other\"\nmatch = {{ protocol = \"udp\", dst_ports = [\"9000\"] }}\nthreshold = {{ count = 100, interval = \"1h\" }}\nalgorithm = \"fixed_window\"\n"
     ));
-    let reloaded = s.daemon().cli_json(&["reload"]);
-    assert_eq!(
-        reloaded["live_changes_dropped"].as_array().map(Vec::len),
-        Some(5),
-        "{reloaded}"
-    );
+    let reloaded: Reloaded = s.daemon().cli_as(&["reload"]);
+    assert_eq!(reloaded.live_changes_dropped.len(), 5, "{reloaded:?}");
     assert_eq!(s.daemon().cli_json(&["overrides"]), json!([]));
-    let live = &s.daemon().cli_json(&["status"])["live_changes"];
-    assert_eq!(live["dropped"], 5, "{live}");
-    assert_eq!(live["rules_changed"], 0, "{live}");
-    assert_eq!(live["overrides"], 0, "{live}");
-    assert!(
-        live["drops"][0]
-            .as_str()
-            .unwrap()
-            .contains("live changes to rule \"udp\" (--threshold 120/1h): the config has no rule named \"udp\""),
-        "{live}"
+    let live = s.daemon().status().live_changes;
+    assert_eq!(
+        (live.dropped, live.rules_changed, live.overrides),
+        (5, 0, 0),
+        "{live:?}"
     );
-    let kept = live["kept_copy"].as_str().expect("a copy of the file");
+    assert!(
+        live.drops[0].contains("live changes to rule \"udp\" (--threshold 120/1h): the config has no rule named \"udp\""),
+        "{live:?}"
+    );
+    let kept = live.kept_copy.as_deref().expect("a copy of the file");
     let copy: serde_json::Value = serde_json::from_slice(&std::fs::read(kept).unwrap()).unwrap();
     assert_eq!(
         copy["overrides"].as_array().map(Vec::len),

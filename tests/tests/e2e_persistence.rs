@@ -71,20 +71,16 @@ fn files_starting(dir: &Path, prefix: &str) -> Vec<PathBuf> {
     v
 }
 
-/// `ratelimit bans --json` as (cidr or key, rule name or "").
+/// `ratelimit bans` as (cidr or key, rule name or "").
 fn bans_by_rule(s: &Scenario) -> Vec<(String, String)> {
-    let bans = s.daemon().cli_json(&["bans"]);
-    let mut v: Vec<(String, String)> = bans
-        .as_array()
-        .unwrap()
-        .iter()
+    let mut v: Vec<(String, String)> = s
+        .daemon()
+        .bans()
+        .into_iter()
         .map(|b| {
             (
-                b["cidr"]
-                    .as_str()
-                    .map(str::to_string)
-                    .unwrap_or_else(|| format!("key={}", b["key"].as_str().unwrap_or("?"))),
-                b["rule"].as_str().unwrap_or("").to_string(),
+                b.cidr.unwrap_or_else(|| format!("key={}", b.key)),
+                b.rule.unwrap_or_default(),
             )
         })
         .collect();
@@ -133,8 +129,12 @@ fn an_unreadable_bans_file_is_moved_aside_and_never_overwritten() {
             && l.contains(&*file.to_string_lossy())),
         "a warning names both paths:\n{logs}"
     );
-    let status = s.daemon().cli_json(&["status"]);
-    assert_eq!(status["bans_restore"]["set_aside"], aside_name, "{status}");
+    let status = s.daemon().status();
+    assert_eq!(
+        status.bans_restore.set_aside.as_deref(),
+        Some(aside_name.as_str()),
+        "{status:?}"
+    );
     let (code, text) = s.http_get("/metrics");
     assert_eq!(code, 200);
     assert_eq!(
@@ -158,9 +158,9 @@ fn an_unreadable_bans_file_is_moved_aside_and_never_overwritten() {
     assert_eq!(files_starting(&dir, "bans.json.bad-"), aside);
     assert_eq!(std::fs::read_to_string(&aside[0]).unwrap(), torn);
     assert_eq!(bans_by_rule(&s), [("198.19.70.2/32".into(), String::new())]);
-    let status = s.daemon().cli_json(&["status"]);
-    assert!(status["bans_restore"]["set_aside"].is_null(), "{status}");
-    assert_eq!(status["bans_restore"]["restored"], 1, "{status}");
+    let restore = s.daemon().status().bans_restore;
+    assert_eq!(restore.set_aside, None, "{restore:?}");
+    assert_eq!(restore.restored, 1, "{restore:?}");
 }
 
 /// Each saved ban is restored on its own: one the maps cannot take (its table is full) and one
@@ -219,19 +219,17 @@ preview = true
     if let Err(e) = s.daemon_mut().try_restart() {
         panic!("one ban that cannot be restored must not stop the start: {e}");
     }
-    let status = s.daemon().cli_json(&["status"]);
-    let r = &status["bans_restore"];
-    assert_eq!(r["restored"], 2, "{status}");
-    assert_eq!(r["failed"], 2, "{status}");
-    let failures = r["failures"].to_string();
+    let r = s.daemon().status().bans_restore;
+    assert_eq!((r.restored, r.failed), (2, 2), "{r:?}");
+    let failures = r.failures.join("\n");
     assert!(
         failures.contains("198.19.72.1/32") && failures.contains("198.19.300.0/24"),
-        "{status}"
+        "{r:?}"
     );
     let copy = files_starting(&dir, "bans.json.unrestored-");
     assert_eq!(copy.len(), 1, "{:?}", files_starting(&dir, ""));
     assert_eq!(std::fs::read_to_string(&copy[0]).unwrap(), text);
-    assert_eq!(r["kept_copy"], copy[0].display().to_string(), "{status}");
+    assert_eq!(r.kept_copy, Some(copy[0].display().to_string()), "{r:?}");
     let logs = s.daemon().logs();
     assert!(
         logs.lines()
@@ -503,18 +501,22 @@ fn a_failing_background_task_is_restarted_and_shown() {
     std::fs::create_dir_all(file.join("in-the-way")).unwrap();
     s.daemon()
         .cli_ok(&["ban", "add", "198.19.76.1", "--for", "1h"]);
-    let task = |s: &Scenario| s.daemon().cli_json(&["status"])["tasks"]["ban_persistence"].clone();
-    let failed = wait_for(Duration::from_secs(10), || {
-        task(&s)["restarts"].as_u64().unwrap_or(0) >= 1
-    });
-    let status = s.daemon().cli_json(&["status"]);
-    assert!(failed, "the failure is shown in status: {status}");
+    let task = |s: &Scenario| {
+        s.daemon()
+            .status()
+            .tasks
+            .remove("ban_persistence")
+            .unwrap_or_default()
+    };
+    let failed = wait_for(Duration::from_secs(10), || task(&s).restarts >= 1);
+    let status = s.daemon().status();
+    assert!(failed, "the failure is shown in status: {status:?}");
     let t = task(&s);
     assert!(
-        t["last_error"]
-            .as_str()
+        t.last_error
+            .as_deref()
             .is_some_and(|e| e.contains("bans.json")),
-        "{t}"
+        "{t:?}"
     );
     let (_, text) = s.http_get("/metrics");
     assert!(
@@ -535,12 +537,12 @@ fn a_failing_background_task_is_restarted_and_shown() {
     assert!(
         wait_for(Duration::from_secs(20), || std::fs::read_to_string(&file)
             .is_ok_and(|t| t.contains("198.19.76.1/32"))),
-        "saved once the directory is gone: {}",
+        "saved once the directory is gone: {:?}",
         task(&s)
     );
     assert!(
-        wait_for(Duration::from_secs(5), || task(&s)["up"] == true),
-        "{}",
+        wait_for(Duration::from_secs(5), || task(&s).up),
+        "{:?}",
         task(&s)
     );
     let (_, text) = s.http_get("/metrics");

@@ -10,6 +10,7 @@ use ratelimit_tests::{
     kernel_test,
     scenario::{Scenario, metric_sum, rule_counter, verdict},
 };
+use ratelimit_user::report::{Client, Stats};
 
 const PORT: u16 = 9000;
 
@@ -151,7 +152,7 @@ algorithm = "fixed_window"
     // The JSON API serves what the CLI shows.
     let (code, body) = s.http_get("/v1/stats");
     assert_eq!(code, 200);
-    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let v: Stats = serde_json::from_str(&body).unwrap();
     let cli = s.stats();
     assert_eq!(verdict(&v, "drop_deny"), verdict(&cli, "drop_deny"));
     assert_eq!(
@@ -160,9 +161,11 @@ algorithm = "fixed_window"
     );
     let (code, body) = s.http_get("/v1/top?n=1&by=drops");
     assert_eq!(code, 200);
-    let top: serde_json::Value = serde_json::from_str(&body).unwrap();
-    assert_eq!(top[0]["client"], "198.19.51.1/32");
-    assert_eq!(top[0]["drops"], 150);
+    let top: Vec<Client> = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        (top[0].client.as_str(), top[0].drops),
+        ("198.19.51.1/32", 150)
+    );
     assert_eq!(s.http_get("/v1/top?by=colour").0, 400);
     assert_eq!(s.http_get("/nope").0, 404);
     for path in ["/v1/status", "/v1/bans", "/v1/offenders"] {

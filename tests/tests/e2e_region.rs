@@ -8,6 +8,7 @@ use std::{
 };
 
 use ratelimit_tests::{kernel_test, mmdb::write_country_db, scenario::Scenario};
+use ratelimit_user::report::Key;
 
 const PORT: u16 = 9000;
 
@@ -163,13 +164,12 @@ ban_duration = "1h"
     assert_eq!(got.from(ip4(63, 1)), 10);
     assert_eq!(got.from(ip4(63, 2)), 0, "the region is banned");
     assert_eq!(got.from(ip4(64, 1)), 5, "other regions are not");
-    let bans = s.daemon().cli_json(&["bans"]);
-    let list = bans.as_array().unwrap();
-    assert_eq!(list.len(), 1, "{bans}");
-    assert_eq!(list[0]["key"], "region");
-    assert_eq!(list[0]["region"], "DE");
-    assert_eq!(list[0]["rule"], "per-country-ban");
-    assert!(list[0]["cidr"].is_null());
+    let list = s.daemon().bans();
+    assert_eq!(list.len(), 1, "{list:?}");
+    assert_eq!(list[0].key, Key::Region);
+    assert_eq!(list[0].region.as_deref(), Some("DE"));
+    assert_eq!(list[0].rule.as_deref(), Some("per-country-ban"));
+    assert_eq!(list[0].cidr, None);
     let human = s.daemon().cli_ok(&["bans"]);
     assert!(human.contains("(region DE)"), "{human}");
     // Lifted by rule and region (any case): the region passes again under a clean meter.
@@ -189,7 +189,7 @@ ban_duration = "1h"
         .daemon()
         .cli_json(&["ban", "del", "--rule", "per-country-ban", "--region", "de"]);
     assert_eq!(out["region"], "DE", "{out}");
-    assert_eq!(s.daemon().cli_json(&["bans"]), serde_json::json!([]));
+    assert_eq!(s.daemon().bans(), []);
     let sink = s.sink(PORT);
     tx.send_n(std::iter::repeat(s.udp(ip4(63, 2), PORT)), 15, None);
     sink.wait_quiet(Duration::from_millis(300));

@@ -841,7 +841,7 @@ fn set_u16(mut frame: Vec<u8>, at: usize, value: u16) -> Vec<u8> {
 }
 
 fn ban(maps: &mut Maps, cidr: &str) {
-    let net = ratelimit_user::daemon::parse_cidr(cidr).unwrap();
+    let net = ratelimit_user::config::parse_net(cidr).unwrap();
     let (plen, key) = apply::prefix(&net);
     let now = report::mono_ns();
     let entry =
@@ -919,7 +919,7 @@ algorithm = "fixed_window"
     assert_eq!(flags(&maps), [0, 0, 0]);
     let other = v4([198, 18, 10, 10]).udp(40000, 53).build();
     assert_eq!(dp.test_run(&other, 1).unwrap().0, XDP_PASS);
-    let net = ratelimit_user::daemon::parse_cidr("198.18.10.0/24").unwrap();
+    let net = ratelimit_user::config::parse_net("198.18.10.0/24").unwrap();
     let (plen, key) = apply::prefix(&net);
     let now = report::mono_ns();
     maps.insert_ban(ratelimit_common::maps::BanEntry::manual(
@@ -945,7 +945,7 @@ fn a_passing_ban_does_not_hide_a_broader_dropping_ban() {
     apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
     let now = report::mono_ns();
     let mut put = |cidr: &str, flags: u32| {
-        let net = ratelimit_user::daemon::parse_cidr(cidr).unwrap();
+        let net = ratelimit_user::config::parse_net(cidr).unwrap();
         let (plen, key) = apply::prefix(&net);
         let mut e = ratelimit_common::maps::BanEntry::manual(plen, key.addr, now, 0);
         e.flags = flags;
@@ -1608,7 +1608,7 @@ algorithm = "fixed_window"
     // A preview ban passes packets on to the rules: no entry is made, every packet is
     // counted against the ban as well as the rule.
     let src = [198, 18, 21, 1];
-    let net = ratelimit_user::daemon::parse_cidr("198.18.21.1/32").unwrap();
+    let net = ratelimit_user::config::parse_net("198.18.21.1/32").unwrap();
     let (plen, key) = apply::prefix(&net);
     let now = report::mono_ns();
     let mut entry =
@@ -2412,7 +2412,7 @@ ipv6_prefix = 64
     let v4c = v4([198, 18, 41, 1]).udp(40000, 53).build();
     assert_eq!(dp.test_run(&v6c, 1).unwrap().0, XDP_DROP);
     assert_eq!(dp.test_run(&v4c, 1).unwrap().0, XDP_PASS);
-    let net = ratelimit_user::daemon::parse_cidr("::/0").unwrap();
+    let net = ratelimit_user::config::parse_net("::/0").unwrap();
     let (plen, key) = apply::prefix(&net);
     assert!(
         maps.remove_ban(ratelimit_common::maps::BAN_TABLE_OPERATOR, plen, &key)
@@ -2516,7 +2516,7 @@ algorithm = "fixed_window"
     for len in 122..=128u8 {
         let low = 0xffu16 & (0xffffu16 << (128 - len as u32));
         let net =
-            ratelimit_user::daemon::parse_cidr(&format!("2001:db8:44::{low:x}/{len}")).unwrap();
+            ratelimit_user::config::parse_net(&format!("2001:db8:44::{low:x}/{len}")).unwrap();
         let (plen, key) = apply::prefix(&net);
         let mut e = ratelimit_common::maps::BanEntry::manual(plen, key.addr, now, 0);
         e.flags = ratelimit_common::maps::BAN_PREVIEW;

@@ -293,7 +293,7 @@ impl Lab {
         };
         let mut model = Model::new(policy).expect("the model covers the fuzz config");
         for cidr in BANS {
-            let net = ratelimit_user::daemon::parse_cidr(cidr).expect("ban CIDR");
+            let net = ratelimit_user::config::parse_net(cidr).expect("ban CIDR");
             let (plen, key) = apply::prefix(&net);
             let entry = BanEntry::manual(plen, key.addr, now, now + 3_600_000_000_000);
             maps.insert_ban(entry).expect("insert a ban");

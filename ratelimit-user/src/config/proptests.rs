@@ -171,3 +171,73 @@ fn value_invariants(s: &str) -> Result<(), TestCaseError> {
     }
     Ok(())
 }
+
+/// A config with one value in place: `{value}` in `template` is replaced by `s`, quoted.
+fn with_value(template: &str, s: &str) -> Result<Config, String> {
+    parse("t.toml", &template.replace("{value}", &format!("\"{s}\""))).map_err(|e| e.to_string())
+}
+
+/// One reading of `s` by the command line (`cli`, its error after `flag`) and by the config
+/// file (`file`, the config's value or its error after `field`): both accept it as the same
+/// value, or both refuse it in the same words.
+fn read_alike<T: PartialEq + std::fmt::Debug>(
+    s: &str,
+    cli: Result<T, String>,
+    flag: &str,
+    file: Result<T, String>,
+    field: &str,
+) -> Result<(), TestCaseError> {
+    match (cli, file) {
+        (Ok(a), Ok(b)) => prop_assert_eq!(a, b, "{:?}", s),
+        (Err(cli), Err(file)) => {
+            let said = cli.replacen(flag, field, 1);
+            prop_assert!(file.contains(&said), "{s:?}: {cli:?} vs {file:?}");
+        }
+        (cli, file) => prop_assert!(
+            false,
+            "{s:?}: the command line says {cli:?}, the file {file:?}"
+        ),
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(2000))]
+
+    /// `ban add --for` and `rule set --ban-duration` read a duration as a rule's `ban_duration`
+    /// does: one parser, one set of bounds, one wording.
+    #[test]
+    fn ban_durations_read_alike_on_the_command_line_and_in_the_config(
+        s in "[0-9]{0,12}(ns|us|ms|s|m|h|d|w|y| |x)?([0-9]{0,4}(ms|s|m|h|d|y))?"
+    ) {
+        let template = "[[rule]]\nname = \"r\"\nthreshold = { count = 10, interval = \"1s\" }\n\
+                        action = \"rate_based_ban\"\nban_duration = {value}\n";
+        let file = with_value(template, &s).map(|c| c.rules[0].ban_duration);
+        let cli = parse_ban_duration(&s).map_err(|e| labelled("--for", &e));
+        read_alike(&s, cli, "--for", file, "ban_duration")?;
+    }
+
+    /// `ban add CIDR`, `ban del CIDR` (the daemon reads each entry with [`parse_net`]) and
+    /// `override add RULE CIDR` read an address or network as `deny` and an override's `cidr`
+    /// do: the same host-bit, prefix-length and IPv4-mapped rules, the same wording.
+    #[test]
+    fn cidrs_read_alike_on_the_command_line_and_in_the_config(
+        s in "(([0-9]{1,3}\\.){0,3}[0-9]{0,3}|[0-9a-f:]{0,12}|::ffff:[0-9.]{0,15})(/[0-9]{0,4})? ?"
+    ) {
+        let deny = with_value("[lists]\ndeny = [{value}]\n", &s).map(|c| c.lists.deny[0]);
+        let ban = parse_net(&s).map_err(|e| labelled("entry 1", &e));
+        read_alike(&s, ban.clone(), "entry 1", deny, "lists.deny")?;
+        let at = crate::live::OverrideAt {
+            rule: "r".into(),
+            cidr: Some(s.clone()),
+            region: None,
+        };
+        let live = at.target().map_err(|e| labelled("cidr", &e));
+        let template = "[[rule]]\nname = \"r\"\nthreshold = { count = 10, interval = \"1s\" }\n\
+                        [[rule.override]]\ncidr = {value}\n\
+                        threshold = { count = 20, interval = \"1s\" }\n";
+        let file = with_value(template, &s).map(|c| c.rules[0].overrides[0].target);
+        read_alike(&s, live, "cidr", file, "cidr")?;
+        prop_assert_eq!(ban.is_ok(), at.target().is_ok());
+    }
+}

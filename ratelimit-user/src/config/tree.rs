@@ -405,6 +405,13 @@ impl<'a> Field<'a> {
         ck.error(self.at(), format!("{}{}: {msg}", self.pre, self.name));
     }
 
+    /// A value parser's error at the value, worded as on the command line
+    /// ([`super::labelled`]).
+    pub(super) fn rejected(&self, ck: &mut Checker, msg: &str) {
+        let text = format!("{}{}", self.pre, super::labelled(&self.name, msg));
+        ck.error(self.at(), text);
+    }
+
     /// `{pre}{name} {msg}` at the key.
     pub(super) fn error_at_key(&self, ck: &mut Checker, msg: impl fmt::Display) {
         ck.error(self.key_at, format!("{}{} {msg}", self.pre, self.name));

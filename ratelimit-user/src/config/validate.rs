@@ -12,13 +12,12 @@ use ipnet::IpNet;
 use ratelimit_common::caps;
 
 use super::tree::{Checker, Field, Item, Node, Table};
-use super::values::{
-    check_amount, check_ban_duration, check_byte_burst, check_interval, check_port,
-};
+use super::values::{check_amount, check_byte_burst, check_interval, check_port};
 use super::{
     Action, Algorithm, Config, Daemon, EventsSink, ExceedAction, GeoIp, KeyKind, Lists, Match,
     Override, OverrideTarget, Protocol, Rule, Threshold, Tracking, Unit, override_fits,
-    parse_bytes, parse_duration, parse_net, parse_port_range, parse_region, parse_tcp_flags,
+    parse_ban_duration, parse_bytes, parse_duration, parse_net, parse_port_range, parse_region,
+    parse_tcp_flags,
 };
 
 pub(super) fn build(root: &Item, ck: &mut Checker) -> Config {
@@ -81,8 +80,18 @@ fn path(f: &Field, ck: &mut Checker) -> Option<PathBuf> {
 }
 
 fn duration(f: &Field, ck: &mut Checker) -> Option<Duration> {
+    duration_by(f, ck, parse_duration)
+}
+
+/// A duration read by `parse`, a parser the command line uses too (`ban add --for` and
+/// `ban_duration` both read [`parse_ban_duration`]), its error worded alike.
+fn duration_by(
+    f: &Field,
+    ck: &mut Checker,
+    parse: impl FnOnce(&str) -> Result<Duration, String>,
+) -> Option<Duration> {
     match f.node() {
-        Node::Str(s) => parse_duration(s).map_err(|e| f.invalid(ck, e)).ok(),
+        Node::Str(s) => parse(s).map_err(|e| f.rejected(ck, &e)).ok(),
         _ => {
             f.expected(ck, "a duration string such as \"30s\"");
             None
@@ -111,7 +120,7 @@ fn byte_size(f: &Field, ck: &mut Checker) -> Option<u64> {
 
 fn net(f: &Field, ck: &mut Checker) -> Option<IpNet> {
     let s = f.str(ck)?;
-    parse_net(s).map_err(|e| f.invalid(ck, e)).ok()
+    parse_net(s).map_err(|e| f.rejected(ck, &e)).ok()
 }
 
 fn daemon(mut t: Table, ck: &mut Checker) -> Daemon {
@@ -430,12 +439,8 @@ fn rule(index: usize, mut t: Table, has_geoip: bool, tot: &mut Totals, ck: &mut 
             if action == Some(Action::Throttle) {
                 f.error_at_key(ck, "only applies to action = \"rate_based_ban\"");
             }
-            if let Some(d) = duration(&f, ck) {
-                match check_ban_duration(d) {
-                    Ok(()) => ban_duration = d,
-                    Err(e) if e.starts_with("must") => f.error(ck, e),
-                    Err(e) => f.invalid(ck, e),
-                }
+            if let Some(d) = duration_by(&f, ck, parse_ban_duration) {
+                ban_duration = d;
             }
         }
         _ => {}

@@ -9,6 +9,17 @@ use ratelimit_common::caps;
 
 use super::TcpFlags;
 
+/// A value parser's error after the name of the field or flag it was given to, worded alike in
+/// the config file and on the command line: `ban_duration must be greater than 0`, `--for must
+/// be greater than 0`; `deny: "x" is not an IP address or CIDR`, `entry 2: "x" is not ...`.
+pub fn labelled(field: &str, msg: &str) -> String {
+    if msg.starts_with("must ") {
+        format!("{field} {msg}")
+    } else {
+        format!("{field}: {msg}")
+    }
+}
+
 /// `"a", "b" or "c"`.
 pub(super) fn quoted_list(items: &[&str]) -> String {
     let quoted: Vec<String> = items.iter().map(|s| format!("{s:?}")).collect();

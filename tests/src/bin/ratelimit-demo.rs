@@ -31,6 +31,7 @@ use ratelimit_tests::{
     receiver::Counts,
     scenario::{passed, reason, verdict},
 };
+use ratelimit_user::report::Stats;
 use serde_json::Value;
 
 /// UDP port the protected host's application listens on.
@@ -384,6 +385,12 @@ impl Demo {
     }
 
     /// `ratelimit ARGS --json`, or Err if a stop signal made it fail.
+    /// `ratelimit stats`, typed.
+    fn stats(&self) -> Step<Stats> {
+        let v = self.cli_json(&["stats"])?;
+        Ok(serde_json::from_value(v).expect("`ratelimit stats --json` prints the stats"))
+    }
+
     fn cli_json(&self, args: &[&str]) -> Step<Value> {
         let mut all = args.to_vec();
         all.push("--json");
@@ -428,7 +435,7 @@ impl Demo {
     }
 
     fn sample(&self) -> Step<Sample> {
-        let st = self.cli_json(&["stats"])?;
+        let st = self.stats()?;
         let status = self.cli_json(&["status"])?;
         let tap = self.tap.snapshot();
         Ok(Sample {
@@ -889,7 +896,7 @@ impl Demo {
     }
 
     fn summary(&self) -> Step {
-        let st = self.cli_json(&["stats"])?;
+        let st = self.stats()?;
         println!();
         println!("==== Summary");
         println!();
