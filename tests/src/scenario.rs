@@ -236,6 +236,25 @@ impl Scenario {
         self.daemon().stats()
     }
 
+    /// Waits until every one of `sent` packets has been judged by `rule` (its `matched`
+    /// counter) and `sink` holds every one the rule let through (`matched - dropped`), then
+    /// for `sink` to stay quiet a little; returns the daemon's counters. A fixed quiet spell
+    /// alone is not enough on a busy machine: the stack may hold the last datagrams longer.
+    /// Gives up after 15 s (the assertions that follow then say what is missing).
+    pub fn settle(&self, sink: &UdpSink, rule: &str, sent: u64) -> Stats {
+        let deadline = std::time::Instant::now() + Duration::from_secs(15);
+        let mut st = self.stats();
+        while rule_counter(&st, rule, "matched") < sent && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(50));
+            st = self.stats();
+        }
+        let passed = rule_counter(&st, rule, "matched") - rule_counter(&st, rule, "dropped");
+        let left = deadline.saturating_duration_since(std::time::Instant::now());
+        sink.wait_total(passed, left);
+        sink.wait_quiet(Duration::from_millis(200));
+        self.stats()
+    }
+
     /// Events written so far (JSON lines).
     pub fn events(&self) -> Vec<serde_json::Value> {
         self.events_text()

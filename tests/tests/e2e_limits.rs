@@ -44,9 +44,8 @@ threshold = { count = 1000, interval = "1s" }
     let a = s.blast(s.udp(heavy, PORT), 1250, Duration::from_secs(4), None);
     let b = s.blast(s.udp(light, PORT), 800, Duration::from_secs(4), None);
     let (a, b) = (a.join().unwrap(), b.join().unwrap());
-    sink.wait_quiet(Duration::from_millis(300));
+    let st = s.settle(&sink, "udp", a.sent + b.sent);
     let got = sink.stop();
-    let st = s.stats();
 
     let heavy_loss = loss(a.sent, got.from(heavy));
     println!(
@@ -325,6 +324,7 @@ soft_limit = 0.5
     let src = ip4(6, 1);
     let mut tx = s.sender();
     tx.send_n(std::iter::repeat(s.udp(src, PORT)), 80, None);
+    sink.wait_total(80, Duration::from_secs(10));
     sink.wait_quiet(Duration::from_millis(300));
     assert_eq!(sink.stop().from(src), 80);
     std::thread::sleep(Duration::from_millis(300));
@@ -426,6 +426,7 @@ algorithm = "fixed_window"
         .map(|i| s.udp(IpAddr::V4(Ipv4Addr::from(0xc6_14_00_00 | i)), PORT))
         .collect();
     tx.send_n(frames.iter(), 1000, None);
+    sink.wait_total(300, Duration::from_secs(10));
     sink.wait_quiet(Duration::from_millis(300));
     assert_eq!(sink.stop().total, 300);
     let st = s.stats();
@@ -460,6 +461,7 @@ algorithm = "fixed_window"
         .build();
     tx.send_n(std::iter::repeat(&small), 1200, None);
     tx.send_n(std::iter::repeat(&big), 600, None);
+    sink.wait_total(1100 + 550, Duration::from_secs(10));
     sink.wait_quiet(Duration::from_millis(300));
     let got = sink.stop();
     assert_eq!(got.from(ip4(8, 1)), 1100);
