@@ -243,6 +243,18 @@ impl Sample {
     }
 }
 
+/// Read the counters: `/proc/stat` and the daemon's network namespace's `/proc/net/netstat`.
+pub fn read_counters() -> anyhow::Result<Counters> {
+    use anyhow::Context as _;
+    let stat = std::fs::read_to_string("/proc/stat").context("reading /proc/stat")?;
+    let netstat =
+        std::fs::read_to_string("/proc/net/netstat").context("reading /proc/net/netstat")?;
+    Ok(Counters {
+        cpus: parse_stat(&stat),
+        listen_drops: parse_netstat(&netstat),
+    })
+}
+
 /// The marks and the hold, from `[pressure]`.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct Marks {
@@ -458,6 +470,9 @@ pub struct Report {
     pub signals: Vec<Reading>,
     /// Changes of the level since the daemon started.
     pub transitions: u64,
+    /// Why the operator's mode could not be saved (it is in force until the daemon stops).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub not_saved: Option<String>,
 }
 
 /// The operator's mode as saved in `state_dir`.
