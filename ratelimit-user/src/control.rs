@@ -475,6 +475,9 @@ pub(crate) mod samples {
                 },
             ],
             transitions: 3,
+            not_saved: Some(
+                "writing /var/lib/ratelimit/.pressure.json.tmp: No space left on device".into(),
+            ),
         }
     }
 
