@@ -73,6 +73,9 @@ pub enum Command {
     Overrides(JsonArg),
     /// Re-read the config file (SIGHUP does the same).
     Reload(JsonArg),
+    /// The pressure level (high: the host is under load), its mode and signals; `pressure set`
+    /// forces it.
+    Pressure(PressureArgs),
     /// Remove the XDP program and the pinned state.
     Detach(DetachArgs),
     /// Print a shell completion script to stdout (for packaging; see packaging/README.md).
@@ -85,6 +88,28 @@ pub enum Command {
     /// Print the ratelimit(8) man page (roff) to stdout (for packaging).
     #[command(hide = true)]
     Manpage,
+}
+
+#[derive(Args, Debug)]
+pub struct PressureArgs {
+    #[command(subcommand)]
+    pub action: Option<PressureCommand>,
+    /// Print JSON instead of a table.
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Subcommand, Debug)]
+pub enum PressureCommand {
+    /// Force the level (`high`, `low`), for an operator or an L7 system that sees its backends
+    /// saturate, or return it to the signals (`auto`). Kept across restarts.
+    Set {
+        /// high | low | auto
+        mode: crate::pressure::Mode,
+        /// Print JSON instead of a table.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 #[derive(Args, Debug, Clone, Copy, Default)]

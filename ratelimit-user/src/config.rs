@@ -63,6 +63,7 @@ pub struct Config {
     pub tracking: Tracking,
     pub lists: Lists,
     pub geoip: Option<GeoIp>,
+    pub pressure: Pressure,
     /// In file order, which is evaluation order.
     pub rules: Vec<Rule>,
 }
@@ -107,6 +108,36 @@ pub enum EventsSink {
     Stdout,
     File(PathBuf),
 }
+
+/// `[pressure]`: when the host counts as under pressure (any signal above its mark; see
+/// [`crate::pressure`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Pressure {
+    /// Busy share of the watched CPUs, in (0, 1]: above it is pressure. 1 never is.
+    pub cpu_busy: f64,
+    /// Listen-queue drops per second (TcpExt), at least 0: above it is pressure.
+    pub listen_overflows_per_sec: f64,
+    /// How long the level stays high after the last signal above its mark.
+    pub hold: Duration,
+    /// The CPUs watched (receive CPUs), ascending and distinct; empty = every online CPU.
+    pub cpus: Vec<u32>,
+}
+
+impl Default for Pressure {
+    fn default() -> Self {
+        Pressure {
+            cpu_busy: 0.8,
+            listen_overflows_per_sec: 1.0,
+            hold: Duration::from_secs(10),
+            cpus: Vec::new(),
+        }
+    }
+}
+
+/// The highest CPU number `pressure.cpus` takes (Linux's `NR_CPUS` limit).
+pub const MAX_CPU: u32 = 8191;
+/// The longest `pressure.hold`.
+pub const MAX_PRESSURE_HOLD: Duration = Duration::from_secs(86_400);
 
 /// `[tracking]`: bounds on per-client state.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

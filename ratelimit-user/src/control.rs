@@ -76,6 +76,13 @@ pub enum Request {
     /// Every override in force, with where it comes from.
     Overrides,
     Reload,
+    /// The pressure level, its mode and signals.
+    Pressure,
+    /// Force the pressure level (`high`, `low`) or return it to the signals (`auto`); kept
+    /// across restarts.
+    PressureSet {
+        mode: crate::pressure::Mode,
+    },
 }
 
 /// The order of `top`.
@@ -160,6 +167,8 @@ pub enum Answer {
     OverrideDel(OverrideRemoved),
     Overrides(Vec<OverrideEntry>),
     Reload(Reloaded),
+    Pressure(Box<crate::pressure::Report>),
+    PressureSet(Box<crate::pressure::Report>),
 }
 
 impl Answer {
@@ -182,6 +191,8 @@ impl Answer {
             Request::OverrideDel { .. } => Answer::OverrideDel(read(data)?),
             Request::Overrides => Answer::Overrides(read(data)?),
             Request::Reload => Answer::Reload(read(data)?),
+            Request::Pressure => Answer::Pressure(read(data)?),
+            Request::PressureSet { .. } => Answer::PressureSet(read(data)?),
         })
     }
 
@@ -427,6 +438,7 @@ pub(crate) mod samples {
                 set_aside: Some("bans.json.bad".into()),
                 ..Default::default()
             },
+            pressure: pressure(),
             live_changes: crate::live::Report {
                 file: "/var/lib/ratelimit/live.json".into(),
                 rules_changed: 1,
@@ -435,6 +447,37 @@ pub(crate) mod samples {
                 kept_copy: Some("live.json.kept".into()),
                 ..Default::default()
             },
+        }
+    }
+
+    pub fn pressure() -> crate::pressure::Report {
+        use crate::pressure::{Level, Mode, Reading, Signal};
+        crate::pressure::Report {
+            level: Level::High,
+            mode: Mode::High,
+            auto_level: Level::Low,
+            since: "2024-05-01T10:00:00.000Z".into(),
+            last_above: Some("2024-05-01T09:59:00.000Z".into()),
+            hold_secs: 10.0,
+            cpus: vec![0, 1],
+            signals: vec![
+                Reading {
+                    signal: Signal::CpuBusy,
+                    value: Some(0.25),
+                    mark: 0.8,
+                    above: false,
+                },
+                Reading {
+                    signal: Signal::ListenOverflowsPerSec,
+                    value: None,
+                    mark: 1.0,
+                    above: false,
+                },
+            ],
+            transitions: 3,
+            not_saved: Some(
+                "writing /var/lib/ratelimit/.pressure.json.tmp: No space left on device".into(),
+            ),
         }
     }
 
@@ -676,6 +719,13 @@ pub(crate) mod samples {
                     live_changes_dropped: vec!["rule \"gone\": no such rule".into()],
                 }),
             ),
+            (Request::Pressure, Answer::Pressure(Box::new(pressure()))),
+            (
+                Request::PressureSet {
+                    mode: crate::pressure::Mode::High,
+                },
+                Answer::PressureSet(Box::new(pressure())),
+            ),
         ]
     }
 }
@@ -703,6 +753,8 @@ mod tests {
             Request::OverrideDel { .. } => "override_del",
             Request::Overrides => "overrides",
             Request::Reload => "reload",
+            Request::Pressure => "pressure",
+            Request::PressureSet { .. } => "pressure_set",
         }
     }
 
@@ -714,7 +766,7 @@ mod tests {
         let mut kinds: Vec<&str> = exchanges.iter().map(|(r, _)| sampled(r)).collect();
         kinds.sort_unstable();
         kinds.dedup();
-        assert_eq!(kinds.len(), 15, "one exchange per request");
+        assert_eq!(kinds.len(), 17, "one exchange per request");
         for (req, answer) in exchanges {
             // The request, as the CLI sends it and the daemon reads it.
             let line = serde_json::to_string(&req).unwrap();

@@ -15,6 +15,9 @@
 //!   empties ([`BanNews`]): it waits for no one.
 //! - **Control connections and the HTTP listener** wait for the owner (a change) or a report
 //!   turn (a report), each bounded: the HTTP listener answers 503 after its request timeout.
+//! - **The pressure sampler** reads `/proc/stat` and `/proc/net/netstat` every
+//!   [`crate::pressure::SAMPLE_PERIOD`] and hands the readings to the owner, which keeps the
+//!   level ([`State::pressure`]).
 //! - **Ban persistence and the interface watcher** hand their work to the owner as jobs and
 //!   wait for it; they run under a supervisor ([`crate::supervise`]): one that fails is
 //!   restarted with backoff and shown in `status` and `/metrics`.
@@ -26,7 +29,7 @@ use std::{
     collections::BTreeMap,
     path::PathBuf,
     sync::Arc,
-    time::{Duration, SystemTime},
+    time::{Duration, Instant, SystemTime},
 };
 
 use anyhow::{Context as _, bail};
@@ -52,6 +55,7 @@ use crate::{
     },
     datapath::{Attached, Datapath, Maps},
     events::{self, Events},
+    pressure::{self, Pressure},
     reader::{self, Reports},
     report, supervise,
 };
@@ -86,6 +90,12 @@ pub struct State {
     pub reports: Arc<Reports>,
     /// Live changes (`rule set`, `override add`) over the config file; `cfg` has them applied.
     pub live: crate::live::Live,
+    /// The pressure level.
+    pub pressure: Pressure,
+    /// The sampler's last readings, and when they were taken.
+    pub pressure_counters: Option<(pressure::Counters, Instant)>,
+    /// Why the operator's last mode could not be saved to `state_dir`.
+    pub pressure_not_saved: Option<String>,
 }
 
 /// How often the daemon checks whether the known-sources filter needs a rebuild (a rebuild
@@ -182,7 +192,88 @@ impl State {
             program: self.dp.program_info(),
             bans_restore: self.bans_restore.clone(),
             live_changes: self.live.report.clone(),
+            pressure: self.pressure_report(),
         }
+    }
+
+    /// The pressure level as `ratelimit pressure` shows it.
+    pub fn pressure_report(&self) -> pressure::Report {
+        let p = &self.pressure;
+        let (mono, wall) = (Instant::now(), SystemTime::now());
+        let wall_of = |t: Instant| report::rfc3339(wall - mono.saturating_duration_since(t));
+        pressure::Report {
+            level: p.level(),
+            mode: p.mode(),
+            auto_level: p.auto_level(),
+            since: wall_of(p.since()),
+            last_above: p.last_above().map(wall_of),
+            hold_secs: p.marks().hold.as_secs_f64(),
+            cpus: self.cfg.pressure.cpus.clone(),
+            signals: p.readings(),
+            transitions: p.transitions(),
+            not_saved: self.pressure_not_saved.clone(),
+        }
+    }
+
+    /// The sampler's readings, taken at `at`: the rates since the last ones, and the level.
+    pub fn observe_pressure(&mut self, counters: pressure::Counters, at: Instant) {
+        let sample = match &self.pressure_counters {
+            Some((before, then)) => pressure::Sample::between(
+                before,
+                &counters,
+                at.saturating_duration_since(*then),
+                &self.cfg.pressure.cpus,
+            ),
+            None => pressure::Sample::default(),
+        };
+        self.pressure_counters = Some((counters, at));
+        let change = self.pressure.observe(sample, at);
+        self.pressure_changed(change);
+    }
+
+    /// `pressure set`: the mode from now on, saved to `state_dir` for the next start. A mode
+    /// that cannot be saved is in force all the same (an operator forcing the level in an
+    /// emergency should not depend on the disk); the answer says it was not saved.
+    fn pressure_set(&mut self, mode: pressure::Mode) -> pressure::Report {
+        let saved = pressure::Saved { mode };
+        self.pressure_not_saved = serde_json::to_vec(&saved)
+            .map_err(anyhow::Error::from)
+            .and_then(|bytes| {
+                crate::durable::write_atomically(&self.cfg.daemon.state_dir, pressure::FILE, &bytes)
+            })
+            .err()
+            .map(|e| {
+                let why = format!("{e:#}; the mode holds until the daemon stops");
+                error!("saving the pressure mode: {why}");
+                why
+            });
+        info!(%mode, "pressure mode set");
+        let change = self.pressure.set_mode(mode, Instant::now());
+        self.pressure_changed(change);
+        self.pressure_report()
+    }
+
+    /// Log and write the event of a change of the level.
+    fn pressure_changed(&mut self, change: Option<pressure::Transition>) {
+        let Some(t) = change else { return };
+        let above: Vec<&str> = t.above.iter().map(|r| r.signal.name()).collect();
+        info!(
+            level = t.level.name(),
+            mode = t.mode.name(),
+            above = above.join(","),
+            "pressure {}",
+            t.level.name()
+        );
+        self.events.pressure(events::PressureLine {
+            time: report::rfc3339(SystemTime::now()),
+            event: match t.level {
+                pressure::Level::High => "pressure_high",
+                pressure::Level::Low => "pressure_low",
+            },
+            mode: t.mode,
+            cause: t.cause,
+            signals: t.above,
+        });
     }
 
     pub fn rule_names(&self) -> Vec<String> {
@@ -384,6 +475,10 @@ impl State {
             )),
             Request::Overrides => Response::ok(Answer::Overrides(self.live.overrides(&self.cfg))),
             Request::Reload => Response::ok(Answer::Reload(self.reload()?)),
+            Request::Pressure => Response::ok(Answer::Pressure(Box::new(self.pressure_report()))),
+            Request::PressureSet { mode } => {
+                Response::ok(Answer::PressureSet(Box::new(self.pressure_set(mode))))
+            }
         })
     }
 
@@ -726,6 +821,8 @@ impl State {
         self.events.set_rule_names(new_names);
         let dropped = resolved.dropped.clone();
         self.cfg = self.live.commit(resolved, Vec::new());
+        self.pressure
+            .set_marks(pressure::Marks::of(&self.cfg.pressure));
         match new_output {
             Some(out) => self.events.replace(out),
             None => self.events.reopen(),
@@ -1005,6 +1102,8 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         tasks.clone(),
         known_status,
     ));
+    let pressure_marks = pressure::Marks::of(&cfg.pressure);
+    let pressure_mode = load_pressure_mode(&cfg.daemon.state_dir);
     let mut state = State {
         cfg,
         opts_ifaces: opts.ifaces,
@@ -1020,6 +1119,9 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         bans_restore: restored.report,
         live,
         reports: reports.clone(),
+        pressure: Pressure::new(pressure_marks, pressure_mode, Instant::now()),
+        pressure_counters: None,
+        pressure_not_saved: None,
     };
     state.write_dropped(&dropped);
     reports.publish(state.view());
@@ -1055,6 +1157,10 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     let h = handle.clone();
     supervise::spawn(&tasks, "interface_watch", first, move || {
         watch_interfaces(h.clone())
+    });
+    let h = handle.clone();
+    supervise::spawn(&tasks, "pressure", first, move || {
+        sample_pressure(h.clone())
     });
     let mut tasks = tokio::task::JoinSet::new();
     if let Some(l) = http_listener {
@@ -1309,6 +1415,56 @@ async fn persist_bans(handle: Handle) -> anyhow::Result<()> {
             })
             // A failure ends this run: the supervisor shows it and retries with backoff.
             .await??;
+    }
+}
+
+/// The pressure sampler: reads the counters every [`pressure::SAMPLE_PERIOD`] and hands them
+/// to the owner. `/proc/net/netstat` is the network namespace's the daemon runs in. A failed
+/// read ends this run (the supervisor shows it and restarts it); the restarted run's first
+/// reading is a new base, with no rates.
+async fn sample_pressure(handle: Handle) -> anyhow::Result<()> {
+    let mut tick = tokio::time::interval(pressure::SAMPLE_PERIOD);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let counters = pressure::read_counters()?;
+        let at = Instant::now();
+        handle
+            .with(move |s| s.observe_pressure(counters, at))
+            .await?;
+    }
+}
+
+/// The operator's pressure mode saved in `state_dir`: `auto` if there is none. A file that
+/// cannot be read is moved aside (and the mode is `auto`), as for the other saved state.
+fn load_pressure_mode(dir: &std::path::Path) -> pressure::Mode {
+    let path = dir.join(pressure::FILE);
+    let text = match std::fs::read(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return pressure::Mode::Auto,
+        Err(e) => {
+            error!(
+                "reading {}: {e}; the pressure mode is auto until `ratelimit pressure set`",
+                path.display()
+            );
+            return pressure::Mode::Auto;
+        }
+    };
+    match serde_json::from_slice::<pressure::Saved>(&text) {
+        Ok(saved) => {
+            info!(mode = %saved.mode, "pressure mode restored from {}", path.display());
+            saved.mode
+        }
+        Err(e) => {
+            let aside = crate::durable::set_aside(&path, "bad")
+                .map(|p| format!("moved to {}", p.display()))
+                .unwrap_or_else(|e| format!("could not be moved aside: {e:#}"));
+            error!(
+                "{} is not a saved pressure mode ({e}); it was {aside}; the pressure mode is auto",
+                path.display()
+            );
+            pressure::Mode::Auto
+        }
     }
 }
 

@@ -19,6 +19,9 @@
 //! into events. The operator's own `ban add` / `ban del` / rule-ban lifts are always written
 //! (they are bounded by the ban tables and are what the operator asked for).
 //!
+//! The daemon's own `pressure_high` / `pressure_low` lines ([`PressureLine`]) are always
+//! written too: one per change of the pressure level.
+//!
 //! The file is reopened on SIGUSR1 and SIGHUP so logrotate can move it away.
 
 use std::{
@@ -82,6 +85,20 @@ pub struct EventLine {
     pub threshold: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ban_expires: Option<String>,
+}
+
+/// A change of the pressure level (`crate::pressure`):
+/// `{"time":..,"event":"pressure_high","mode":"auto","cause":"signal","signals":[{"signal":
+/// "cpu_busy","value":0.93,"mark":0.8,"above":true}]}`. `signals` are those above their marks
+/// at the change (none when it falls after the hold).
+#[derive(Serialize, Debug, Clone)]
+pub struct PressureLine {
+    pub time: String,
+    /// `pressure_high` or `pressure_low`.
+    pub event: &'static str,
+    pub mode: crate::pressure::Mode,
+    pub cause: crate::pressure::Cause,
+    pub signals: Vec<crate::pressure::Reading>,
 }
 
 /// The summary line of a second in which events were suppressed ([`SUMMARY_EVENT`]).
@@ -153,6 +170,7 @@ enum Msg {
     /// Lines made by the daemon itself (bans lifted because their rule is gone, whose rule
     /// has no index any more): always written.
     Lines(Vec<EventLine>),
+    Pressure(PressureLine),
     Reopen,
     Replace(Output),
     Rate(u32),
@@ -347,6 +365,19 @@ impl Events {
         if self.send(Msg::Lines(lines)).is_none() {
             c.queued.fetch_sub(n, Ordering::AcqRel);
             c.lost_queue.fetch_add(n as u64, Ordering::Relaxed);
+        }
+    }
+
+    /// A change of the pressure level: always written.
+    pub fn pressure(&self, line: PressureLine) {
+        if !self.0.enabled.load(Ordering::Relaxed) {
+            return;
+        }
+        let c = &self.0.counters;
+        c.queued.fetch_add(1, Ordering::AcqRel);
+        if self.send(Msg::Pressure(line)).is_none() {
+            c.queued.fetch_sub(1, Ordering::AcqRel);
+            c.lost_queue.fetch_add(1, Ordering::Relaxed);
         }
     }
 
@@ -813,6 +844,12 @@ impl Writer {
                 }
                 self.counters.queued.fetch_sub(n, Ordering::AcqRel);
             }
+            Msg::Pressure(line) => {
+                if !self.out.is_none() {
+                    self.push_line(&line);
+                }
+                self.counters.queued.fetch_sub(1, Ordering::AcqRel);
+            }
             Msg::Reopen => {
                 self.flush();
                 if let Err(e) = self.out.reopen() {
@@ -869,7 +906,7 @@ impl Writer {
     }
 
     /// Add an event line to the chunk, writing the chunk once it is full.
-    fn push_line(&mut self, line: &EventLine) {
+    fn push_line(&mut self, line: &impl Serialize) {
         if serde_json::to_writer(&mut self.chunk.bytes, line).is_ok() {
             self.chunk.bytes.push(b'\n');
             self.chunk.lines.push((self.chunk.bytes.len(), Line::Event));

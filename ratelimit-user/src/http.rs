@@ -84,7 +84,7 @@ pub const MAX_CONNECTION_AGE: Duration = Duration::from_secs(60);
 const ACCEPT_WARN_EVERY: Duration = Duration::from_secs(10);
 
 const ENDPOINTS: &str = "/metrics, /v1/status, /v1/stats, /v1/top?n=N&by=packets|bytes|drops, \
-     /v1/bans?limit=N, /v1/offenders?limit=N";
+     /v1/bans?limit=N, /v1/offenders?limit=N, /v1/pressure";
 
 /// Bind `daemon.http_listen`, with an error an operator can act on.
 pub async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
@@ -315,12 +315,20 @@ fn snapshot(s: &Reports) -> anyhow::Result<(Stats, Gauges)> {
             .collect(),
         saved_bans: view.bans_restore.outcomes(),
         bans_files_set_aside: u64::from(view.bans_restore.set_aside.is_some()),
+        pressure_high: view.pressure.level == crate::pressure::Level::High,
+        pressure_signals: view
+            .pressure
+            .signals
+            .iter()
+            .map(|r| (r.signal.name(), r.value, r.mark))
+            .collect(),
+        pressure_transitions: view.pressure.transitions,
     };
     Ok((stats, gauges))
 }
 
 /// The values of `/metrics` that are not counters of the `STATS` array.
-#[derive(Debug, Clone, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, PartialEq)]
 pub struct Gauges {
     /// Bans in force now (`report::bans`).
     pub active_bans: u64,
@@ -340,12 +348,20 @@ pub struct Gauges {
     pub saved_bans: [(&'static str, u64); 5],
     /// Bans files moved aside at start because they could not be read (0 or 1).
     pub bans_files_set_aside: u64,
+    /// The pressure level is high.
+    pub pressure_high: bool,
+    /// Each pressure signal: (name, value over the last interval if any, mark).
+    pub pressure_signals: Vec<(&'static str, Option<f64>, f64)>,
+    /// Changes of the pressure level since the daemon started.
+    pub pressure_transitions: u64,
 }
 
 #[derive(Debug)]
 enum Value {
     Counter(u64),
     Gauge(u64),
+    /// A gauge that is not a whole number (nor a 0-to-1 ratio).
+    Float(f64),
     Ratio(f64),
     /// An OpenMetrics info metric (a family's only series): value 1, the labels carry the
     /// information.
@@ -415,7 +431,7 @@ fn encode_value(metric: MetricEncoder, value: &Value) -> Result<(), std::fmt::Er
     match value {
         Value::Counter(v) => ConstCounter::new(*v).encode(metric),
         Value::Gauge(v) => ConstGauge::new(*v).encode(metric),
-        Value::Ratio(v) => ConstGauge::new(*v).encode(metric),
+        Value::Ratio(v) | Value::Float(v) => ConstGauge::new(*v).encode(metric),
         Value::Info => {
             debug_assert!(false, "an info metric has exactly one series");
             Ok(())
@@ -749,6 +765,36 @@ pub fn render_metrics(stats: &Stats, gauges: &Gauges) -> String {
             "Bans files found unreadable at start and moved aside (bans.json.bad-<unix time>)",
         )
         .with(vec![], Value::Counter(gauges.bans_files_set_aside)),
+        Family::new(
+            "ratelimit_pressure_high",
+            Gauge,
+            "1 while the pressure level is high (a signal above its mark within the hold, or forced by `ratelimit pressure set high`), else 0",
+        )
+        .with(vec![], Value::Gauge(u64::from(gauges.pressure_high))),
+        gauges.pressure_signals.iter().fold(
+            Family::new(
+                "ratelimit_pressure_signal",
+                Gauge,
+                "Each pressure signal over the last sampling interval: cpu_busy (busy share of the watched CPUs, 0 to 1), listen_overflows_per_sec (TcpExt ListenDrops a second); no series until it has a value",
+            ),
+            |f, (name, value, _)| {
+                f.with_some(value.map(|v| (vec![("signal", name.to_string())], Value::Float(v))))
+            },
+        ),
+        gauges.pressure_signals.iter().fold(
+            Family::new(
+                "ratelimit_pressure_mark",
+                Gauge,
+                "Each pressure signal's mark ([pressure]): above it, the level is high",
+            ),
+            |f, (name, _, mark)| f.with(vec![("signal", name.to_string())], Value::Float(*mark)),
+        ),
+        Family::new(
+            "ratelimit_pressure_transitions",
+            Counter,
+            "Changes of the pressure level (to high or to low) since the daemon started",
+        )
+        .with(vec![], Value::Counter(gauges.pressure_transitions)),
         Family::new("ratelimit_up", Gauge, "1 while the daemon answers")
             .with(vec![], Value::Gauge(1)),
         Family::new("ratelimit_build", Info, "The daemon's version").with(
@@ -937,6 +983,7 @@ fn router<B: Backend>(app: App<B>) -> Router {
         .route("/v1/top", get(top::<B>))
         .route("/v1/bans", get(bans::<B>))
         .route("/v1/offenders", get(offenders::<B>))
+        .route("/v1/pressure", report(Request::Pressure))
         .fallback(not_found)
         // After the routes: it applies to those registered before it.
         .method_not_allowed_fallback(method_not_allowed)
@@ -1028,6 +1075,9 @@ mod tests {
             ("failed", 1),
         ],
         bans_files_set_aside: 1,
+        pressure_high: false,
+        pressure_signals: Vec::new(),
+        pressure_transitions: 0,
     };
 
     fn lines(text: &str) -> Vec<&str> {
@@ -1123,6 +1173,12 @@ mod tests {
     fn http_metrics_render_exact_series() {
         let gauges = Gauges {
             tasks: vec![("ban_persistence", true, 0), ("events", false, 3)],
+            pressure_high: true,
+            pressure_signals: vec![
+                ("cpu_busy", Some(0.5), 0.8),
+                ("listen_overflows_per_sec", None, 1.0),
+            ],
+            pressure_transitions: 3,
             ..GAUGES
         };
         let text = render_metrics(&synthetic(), &gauges);
@@ -1169,6 +1225,12 @@ mod tests {
             "ratelimit_saved_bans_total{outcome=\"failed\"} 1",
             "ratelimit_bans_files_set_aside_total 1",
             "ratelimit_task_up{task=\"events\"} 0",
+            "# TYPE ratelimit_pressure_high gauge",
+            "ratelimit_pressure_high 1",
+            "ratelimit_pressure_signal{signal=\"cpu_busy\"} 0.5",
+            "ratelimit_pressure_mark{signal=\"cpu_busy\"} 0.8",
+            "ratelimit_pressure_mark{signal=\"listen_overflows_per_sec\"} 1.0",
+            "ratelimit_pressure_transitions_total 3",
             "ratelimit_task_restarts_total{task=\"events\"} 3",
             "ratelimit_up 1",
             "# TYPE ratelimit_build info",

@@ -18,6 +18,7 @@ pub mod kernel_log;
 pub mod known;
 pub mod live;
 pub mod lock;
+pub mod pressure;
 pub mod reader;
 pub mod report;
 pub mod ruleset;

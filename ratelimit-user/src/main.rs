@@ -10,7 +10,9 @@ use anyhow::Context as _;
 use clap::Parser as _;
 
 use ratelimit_user::{
-    cli::{self, BanCommand, Cli, Command, OverrideCommand, RuleCommand, XdpModeArg},
+    cli::{
+        self, BanCommand, Cli, Command, OverrideCommand, PressureCommand, RuleCommand, XdpModeArg,
+    },
     config,
     control::{self, Answer, BanSpec, Request},
     daemon, datapath, live, report,
@@ -187,6 +189,10 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             at: target.at(rule),
         },
         Command::Overrides(_) => Request::Overrides,
+        Command::Pressure(p) => match &p.action {
+            None => Request::Pressure,
+            Some(PressureCommand::Set { mode, .. }) => Request::PressureSet { mode: *mode },
+        },
     };
     let json = match &cli.command {
         Command::Status(j)
@@ -197,6 +203,10 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         | Command::Rules(j)
         | Command::Overrides(j) => j.json,
         Command::Top(t) => t.json,
+        Command::Pressure(p) => match &p.action {
+            None => p.json,
+            Some(PressureCommand::Set { json, .. }) => p.json || *json,
+        },
         Command::Ban {
             action: BanCommand::Add { json, .. } | BanCommand::Del { json, .. },
         } => *json,
@@ -297,6 +307,7 @@ fn print_human(answer: &Answer) -> anyhow::Result<()> {
             Some(l) => println!("rule {}: live changes now {}", c.rule, l.describe()),
             None => println!("rule {}: the config's values apply", c.rule),
         },
+        Answer::Pressure(p) | Answer::PressureSet(p) => print_pressure(p),
         Answer::Reload(r) => {
             println!("reloaded {}: rules {}", r.reloaded, r.rules.join(", "));
             for d in &r.live_changes_dropped {
@@ -305,6 +316,50 @@ fn print_human(answer: &Answer) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+fn print_pressure(p: &ratelimit_user::pressure::Report) {
+    use ratelimit_user::pressure::Mode;
+    let how = match p.mode {
+        Mode::Auto => "mode auto: from the signals".to_string(),
+        m => format!(
+            "mode {m}: forced (`ratelimit pressure set auto` returns it to the signals, which say {})",
+            p.auto_level.name()
+        ),
+    };
+    println!("level    {} ({how})", p.level.name());
+    println!("since    {}", p.since);
+    for r in &p.signals {
+        let value = match r.value {
+            Some(v) => format!("{v:.3}"),
+            None => "-".into(),
+        };
+        let above = if r.above { "  ABOVE" } else { "" };
+        println!(
+            "signal   {:<26} {value:>10}  mark {}{above}",
+            r.signal.name(),
+            r.mark
+        );
+    }
+    let cpus = if p.cpus.is_empty() {
+        "every online CPU".to_string()
+    } else {
+        p.cpus
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(",")
+    };
+    println!("cpus     {cpus}");
+    println!(
+        "hold     {}s; last above: {}",
+        p.hold_secs,
+        p.last_above.as_deref().unwrap_or("never")
+    );
+    println!("changes  {}", p.transitions);
+    if let Some(why) = &p.not_saved {
+        println!("not saved: {why}");
+    }
 }
 
 fn plural(n: usize) -> &'static str {

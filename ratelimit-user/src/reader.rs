@@ -63,6 +63,8 @@ pub struct View {
     pub bans_restore: bans::RestoreReport,
     /// The live changes over the config file (`rule set`, `override add`).
     pub live_changes: crate::live::Report,
+    /// The pressure level and its signals (the sampler's latest).
+    pub pressure: crate::pressure::Report,
 }
 
 /// Counts that take a walk over maps: kept for `status` and `/metrics` while still true.
@@ -153,6 +155,7 @@ impl Reports {
                 | Request::Top { .. }
                 | Request::Bans { .. }
                 | Request::Offenders { .. }
+                | Request::Pressure
         )
     }
 
@@ -160,7 +163,7 @@ impl Reports {
     pub async fn run(self: &Arc<Self>, req: Request) -> Response {
         // `status` reads no walk's worth unless its counts changed: it takes no turn, so it
         // answers while long reports run.
-        let _permit = if matches!(req, Request::Status) {
+        let _permit = if matches!(req, Request::Status | Request::Pressure) {
             None
         } else {
             match self.permits.acquire().await {
@@ -240,6 +243,7 @@ impl Reports {
                 c.sort_by_key(by_usage);
                 Response::ok(Answer::Offenders(c))
             }
+            Request::Pressure => Response::ok(Answer::Pressure(Box::new(view.pressure.clone()))),
             other => anyhow::bail!("not a report: {other:?}"),
         })
     }
@@ -346,6 +350,7 @@ impl Reports {
                 .collect(),
             bans_restore: view.bans_restore.clone(),
             live_changes: view.live_changes.clone(),
+            pressure: view.pressure.clone(),
         }
     }
 }
@@ -379,6 +384,9 @@ pub struct Status {
     pub tasks: BTreeMap<String, supervise::TaskHealth>,
     pub bans_restore: bans::RestoreReport,
     pub live_changes: crate::live::Report,
+    /// The pressure level and its signals.
+    #[serde(default)]
+    pub pressure: crate::pressure::Report,
 }
 
 /// The loaded program's size, as the verifier saw it.

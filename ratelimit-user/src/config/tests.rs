@@ -1566,3 +1566,89 @@ fn admission_rates_faster_than_one_per_ns_are_rejected() {
     let text = "[tracking]\nnew_sources_per_sec = 1_000_000_000\n";
     assert!(errors(text).is_empty());
 }
+
+// [pressure]
+
+#[test]
+fn pressure_defaults_match_the_spec() {
+    let p = ok("").pressure;
+    assert_eq!(p.cpu_busy, 0.8);
+    assert_eq!(p.listen_overflows_per_sec, 1.0);
+    assert_eq!(p.hold, Duration::from_secs(10));
+    assert!(p.cpus.is_empty(), "every online CPU");
+    // The SPEC's example section, verbatim.
+    let p = ok("[pressure]                      # when is the host \"under pressure\"? any signal above its mark\n\
+                cpu_busy = 0.8                  # share of the receive CPUs busy (softirq + system + user)\n\
+                listen_overflows_per_sec = 1    # the kernel's listen-queue overflows and drops (TcpExt)\n\
+                hold = \"10s\"                    # stay under pressure this long after the last signal\n")
+    .pressure;
+    assert_eq!(p, Pressure::default());
+}
+
+#[test]
+fn pressure_takes_its_values() {
+    let p = ok(
+        "[pressure]\ncpu_busy = 1\nlisten_overflows_per_sec = 0.5\nhold = \"1m30s\"\n\
+                cpus = [3, 0, 1]\n",
+    )
+    .pressure;
+    assert_eq!(p.cpu_busy, 1.0);
+    assert_eq!(p.listen_overflows_per_sec, 0.5);
+    assert_eq!(p.hold, Duration::from_secs(90));
+    assert_eq!(p.cpus, [0, 1, 3], "sorted");
+    let p =
+        ok("[pressure]\ncpu_busy = 0.01\nlisten_overflows_per_sec = 0\nhold = \"0s\"\n").pressure;
+    assert_eq!(p.cpu_busy, 0.01);
+    assert_eq!(p.listen_overflows_per_sec, 0.0);
+    assert_eq!(p.hold, Duration::ZERO);
+}
+
+#[test]
+fn pressure_errors() {
+    let text = "[pressure]\ncpu_busy = 0\nlisten_overflows_per_sec = -1\nhold = \"soon\"\n\
+                cpus = [0, 0, -1, \"2\"]\n";
+    let errs = errors(text);
+    assert_eq!(errs.len(), 6, "{errs:#?}");
+    assert_eq!(
+        errs[0],
+        "t.toml:2:12: pressure.cpu_busy must be greater than 0 and at most 1"
+    );
+    assert_eq!(
+        errs[1],
+        "t.toml:3:28: pressure.listen_overflows_per_sec must not be negative"
+    );
+    assert!(
+        errs[2].starts_with("t.toml:4:8: pressure.hold: \"soon\" is not a duration ("),
+        "{}",
+        errs[2]
+    );
+    assert_eq!(errs[3], "t.toml:5:12: pressure.cpus: CPU 0 is listed twice");
+    assert_eq!(
+        errs[4],
+        "t.toml:5:15: pressure.cpus must be between 0 and 8191"
+    );
+    assert_eq!(
+        errs[5],
+        "t.toml:5:19: pressure.cpus: each entry must be an integer, not a string"
+    );
+    assert_eq!(
+        error("[pressure]\ncpu_busy = 1.5\n"),
+        "t.toml:2:12: pressure.cpu_busy must be greater than 0 and at most 1"
+    );
+    assert_eq!(
+        error("[pressure]\ncpu_busy = \"80%\"\n"),
+        "t.toml:2:12: pressure.cpu_busy must be a number, not a string"
+    );
+    assert_eq!(
+        error("[pressure]\nhold = \"2d\"\n"),
+        "t.toml:2:8: pressure.hold must be at most 1d"
+    );
+    assert_eq!(
+        error("[pressure]\nhold = 10\n"),
+        "t.toml:2:8: pressure.hold must be a duration string such as \"30s\", not an integer"
+    );
+    assert!(
+        error("[pressure]\nelastic = 2\n")
+            .starts_with("t.toml:2:1: pressure: unknown key \"elastic\""),
+    );
+}

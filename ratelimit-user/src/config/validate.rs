@@ -15,7 +15,7 @@ use super::tree::{Checker, Field, Item, Node, Table};
 use super::values::{check_amount, check_byte_burst, check_interval, check_port};
 use super::{
     Action, Algorithm, Config, Daemon, EventsSink, ExceedAction, GeoIp, KeyKind, Lists, Match,
-    Override, OverrideTarget, Protocol, Rule, Threshold, Tracking, Unit, override_fits,
+    Override, OverrideTarget, Pressure, Protocol, Rule, Threshold, Tracking, Unit, override_fits,
     parse_ban_duration, parse_bytes, parse_duration, parse_net, parse_port_range, parse_region,
     parse_tcp_flags,
 };
@@ -38,6 +38,9 @@ pub(super) fn build(root: &Item, ck: &mut Checker) -> Config {
     let geoip_field = top.get("geoip");
     if let Some(t) = geoip_field.as_ref().and_then(|f| f.table(ck)) {
         config.geoip = geoip(t, ck);
+    }
+    if let Some(t) = top.get("pressure").and_then(|f| f.table(ck)) {
+        config.pressure = pressure(t, ck);
     }
     if let Some(tables) = top.get("rule").and_then(|f| f.tables(ck, "rule")) {
         let mut totals = Totals::default();
@@ -303,6 +306,56 @@ fn geoip(mut t: Table, ck: &mut Checker) -> Option<GeoIp> {
     };
     t.finish(ck);
     database.map(|database| GeoIp { database })
+}
+
+fn pressure(mut t: Table, ck: &mut Checker) -> Pressure {
+    let mut p = Pressure::default();
+    if let Some(f) = t.get("cpu_busy") {
+        match f.number(ck) {
+            Some(v) if v > 0.0 && v <= 1.0 => p.cpu_busy = v,
+            Some(_) => f.error(ck, "must be greater than 0 and at most 1"),
+            None => {}
+        }
+    }
+    if let Some(f) = t.get("listen_overflows_per_sec") {
+        match f.number(ck) {
+            Some(v) if v >= 0.0 && v.is_finite() => p.listen_overflows_per_sec = v,
+            Some(_) => f.error(ck, "must not be negative"),
+            None => {}
+        }
+    }
+    if let Some(f) = t.get("hold")
+        && let Some(d) = duration(&f, ck)
+    {
+        if d > super::MAX_PRESSURE_HOLD {
+            f.error(
+                ck,
+                format!(
+                    "must be at most {}",
+                    super::format_duration(super::MAX_PRESSURE_HOLD)
+                ),
+            );
+        } else {
+            p.hold = d;
+        }
+    }
+    if let Some(f) = t.get("cpus") {
+        let mut cpus: Vec<u32> = Vec::new();
+        for e in f.array(ck).unwrap_or_default() {
+            let Some(n) = int_in(&e, ck, 0, super::MAX_CPU.into()) else {
+                continue;
+            };
+            if cpus.contains(&(n as u32)) {
+                e.invalid(ck, format!("CPU {n} is listed twice"));
+            } else {
+                cpus.push(n as u32);
+            }
+        }
+        cpus.sort_unstable();
+        p.cpus = cpus;
+    }
+    t.finish(ck);
+    p
 }
 
 /// Counts across all rules, for the capacities the rules share.
