@@ -268,7 +268,7 @@ pub fn ifindex(iface: &str) -> anyhow::Result<u32> {
 /// The layout of every pinned map's keys and values. `LAYOUT_VERSION` is bumped by hand
 /// whenever one changes (a reordered field included), and when where a key is placed changes
 /// (the per-source store's hash, `known_hash`); the sizes follow as a check.
-const LAYOUT_VERSION: u32 = 7;
+const LAYOUT_VERSION: u32 = 8;
 
 /// File in `daemon.state_dir` recording the layout of the maps pinned in `daemon.bpffs_dir`.
 pub const LAYOUT_FILE: &str = "pinned-layout";
@@ -651,7 +651,7 @@ fn typed_maps(
 
 /// The trie key of a ban of `addr/prefix_len` (a prefix over the 16-byte address).
 pub fn ban_key(prefix_len: u32, addr: &IpKey) -> Key<LpmAddr> {
-    Key::new(lpm_prefix(prefix_len), LpmAddr::of(addr))
+    Key::new(lpm_prefix(addr.is_v4(), prefix_len), LpmAddr::of(addr))
 }
 
 impl Maps {
