@@ -4,8 +4,9 @@
 //! store and the per-client keys hold both families in one shape and an IPv4 /N prefix is a
 //! /(96+N) prefix of the 16 bytes. That alone would let an IPv6 prefix such as `::/64` or
 //! `::/8` cover every IPv4 address, so the LPM tries are keyed by [`LpmAddr`] instead: a
-//! family byte, then the 16 bytes, with the family's 8 bits in front of every prefix. No IPv6
-//! prefix can then cover an IPv4 key, nor an IPv4 prefix an IPv6 one.
+//! family byte, then the address as its family has it (an IPv4 address's 4 bytes, an IPv6
+//! address's 16), with the family's 8 bits in front of every prefix. No IPv6 prefix can then
+//! cover an IPv4 key, nor an IPv4 prefix an IPv6 one.
 //!
 //! The family of a 16-byte key is read from the key itself ([`IpKey::is_v4`]): the program
 //! drops IPv6 packets whose source is IPv4-mapped (or any other IPv6 bogon, see
