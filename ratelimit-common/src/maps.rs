@@ -338,14 +338,14 @@ pub const fn known_map_entries(max_sources: u32) -> u32 {
     1 + 2 * (1u32 << (known_log2_bits(max_sources) - KNOWN_MIN_LOG2))
 }
 
-/// 64-bit words of [`HashKey`]: for each 32-bit half of the hash, a constant and one
-/// multiplier for each of the message's five 32-bit words ([`known_hash`]).
-pub const HASH_KEY_WORDS: usize = 12;
+/// 64-bit words of [`HashKey`]: a constant and one multiplier for each of the message's five
+/// 32-bit words ([`known_hash`]).
+pub const HASH_KEY_WORDS: usize = 6;
 
-/// The per-load key of the placement hash ([`known_hash`]): twelve 64-bit words the daemon
-/// draws from the OS's random source when it creates the maps, and keeps in `RL_HASH_KEY`
-/// for as long as they are pinned (a daemon that adopts them reads it back: with another
-/// key, every state would sit in sets no lookup visits). All zero until drawn.
+/// The per-load key of the placement hash ([`known_hash`]): six 64-bit words the daemon draws
+/// from the OS's random source when it creates the maps, and keeps in `RL_HASH_KEY` for as
+/// long as they are pinned (a daemon that adopts them reads it back: with another key, every
+/// state would sit in sets no lookup visits). All zero until drawn.
 pub type HashKey = [u64; HASH_KEY_WORDS];
 
 /// The hash of a per-source key: the known-sources filter indexes by its top bits, the store
@@ -361,20 +361,22 @@ pub type HashKey = [u64; HASH_KEY_WORDS];
 ///
 /// The family is multilinear hashing (Lemire and Kaser, "Strongly universal string hashing
 /// is fast", 2014): the message as 32-bit words `m1..m5`, 64-bit keys `k0..k5`, and
-/// `(k0 + k1 m1 + ... + k5 m5) mod 2^64`, whose top 32 bits are strongly universal. Two such
-/// sums under independent keys make the two halves of a 64-bit value, which a fixed
-/// bijection (MurmurHash3's 64-bit finalizer) then mixes: a bijection of two independent
-/// uniform values leaves them independent and uniform, and it spreads sources that differ
-/// by a regular step (consecutive addresses) as random ones would, where the bare sums, an
-/// arithmetic progression in them, bunch up under some keys. The message is the 16-byte
-/// address (an IPv4 source as `::ffff:a.b.c.d`, so the two families never share one) as
-/// four little-endian words, then the rule and the prefix length (one byte each; a prefix
-/// length is at most 128). Twelve multiplies and no branch, inline in the packet's path:
-/// SipHash-1-3, the pseudorandom function it replaces, cost some 20 ns a lookup on the
-/// benchmark's CPU (a call, and four to six rounds of 64-bit rotations, which BPF has no
-/// instruction for; BENCHMARKS.md, "Data-plane hardening: before and after").
+/// `(k0 + k1 m1 + ... + k5 m5) mod 2^64`, whose top 32 bits are strongly universal. A fixed
+/// bijection (MurmurHash3's 64-bit finalizer) then spreads those 32 bits over the 64 the
+/// store and the filter take theirs from: a bijection of independent uniform values leaves
+/// them independent and uniform, and it spreads sources that differ by a regular step
+/// (consecutive addresses) as random ones would, where the bare sums, an arithmetic
+/// progression, bunch up under some keys. (32 bits tell 4 billion sources apart, and two
+/// sources that share them share their sets only as two random ones would: the address is
+/// compared in full.) The message is the 16-byte address (an IPv4 source as
+/// `::ffff:a.b.c.d`, so the two families never share one) as four little-endian words, then
+/// the rule and the prefix length (one byte each; a prefix length is at most 128). Seven
+/// multiplies and no branch, inline in the packet's path: SipHash-1-3, the pseudorandom
+/// function it replaces, cost some 20 ns a lookup on the benchmark's CPU (a call, and four to
+/// six rounds of 64-bit rotations, which BPF has no instruction for; BENCHMARKS.md,
+/// "Data-plane hardening: before and after").
 ///
-/// What it gives up against a pseudorandom function: the sums are linear in the key, so an
+/// What it gives up against a pseudorandom function: the sum is linear in the key, so an
 /// attacker who learnt which of its own sources share a set would learn relations between
 /// the key's words. The store shows that only through evictions (a source's state lost to
 /// a flood of others), which it makes slow to probe (two choices of eight ways, protected
@@ -389,19 +391,14 @@ pub fn known_hash(key: &HashKey, rule: u8, prefix_len: u32, addr: &[u8; 16]) -> 
             addr[4 * i + 3],
         ]) as u64
     };
-    let (m1, m2, m3, m4) = (w(0), w(1), w(2), w(3));
     let m5 = rule as u64 | ((prefix_len & 0xff) as u64) << 8;
-    let half = |k0: u64, k1: u64, k2: u64, k3: u64, k4: u64, k5: u64| {
-        k0.wrapping_add(k1.wrapping_mul(m1))
-            .wrapping_add(k2.wrapping_mul(m2))
-            .wrapping_add(k3.wrapping_mul(m3))
-            .wrapping_add(k4.wrapping_mul(m4))
-            .wrapping_add(k5.wrapping_mul(m5))
-            >> 32
-    };
-    let hi = half(key[0], key[1], key[2], key[3], key[4], key[5]);
-    let lo = half(key[6], key[7], key[8], key[9], key[10], key[11]);
-    fmix64(hi << 32 | lo)
+    let sum = key[0]
+        .wrapping_add(key[1].wrapping_mul(w(0)))
+        .wrapping_add(key[2].wrapping_mul(w(1)))
+        .wrapping_add(key[3].wrapping_mul(w(2)))
+        .wrapping_add(key[4].wrapping_mul(w(3)))
+        .wrapping_add(key[5].wrapping_mul(m5));
+    fmix64(sum >> 32)
 }
 
 /// MurmurHash3's 64-bit finalizer: a bijection of `u64` in which every input bit moves about
@@ -699,7 +696,7 @@ mod tests {
 
     use super::*;
 
-    /// A key as the daemon draws one: twelve random words (here from splitmix64 of `seed`).
+    /// A key as the daemon draws one: random words (here from splitmix64 of `seed`).
     fn key_from(seed: u64) -> HashKey {
         let mut x = seed;
         core::array::from_fn(|_| {
@@ -718,27 +715,17 @@ mod tests {
         0x83a7_4c1d_e905_f2b3,
         0x5e29_b6f0_1c8d_4a77,
         0xa91f_d3c2_6e40_8b15,
-        0x37c8_e5a1_0b96_f24d,
-        0xf06b_1a7d_c352_e988,
-        0x2be4_90c7_5f1a_d360,
-        0x9d05_7e3b_a2c6_1f4e,
-        0x4c7a_f218_8e3d_b095,
-        0xe81d_6b54_07f9_c2a3,
     ];
 
-    /// `known_hash` is the hash it documents: for each half, the key's constant plus its
-    /// multipliers times the message's words (the address as four little-endian words, then
-    /// the rule and the prefix length), modulo 2^64, top 32 bits; the first six words of the
-    /// key make the high half, the last six the low; then MurmurHash3's finalizer (checked
-    /// against its published constants on known values).
+    /// `known_hash` is the hash it documents: the key's constant plus its multipliers times
+    /// the message's words (the address as four little-endian words, then the rule and the
+    /// prefix length), modulo 2^64, top 32 bits, through MurmurHash3's finalizer (checked on
+    /// known values).
     #[test]
     fn known_hash_is_the_multilinear_sum_it_documents() {
         fn reference(key: &HashKey, m: [u64; 5]) -> u64 {
-            let half = |k: &[u64]| {
-                let sum = (0..5).fold(k[0] as u128, |h, i| h + k[i + 1] as u128 * m[i] as u128);
-                ((sum % (1u128 << 64)) >> 32) as u64
-            };
-            fmix64(half(&key[..6]) << 32 | half(&key[6..]))
+            let sum = (0..5).fold(key[0] as u128, |h, i| h + key[i + 1] as u128 * m[i] as u128);
+            fmix64(((sum % (1u128 << 64)) >> 32) as u64)
         }
         let mut v4 = [0u8; 16];
         v4[10] = 0xff;

@@ -180,14 +180,11 @@ pub extern "C" fn rl_unban(slot: u64, now: u64, entry: *const BanEntry, table: u
         write_trie_key(key, entry.prefix_len, &entry.addr);
         &*key
     };
-    #[expect(
-        clippy::needless_borrows_for_generic_args,
-        reason = "the key lives in the scratch map: by value would copy it onto the stack"
-    )]
+    // By reference: by value would copy the key onto the stack.
     let removed = match table as u32 {
-        BAN_TABLE_OPERATOR => OPERATOR_BANS.remove(&*key).is_ok(),
-        BAN_TABLE_RULE => BANS.remove(&*key).is_ok(),
-        _ => PASSING_BANS.remove(&*key).is_ok(),
+        BAN_TABLE_OPERATOR => OPERATOR_BANS.remove(key).is_ok(),
+        BAN_TABLE_RULE => BANS.remove(key).is_ok(),
+        _ => PASSING_BANS.remove(key).is_ok(),
     };
     if removed {
         stats::add(slot, global::BANS_EXPIRED, 0);

@@ -71,7 +71,7 @@ pub const NONE: u64 = u64::MAX;
 /// No slot for a new key: every state in its two sets is protected from eviction.
 pub const PROTECTED: u64 = u64::MAX - 1;
 
-/// The keyed hash of per-source `key` (`known_hash` under `RL_HASH_KEY`). Inline: twelve
+/// The keyed hash of per-source `key` (`known_hash` under `RL_HASH_KEY`). Inline: seven
 /// multiplies and no branch cost less than a call of a global function would.
 #[inline(always)]
 pub fn hash(key: &ClientKey) -> u64 {
