@@ -71,10 +71,10 @@ const ENOSPC: i32 = -28;
 /// The flags of the active ban that decides for the source whose full-length trie key is
 /// `key` (`policy::full`), removing expired ones on the way: the
 /// operator's and the rules' bans that drop first, so a ban that drops always wins; then the
-/// bans that pass (whose flags tell the caller so). Inline in the entry, its key on the
-/// entry's own stack (the map helpers take no key passed into a global function on 6.1): as a
-/// global function of its own, the call cost the pass path some 20 ns (BENCHMARKS.md,
-/// "Data-plane hardening: before and after").
+/// bans that pass (whose flags tell the caller so). Inline in the entry, its key in the
+/// entry's scratch record (`SrcTrieKey`; the map helpers take no key passed into a global
+/// function on 6.1): as a global function of its own, the call cost the pass path some 20 ns
+/// (BENCHMARKS.md, "Data-plane hardening: before and after").
 #[inline(always)]
 pub fn active_ban(slot: Slot, key: &Key<LpmAddr>, now: u64) -> Option<u32> {
     if table_present(BAN_TABLE_OPERATOR)
