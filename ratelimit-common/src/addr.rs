@@ -4,8 +4,9 @@
 //! store and the per-client keys hold both families in one shape and an IPv4 /N prefix is a
 //! /(96+N) prefix of the 16 bytes. That alone would let an IPv6 prefix such as `::/64` or
 //! `::/8` cover every IPv4 address, so the LPM tries are keyed by [`LpmAddr`] instead: a
-//! family byte, then the 16 bytes, with the family's 8 bits in front of every prefix. No IPv6
-//! prefix can then cover an IPv4 key, nor an IPv4 prefix an IPv6 one.
+//! family byte, then the address as its family has it (an IPv4 address's 4 bytes, an IPv6
+//! address's 16), with the family's 8 bits in front of every prefix. No IPv6 prefix can then
+//! cover an IPv4 key, nor an IPv4 prefix an IPv6 one.
 //!
 //! The family of a 16-byte key is read from the key itself ([`IpKey::is_v4`]): the program
 //! drops IPv6 packets whose source is IPv4-mapped (or any other IPv6 bogon, see
@@ -74,7 +75,15 @@ pub const FAMILY_V6: u8 = 6;
 pub const FAMILY_BITS: u32 = 8;
 
 /// Data part of the LPM tries' keys (lists, bans, regions): the family, then the address as
-/// [`IpKey`] holds it. The trie prefix is `FAMILY_BITS` + the prefix over the 16 bytes.
+/// its family has it, an IPv6 address's 16 bytes or an IPv4 address's 4 bytes followed by 12
+/// zero bytes. The trie prefix is `FAMILY_BITS` + the prefix over the family's own address
+/// ([`lpm_prefix`]): at most 40 bits for IPv4, 136 for IPv6.
+///
+/// IPv4 up front, not where [`IpKey`] holds it (bytes 12..16): the kernel's LPM trie compares
+/// a node with a key 8 bytes at a time, then 4, then 1 (`longest_prefix_match`), and stops
+/// at the node's prefix. An IPv4 key's family and address are its first 5 bytes, so each node
+/// of an IPv4 lookup takes one comparison; as `::ffff:a.b.c.d` behind the family byte they
+/// took four (8 bytes, 4, 4, and the last one), on every list and ban lookup of every packet.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default, PartialOrd, Ord)]
 pub struct LpmAddr {
@@ -86,17 +95,63 @@ impl LpmAddr {
     /// The trie address of a 16-byte key, its family read from the key.
     #[inline(always)]
     pub fn of(key: &IpKey) -> Self {
-        Self {
-            family: if key.is_v4() { FAMILY_V4 } else { FAMILY_V6 },
-            addr: key.addr,
+        if key.is_v4() {
+            Self {
+                family: FAMILY_V4,
+                addr: v4_in_front(&key.addr),
+            }
+        } else {
+            Self {
+                family: FAMILY_V6,
+                addr: key.addr,
+            }
+        }
+    }
+
+    /// The 16-byte key of a trie address ([`LpmAddr::of`] undone).
+    #[inline(always)]
+    pub fn ip_key(&self) -> IpKey {
+        if self.family == FAMILY_V4 {
+            IpKey::from_v4([self.addr[0], self.addr[1], self.addr[2], self.addr[3]])
+        } else {
+            IpKey { addr: self.addr }
         }
     }
 }
 
-/// The trie prefix length of a prefix of `prefix_len` bits over the 16-byte address.
+/// The 4 bytes of an IPv4-mapped address (bytes 12..16) up front, then zeros: an IPv4
+/// [`LpmAddr`]'s address.
 #[inline(always)]
-pub const fn lpm_prefix(prefix_len: u32) -> u32 {
-    FAMILY_BITS + prefix_len
+pub const fn v4_in_front(addr: &[u8; 16]) -> [u8; 16] {
+    let mut a = [0u8; 16];
+    a[0] = addr[12];
+    a[1] = addr[13];
+    a[2] = addr[14];
+    a[3] = addr[15];
+    a
+}
+
+/// The trie prefix length of a prefix of `prefix_len` bits over the 16-byte key (as
+/// [`IpKey`] holds it: an IPv4 /N is a /(96+N)) of an IPv4 address when `v4`.
+#[inline(always)]
+pub const fn lpm_prefix(v4: bool, prefix_len: u32) -> u32 {
+    if v4 {
+        FAMILY_BITS + prefix_len.saturating_sub(V4_MAPPED_PREFIX)
+    } else {
+        FAMILY_BITS + prefix_len
+    }
+}
+
+/// The prefix over the 16-byte key ([`lpm_prefix`] undone) of a trie prefix of
+/// `trie_prefix_len` bits over `addr`.
+#[inline(always)]
+pub const fn prefix_of_lpm(trie_prefix_len: u32, addr: &LpmAddr) -> u32 {
+    let bits = trie_prefix_len.saturating_sub(FAMILY_BITS);
+    if addr.family == FAMILY_V4 {
+        V4_MAPPED_PREFIX + bits
+    } else {
+        bits
+    }
 }
 
 /// Whether an IPv6 source address is a bogon no real packet from the outside carries:
@@ -177,6 +232,34 @@ mod tests {
             let k = IpKey::from_v4([203, 0, 113, 9]).masked(V4_MAPPED_PREFIX + len);
             assert_eq!(LpmAddr::of(&k).family, FAMILY_V4);
         }
+    }
+
+    /// An IPv4 prefix's trie key holds the family and the 4 address bytes up front, its
+    /// prefix counted over them; an IPv6 one the 16 bytes; both come back as they went in.
+    #[test]
+    fn trie_keys_hold_ipv4_up_front_and_round_trip() {
+        let k = IpKey::from_v4([198, 18, 200, 1]).masked(96 + 24);
+        let a = LpmAddr::of(&k);
+        assert_eq!(a.family, FAMILY_V4);
+        assert_eq!(
+            a.addr,
+            [198, 18, 200, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0]
+        );
+        assert_eq!(lpm_prefix(true, 96 + 24), 32);
+        assert_eq!(lpm_prefix(true, 128), 40);
+        assert_eq!(prefix_of_lpm(32, &a), 96 + 24);
+        assert_eq!(a.ip_key(), k);
+        let v6 = IpKey::from_v6(
+            "2001:db8::1"
+                .parse::<core::net::Ipv6Addr>()
+                .unwrap()
+                .octets(),
+        );
+        let b = LpmAddr::of(&v6);
+        assert_eq!((b.family, b.addr), (FAMILY_V6, v6.addr));
+        assert_eq!(lpm_prefix(false, 64), 72);
+        assert_eq!(prefix_of_lpm(72, &b), 64);
+        assert_eq!(b.ip_key(), v6);
     }
 
     #[test]

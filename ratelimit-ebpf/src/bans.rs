@@ -71,10 +71,10 @@ const ENOSPC: i32 = -28;
 /// The flags of the active ban that decides for the source whose full-length trie key is
 /// `key` (`policy::full`), removing expired ones on the way: the
 /// operator's and the rules' bans that drop first, so a ban that drops always wins; then the
-/// bans that pass (whose flags tell the caller so). Inline in the entry, its key on the
-/// entry's own stack (the map helpers take no key passed into a global function on 6.1): as a
-/// global function of its own, the call cost the pass path some 20 ns (BENCHMARKS.md,
-/// "Data-plane hardening: before and after").
+/// bans that pass (whose flags tell the caller so). Inline in the entry, its key in the
+/// entry's scratch record (`SrcTrieKey`; the map helpers take no key passed into a global
+/// function on 6.1): as a global function of its own, the call cost the pass path some 20 ns
+/// (BENCHMARKS.md, "Data-plane hardening: before and after").
 #[inline(always)]
 pub fn active_ban(slot: Slot, key: &Key<LpmAddr>, now: u64) -> Option<u32> {
     if table_present(BAN_TABLE_OPERATOR)
@@ -125,6 +125,37 @@ fn find_ban(
     None
 }
 
+/// Write the trie key (`LpmAddr::of`, `lpm_prefix`) of the prefix of `prefix_len` bits over
+/// the 16-byte `addr` at `dst` in place, field by field: built by value (`Key::new`), it is a
+/// copy on the stack of the frames that call this, which the 512-byte stack of their call
+/// chain has no room for (the verifier refuses it).
+///
+/// # Safety
+/// `dst` is valid for writes of a `Key<LpmAddr>`.
+#[inline(always)]
+unsafe fn write_trie_key(dst: *mut Key<LpmAddr>, prefix_len: u32, addr: &[u8; 16]) {
+    // SAFETY: `IpKey` is `repr(C)` around one `[u8; 16]`: the same layout.
+    let v4 = unsafe { &*(addr as *const [u8; 16] as *const IpKey) }.is_v4();
+    let p = dst as *mut u8;
+    // SAFETY: the caller's contract; `Key<LpmAddr>` is packed: its prefix length at 0, the
+    // family at 4, the address at 5..21.
+    unsafe {
+        core::ptr::write_unaligned(p as *mut u32, lpm_prefix(v4, prefix_len));
+        if v4 {
+            core::ptr::write(p.add(4), FAMILY_V4);
+            core::ptr::write_unaligned(
+                p.add(5) as *mut [u8; 4],
+                [addr[12], addr[13], addr[14], addr[15]],
+            );
+            core::ptr::write_unaligned(p.add(9) as *mut u32, 0);
+            core::ptr::write_unaligned(p.add(13) as *mut u64, 0);
+        } else {
+            core::ptr::write(p.add(4), FAMILY_V6);
+            core::ptr::write_unaligned(p.add(5) as *mut [u8; 16], *addr);
+        }
+    }
+}
+
 /// Remove an expired ban from its table and report it (a global BPF function: verified once,
 /// and its stack is not added to the XDP entry's).
 #[unsafe(no_mangle)]
@@ -136,10 +167,20 @@ pub extern "C" fn rl_unban(slot: u64, now: u64, entry: *const BanEntry, table: u
     // SAFETY: non-null pointer to a live map value.
     let entry = unsafe { &*entry };
     let slot = slot as u32 & (ratelimit_common::caps::MAX_IFACES - 1);
-    let ip = IpKey { addr: entry.addr };
-    let key = Key::new(lpm_prefix(entry.prefix_len), LpmAddr::of(&ip));
     let ck = client_key(entry.rule as u8, KEY_IP, entry.prefix_len, entry.addr);
     let expires = entry.expires_ns;
+    // The trie key in this CPU's scratch record, not on this frame, which the entry's stack
+    // and the event's leave little room for (the caller's key is the record's `src_key`).
+    let Some(rl) = SCRATCH.get_ptr_mut(0) else {
+        return 0;
+    };
+    // SAFETY: a field of this CPU's scratch record, used only during this packet.
+    let key = unsafe {
+        let key = &raw mut (*rl).ban_key;
+        write_trie_key(key, entry.prefix_len, &entry.addr);
+        &*key
+    };
+    // By reference: by value would copy the key onto the stack.
     let removed = match table as u32 {
         BAN_TABLE_OPERATOR => OPERATOR_BANS.remove(key).is_ok(),
         BAN_TABLE_RULE => BANS.remove(key).is_ok(),
@@ -234,23 +275,7 @@ pub extern "C" fn rl_ban(
             (*entry)._pad = 0;
             (*entry).addr = key.addr;
             let lpm = &raw mut (*rl).ban_key;
-            // Built in place, not with `LpmAddr::of`: that by-value copy grows this frame past
-            // what the 512-byte stack of the call chain has left (the verifier refuses it).
-            let family = if (IpKey { addr: key.addr }).is_v4() {
-                FAMILY_V4
-            } else {
-                FAMILY_V6
-            };
-            core::ptr::write_unaligned(
-                lpm,
-                Key::new(
-                    lpm_prefix(key.prefix_len),
-                    LpmAddr {
-                        family,
-                        addr: key.addr,
-                    },
-                ),
-            );
+            write_trie_key(lpm, key.prefix_len, &key.addr);
             let table = ban_table(j.ban_flags);
             #[expect(
                 clippy::needless_borrows_for_generic_args,
@@ -283,7 +308,8 @@ pub extern "C" fn rl_ban(
                 }
                 Err(_) => {
                     stats::add(j.slot, global::BAN_INSERT_FAILED, 0);
-                    rare::note(rare::BAN_INSERT_FAILED, j.rule, family as u64, now);
+                    let family = rare::family_of(&key.addr);
+                    rare::note(rare::BAN_INSERT_FAILED, j.rule, family, now);
                     return BAN_NOT_RECORDED;
                 }
             }

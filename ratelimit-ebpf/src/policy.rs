@@ -64,10 +64,10 @@ pub fn rule(i: u32) -> Option<&'static RuleConfig> {
     RULES.get(i)
 }
 
-/// The full-length trie key of a source: its family, then all 128 bits.
+/// The full-length trie key of a source: its family, then all its address's bits.
 #[inline(always)]
 pub fn full(src: &IpKey) -> Key<LpmAddr> {
-    Key::new(lpm_prefix(128), LpmAddr::of(src))
+    Key::new(lpm_prefix(src.is_v4(), 128), LpmAddr::of(src))
 }
 
 /// What the sources trie says of `src`: (`LIST_*` flags, mask of the rules whose source list

@@ -78,7 +78,6 @@ fn judge(slot: Slot, pkt: Parsed, len: u64) -> u32 {
 
 #[inline(always)]
 fn decide(slot: Slot, pkt: Parsed, len: u64) -> u32 {
-    let src = &pkt.src;
     let global_cfg = policy::global();
     // The coarse clock (the last timer tick): a fraction of the cost of reading the clock
     // source. Rules that need precision read the precise one (`RULE_FINE_CLOCK`).
@@ -111,9 +110,13 @@ fn decide(slot: Slot, pkt: Parsed, len: u64) -> u32 {
     };
     // SAFETY: this CPU's scratch record, used only during this packet; a reference to a
     // field of a live map value.
+    // The packet's facts go to the record here, where the rules read them, so the entry
+    // holds none of them across the lookups below (its stack is what the 512 bytes of the
+    // call chain have least of).
     let key = unsafe {
-        (*rl).src_key = policy::full(src);
-        &(*rl).src_key
+        (*rl).pkt = pkt;
+        (*rl).src_key.set(&(*rl).pkt.src, (*rl).pkt.v4);
+        (*rl).src_key.key()
     };
     if global_cfg.flags & (GLOBAL_HAS_ALLOW | GLOBAL_HAS_DENY) != 0 {
         let (flags, mask) = policy::sources_at(key);
@@ -140,7 +143,6 @@ fn decide(slot: Slot, pkt: Parsed, len: u64) -> u32 {
     }
     let verdict = rules::evaluate_rules(
         rl,
-        pkt,
         (slot, len),
         (now, tick, ban_epoch),
         global_cfg,

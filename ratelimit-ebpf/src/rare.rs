@@ -20,7 +20,7 @@
 
 use aya_ebpf::{helpers::bpf_get_smp_processor_id, macros::map, maps::PerCpuArray};
 use aya_log_ebpf::warn;
-use ratelimit_common::addr::{IpKey, LpmAddr};
+use ratelimit_common::addr::{FAMILY_V4, FAMILY_V6, IpKey};
 
 /// A rule ban found the rules' ban table full: held in the client's state.
 pub const BAN_HELD: u64 = 0;
@@ -70,7 +70,11 @@ static RARE: PerCpuArray<Rare> = PerCpuArray::with_max_entries(1, 0);
 /// The family of a state or ban key's address, as [`note`] takes it.
 #[inline(always)]
 pub fn family_of(addr: &[u8; 16]) -> u64 {
-    LpmAddr::of(&IpKey { addr: *addr }).family as u64
+    (if (IpKey { addr: *addr }).is_v4() {
+        FAMILY_V4
+    } else {
+        FAMILY_V6
+    }) as u64
 }
 
 /// Count one occurrence of `condition` (for `rule`, of address `family`: 4, 6, 0 for none)

@@ -61,11 +61,11 @@ const RULE_DROP_FOR_TICK: u64 = 3;
 
 /// Evaluate the rules in file order. Each rule is one call of the global function `rl_rule`,
 /// which the verifier checks once on its own, so this loop costs it a call per rule. `rl` is
-/// this CPU's scratch record, which the entry looked up for the packet.
+/// this CPU's scratch record, which the entry looked up for the packet and wrote the packet
+/// into (`RuleLoop::pkt`).
 #[inline(always)]
 pub fn evaluate_rules(
     rl: *mut RuleLoop,
-    pkt: Parsed,
     (slot, len): (Slot, u64),
     (now, tick, ban_epoch): (u64, u64, u64),
     g: &GlobalConfig,
@@ -92,7 +92,6 @@ pub fn evaluate_rules(
             admission_tick_cap: g.admission_tick_cap,
             store_sets: g.store_sets,
         };
-        (*rl).pkt = pkt;
         (*rl).src_mask_known = src_mask.0;
         (*rl).src_mask = src_mask.1;
         (*rl).coarse_now = now;

@@ -2,7 +2,10 @@
 //! records passed by pointer to the global BPF functions ([`Env`], [`Judge`]).
 
 use aya_ebpf::{macros::map, maps::lpm_trie::Key};
-use ratelimit_common::{addr::LpmAddr, maps::*};
+use ratelimit_common::{
+    addr::{FAMILY_V4, FAMILY_V6, IpKey, LpmAddr, lpm_prefix},
+    maps::*,
+};
 
 use crate::{parse::Parsed, stats::Slot, store};
 
@@ -67,8 +70,58 @@ pub struct RuleLoop {
     pub ban_key: Key<LpmAddr>,
     /// The source's full-length key in the list and ban tries, built once per packet for
     /// both lookups: here and not on the entry's stack, which the call chain below it fills.
-    pub src_key: Key<LpmAddr>,
+    pub src_key: SrcTrieKey,
 }
+
+/// A full-length key of the list and ban tries (`Key<LpmAddr>`: the prefix length, the
+/// family byte, the address; 21 bytes, packed), written in the pieces the kernel's LPM trie
+/// reads it in. Its lookup compares a node's data with the key's as one 8-byte load at the
+/// data's start, then 4-byte loads, then one byte (`longest_prefix_match`); a load that spans
+/// two stores (or part of one) waits for them to reach the cache instead of being forwarded
+/// from them. Here the key starts 4 bytes into an 8-aligned record, so each load the lookup
+/// makes reads exactly one aligned store.
+#[repr(C, align(8))]
+pub struct SrcTrieKey {
+    _pad: u32,
+    prefix_len: u32,
+    /// Data bytes 0..8: the family, then address bytes 0..7 (`LpmAddr::addr`).
+    w0: u64,
+    /// Address bytes 7..11, then 11..15, then 15.
+    w1: u32,
+    w2: u32,
+    w3: u8,
+    _tail: [u8; 7],
+}
+
+impl SrcTrieKey {
+    /// The key of `src` (`policy::full`), an IPv4-mapped address when `v4` (the parser gives
+    /// no IPv6 source in that range a key: it is a bogon).
+    #[inline(always)]
+    pub fn set(&mut self, src: &IpKey, v4: bool) {
+        let a = &src.addr;
+        let lo = u64::from_le_bytes([a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]]);
+        let hi = u64::from_le_bytes([a[8], a[9], a[10], a[11], a[12], a[13], a[14], a[15]]);
+        // Branch-free (a branch here would split every path of the entry after it in two
+        // for the verifier, and keep both halves' values in registers).
+        let m = (v4 as u64).wrapping_neg();
+        self.prefix_len = lpm_prefix(v4, 128);
+        self.w0 = (FAMILY_V4 as u64 | (hi >> 32) << 8) & m | (FAMILY_V6 as u64 | lo << 8) & !m;
+        self.w1 = ((lo >> 56 | hi << 8) & !m) as u32;
+        self.w2 = ((hi >> 24) & !m) as u32;
+        self.w3 = ((hi >> 56) & !m) as u8;
+    }
+
+    /// The key as the trie's map type has it.
+    #[inline(always)]
+    pub fn key(&self) -> &Key<LpmAddr> {
+        // SAFETY: `Key<LpmAddr>` is packed (alignment 1) and 21 bytes; those from
+        // `prefix_len` on are its prefix length and its data in order, all within `self`.
+        unsafe { &*(&raw const self.prefix_len as *const Key<LpmAddr>) }
+    }
+}
+
+const _: () = assert!(core::mem::size_of::<Key<LpmAddr>>() == 21);
+const _: () = assert!(core::mem::offset_of!(SrcTrieKey, w3) + 1 - 4 == 21);
 
 #[map(name = "RL_SCRATCH")]
 pub static SCRATCH: aya_ebpf::maps::PerCpuArray<RuleLoop> =

@@ -12,7 +12,7 @@ use anyhow::Context as _;
 use aya::maps::lpm_trie::Key;
 use ipnet::IpNet;
 use ratelimit_common::{
-    addr::{FAMILY_BITS, IpKey, LpmAddr, V4_MAPPED_PREFIX, lpm_prefix},
+    addr::{IpKey, LpmAddr, V4_MAPPED_PREFIX, lpm_prefix},
     caps::{MAX_PORT_RANGES, MAX_SOURCES_ENTRIES},
     maps::*,
 };
@@ -34,16 +34,15 @@ pub type Prefix = (u32, IpKey);
 
 /// The LPM trie key of a prefix: its family, then the address.
 pub fn lpm_key(p: &Prefix) -> Key<LpmAddr> {
-    Key::new(lpm_prefix(p.0), LpmAddr::of(&p.1))
+    Key::new(lpm_prefix(p.1.is_v4(), p.0), LpmAddr::of(&p.1))
 }
 
 /// Back from an LPM trie key to a prefix.
 pub fn prefix_of_lpm(k: &Key<LpmAddr>) -> Prefix {
+    let data = k.data();
     (
-        k.prefix_len().saturating_sub(FAMILY_BITS),
-        IpKey {
-            addr: k.data().addr,
-        },
+        ratelimit_common::addr::prefix_of_lpm(k.prefix_len(), &data),
+        data.ip_key(),
     )
 }
 

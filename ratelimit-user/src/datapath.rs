@@ -31,8 +31,8 @@ use ratelimit_common::{
     addr::{IpKey, LpmAddr, lpm_prefix},
     caps::{IFSLOT_ARRAY_LEN, RETIRED_SLOT, UNLISTED_SLOT},
     maps::{
-        BAN_TABLES, BanEntry, ClientKey, ClientState, FastEntry, GlobalConfig, HashKey, ListValue,
-        OverrideKey, OverrideValue, RegionOverrideKey, RuleConfig, ban_table,
+        BAN_TABLES, BanEntry, ClientKey, ClientState, FastEntry, GlobalConfig, HASH_KEY_WORDS,
+        HashKey, ListValue, OverrideKey, OverrideValue, RegionOverrideKey, RuleConfig, ban_table,
     },
     stats::Counter,
 };
@@ -268,7 +268,7 @@ pub fn ifindex(iface: &str) -> anyhow::Result<u32> {
 /// The layout of every pinned map's keys and values. `LAYOUT_VERSION` is bumped by hand
 /// whenever one changes (a reordered field included), and when where a key is placed changes
 /// (the per-source store's hash, `known_hash`); the sizes follow as a check.
-const LAYOUT_VERSION: u32 = 6;
+const LAYOUT_VERSION: u32 = 9;
 
 /// File in `daemon.state_dir` recording the layout of the maps pinned in `daemon.bpffs_dir`.
 pub const LAYOUT_FILE: &str = "pinned-layout";
@@ -276,7 +276,7 @@ pub const LAYOUT_FILE: &str = "pinned-layout";
 pub fn layout() -> String {
     use std::mem::size_of;
     format!(
-        "v{LAYOUT_VERSION} client_key={} client_state={} store_set={} shared={} fast_entry={} global={} rule={} ban={} stats={}",
+        "v{LAYOUT_VERSION} client_key={} client_state={} store_set={} shared={} fast_entry={} global={} rule={} ban={} stats={} hash_key={}",
         size_of::<ClientKey>(),
         size_of::<ClientState>(),
         size_of::<ratelimit_common::maps::StoreSet>(),
@@ -286,6 +286,7 @@ pub fn layout() -> String {
         size_of::<RuleConfig>(),
         size_of::<BanEntry>(),
         ratelimit_common::stats::STATS_LEN,
+        size_of::<HashKey>(),
     )
 }
 
@@ -363,7 +364,7 @@ impl Datapath {
             pin_dir: pin_dir.to_owned(),
             attached: Vec::new(),
             adopted,
-            hash_key: [0; 2],
+            hash_key: [0; HASH_KEY_WORDS],
         };
         dp.hash_key = dp.ensure_hash_key()?;
         let prog: &mut Xdp = dp
@@ -389,7 +390,7 @@ impl Datapath {
             .ok_or_else(|| anyhow!("map RL_HASH_KEY missing from the object"))?;
         let mut a: Array<&mut MapData, HashKey> = Array::try_from(map)?;
         let key = a.get(&0, 0).context("reading RL_HASH_KEY")?;
-        if key != [0, 0] {
+        if key != [0; HASH_KEY_WORDS] {
             return Ok(key);
         }
         let key = random_hash_key()?;
@@ -650,7 +651,7 @@ fn typed_maps(
 
 /// The trie key of a ban of `addr/prefix_len` (a prefix over the 16-byte address).
 pub fn ban_key(prefix_len: u32, addr: &IpKey) -> Key<LpmAddr> {
-    Key::new(lpm_prefix(prefix_len), LpmAddr::of(addr))
+    Key::new(lpm_prefix(addr.is_v4(), prefix_len), LpmAddr::of(addr))
 }
 
 impl Maps {
@@ -1061,10 +1062,10 @@ pub fn detach(pin_dir: &Path, only: &[String]) -> anyhow::Result<Vec<String>> {
     Ok(detached)
 }
 
-/// 128 bits from the kernel's random source (getrandom(2), which blocks only until the pool
-/// is first seeded).
+/// The placement hash's key, every bit from the kernel's random source (getrandom(2), which
+/// blocks only until the pool is first seeded).
 fn random_hash_key() -> anyhow::Result<HashKey> {
-    let mut b = [0u8; 16];
+    let mut b = [0u8; 8 * HASH_KEY_WORDS];
     let mut got = 0;
     while got < b.len() {
         // SAFETY: writes at most `b.len() - got` bytes into `b` from `got` on.
@@ -1078,12 +1079,11 @@ fn random_hash_key() -> anyhow::Result<HashKey> {
         }
         got += n as usize;
     }
-    let key = [
-        u64::from_le_bytes(b[..8].try_into().expect("8 bytes")),
-        u64::from_le_bytes(b[8..].try_into().expect("8 bytes")),
-    ];
-    if key == [0, 0] {
-        bail!("getrandom(2) returned 16 zero bytes: the kernel's random source is broken");
+    let key: HashKey = core::array::from_fn(|i| {
+        u64::from_le_bytes(b[8 * i..8 * i + 8].try_into().expect("8 bytes"))
+    });
+    if key == [0; HASH_KEY_WORDS] {
+        bail!("getrandom(2) returned only zero bytes: the kernel's random source is broken");
     }
     Ok(key)
 }

@@ -2217,7 +2217,7 @@ algorithm = "fixed_window"
     let mut a = Datapath::load(&pins_a.0, 1024).expect("load a");
     let mut b = Datapath::load(&pins_b.0, 1024).expect("load b");
     assert!(!a.adopted && !b.adopted);
-    assert_ne!(a.hash_key, [0, 0]);
+    assert_ne!(a.hash_key, [0; ratelimit_common::maps::HASH_KEY_WORDS]);
     assert_ne!(a.hash_key, b.hash_key, "two loads drew the same key");
     let mut maps_a = a.take_maps().expect("maps a");
     let mut maps_b = b.take_maps().expect("maps b");
