@@ -17,10 +17,12 @@ use std::{
     time::Duration,
 };
 
-use ratelimit_tests::NetNs;
+use ratelimit_tests::{
+    NetNs,
+    receiver::{set_rcvbuf, socket_drops},
+};
 
 const BATCH: usize = 64;
-const RCVBUF: i32 = 64 << 20;
 
 pub struct Sink {
     counts: Arc<Mutex<HashMap<IpAddr, u64>>>,
@@ -36,20 +38,7 @@ impl Sink {
             .enter(|| -> io::Result<UdpSocket> {
                 let s = UdpSocket::bind(SocketAddr::from((Ipv6Addr::UNSPECIFIED, port)))?;
                 s.set_nonblocking(true)?;
-                let v = RCVBUF;
-                // SAFETY: the pointer and length describe `v`.
-                let rc = unsafe {
-                    libc::setsockopt(
-                        s.as_raw_fd(),
-                        libc::SOL_SOCKET,
-                        libc::SO_RCVBUFFORCE,
-                        (&raw const v).cast(),
-                        mem::size_of::<i32>() as libc::socklen_t,
-                    )
-                };
-                if rc != 0 {
-                    return Err(io::Error::last_os_error());
-                }
+                set_rcvbuf(s.as_raw_fd())?;
                 Ok(s)
             })
             .unwrap_or_else(|e| panic!("UDP sink on port {port} in {}: {e}", ns.name()));
@@ -158,24 +147,4 @@ fn drain_loop(
         }
         std::thread::sleep(Duration::from_millis(1));
     }
-}
-
-/// The socket's drop counter (`SO_MEMINFO[SK_MEMINFO_DROPS]`).
-fn socket_drops(fd: i32) -> io::Result<u64> {
-    let mut info = [0u32; 16];
-    let mut len = mem::size_of_val(&info) as libc::socklen_t;
-    // SAFETY: the pointer and length describe `info`.
-    let rc = unsafe {
-        libc::getsockopt(
-            fd,
-            libc::SOL_SOCKET,
-            libc::SO_MEMINFO,
-            info.as_mut_ptr().cast(),
-            &mut len,
-        )
-    };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
-    }
-    Ok(u64::from(info[libc::SK_MEMINFO_DROPS as usize]))
 }

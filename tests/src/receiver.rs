@@ -439,7 +439,8 @@ fn setsockopt_int(fd: RawFd, level: i32, name: i32, value: i32) -> io::Result<()
     Ok(())
 }
 
-fn set_rcvbuf(fd: RawFd) -> io::Result<()> {
+/// Forces the socket's receive buffer to [`RCVBUF_BYTES`] (SO_RCVBUFFORCE, root).
+pub fn set_rcvbuf(fd: RawFd) -> io::Result<()> {
     setsockopt_int(fd, libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, RCVBUF_BYTES)
 }
 
@@ -465,7 +466,7 @@ fn set_rcvtimeo(fd: RawFd, timeout: Duration) -> io::Result<()> {
 }
 
 /// The socket's drop counter (`SO_MEMINFO[SK_MEMINFO_DROPS]`).
-fn socket_drops(fd: RawFd) -> io::Result<u64> {
+pub fn socket_drops(fd: RawFd) -> io::Result<u64> {
     let mut info = [0u32; 16];
     let mut len = mem::size_of_val(&info) as libc::socklen_t;
     // SAFETY: the pointer and length describe `info`; the kernel writes at most len bytes.
