@@ -41,8 +41,9 @@ pub const BOTNET_SOURCES: u64 = 100_000;
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
 pub enum Contender {
     Ours,
-    /// Ours without the admission budget (per-source policy alone), for the random-source flood.
-    OursNoBudget,
+    /// Ours with the packaged defaults: the same rule and nothing else (`[tracking]` as
+    /// shipped: a store of 1,000,000 sources, the automatic admission budget).
+    OursDefault,
     Nftables,
     Hashlimit,
     XdpDrop,
@@ -53,7 +54,7 @@ impl Contender {
     pub fn name(self) -> &'static str {
         match self {
             Contender::Ours => "ours",
-            Contender::OursNoBudget => "ours_no_admission_budget",
+            Contender::OursDefault => "ours_default",
             Contender::Nftables => "nftables",
             Contender::Hashlimit => "hashlimit",
             Contender::XdpDrop => "xdp_drop",
@@ -65,7 +66,7 @@ impl Contender {
     pub fn limits(self) -> bool {
         matches!(
             self,
-            Contender::Ours | Contender::OursNoBudget | Contender::Nftables | Contender::Hashlimit
+            Contender::Ours | Contender::OursDefault | Contender::Nftables | Contender::Hashlimit
         )
     }
 
@@ -86,23 +87,24 @@ pub fn tool_exists(tool: &str) -> bool {
         .any(|d| std::path::Path::new(d).join(tool).exists())
 }
 
-/// Our daemon's config for `p`; `budget` false leaves the admission budget out whatever `p`
-/// says.
-pub fn ours_policy(p: &Policy, budget: bool) -> String {
+/// Our daemon's config for `p`; `tuned` false leaves `[tracking]` out: the store and the
+/// admission budget as shipped, whatever `p` says of them.
+pub fn ours_policy(p: &Policy, tuned: bool) -> String {
     let Policy {
         rate,
         burst,
         state_max,
         ..
     } = *p;
-    let tracking = match p.admission.filter(|_| budget) {
-        Some(a) => format!("new_sources_per_sec = {a}\nnew_sources_burst = {a}\n"),
-        None => "new_sources_per_sec = 0\n".to_string(),
+    let tracking = match p.admission {
+        _ if !tuned => String::new(),
+        Some(a) => format!(
+            "[tracking]\nmax_sources = {state_max}\nnew_sources_per_sec = {a}\nnew_sources_burst = {a}\n"
+        ),
+        None => format!("[tracking]\nmax_sources = {state_max}\nnew_sources_per_sec = 0\n"),
     };
     format!(
         r#"
-[tracking]
-max_sources = {state_max}
 {tracking}
 [[rule]]
 name = "per-source"
@@ -203,7 +205,7 @@ pub fn install(sc: &Scenario, c: Contender, p: &Policy, drop_prog: &mut Xdp) -> 
     let mut xdp_link = None;
     let mut daemon = None;
     match c {
-        Contender::Ours | Contender::OursNoBudget => {
+        Contender::Ours | Contender::OursDefault => {
             let policy = ours_policy(p, c == Contender::Ours);
             let d = Daemon::start_in(&sc.server, |dir| {
                 format!("{}{policy}", sc.daemon_table(dir))
@@ -283,7 +285,7 @@ pub fn veth_stats(sc: &Scenario) -> std::collections::HashMap<String, u64> {
 /// The contender's own counters.
 pub fn counters(sc: &Scenario, inst: &Installed) -> Counters {
     match inst.contender {
-        Contender::Ours | Contender::OursNoBudget => {
+        Contender::Ours | Contender::OursDefault => {
             let st = inst.daemon.as_ref().expect("ours runs a daemon").stats();
             Counters {
                 seen: rule_counter(&st, "per-source", "matched"),

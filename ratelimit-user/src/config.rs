@@ -144,19 +144,43 @@ pub const MAX_PRESSURE_HOLD: Duration = Duration::from_secs(86_400);
 pub struct Tracking {
     /// At least 1.
     pub max_sources: u32,
-    /// Admission budget for new per-client state, per second; 0 = unlimited.
+    /// Admission budget for new per-client state, per second, as enforced; 0 = unlimited.
+    /// With `new_sources_auto`, [`auto_new_sources_per_sec`] of `max_sources`.
     pub new_sources_per_sec: u64,
-    /// Defaults to `max(new_sources_per_sec, 1)`; may only be set with `new_sources_per_sec`.
+    /// `new_sources_per_sec = "auto"` (the default): the budget follows `max_sources`.
+    pub new_sources_auto: bool,
+    /// Defaults to `max(new_sources_per_sec, 1)`; may only be set with a budget (not 0).
     pub new_sources_burst: u64,
+}
+
+/// How long a random-source flood takes, at the least, to turn the whole store over under
+/// `new_sources_per_sec = "auto"`: a client that sent within about this long keeps its state.
+pub const AUTO_ADMISSION_TURNOVER_SECS: u64 = 60;
+
+/// `new_sources_per_sec = "auto"`: the whole store at most once a minute
+/// ([`AUTO_ADMISSION_TURNOVER_SECS`]), and at least one new source a second.
+pub fn auto_new_sources_per_sec(max_sources: u32) -> u64 {
+    u64::from(max_sources)
+        .div_ceil(AUTO_ADMISSION_TURNOVER_SECS)
+        .max(1)
+}
+
+impl Tracking {
+    /// The defaults for a store of `max_sources`: the automatic admission budget.
+    pub fn auto(max_sources: u32) -> Self {
+        let rate = auto_new_sources_per_sec(max_sources);
+        Tracking {
+            max_sources,
+            new_sources_per_sec: rate,
+            new_sources_auto: true,
+            new_sources_burst: rate,
+        }
+    }
 }
 
 impl Default for Tracking {
     fn default() -> Self {
-        Tracking {
-            max_sources: caps::DEFAULT_MAX_SOURCES,
-            new_sources_per_sec: 0,
-            new_sources_burst: 1,
-        }
+        Tracking::auto(caps::DEFAULT_MAX_SOURCES)
     }
 }
 

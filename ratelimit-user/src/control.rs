@@ -400,6 +400,11 @@ pub(crate) mod samples {
             rules: vec!["syn-per-client".into()],
             tracked_clients: 12,
             max_sources: 1 << 20,
+            admission: crate::reader::Admission {
+                new_sources_per_sec: 17_477,
+                new_sources_burst: 17_477,
+                auto: true,
+            },
             active_bans: 3,
             known_filter: Some(crate::known::Rebuilt {
                 states: 12,

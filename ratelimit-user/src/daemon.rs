@@ -185,6 +185,7 @@ impl State {
             ifaces: self.ifaces(),
             attached: self.dp.attached.clone(),
             max_sources: self.cfg.tracking.max_sources,
+            admission: (&self.cfg.tracking).into(),
             config: self.config_path.as_ref().map(|p| p.display().to_string()),
             adopted: self.dp.adopted,
             bpffs_dir: self.cfg.daemon.bpffs_dir.display().to_string(),

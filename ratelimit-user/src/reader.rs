@@ -54,6 +54,7 @@ pub struct View {
     pub ifaces: Vec<(u32, String)>,
     pub attached: Vec<Attached>,
     pub max_sources: u32,
+    pub admission: Admission,
     pub config: Option<String>,
     pub adopted: bool,
     pub bpffs_dir: String,
@@ -335,6 +336,7 @@ impl Reports {
             rules: view.rule_names.clone(),
             tracked_clients: census.tracked_clients,
             max_sources: view.max_sources,
+            admission: view.admission,
             active_bans: census.active_bans,
             known_filter: self
                 .known_status
@@ -376,6 +378,9 @@ pub struct Status {
     pub rules: Vec<String>,
     pub tracked_clients: u64,
     pub max_sources: u32,
+    /// The new-source admission budget in force (`[tracking]`).
+    #[serde(default)]
+    pub admission: Admission,
     pub active_bans: u64,
     /// The known-sources filter's last rebuild.
     pub known_filter: Option<crate::known::Rebuilt>,
@@ -387,6 +392,30 @@ pub struct Status {
     /// The pressure level and its signals.
     #[serde(default)]
     pub pressure: crate::pressure::Report,
+}
+
+/// The new-source admission budget in force: at most `new_sources_per_sec` never-seen sources a
+/// second get state of their own (bursts of `new_sources_burst`); 0 for no budget. `auto`:
+/// derived from `max_sources` (`new_sources_per_sec = "auto"`, the default).
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Admission {
+    pub new_sources_per_sec: u64,
+    pub new_sources_burst: u64,
+    pub auto: bool,
+}
+
+impl From<&crate::config::Tracking> for Admission {
+    fn from(t: &crate::config::Tracking) -> Self {
+        Admission {
+            new_sources_per_sec: t.new_sources_per_sec,
+            new_sources_burst: if t.new_sources_per_sec == 0 {
+                0
+            } else {
+                t.new_sources_burst
+            },
+            auto: t.new_sources_auto,
+        }
+    }
 }
 
 /// The loaded program's size, as the verifier saw it.

@@ -85,19 +85,45 @@ threshold = { count = 1000, interval = "1s" }
 #[test]
 fn random_source_flood_keeps_established_clients_and_bounds_state() {
     kernel_test!();
+    random_source_flood(
+        "max_sources = 4000\nnew_sources_per_sec = 200\nnew_sources_burst = 200",
+        4000,
+        false,
+    );
+}
+
+/// The same flood under the default admission budget (`new_sources_per_sec = "auto"`): a
+/// store of 12,000 gets 12,000 / 60 = 200 new states a second, burst 200, the budget above.
+#[test]
+fn default_admission_budget_keeps_established_clients_and_bounds_state() {
+    kernel_test!();
+    random_source_flood("max_sources = 12000", 12_000, true);
+}
+
+/// 10k spoofed sources against an established client under a budget of 200 new states a
+/// second (burst 200), with a store of `max_sources` set by `tracking`.
+fn random_source_flood(tracking: &str, max_sources: u32, auto: bool) {
     let mut s = Scenario::new("rlr");
-    s.start(
+    s.start(&format!(
         r#"
 [tracking]
-max_sources = 4000
-new_sources_per_sec = 200
-new_sources_burst = 200
+{tracking}
 
 [[rule]]
 name = "per-ip"
-match = { protocol = "udp" }
-threshold = { count = 100, interval = "1s" }
-"#,
+match = {{ protocol = "udp" }}
+threshold = {{ count = 100, interval = "1s" }}
+"#
+    ));
+    let status = s.daemon().status();
+    assert_eq!(
+        (
+            status.admission.new_sources_per_sec,
+            status.admission.new_sources_burst,
+            status.admission.auto
+        ),
+        (200, 200, auto),
+        "the budget in force"
     );
     let sink = s.sink(PORT);
     let est = IpAddr::V4(Ipv4Addr::new(198, 19, 30, 1));
@@ -134,17 +160,22 @@ threshold = { count = 100, interval = "1s" }
         c.sent,
         got.from(est) - 20
     );
-    // The known-sources filter (rebuilt at the daemon's start, 2^15 bits for 4000 sources)
-    // spares the spoofed sources their per-client lookup: all but those whose bit another
-    // state set. Fewer than 1000 states take at most 1000 of the 32768 bits, so at most ~3%
-    // of the sources are looked up; 10% is the stated bound.
+    // The known-sources filter (rebuilt at the daemon's start, 8 bits a source of the store
+    // rounded up to a power of two: 2^15 for 4000) spares the spoofed sources their
+    // per-client lookup: all but those whose bit another state set. Fewer than 1000 states
+    // take at most 1000 of the 32768 or more bits, so at most ~3% of the sources are looked
+    // up; 10% is the stated bound.
     assert!(
         (9_000..=10_000).contains(&skipped),
         "{skipped} of 10000 new sources skipped their lookup"
     );
     let status = s.daemon().cli_json(&["status"]);
     let kf = &status["known_filter"];
-    assert_eq!(kf["bits"], 32768, "{status}");
+    assert_eq!(
+        kf["bits"],
+        1u64 << ratelimit_common::maps::known_log2_bits(max_sources),
+        "{status}"
+    );
     assert!(kf["states"].as_u64().is_some(), "{status}");
     assert_eq!(
         got.from(est),

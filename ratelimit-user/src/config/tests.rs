@@ -159,8 +159,9 @@ fn spec_example_parses() {
         c.tracking,
         Tracking {
             max_sources: 1_000_000,
-            new_sources_per_sec: 0,
-            new_sources_burst: 1
+            new_sources_per_sec: 16_667,
+            new_sources_auto: true,
+            new_sources_burst: 16_667
         }
     );
     assert_eq!(c.lists.allow, [net("10.0.0.0/8"), net("2001:db8:1::/48")]);
@@ -254,7 +255,14 @@ fn empty_config_is_all_defaults() {
     assert_eq!(d.bpffs_dir, Path::new("/sys/fs/bpf/ratelimit"));
     let t = Tracking::default();
     assert_eq!(t.max_sources, caps::DEFAULT_MAX_SOURCES);
-    assert_eq!((t.new_sources_per_sec, t.new_sources_burst), (0, 1));
+    assert_eq!(
+        (
+            t.new_sources_per_sec,
+            t.new_sources_burst,
+            t.new_sources_auto
+        ),
+        (16_667, 16_667, true)
+    );
 }
 
 #[test]
@@ -1003,10 +1011,80 @@ fn tracking_errors() {
             "t.toml:4:23: tracking.new_sources_per_sec must be between 0 and 1000000000",
         ]
     );
-    let text = "[tracking]\nnew_sources_burst = 5\n";
+    let text = "[tracking]\nnew_sources_per_sec = 0\nnew_sources_burst = 5\n";
     assert_eq!(
         error(text),
-        "t.toml:2:1: tracking.new_sources_burst only applies when tracking.new_sources_per_sec is set (0 is unlimited)"
+        "t.toml:3:1: tracking.new_sources_burst only applies when tracking.new_sources_per_sec is not 0 (0 turns admission off)"
+    );
+    for bad in ["\"Auto\"", "\"\"", "\"10000\""] {
+        assert_eq!(
+            error(&format!("[tracking]\nnew_sources_per_sec = {bad}\n")),
+            "t.toml:2:23: tracking.new_sources_per_sec must be \"auto\" or a number of new sources per second (0 turns admission off)"
+        );
+    }
+    assert_eq!(
+        error("[tracking]\nnew_sources_per_sec = 1.5\n"),
+        "t.toml:2:23: tracking.new_sources_per_sec must be an integer, not a float"
+    );
+}
+
+/// Admission is on by default: the whole store turns over at most once a minute.
+#[test]
+fn admission_is_automatic_by_default() {
+    for text in [
+        "",
+        "[tracking]\n",
+        "[tracking]\nnew_sources_per_sec = \"auto\"\n",
+    ] {
+        let t = ok(text).tracking;
+        assert_eq!(
+            t,
+            Tracking {
+                max_sources: 1_000_000,
+                new_sources_per_sec: 16_667,
+                new_sources_auto: true,
+                new_sources_burst: 16_667,
+            },
+            "{text:?}"
+        );
+    }
+    // Derived from max_sources wherever the key stands, and at least one a second.
+    let t = ok("[tracking]\nnew_sources_per_sec = \"auto\"\nmax_sources = 65536\n").tracking;
+    assert_eq!((t.new_sources_per_sec, t.new_sources_burst), (1093, 1093));
+    let t = ok("[tracking]\nmax_sources = 60\n").tracking;
+    assert_eq!((t.new_sources_per_sec, t.new_sources_burst), (1, 1));
+    let t = ok("[tracking]\nmax_sources = 61\n").tracking;
+    assert_eq!((t.new_sources_per_sec, t.new_sources_burst), (2, 2));
+    let t = ok("[tracking]\nmax_sources = 1\n").tracking;
+    assert_eq!((t.new_sources_per_sec, t.new_sources_burst), (1, 1));
+    // A burst of its own with the automatic rate.
+    let t = ok("[tracking]\nnew_sources_burst = 50000\n").tracking;
+    assert_eq!(
+        (
+            t.new_sources_per_sec,
+            t.new_sources_burst,
+            t.new_sources_auto
+        ),
+        (16_667, 50_000, true)
+    );
+    // 0 turns it off, explicitly; a number is taken as it is.
+    let t = ok("[tracking]\nnew_sources_per_sec = 0\n").tracking;
+    assert_eq!(
+        (
+            t.new_sources_per_sec,
+            t.new_sources_burst,
+            t.new_sources_auto
+        ),
+        (0, 1, false)
+    );
+    let t = ok("[tracking]\nnew_sources_per_sec = 250\n").tracking;
+    assert_eq!(
+        (
+            t.new_sources_per_sec,
+            t.new_sources_burst,
+            t.new_sources_auto
+        ),
+        (250, 250, false)
     );
 }
 

@@ -214,29 +214,42 @@ fn interfaces(f: &Field, ck: &mut Checker) -> Vec<String> {
 }
 
 fn tracking(mut t: Table, ck: &mut Checker) -> Tracking {
-    let mut tr = Tracking::default();
+    let mut max_sources = caps::DEFAULT_MAX_SOURCES;
     if let Some(n) = t
         .get("max_sources")
         .and_then(|f| int_in(&f, ck, 1, u32::MAX.into()))
     {
-        tr.max_sources = n as u32;
+        max_sources = n as u32;
     }
+    let mut tr = Tracking::auto(max_sources);
     let rate_field = t.get("new_sources_per_sec");
-    // At most one new source per ns: the budget is a token bucket metered in whole ns.
-    let rate = rate_field.as_ref().map(|f| int_in(f, ck, 0, 1_000_000_000));
+    // `None`: absent or "auto"; `Some(None)`: invalid; `Some(Some(n))`: a number.
+    let rate = rate_field.as_ref().and_then(|f| match f.node() {
+        Node::Str(s) if s == "auto" => None,
+        Node::Str(_) => {
+            f.error(
+                ck,
+                "must be \"auto\" or a number of new sources per second (0 turns admission off)",
+            );
+            Some(None)
+        }
+        // At most one new source per ns: the budget is a token bucket metered in whole ns.
+        _ => Some(int_in(f, ck, 0, 1_000_000_000)),
+    });
     if let Some(Some(n)) = rate {
         tr.new_sources_per_sec = n as u64;
+        tr.new_sources_auto = false;
     }
     tr.new_sources_burst = tr.new_sources_per_sec.max(1);
     if let Some(f) = t.get("new_sources_burst") {
         if let Some(n) = int_in(&f, ck, 1, i64::MAX) {
             tr.new_sources_burst = n as u64;
         }
-        // Only when the rate is known to be unlimited (absent or a valid 0).
-        if matches!(rate, None | Some(Some(0))) {
+        // Only when the budget is known to be off (a valid 0).
+        if matches!(rate, Some(Some(0))) {
             f.error_at_key(
                 ck,
-                "only applies when tracking.new_sources_per_sec is set (0 is unlimited)",
+                "only applies when tracking.new_sources_per_sec is not 0 (0 turns admission off)",
             );
         }
     }
