@@ -1,10 +1,14 @@
 //! Real tools against the real daemon: a real nginx serving 20 real TCP clients (a new
 //! connection per HTTP/1.1 request, each client from its own address) while hping3 sends a
-//! random-source SYN flood (`--flood`, about 100 kpps on the lab machine) and one heavy source
-//! floods SYNs of its own. The same traffic runs with nothing attached and with the daemon
-//! attached (the default config plus a per-client SYN `rate_based_ban` rule on port 80), and
-//! the legitimate requests' latency and failures are compared: a client under its limit must
-//! not be served worse with the rate limiter than without it.
+//! random-source SYN flood (`--flood`: 50 to 100 kpps on the 2-core lab machine) and one heavy
+//! source floods SYNs of its own (about 1 kpps). The same traffic runs with nothing attached
+//! and with the daemon attached (a per-client SYN `rate_based_ban` rule on port 80), and the
+//! legitimate requests' latency and failures are compared: a client under its limit must not
+//! be served worse with the rate limiter than without it. One test attaches it with an
+//! admission budget (`new_sources_per_sec = 20000`); the other with the default config, which
+//! leaves admission off (`new_sources_per_sec = 0`): every spoofed source then takes the
+//! insert path, the veth's ring overflows and legitimate SYNs are lost before any verdict, so
+//! that test is ignored while 0 is the default (README, "Under a real SYN flood").
 //!
 //! Each phase prints where packets went: the veth ends' `ethtool -S` and drop counters, the
 //! server namespace's TcpExt (listen queue, SYN cookies), the clients' retransmissions, the
