@@ -5,7 +5,8 @@
 //! [`link`]), starts the daemon on the protected side ([`daemon`]), sends
 //! crafted frames ([`packet`]) from the client side ([`sender`]) and counts
 //! what arrived with receivers that do not trust the daemon ([`receiver`]).
-//! A real Prometheus server can scrape the daemon there ([`prometheus`]).
+//! A real Prometheus server can scrape the daemon there ([`prometheus`]); a real nginx can
+//! serve behind it while hping3 floods it ([`nginx`]).
 //! Every resource is a guard that cleans up on drop, also when a test panics.
 //! Kernel tests start with [`kernel_test!`] ([`env`]), which skips them
 //! outside `cargo xtask test`.
@@ -21,6 +22,7 @@ pub mod leftovers;
 pub mod link;
 pub mod mmdb;
 pub mod netns;
+pub mod nginx;
 pub mod packet;
 pub mod pins;
 pub mod prometheus;

@@ -29,6 +29,10 @@ const DEBIAN_PACKAGES: &[&str] = &[
     // the test; the package's service is disabled, see `PACKAGE_SERVICES`).
     "prometheus",
     "tcpdump",
+    // The real-tools test: a real web server under a real SYN flood tool (the nginx package's
+    // service is disabled, see `PACKAGE_SERVICES`; the test runs nginx with its own config).
+    "nginx-light",
+    "hping3",
     // The durability test traces the daemon's fsyncs and renames.
     "strace",
     // The benchmark's plots draw their text with this font.
@@ -44,9 +48,9 @@ const DEBIAN_PACKAGES: &[&str] = &[
 ];
 
 /// Packages whose installation starts a system service the tests must not meet (the
-/// Prometheus server on port 9090 scraping nothing of ours): after setup installs one, the
-/// service is stopped and disabled. The tests start servers of their own.
-const PACKAGE_SERVICES: &[(&str, &str)] = &[("prometheus", "prometheus")];
+/// Prometheus server on port 9090 scraping nothing of ours, nginx on port 80): after setup
+/// installs one, the service is stopped and disabled. The tests start servers of their own.
+const PACKAGE_SERVICES: &[(&str, &str)] = &[("prometheus", "prometheus"), ("nginx-light", "nginx")];
 
 const LLVM_PREFIX: &str = "/usr/lib/llvm-22";
 
