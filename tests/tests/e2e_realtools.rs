@@ -39,6 +39,10 @@ const BODY: usize = 2048;
 /// server's default route, as the random sources' do.
 const HEAVY: Ipv4Addr = Ipv4Addr::new(203, 0, 113, 7);
 const RULE: &str = "syn-per-client";
+/// Clients never seen before the flood, each from its own address, that start 2 s into it:
+/// how long a new legitimate client waits to be served during a random-source flood.
+const LATE_CLIENTS: u8 = 5;
+const LATE_START: Duration = Duration::from_secs(2);
 
 /// The per-client SYN rule: 100 connection attempts a second, banned for a minute above 200.
 /// A legitimate client here makes at most ~20.
@@ -71,6 +75,9 @@ struct Outcome {
     heavy_sent: Option<u64>,
     /// Counter deltas over the phase, by name, nonzero only.
     evidence: BTreeMap<String, i64>,
+    /// Each late client's wait from its first attempt to its first answer (retrying failed
+    /// requests), or None if it was not served before the phase ended.
+    late: Vec<Option<Duration>>,
 }
 
 impl Outcome {
@@ -153,6 +160,18 @@ fn request(src: Ipv4Addr, server: SocketAddr) -> Result<Duration, String> {
         ));
     }
     Ok(elapsed)
+}
+
+/// A new client: requests from `src` until one is answered; how long that took from the first
+/// attempt, or None if none was before `until`.
+fn first_service(src: Ipv4Addr, server: SocketAddr, until: Instant) -> Option<Duration> {
+    let t0 = Instant::now();
+    while Instant::now() < until {
+        if request(src, server).is_ok() {
+            return Some(t0.elapsed());
+        }
+    }
+    None
 }
 
 /// The clients: one thread each (in the caller's namespace), requests until `until`.
@@ -284,7 +303,10 @@ fn phase(label: &str, policy: Option<&str>) -> Outcome {
     let srcs: Vec<Ipv4Addr> = (0..CLIENTS)
         .map(|i| Ipv4Addr::new(198, 18, net, 101 + i))
         .collect();
-    for src in &srcs {
+    let late: Vec<Ipv4Addr> = (0..LATE_CLIENTS)
+        .map(|i| Ipv4Addr::new(198, 18, net, 151 + i))
+        .collect();
+    for src in srcs.iter().chain(&late) {
         add_address(&s.client, &a.name, &format!("{src}/24"));
     }
     // Answers to the flood's sources leave by a default route, as on a host on the Internet
@@ -331,7 +353,22 @@ fn phase(label: &str, policy: Option<&str>) -> Outcome {
     // The flood under way before the clients start.
     std::thread::sleep(Duration::from_secs(1));
     let until = Instant::now() + PHASE;
-    let mut o = s.client.enter(|| run_clients(&srcs, server, until));
+    let (mut o, late) = s.client.enter(|| {
+        std::thread::scope(|sc| {
+            let late: Vec<_> = late
+                .iter()
+                .map(|&src| {
+                    sc.spawn(move || {
+                        std::thread::sleep(LATE_START);
+                        first_service(src, server, until)
+                    })
+                })
+                .collect();
+            let o = run_clients(&srcs, server, until);
+            (o, late.into_iter().map(|h| h.join().unwrap()).collect())
+        })
+    });
+    o.late = late;
     o.flood_sent = flood.stop();
     o.heavy_sent = heavy.stop();
     o.label = label.to_string();
@@ -385,6 +422,20 @@ fn phase(label: &str, policy: Option<&str>) -> Outcome {
 
 fn report(o: &Outcome) {
     println!("{}", o.line());
+    let late: Vec<String> = o
+        .late
+        .iter()
+        .map(|l| {
+            l.map_or("not served".into(), |d| {
+                format!("{:.0} ms", d.as_secs_f64() * 1e3)
+            })
+        })
+        .collect();
+    println!(
+        "    new clients from {:.0} s into the flood, first answer after: {}",
+        LATE_START.as_secs_f64(),
+        late.join(", ")
+    );
     for (k, v) in &o.evidence {
         println!("    {k:<48} {v:>12}");
     }
@@ -448,6 +499,11 @@ fn nginx_clients_under_hping3_syn_flood_are_served_no_worse_with_the_default_con
     let none = phase("no filter", None);
     report(&none);
     assert_ran(&none);
+    assert!(
+        none.late.iter().all(Option::is_some),
+        "with nothing attached every new client is served: {:?}",
+        none.late
+    );
     let ours = phase("ratelimit, defaults + SYN rule", Some(&rule()));
     report(&ours);
     assert_ran(&ours);
