@@ -255,8 +255,22 @@ impl Scenario {
         self.stats()
     }
 
-    /// Events written so far (JSON lines).
+    /// Events written so far (JSON lines), but for the pressure level's: on a busy machine the
+    /// host's own load raises it (`pressure_high` / `pressure_low`) at any moment of any
+    /// test. [`Scenario::all_events`] has them too.
     pub fn events(&self) -> Vec<serde_json::Value> {
+        self.all_events()
+            .into_iter()
+            .filter(|e| {
+                !e["event"]
+                    .as_str()
+                    .is_some_and(|name| name.starts_with("pressure_"))
+            })
+            .collect()
+    }
+
+    /// Every event written so far (JSON lines).
+    pub fn all_events(&self) -> Vec<serde_json::Value> {
         self.events_text()
             .lines()
             .filter_map(|l| serde_json::from_str(l).ok())

@@ -38,7 +38,7 @@ fn wait_event(s: &Scenario, event: &str, n: usize) -> serde_json::Value {
     let deadline = Instant::now() + Duration::from_secs(10);
     loop {
         let found: Vec<_> = s
-            .events()
+            .all_events()
             .into_iter()
             .filter(|e| e["event"] == event)
             .collect();
