@@ -11,7 +11,11 @@ use std::{
     time::{Duration, Instant},
 };
 
-use ratelimit_tests::{Daemon, NetNs, VethPair, kernel_test, scenario::Scenario, store::Redis};
+use ratelimit_tests::{
+    Daemon, NetNs, VethPair, kernel_test,
+    scenario::{Scenario, metric_sum},
+    store::Redis,
+};
 use ratelimit_user::{
     control::{self, Answer, Request},
     fleet,
@@ -21,6 +25,8 @@ use ratelimit_user::{
 const PORT: u16 = 9000;
 const OTHER_PORT: u16 = 9001;
 const REDIS_PORT: u16 = 6379;
+/// Each daemon's HTTP listener, on 127.0.0.1 in its own namespace.
+const HTTP_PORT: u16 = 19477;
 
 /// Three hosts and their store. Fields drop in order: the daemons (and their namespaces),
 /// the links to the store, the store, its namespace.
@@ -46,7 +52,7 @@ impl Fleet {
     fn new(tag: &str) -> Fleet {
         let store = NetNs::new(&format!("{tag}-st"));
         let mut hosts: Vec<Scenario> = (0..3)
-            .map(|i| Scenario::new(&format!("{tag}{i}")))
+            .map(|i| Scenario::new(&format!("{tag}{i}")).with_http(HTTP_PORT))
             .collect();
         let links: Vec<VethPair> = hosts
             .iter()
@@ -312,6 +318,40 @@ fn bans_spread_across_the_fleet_and_a_host_that_was_down_catches_up() {
     );
     assert!(caught_up, "host 2 holds {} of 1,000", count(&f));
     assert!(took <= Duration::from_secs(2), "{took:?}");
+
+    // What the HTTP listener reads back: /v1/fleet is `fleet status`, and the metrics. Host 0
+    // published 50 + 1 (the rule's) + 1,000 bans and one unban.
+    let (code, body) = f.hosts[0].http_get("/v1/fleet");
+    assert_eq!(code, 200, "{body}");
+    let st: fleet::Report = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        (
+            st.host_id.as_str(),
+            st.connected,
+            st.bans_published,
+            st.unbans_published
+        ),
+        ("h0", true, 1051, 1),
+        "{st:?}"
+    );
+    let (_, text) = f.hosts[0].http_get("/metrics");
+    let m = |name: &str, labels: &[(&str, &str)]| metric_sum(&text, name, labels);
+    assert_eq!(m("ratelimit_fleet_connected", &[]), 1.0, "{text}");
+    assert_eq!(
+        m("ratelimit_fleet_records_published_total", &[("op", "ban")]),
+        1051.0
+    );
+    assert_eq!(m("ratelimit_fleet_outbox_records", &[]), 0.0);
+    assert!(m("ratelimit_fleet_store_latency_seconds_count", &[]) >= 1.0);
+    let (_, text) = f.hosts[2].http_get("/metrics");
+    assert!(
+        metric_sum(
+            &text,
+            "ratelimit_fleet_records_received_total",
+            &[("op", "ban")]
+        ) >= 1000.0,
+        "{text}"
+    );
     println!("whole test: {:.1} s", t_all.elapsed().as_secs_f64());
 }
 
