@@ -541,11 +541,13 @@ where
     });
     let (tx, rx) = mpsc::unbounded_channel();
     let rx = Arc::new(tokio::sync::Mutex::new(rx));
-    let (s, sh) = (settings.clone(), shared.clone());
-    supervise::spawn(tasks, "fleet_publisher", BACKOFF_FIRST, move || {
-        publisher(s.clone(), sh.clone(), rx.clone())
-    });
+    // With `share_bans = false` there is nothing to share yet (global thresholds are not
+    // built): no task runs and no store is contacted.
     if settings.share_bans {
+        let (s, sh) = (settings.clone(), shared.clone());
+        supervise::spawn(tasks, "fleet_publisher", BACKOFF_FIRST, move || {
+            publisher(s.clone(), sh.clone(), rx.clone())
+        });
         let (s, sh) = (settings.clone(), shared.clone());
         supervise::spawn(tasks, "fleet_reader", BACKOFF_FIRST, move || {
             reader(s.clone(), sh.clone(), apply.clone())

@@ -333,6 +333,7 @@ fn print_human(answer: &Answer) -> anyhow::Result<()> {
 
 fn print_fleet(f: &ratelimit_user::fleet::Report) {
     let state = match (&f.connected_since, &f.degraded_since) {
+        _ if !f.share_bans => "not contacted: share_bans = false".to_string(),
         (Some(since), _) if f.connected => format!("connected since {since}"),
         (_, Some(since)) => format!(
             "DEGRADED since {since}: enforcing locally ({})",
