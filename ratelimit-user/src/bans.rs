@@ -49,6 +49,9 @@ pub struct SavedBan {
     pub exceed_pass: bool,
     #[serde(default)]
     pub reason: Option<String>,
+    /// The fleet host that issued it, for a ban received from the fleet.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub origin: Option<String>,
 }
 
 fn unix_ms(t: SystemTime) -> u64 {
@@ -84,6 +87,7 @@ pub fn save(
     maps: &Maps,
     rules: &[(String, RuleConfig)],
     reasons: &BTreeMap<String, String>,
+    origins: &BTreeMap<String, String>,
 ) -> anyhow::Result<()> {
     let rule_names: Vec<String> = rules.iter().map(|(n, _)| n.clone()).collect();
     let mut list: Vec<SavedBan> = crate::report::active_bans(maps)
@@ -99,6 +103,9 @@ pub fn save(
                 preview: b.flags & BAN_PREVIEW != 0,
                 exceed_pass: b.flags & BAN_EXCEED_PASS != 0,
                 reason: reasons.get(&cidr).cloned(),
+                origin: (b.flags & crate::fleet::BAN_REMOTE != 0)
+                    .then(|| origins.get(&cidr).cloned())
+                    .flatten(),
                 cidr,
                 key: None,
                 region: None,
@@ -120,6 +127,7 @@ pub fn save(
             preview: b.preview,
             exceed_pass: false,
             reason: None,
+            origin: None,
         });
     }
     crate::durable::write_atomically(dir, FILE, &serde_json::to_vec_pretty(&list)?)
@@ -179,6 +187,8 @@ pub struct Dropped {
 pub struct Restored {
     pub report: RestoreReport,
     pub reasons: BTreeMap<String, String>,
+    /// The origin host of each restored ban received from the fleet.
+    pub origins: BTreeMap<String, String>,
     pub dropped: Vec<Dropped>,
 }
 
@@ -212,6 +222,7 @@ pub fn restore(dir: &Path, maps: &mut Maps, rules: &[(String, RuleConfig)]) -> R
             ..RestoreReport::default()
         },
         reasons: BTreeMap::new(),
+        origins: BTreeMap::new(),
         dropped: Vec::new(),
     };
     let text = match std::fs::read(&path) {
@@ -262,6 +273,9 @@ pub fn restore(dir: &Path, maps: &mut Maps, rules: &[(String, RuleConfig)]) -> R
                 let o = restore_one(maps, rules, &b, now_wall, now);
                 if let (Outcome::Restored | Outcome::Pinned, Some(r)) = (&o, &b.reason) {
                     out.reasons.insert(b.cidr.clone(), r.clone());
+                }
+                if let (Outcome::Restored | Outcome::Pinned, Some(h)) = (&o, &b.origin) {
+                    out.origins.insert(b.cidr.clone(), h.clone());
                 }
                 let label = match &b.rule {
                     Some(r) if b.cidr.is_empty() => format!("the aggregate ban of rule {r:?}"),
@@ -390,6 +404,9 @@ fn restore_one(
     let mut flags = 0;
     if b.manual {
         flags |= BAN_MANUAL;
+        if b.origin.is_some() {
+            flags |= crate::fleet::BAN_REMOTE;
+        }
     }
     if b.preview {
         flags |= BAN_PREVIEW;

@@ -76,6 +76,11 @@ pub enum Command {
     /// The pressure level (high: the host is under load), its mode and signals; `pressure set`
     /// forces it.
     Pressure(PressureArgs),
+    /// Fleet mode (`[fleet]`): bans shared with other hosts through a Redis store.
+    Fleet {
+        #[command(subcommand)]
+        action: FleetCommand,
+    },
     /// Remove the XDP program and the pinned state.
     Detach(DetachArgs),
     /// Print a shell completion script to stdout (for packaging; see packaging/README.md).
@@ -185,6 +190,9 @@ pub enum BanCommand {
         /// Read CIDRs from a file (`-` = stdin), one per line; `#` starts a comment.
         #[arg(long, value_name = "FILE", conflicts_with = "cidr")]
         file: Option<PathBuf>,
+        /// In fleet mode: ban on this host only, not on the fleet.
+        #[arg(long)]
+        local: bool,
         #[arg(long)]
         json: bool,
     },
@@ -200,9 +208,19 @@ pub enum BanCommand {
         /// The region (ISO 3166-1 alpha-2) whose ban to lift, for a rule keyed `region`.
         #[arg(long, value_name = "CC", requires = "rule")]
         region: Option<String>,
+        /// In fleet mode: lift the ban on this host only, not on the fleet.
+        #[arg(long, conflicts_with = "rule")]
+        local: bool,
         #[arg(long)]
         json: bool,
     },
+}
+
+#[derive(Subcommand, Debug)]
+pub enum FleetCommand {
+    /// The store, this host's connection to it (connected, or degraded since when), the
+    /// stream cursor and lag, the outbox, and the bans sent and received.
+    Status(JsonArg),
 }
 
 #[derive(Subcommand, Debug)]

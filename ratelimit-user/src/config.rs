@@ -64,8 +64,77 @@ pub struct Config {
     pub lists: Lists,
     pub geoip: Option<GeoIp>,
     pub pressure: Pressure,
+    /// `[fleet]`: `None` when the section is absent (no store is contacted).
+    pub fleet: Option<Fleet>,
     /// In file order, which is evaluation order.
     pub rules: Vec<Rule>,
+}
+
+/// `[fleet]`: hosts that share their bans through one Redis store.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fleet {
+    /// `redis://host:port[/db]`, `unix:///path` (or `redis+unix://`), as written.
+    pub redis: String,
+    /// This host's name in the fleet; `None` = the hostname, taken at start.
+    pub host_id: Option<String>,
+    /// A file holding the store's password, read at start (not by the parser).
+    pub password_file: Option<PathBuf>,
+    /// How often near-limit keys of global rules are shared (kept for them; bans are pushed).
+    pub sync_interval: Duration,
+    /// Publish this host's bans to the fleet and apply the fleet's.
+    pub share_bans: bool,
+}
+
+/// Default `fleet.sync_interval`.
+pub const DEFAULT_SYNC_INTERVAL: Duration = Duration::from_millis(100);
+/// The longest `fleet.host_id`.
+pub const MAX_HOST_ID_LEN: usize = 64;
+
+/// Whether `id` can name a host in the fleet: 1 to [`MAX_HOST_ID_LEN`] letters, digits, `.`,
+/// `-` or `_` (a hostname fits).
+pub fn check_host_id(id: &str) -> Result<(), String> {
+    if id.is_empty() {
+        return Err("must not be empty".into());
+    }
+    if id.len() > MAX_HOST_ID_LEN {
+        return Err(format!("must be at most {MAX_HOST_ID_LEN} characters"));
+    }
+    if let Some(c) = id
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_')))
+    {
+        return Err(format!(
+            "{id:?}: {c:?} is not allowed (letters, digits, '.', '-' and '_' are)"
+        ));
+    }
+    Ok(())
+}
+
+/// Check a `fleet.redis` address: the schemes the client speaks, refused clearly otherwise.
+pub fn check_redis_url(url: &str) -> Result<(), String> {
+    let scheme = url.split_once("://").map(|(s, _)| s);
+    match scheme {
+        Some("redis" | "unix" | "redis+unix") => {}
+        Some("rediss") => {
+            return Err(format!(
+                "{url:?}: TLS (rediss://) is not yet supported; reach the store over a private \
+                 network, a tunnel or a unix socket"
+            ));
+        }
+        Some("redis+cluster" | "rediss+cluster") => {
+            return Err(format!(
+                "{url:?}: Redis Cluster is not yet supported; give one server's redis:// address"
+            ));
+        }
+        _ => {
+            return Err(format!(
+                "{url:?} is not a store address (expected redis://HOST:PORT or unix:///PATH)"
+            ));
+        }
+    }
+    redis::IntoConnectionInfo::into_connection_info(url)
+        .map(drop)
+        .map_err(|e| format!("{url:?} is not a store address: {e}"))
 }
 
 /// `[daemon]`.

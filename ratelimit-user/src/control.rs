@@ -45,9 +45,15 @@ pub enum Request {
     },
     BanAdd {
         bans: Vec<BanSpec>,
+        /// In fleet mode: this host only (not published to the fleet).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        local: bool,
     },
     BanDel {
         cidrs: Vec<String>,
+        /// In fleet mode: this host only (no `unban` published to the fleet).
+        #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+        local: bool,
     },
     /// Lift the aggregate ban of a rule keyed `all` or `region`.
     BanLift {
@@ -83,6 +89,8 @@ pub enum Request {
     PressureSet {
         mode: crate::pressure::Mode,
     },
+    /// Fleet mode: the store, the connection to it, the cursor, the outbox, the bans shared.
+    Fleet,
 }
 
 /// The order of `top`.
@@ -169,6 +177,7 @@ pub enum Answer {
     Reload(Reloaded),
     Pressure(Box<crate::pressure::Report>),
     PressureSet(Box<crate::pressure::Report>),
+    Fleet(Box<crate::fleet::Report>),
 }
 
 impl Answer {
@@ -193,6 +202,7 @@ impl Answer {
             Request::Reload => Answer::Reload(read(data)?),
             Request::Pressure => Answer::Pressure(read(data)?),
             Request::PressureSet { .. } => Answer::PressureSet(read(data)?),
+            Request::Fleet => Answer::Fleet(read(data)?),
         })
     }
 
@@ -560,6 +570,7 @@ pub(crate) mod samples {
                 expires: Some("2024-05-01T11:00:00.000Z".into()),
                 remaining_secs: Some(3599.5),
                 reason: Some("scanner".into()),
+                origin: Some("edge-fra-07".into()),
             },
             Ban {
                 cidr: None,
@@ -573,6 +584,7 @@ pub(crate) mod samples {
                 expires: None,
                 remaining_secs: None,
                 reason: None,
+                origin: None,
             },
         ]
     }
@@ -631,12 +643,14 @@ pub(crate) mod samples {
                         duration_ms: Some(3_600_000),
                         reason: Some("scanner".into()),
                     }],
+                    local: true,
                 },
                 Answer::BanAdd(BansAdded { added: 1 }),
             ),
             (
                 Request::BanDel {
                     cidrs: vec!["198.51.100.0/24".into(), "192.0.2.1".into()],
+                    local: false,
                 },
                 Answer::BanDel(BansRemoved {
                     removed: 1,
@@ -731,6 +745,29 @@ pub(crate) mod samples {
                 },
                 Answer::PressureSet(Box::new(pressure())),
             ),
+            (
+                Request::Fleet,
+                Answer::Fleet(Box::new(crate::fleet::Report {
+                    store: "redis://10.1.0.5:6379".into(),
+                    host_id: "edge-fra-07".into(),
+                    share_bans: true,
+                    connected: false,
+                    connected_since: None,
+                    degraded_since: Some("2026-01-02T03:04:05.000Z".into()),
+                    last_error: Some("connecting to redis://10.1.0.5:6379: refused".into()),
+                    cursor: Some("1767323045000-0".into()),
+                    lag_ms: Some(3),
+                    outbox: 2,
+                    outbox_dropped: 0,
+                    bans_published: 10,
+                    unbans_published: 1,
+                    bans_received: 7,
+                    unbans_received: 0,
+                    bans_skipped: 1,
+                    resyncs: 1,
+                    store_rtt_ms: Some(0.25),
+                })),
+            ),
         ]
     }
 }
@@ -760,6 +797,7 @@ mod tests {
             Request::Reload => "reload",
             Request::Pressure => "pressure",
             Request::PressureSet { .. } => "pressure_set",
+            Request::Fleet => "fleet",
         }
     }
 
@@ -771,7 +809,7 @@ mod tests {
         let mut kinds: Vec<&str> = exchanges.iter().map(|(r, _)| sampled(r)).collect();
         kinds.sort_unstable();
         kinds.dedup();
-        assert_eq!(kinds.len(), 17, "one exchange per request");
+        assert_eq!(kinds.len(), 18, "one exchange per request");
         for (req, answer) in exchanges {
             // The request, as the CLI sends it and the daemon reads it.
             let line = serde_json::to_string(&req).unwrap();
@@ -803,7 +841,10 @@ mod tests {
             line,
             r#"{"ok":false,"error":"no such ban: 192.0.2.1/32","data":null}"#
         );
-        let req = Request::BanDel { cidrs: vec![] };
+        let req = Request::BanDel {
+            cidrs: vec![],
+            local: false,
+        };
         assert_eq!(Response::decode(&req, &line).unwrap(), err);
         // An answer that is not the one the request asks for is malformed.
         let wrong = serde_json::to_string(&ok).unwrap();
@@ -827,6 +868,7 @@ mod tests {
                 "expires",
                 "key",
                 "manual",
+                "origin",
                 "preview",
                 "reason",
                 "region",

@@ -96,6 +96,11 @@ pub struct State {
     pub pressure_counters: Option<(pressure::Counters, Instant)>,
     /// Why the operator's last mode could not be saved to `state_dir`.
     pub pressure_not_saved: Option<String>,
+    /// Fleet mode (`[fleet]`): where this host's bans are published. `None` without it.
+    pub fleet: Option<crate::fleet::Link>,
+    /// The origin host of each ban received from the fleet, by prefix (only bans marked
+    /// [`crate::fleet::BAN_REMOTE`] are looked up here).
+    pub ban_origins: Arc<BTreeMap<String, String>>,
 }
 
 /// How often the daemon checks whether the known-sources filter needs a rebuild (a rebuild
@@ -159,7 +164,9 @@ async fn own(mut s: State, mut jobs: mpsc::Receiver<Job>, news: Arc<NewsBox>) {
                 None => break,
             },
             // Bookkeeping only: nothing the reports show.
-            _ = news.ready.notified() => news.take().apply_to(&mut s),
+            _ = news.ready.notified() => {
+                tokio::task::block_in_place(|| news.take().apply_to(&mut s));
+            }
         }
     }
 }
@@ -182,6 +189,7 @@ impl State {
             rule_names: self.rule_names(),
             live_rules: self.live_rules(),
             ban_reasons: self.ban_reasons.clone(),
+            ban_origins: self.ban_origins.clone(),
             ifaces: self.ifaces(),
             attached: self.dp.attached.clone(),
             max_sources: self.cfg.tracking.max_sources,
@@ -331,7 +339,13 @@ impl State {
         }
         self.bans_dirty = false;
         let rules = self.live_rules();
-        let saved = bans::save(dir, &self.maps, &rules, &self.ban_reasons);
+        let saved = bans::save(
+            dir,
+            &self.maps,
+            &rules,
+            &self.ban_reasons,
+            &self.ban_origins,
+        );
         if saved.is_err() {
             self.bans_dirty = true;
         }
@@ -444,9 +458,14 @@ impl State {
             | Request::Stats
             | Request::Top { .. }
             | Request::Bans { .. }
-            | Request::Offenders { .. } => self.reports.answer(req),
-            Request::BanAdd { bans } => Response::ok(Answer::BanAdd(self.ban_add(&bans)?)),
-            Request::BanDel { cidrs } => Response::ok(Answer::BanDel(self.ban_del(&cidrs)?)),
+            | Request::Offenders { .. }
+            | Request::Fleet => self.reports.answer(req),
+            Request::BanAdd { bans, local } => {
+                Response::ok(Answer::BanAdd(self.ban_add(&bans, local)?))
+            }
+            Request::BanDel { cidrs, local } => {
+                Response::ok(Answer::BanDel(self.ban_del(&cidrs, local)?))
+            }
             Request::BanLift { rule, region } => {
                 Response::ok(Answer::BanLift(self.ban_lift(&rule, region.as_deref())?))
             }
@@ -486,7 +505,7 @@ impl State {
     /// `ban add`, all or nothing: every entry is checked before any is applied, and if a
     /// map write fails midway (the ban map is full) the bans this request inserted are
     /// removed and the ones it replaced put back, with no event for any of them.
-    fn ban_add(&mut self, specs: &[BanSpec]) -> anyhow::Result<BansAdded> {
+    fn ban_add(&mut self, specs: &[BanSpec], local: bool) -> anyhow::Result<BansAdded> {
         let mut parsed = Vec::with_capacity(specs.len());
         for (n, s) in specs.iter().enumerate() {
             // The config's parser: a ban takes what `allow`, `deny` and overrides take.
@@ -511,11 +530,22 @@ impl State {
             .context("voiding the program's fast-drop entries")?;
         inserted?;
         let mut added = Vec::with_capacity(parsed.len());
+        let mut records = Vec::new();
         for (net, s) in &parsed {
             let (plen, key) = prefix(net);
             let entry = BanEntry::manual(plen, key.addr, now, ban_end(now, s.duration_ms));
             if entry.expires_ns != 0 {
                 self.next_ban_expiry = self.next_ban_expiry.min(entry.expires_ns);
+            }
+            if let Some(f) = self.fleet.as_ref().filter(|_| !local) {
+                let mut r = f.record(
+                    crate::fleet::Op::Ban,
+                    net.to_string(),
+                    crate::fleet::unix_ms_of_mono(entry.expires_ns),
+                    None,
+                );
+                r.reason = s.reason.clone();
+                records.push(r);
             }
             added.push(ban_event(EV_BAN, &entry, now));
             match &s.reason {
@@ -530,6 +560,9 @@ impl State {
         }
         self.bans_changed();
         self.events.operator(added);
+        if let Some(f) = &self.fleet {
+            f.publish(records);
+        }
         Ok(BansAdded {
             added: parsed.len(),
         })
@@ -579,7 +612,7 @@ impl State {
     /// removed, and a removal that fails midway puts back the bans this request removed, with
     /// no `unban` event for them. Entries with no ban are reported, not an error, unless none
     /// of the entries had one.
-    fn ban_del(&mut self, cidrs: &[String]) -> anyhow::Result<BansRemoved> {
+    fn ban_del(&mut self, cidrs: &[String], local: bool) -> anyhow::Result<BansRemoved> {
         let mut nets = Vec::with_capacity(cidrs.len());
         for (n, c) in cidrs.iter().enumerate() {
             nets.push(config::parse_net(c).map_err(|e| anyhow::anyhow!("entry {}: {e}", n + 1))?);
@@ -626,6 +659,14 @@ impl State {
             Arc::make_mut(&mut self.ban_reasons).remove(&net.to_string());
         }
         let removed = lifted.len();
+        // An `unban` for the fleet: lifts the ban on every host (whichever issued it).
+        if let Some(f) = self.fleet.as_ref().filter(|_| !local && removed > 0) {
+            let records = nets
+                .iter()
+                .map(|n| f.record(crate::fleet::Op::Unban, n.to_string(), 0, None))
+                .collect();
+            f.publish(records);
+        }
         self.bans_changed();
         self.events.operator(lifted);
         if removed == 0 && !missing.is_empty() {
@@ -742,6 +783,9 @@ impl State {
             warn!(
                 "tracking.max_sources changes take effect after `ratelimit detach` and a restart"
             );
+        }
+        if cfg.fleet != self.cfg.fleet {
+            warn!("[fleet] changes take effect after a restart of the daemon");
         }
         // Prepare: nothing below touches a map or an interface.
         let regions = match &cfg.geoip {
@@ -999,10 +1043,123 @@ fn interfaces_wanted(cfg: &Config, extra: &[String]) -> Vec<String> {
     v
 }
 
+impl State {
+    /// Publish the rule-issued bans the events reader saw (at these prefixes), each as the
+    /// ban table holds it now: only bans that drop (a rule in preview, or with `exceed_action
+    /// = pass`, bans nobody elsewhere).
+    fn publish_rule_bans(&mut self, seen: &[(u32, [u8; 16], u32)]) {
+        let Some(f) = &self.fleet else { return };
+        let names = self.rule_names();
+        let now = report::mono_ns();
+        let mut records = Vec::new();
+        for &(plen, addr, rule) in seen {
+            let key = IpKey { addr };
+            let Some(b) = self.maps.ban_at(BAN_TABLE_RULE, plen, &key) else {
+                continue;
+            };
+            if b.rule != rule || !ratelimit_common::limiter::ban_active(b.expires_ns, now) {
+                continue;
+            }
+            let net = crate::apply::net_of(plen, &key);
+            records.push(f.record(
+                crate::fleet::Op::Ban,
+                net.to_string(),
+                crate::fleet::unix_ms_of_mono(b.expires_ns),
+                names.get(rule as usize).cloned(),
+            ));
+        }
+        f.publish(records);
+    }
+
+    /// Apply what the fleet's reader received: other hosts' bans installed (in the
+    /// operator's table, marked [`crate::fleet::BAN_REMOTE`], with their absolute end; where
+    /// a ban is in force here already, the later end wins), their `unban`s lifting the bans at
+    /// their prefix. Nothing applied here is published again.
+    pub fn apply_fleet(
+        &mut self,
+        rx: crate::fleet::Received,
+    ) -> anyhow::Result<crate::fleet::Applied> {
+        use crate::fleet::{BAN_REMOTE, Op, Received};
+        // A snapshot only adds (see `Received::Snapshot`).
+        let (Received::Records(records) | Received::Snapshot(records)) = rx;
+        let mut applied = crate::fleet::Applied::default();
+        let now = report::mono_ns();
+        for r in &records {
+            let Ok(net) = config::parse_net(&r.net) else {
+                warn!(net = %r.net, host = %r.host, "a fleet record with a bad prefix was skipped");
+                applied.skipped += 1;
+                continue;
+            };
+            let (plen, key) = prefix(&net);
+            let cidr = net.to_string();
+            match r.op {
+                Op::Ban => {
+                    let Some(exp) = crate::fleet::mono_of_unix_ms(r.exp_ms) else {
+                        applied.skipped += 1;
+                        continue;
+                    };
+                    if let Some(e) = self.maps.ban_at(BAN_TABLE_OPERATOR, plen, &key)
+                        && ratelimit_common::limiter::ban_active(e.expires_ns, now)
+                        && (e.expires_ns == 0 || (exp != 0 && e.expires_ns >= exp))
+                    {
+                        applied.skipped += 1;
+                        continue;
+                    }
+                    let entry = BanEntry {
+                        flags: BAN_MANUAL | BAN_REMOTE,
+                        ..BanEntry::manual(plen, key.addr, now, exp)
+                    };
+                    if let Err(e) = self.maps.replace_ban_deferred(entry) {
+                        warn!(%net, host = %r.host, "installing a fleet ban failed: {e}");
+                        applied.skipped += 1;
+                        continue;
+                    }
+                    if exp != 0 {
+                        self.next_ban_expiry = self.next_ban_expiry.min(exp);
+                    }
+                    Arc::make_mut(&mut self.ban_origins).insert(cidr.clone(), r.host.clone());
+                    match &r.reason {
+                        Some(why) => {
+                            Arc::make_mut(&mut self.ban_reasons).insert(cidr, why.clone());
+                        }
+                        None => {
+                            Arc::make_mut(&mut self.ban_reasons).remove(&cidr);
+                        }
+                    }
+                    applied.bans += 1;
+                }
+                Op::Unban => {
+                    for entry in self.maps.bans_at(plen, &key) {
+                        if let Ok(true) = self.maps.remove_ban(ban_table(entry.flags), plen, &key) {
+                            applied.unbans += 1;
+                        }
+                    }
+                    Arc::make_mut(&mut self.ban_origins).remove(&cidr);
+                    Arc::make_mut(&mut self.ban_reasons).remove(&cidr);
+                }
+            }
+        }
+        self.maps
+            .flush_ban_epoch()
+            .context("voiding the program's fast-drop entries")?;
+        if applied.bans + applied.unbans > 0 {
+            self.bans_changed();
+            self.reports.changed();
+        }
+        Ok(applied)
+    }
+}
+
 pub async fn run(opts: Options) -> anyhow::Result<()> {
     let cfg = load_config(opts.config_path.as_ref())?;
     // First of all: a daemon already running on these directories keeps them, untouched.
     let _locks = crate::lock::lock_dirs(&cfg.daemon.state_dir, &cfg.daemon.bpffs_dir)?;
+    // The fleet's settings (the host id, the password file read) before anything is loaded.
+    let fleet_settings = cfg
+        .fleet
+        .as_ref()
+        .map(|f| crate::fleet::Settings::resolve(f, &cfg.daemon.state_dir))
+        .transpose()?;
     // The live changes saved by the last run, on top of the config.
     let (live, cfg) = crate::live::Live::load(cfg);
     // Before touching the kernel: a taken port fails the start with nothing attached.
@@ -1105,6 +1262,26 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     ));
     let pressure_marks = pressure::Marks::of(&cfg.pressure);
     let pressure_mode = load_pressure_mode(&cfg.daemon.state_dir);
+    let (jobs_tx, jobs_rx) = mpsc::channel(JOBS_QUEUED);
+    let handle = Handle {
+        jobs: jobs_tx,
+        reports: reports.clone(),
+    };
+    let fleet = fleet_settings.map(|settings| {
+        let h = handle.clone();
+        let link = crate::fleet::start(settings, &tasks, events.clone(), move |rx| {
+            let h = h.clone();
+            async move { h.with(move |s| s.apply_fleet(rx)).await? }
+        });
+        reports.set_fleet(link.shared.clone());
+        info!(
+            store = %link.settings.store,
+            host_id = %link.settings.host_id,
+            share_bans = link.settings.share_bans,
+            "fleet mode"
+        );
+        link
+    });
     let mut state = State {
         cfg,
         opts_ifaces: opts.ifaces,
@@ -1123,6 +1300,8 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         pressure: Pressure::new(pressure_marks, pressure_mode, Instant::now()),
         pressure_counters: None,
         pressure_not_saved: None,
+        fleet,
+        ban_origins: Arc::new(restored.origins),
     };
     state.write_dropped(&dropped);
     reports.publish(state.view());
@@ -1130,13 +1309,8 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         .spawn_census()
         .context("starting the reports' census thread")?;
     let control_socket = state.cfg.daemon.control_socket.clone();
-    let (jobs_tx, jobs_rx) = mpsc::channel(JOBS_QUEUED);
     let news = Arc::new(NewsBox::default());
     tokio::spawn(own(state, jobs_rx, news.clone()));
-    let handle = Handle {
-        jobs: jobs_tx,
-        reports,
-    };
     info!(socket = %control_socket.display(), "control socket ready");
     // Each background task under the supervisor: restarted with backoff if it fails.
     let first = Duration::from_secs(1);
@@ -1330,17 +1504,24 @@ async fn read_events(ring: EventsRing, news: Arc<NewsBox>, events: Events) -> an
 
 /// What events tell the ban bookkeeping: that bans changed (to be saved), and the earliest
 /// expiry among new bans (for the expiry sweep).
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 struct BanNews {
     changed: bool,
     earliest_expiry: u64,
+    /// Rule-issued bans, (prefix length, address, rule), for the fleet; at most
+    /// [`RULE_BANS_NOTED`] between two turns of the owner's.
+    rule_bans: Vec<(u32, [u8; 16], u32)>,
 }
+
+/// Rule-issued bans noted for the fleet while the owner is busy, at most.
+const RULE_BANS_NOTED: usize = 100_000;
 
 impl Default for BanNews {
     fn default() -> Self {
         Self {
             changed: false,
             earliest_expiry: u64::MAX,
+            rule_bans: Vec::new(),
         }
     }
 }
@@ -1355,6 +1536,9 @@ impl BanNews {
             if e.kind == EV_BAN && e.expires_ns != 0 {
                 n.earliest_expiry = n.earliest_expiry.min(e.expires_ns);
             }
+            if e.kind == EV_BAN && e.key_kind == u32::from(KEY_IP) {
+                n.rule_bans.push((e.prefix_len, e.addr, e.rule));
+            }
         }
         n
     }
@@ -1362,9 +1546,14 @@ impl BanNews {
     fn merge(&mut self, o: BanNews) {
         self.changed |= o.changed;
         self.earliest_expiry = self.earliest_expiry.min(o.earliest_expiry);
+        let room = RULE_BANS_NOTED.saturating_sub(self.rule_bans.len());
+        self.rule_bans.extend(o.rule_bans.into_iter().take(room));
     }
 
     fn apply_to(self, s: &mut State) {
+        if !self.rule_bans.is_empty() {
+            s.publish_rule_bans(&self.rule_bans);
+        }
         s.next_ban_expiry = s.next_ban_expiry.min(self.earliest_expiry);
         if self.changed {
             s.bans_changed();

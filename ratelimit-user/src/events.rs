@@ -101,6 +101,25 @@ pub struct PressureLine {
     pub signals: Vec<crate::pressure::Reading>,
 }
 
+/// A change of the fleet store's health (`crate::fleet`): `fleet_degraded` when the store
+/// cannot be reached (with why, and since when), `fleet_restored` when it can again (with how
+/// long it was out and the bans still waiting in the outbox to be sent).
+#[derive(Serialize, Debug, Clone)]
+pub struct FleetLine {
+    pub time: String,
+    /// `fleet_degraded` or `fleet_restored`.
+    pub event: &'static str,
+    pub store: String,
+    pub host_id: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub since: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub down_for_ms: Option<u64>,
+    pub outbox: usize,
+}
+
 /// The summary line of a second in which events were suppressed ([`SUMMARY_EVENT`]).
 #[derive(Serialize, Debug)]
 struct SummaryLine<'a> {
@@ -171,6 +190,7 @@ enum Msg {
     /// has no index any more): always written.
     Lines(Vec<EventLine>),
     Pressure(PressureLine),
+    Fleet(FleetLine),
     Reopen,
     Replace(Output),
     Rate(u32),
@@ -376,6 +396,19 @@ impl Events {
         let c = &self.0.counters;
         c.queued.fetch_add(1, Ordering::AcqRel);
         if self.send(Msg::Pressure(line)).is_none() {
+            c.queued.fetch_sub(1, Ordering::AcqRel);
+            c.lost_queue.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// A change of the fleet store's health: always written.
+    pub fn fleet(&self, line: FleetLine) {
+        if !self.0.enabled.load(Ordering::Relaxed) {
+            return;
+        }
+        let c = &self.0.counters;
+        c.queued.fetch_add(1, Ordering::AcqRel);
+        if self.send(Msg::Fleet(line)).is_none() {
             c.queued.fetch_sub(1, Ordering::AcqRel);
             c.lost_queue.fetch_add(1, Ordering::Relaxed);
         }
@@ -845,6 +878,12 @@ impl Writer {
                 self.counters.queued.fetch_sub(n, Ordering::AcqRel);
             }
             Msg::Pressure(line) => {
+                if !self.out.is_none() {
+                    self.push_line(&line);
+                }
+                self.counters.queued.fetch_sub(1, Ordering::AcqRel);
+            }
+            Msg::Fleet(line) => {
                 if !self.out.is_none() {
                     self.push_line(&line);
                 }

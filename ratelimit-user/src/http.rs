@@ -84,7 +84,7 @@ pub const MAX_CONNECTION_AGE: Duration = Duration::from_secs(60);
 const ACCEPT_WARN_EVERY: Duration = Duration::from_secs(10);
 
 const ENDPOINTS: &str = "/metrics, /v1/status, /v1/stats, /v1/top?n=N&by=packets|bytes|drops, \
-     /v1/bans?limit=N, /v1/offenders?limit=N, /v1/pressure";
+     /v1/bans?limit=N, /v1/offenders?limit=N, /v1/pressure, /v1/fleet";
 
 /// Bind `daemon.http_listen`, with an error an operator can act on.
 pub async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
@@ -323,6 +323,19 @@ fn snapshot(s: &Reports) -> anyhow::Result<(Stats, Gauges)> {
             .map(|r| (r.signal.name(), r.value, r.mark))
             .collect(),
         pressure_transitions: view.pressure.transitions,
+        fleet: s.fleet.get().map(|f| {
+            let r = f.report();
+            FleetGauges {
+                connected: r.connected,
+                bans_published: r.bans_published,
+                unbans_published: r.unbans_published,
+                bans_received: r.bans_received,
+                unbans_received: r.unbans_received,
+                outbox: r.outbox as u64,
+                resyncs: r.resyncs,
+                latency: f.latency(),
+            }
+        }),
     };
     Ok((stats, gauges))
 }
@@ -354,6 +367,21 @@ pub struct Gauges {
     pub pressure_signals: Vec<(&'static str, Option<f64>, f64)>,
     /// Changes of the pressure level since the daemon started.
     pub pressure_transitions: u64,
+    /// Fleet mode's counts; `None` without `[fleet]` (no `ratelimit_fleet_*` series).
+    pub fleet: Option<FleetGauges>,
+}
+
+/// What `/metrics` shows of fleet mode (`ratelimit_fleet_*`).
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct FleetGauges {
+    pub connected: bool,
+    pub bans_published: u64,
+    pub unbans_published: u64,
+    pub bans_received: u64,
+    pub unbans_received: u64,
+    pub outbox: u64,
+    pub resyncs: u64,
+    pub latency: crate::fleet::Latency,
 }
 
 #[derive(Debug)]
@@ -366,6 +394,8 @@ enum Value {
     /// An OpenMetrics info metric (a family's only series): value 1, the labels carry the
     /// information.
     Info,
+    /// A histogram: sum, count, (upper bound, count in that bucket alone) with `+Inf` last.
+    Histogram(f64, u64, Vec<(f64, u64)>),
 }
 
 type Labels = Vec<(&'static str, String)>;
@@ -432,6 +462,12 @@ fn encode_value(metric: MetricEncoder, value: &Value) -> Result<(), std::fmt::Er
         Value::Counter(v) => ConstCounter::new(*v).encode(metric),
         Value::Gauge(v) => ConstGauge::new(*v).encode(metric),
         Value::Ratio(v) | Value::Float(v) => ConstGauge::new(*v).encode(metric),
+        Value::Histogram(sum, count, buckets) => {
+            let mut metric = metric;
+            metric.encode_histogram::<prometheus_client::encoding::NoLabelSet>(
+                *sum, *count, buckets, None,
+            )
+        }
         Value::Info => {
             debug_assert!(false, "an info metric has exactly one series");
             Ok(())
@@ -795,6 +831,11 @@ pub fn render_metrics(stats: &Stats, gauges: &Gauges) -> String {
             "Changes of the pressure level (to high or to low) since the daemon started",
         )
         .with(vec![], Value::Counter(gauges.pressure_transitions)),
+    ]);
+    if let Some(f) = &gauges.fleet {
+        families.extend(fleet_families(f));
+    }
+    families.extend([
         Family::new("ratelimit_up", Gauge, "1 while the daemon answers")
             .with(vec![], Value::Gauge(1)),
         Family::new("ratelimit_build", Info, "The daemon's version").with(
@@ -809,6 +850,54 @@ pub fn render_metrics(stats: &Stats, gauges: &Gauges) -> String {
     prometheus_client::encoding::text::encode(&mut out, &registry)
         .expect("writing to a String does not fail");
     out
+}
+
+/// `ratelimit_fleet_*`: fleet mode's connection, bans shared, outbox and store latency.
+fn fleet_families(f: &FleetGauges) -> Vec<Family> {
+    use MetricType::{Counter, Gauge, Histogram};
+    vec![
+        Family::new(
+            "ratelimit_fleet_connected",
+            Gauge,
+            "1 while the fleet store is reachable and this host follows its ban stream; 0 while degraded (enforcing locally)",
+        )
+        .with(vec![], Value::Gauge(u64::from(f.connected))),
+        Family::new(
+            "ratelimit_fleet_records_published",
+            Counter,
+            "Ban records this host published to the fleet store, by op (ban, unban)",
+        )
+        .with(vec![("op", "ban".into())], Value::Counter(f.bans_published))
+        .with(vec![("op", "unban".into())], Value::Counter(f.unbans_published)),
+        Family::new(
+            "ratelimit_fleet_records_received",
+            Counter,
+            "Ban records of other hosts this host received from the fleet store, by op (ban, unban)",
+        )
+        .with(vec![("op", "ban".into())], Value::Counter(f.bans_received))
+        .with(vec![("op", "unban".into())], Value::Counter(f.unbans_received)),
+        Family::new(
+            "ratelimit_fleet_outbox_records",
+            Gauge,
+            "Ban records waiting in the outbox (state_dir/fleet-outbox.json) for the store",
+        )
+        .with(vec![], Value::Gauge(f.outbox)),
+        Family::new(
+            "ratelimit_fleet_resyncs",
+            Counter,
+            "Times this host read the fleet's ban snapshot whole (at its first start, after its cursor was trimmed away, after the store was unreachable)",
+        )
+        .with(vec![], Value::Counter(f.resyncs)),
+        Family::new(
+            "ratelimit_fleet_store_latency_seconds",
+            Histogram,
+            "Round trips to the fleet store: a publish (a batch of records), a cursor check, a snapshot read",
+        )
+        .with(
+            vec![],
+            Value::Histogram(f.latency.sum, f.latency.count, f.latency.series()),
+        ),
+    ]
 }
 
 /// Query of `/v1/top`.
@@ -984,6 +1073,7 @@ fn router<B: Backend>(app: App<B>) -> Router {
         .route("/v1/bans", get(bans::<B>))
         .route("/v1/offenders", get(offenders::<B>))
         .route("/v1/pressure", report(Request::Pressure))
+        .route("/v1/fleet", report(Request::Fleet))
         .fallback(not_found)
         // After the routes: it applies to those registered before it.
         .method_not_allowed_fallback(method_not_allowed)
@@ -1078,7 +1168,54 @@ mod tests {
         pressure_high: false,
         pressure_signals: Vec::new(),
         pressure_transitions: 0,
+        fleet: None,
     };
+
+    /// Fleet mode's families, only with `[fleet]`; the latency histogram's buckets are
+    /// cumulative, `+Inf` last, as Prometheus reads them.
+    #[test]
+    fn http_metrics_fleet_series() {
+        let text = render_metrics(&synthetic(), &GAUGES);
+        assert!(!text.contains("ratelimit_fleet_"), "{text}");
+        let mut latency = crate::fleet::Latency::default();
+        latency.observe(0.0002);
+        latency.observe(0.003);
+        latency.observe(2.0);
+        let gauges = Gauges {
+            fleet: Some(FleetGauges {
+                connected: true,
+                bans_published: 5,
+                unbans_published: 1,
+                bans_received: 7,
+                unbans_received: 2,
+                outbox: 3,
+                resyncs: 1,
+                latency,
+            }),
+            ..GAUGES
+        };
+        let text = render_metrics(&synthetic(), &gauges);
+        let l = lines(&text);
+        for want in [
+            "# TYPE ratelimit_fleet_connected gauge",
+            "ratelimit_fleet_connected 1",
+            "# TYPE ratelimit_fleet_records_published counter",
+            "ratelimit_fleet_records_published_total{op=\"ban\"} 5",
+            "ratelimit_fleet_records_published_total{op=\"unban\"} 1",
+            "ratelimit_fleet_records_received_total{op=\"ban\"} 7",
+            "ratelimit_fleet_records_received_total{op=\"unban\"} 2",
+            "ratelimit_fleet_outbox_records 3",
+            "ratelimit_fleet_resyncs_total 1",
+            "# TYPE ratelimit_fleet_store_latency_seconds histogram",
+            "ratelimit_fleet_store_latency_seconds_count 3",
+            "ratelimit_fleet_store_latency_seconds_bucket{le=\"0.0005\"} 1",
+            "ratelimit_fleet_store_latency_seconds_bucket{le=\"0.005\"} 2",
+            "ratelimit_fleet_store_latency_seconds_bucket{le=\"1.0\"} 2",
+            "ratelimit_fleet_store_latency_seconds_bucket{le=\"+Inf\"} 3",
+        ] {
+            assert!(l.contains(&want), "{want} missing from:\n{text}");
+        }
+    }
 
     fn lines(text: &str) -> Vec<&str> {
         text.lines().collect()

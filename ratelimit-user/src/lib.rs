@@ -12,6 +12,7 @@ pub mod daemon;
 pub mod datapath;
 pub mod durable;
 pub mod events;
+pub mod fleet;
 pub mod geoip;
 pub mod http;
 pub mod kernel_log;

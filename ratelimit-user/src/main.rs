@@ -11,7 +11,8 @@ use clap::Parser as _;
 
 use ratelimit_user::{
     cli::{
-        self, BanCommand, Cli, Command, OverrideCommand, PressureCommand, RuleCommand, XdpModeArg,
+        self, BanCommand, Cli, Command, FleetCommand, OverrideCommand, PressureCommand,
+        RuleCommand, XdpModeArg,
     },
     config,
     control::{self, Answer, BanSpec, Request},
@@ -123,6 +124,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
                     duration,
                     reason,
                     file,
+                    local,
                     ..
                 },
         } => {
@@ -145,6 +147,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
                         reason: reason.clone(),
                     })
                     .collect(),
+                local: *local,
             }
         }
         Command::Ban {
@@ -159,7 +162,9 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             region: region.clone(),
         },
         Command::Ban {
-            action: BanCommand::Del { cidr, file, .. },
+            action: BanCommand::Del {
+                cidr, file, local, ..
+            },
         } => {
             if cidr.is_none() && file.is_none() {
                 anyhow::bail!(
@@ -168,6 +173,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             }
             Request::BanDel {
                 cidrs: cidr_list(cidr.as_deref(), file.as_deref())?,
+                local: *local,
             }
         }
         Command::Rule {
@@ -189,6 +195,9 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
             at: target.at(rule),
         },
         Command::Overrides(_) => Request::Overrides,
+        Command::Fleet {
+            action: FleetCommand::Status(_),
+        } => Request::Fleet,
         Command::Pressure(p) => match &p.action {
             None => Request::Pressure,
             Some(PressureCommand::Set { mode, .. }) => Request::PressureSet { mode: *mode },
@@ -203,6 +212,9 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         | Command::Rules(j)
         | Command::Overrides(j) => j.json,
         Command::Top(t) => t.json,
+        Command::Fleet {
+            action: FleetCommand::Status(j),
+        } => j.json,
         Command::Pressure(p) => match &p.action {
             None => p.json,
             Some(PressureCommand::Set { json, .. }) => p.json || *json,
@@ -308,6 +320,7 @@ fn print_human(answer: &Answer) -> anyhow::Result<()> {
             None => println!("rule {}: the config's values apply", c.rule),
         },
         Answer::Pressure(p) | Answer::PressureSet(p) => print_pressure(p),
+        Answer::Fleet(f) => print_fleet(f),
         Answer::Reload(r) => {
             println!("reloaded {}: rules {}", r.reloaded, r.rules.join(", "));
             for d in &r.live_changes_dropped {
@@ -316,6 +329,54 @@ fn print_human(answer: &Answer) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+fn print_fleet(f: &ratelimit_user::fleet::Report) {
+    let state = match (&f.connected_since, &f.degraded_since) {
+        _ if !f.share_bans => "not contacted: share_bans = false".to_string(),
+        (Some(since), _) if f.connected => format!("connected since {since}"),
+        (_, Some(since)) => format!(
+            "DEGRADED since {since}: enforcing locally ({})",
+            f.last_error.as_deref().unwrap_or("unreachable")
+        ),
+        _ => "connecting".to_string(),
+    };
+    let opt = |v: &Option<String>| v.clone().unwrap_or_else(|| "-".into());
+    println!("store      {} ({state})", f.store);
+    println!(
+        "host_id    {}{}",
+        f.host_id,
+        if f.share_bans {
+            ""
+        } else {
+            " (share_bans = false)"
+        }
+    );
+    println!("cursor     {}", opt(&f.cursor));
+    println!(
+        "lag        {}",
+        f.lag_ms.map_or("-".into(), |ms| format!("{ms} ms"))
+    );
+    println!(
+        "outbox     {} waiting{}",
+        f.outbox,
+        if f.outbox_dropped > 0 {
+            format!(" ({} dropped: the outbox was full)", f.outbox_dropped)
+        } else {
+            String::new()
+        }
+    );
+    println!(
+        "sent       {} bans, {} unbans",
+        f.bans_published, f.unbans_published
+    );
+    println!(
+        "received   {} bans, {} unbans ({} skipped: expired, or held longer here); {} resyncs",
+        f.bans_received, f.unbans_received, f.bans_skipped, f.resyncs
+    );
+    if let Some(ms) = f.store_rtt_ms {
+        println!("store rtt  {ms:.2} ms (last)");
+    }
 }
 
 fn print_pressure(p: &ratelimit_user::pressure::Report) {
@@ -419,10 +480,11 @@ fn print_bans(bans: &[report::Ban]) {
             }
             (None, k) => format!("({k})"),
         };
-        let rule = match (&b.rule, b.manual) {
-            (Some(r), _) => r.as_str(),
-            (None, true) => "(manual)",
-            (None, false) => "",
+        let rule = match (&b.rule, b.manual, &b.origin) {
+            (_, _, Some(host)) => format!("(fleet: {host})"),
+            (Some(r), _, _) => r.clone(),
+            (None, true, _) => "(manual)".into(),
+            (None, false, _) => String::new(),
         };
         println!(
             "{:<40} {:<20} {:<26} {}",

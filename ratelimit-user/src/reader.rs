@@ -50,6 +50,8 @@ pub struct View {
     /// Rules as the data plane holds them (live `rule set` changes included).
     pub live_rules: Vec<(String, RuleConfig)>,
     pub ban_reasons: Arc<BTreeMap<String, String>>,
+    /// The origin host of each ban received from the fleet.
+    pub ban_origins: Arc<BTreeMap<String, String>>,
     /// (counter slot, interface).
     pub ifaces: Vec<(u32, String)>,
     pub attached: Vec<Attached>,
@@ -93,6 +95,9 @@ pub struct Reports {
     pub events: Events,
     pub tasks: Arc<supervise::Tasks>,
     pub known_status: Arc<std::sync::Mutex<Option<crate::known::Rebuilt>>>,
+    /// Fleet mode's shared state (`fleet status`, `/v1/fleet`, `ratelimit_fleet_*`); unset
+    /// without `[fleet]`.
+    pub fleet: std::sync::OnceLock<Arc<crate::fleet::Shared>>,
 }
 
 /// Map handles only read through: `Maps`' writing methods take `&mut`, which this never
@@ -125,7 +130,13 @@ impl Reports {
             events,
             tasks,
             known_status,
+            fleet: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Fleet mode is on: its state is reported from now on.
+    pub fn set_fleet(&self, shared: Arc<crate::fleet::Shared>) {
+        let _ = self.fleet.set(shared);
     }
 
     /// The owner task's latest view.
@@ -157,6 +168,7 @@ impl Reports {
                 | Request::Bans { .. }
                 | Request::Offenders { .. }
                 | Request::Pressure
+                | Request::Fleet
         )
     }
 
@@ -164,7 +176,7 @@ impl Reports {
     pub async fn run(self: &Arc<Self>, req: Request) -> Response {
         // `status` reads no walk's worth unless its counts changed: it takes no turn, so it
         // answers while long reports run.
-        let _permit = if matches!(req, Request::Status | Request::Pressure) {
+        let _permit = if matches!(req, Request::Status | Request::Pressure | Request::Fleet) {
             None
         } else {
             match self.permits.acquire().await {
@@ -222,7 +234,12 @@ impl Reports {
                 },
             )?)),
             Request::Bans { limit } => {
-                let mut b = report::bans(&self.maps, &view.live_rules, &view.ban_reasons);
+                let mut b = report::bans(
+                    &self.maps,
+                    &view.live_rules,
+                    &view.ban_reasons,
+                    &view.ban_origins,
+                );
                 if let Some(limit) = limit {
                     b.truncate(limit);
                 }
@@ -245,6 +262,10 @@ impl Reports {
                 Response::ok(Answer::Offenders(c))
             }
             Request::Pressure => Response::ok(Answer::Pressure(Box::new(view.pressure.clone()))),
+            Request::Fleet => match self.fleet.get() {
+                Some(f) => Response::ok(Answer::Fleet(Box::new(f.report()))),
+                None => Response::err("fleet mode is off: the config has no [fleet] section"),
+            },
             other => anyhow::bail!("not a report: {other:?}"),
         })
     }
@@ -269,7 +290,13 @@ impl Reports {
     fn take_census(&self, view: &View, mark: (u64, u64)) -> Census {
         let fresh = Census {
             tracked_clients: report::tracked_clients(&self.maps).unwrap_or(0),
-            active_bans: report::bans(&self.maps, &view.live_rules, &BTreeMap::new()).len() as u64,
+            active_bans: report::bans(
+                &self.maps,
+                &view.live_rules,
+                &BTreeMap::new(),
+                &BTreeMap::new(),
+            )
+            .len() as u64,
             mark,
             at: std::time::Instant::now(),
         };

@@ -664,6 +664,10 @@ pub struct Ban {
     pub expires: Option<String>,
     pub remaining_secs: Option<f64>,
     pub reason: Option<String>,
+    /// The fleet host that issued it, for a ban received from the fleet; null for this
+    /// host's own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub origin: Option<String>,
 }
 
 /// Every ban in force now, as (CIDR, entry).
@@ -682,6 +686,7 @@ pub fn bans(
     maps: &Maps,
     rules: &[(String, RuleConfig)],
     reasons: &BTreeMap<String, String>,
+    origins: &BTreeMap<String, String>,
 ) -> Vec<Ban> {
     let now = mono_ns();
     let mut out: Vec<Ban> = active_bans(maps)
@@ -700,6 +705,9 @@ pub fn bans(
                 expires: (b.expires_ns != 0).then(|| rfc3339(wall_of(b.expires_ns))),
                 remaining_secs: (b.expires_ns != 0).then(|| (b.expires_ns - now) as f64 / 1e9),
                 reason: reasons.get(&cidr).cloned(),
+                origin: (b.flags & crate::fleet::BAN_REMOTE != 0)
+                    .then(|| origins.get(&cidr).cloned())
+                    .flatten(),
                 cidr: Some(cidr),
                 key: Key::Ip,
                 region: None,
@@ -761,6 +769,7 @@ pub fn aggregate_bans(maps: &Maps, rules: &[(String, RuleConfig)], now: u64) -> 
                 expires: Some(rfc3339(wall_of(until))),
                 remaining_secs: Some((until - now) as f64 / 1e9),
                 reason: None,
+                origin: None,
                 expires_ns: Some(until),
             });
         }

@@ -51,6 +51,7 @@ fn packaging_example_config_validates() {
     assert!(cfg.rules.len() >= 3, "{} rules", cfg.rules.len());
     // The GeoIP part is off in the file as shipped (see its comment) ...
     assert!(cfg.geoip.is_none());
+    assert!(cfg.fleet.is_none());
     assert!(cfg.rules.iter().all(|r| r.key != KeyKind::Region));
 
     // ... and valid once enabled: a region rule with a region override, and the database.
@@ -58,6 +59,7 @@ fn packaging_example_config_validates() {
     let cfg = config::parse("ratelimit.example.toml (#~ enabled)", &full)
         .unwrap_or_else(|e| panic!("{e}"));
     assert!(cfg.geoip.is_some());
+    assert!(cfg.fleet.is_some());
     let region = cfg
         .rules
         .iter()
@@ -121,6 +123,11 @@ fn packaging_example_config_shows_every_key() {
         "soft_limit",
         "cidr",
         "region",
+        "redis",
+        "host_id",
+        "password_file",
+        "sync_interval",
+        "share_bans",
     ] {
         assert!(set.contains(key), "the example does not set {key:?}");
     }

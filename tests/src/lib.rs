@@ -29,6 +29,7 @@ pub mod prometheus;
 pub mod receiver;
 pub mod scenario;
 pub mod sender;
+pub mod store;
 pub mod tun;
 
 pub use daemon::Daemon;

@@ -24,6 +24,8 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "bpftool",
     "nftables",
     "iptables",
+    // The fleet test's store (its own server, started by the test; the package's service is
+    // disabled, see `PACKAGE_SERVICES`).
     "redis-server",
     // The metrics test has a real Prometheus scrape the daemon (its own server, started by
     // the test; the package's service is disabled, see `PACKAGE_SERVICES`).
@@ -48,9 +50,14 @@ const DEBIAN_PACKAGES: &[&str] = &[
 ];
 
 /// Packages whose installation starts a system service the tests must not meet (the
-/// Prometheus server on port 9090 scraping nothing of ours, nginx on port 80): after setup
-/// installs one, the service is stopped and disabled. The tests start servers of their own.
-const PACKAGE_SERVICES: &[(&str, &str)] = &[("prometheus", "prometheus"), ("nginx-light", "nginx")];
+/// Prometheus server on port 9090 scraping nothing of ours, nginx on port 80, a Redis server
+/// on 6379): after setup installs one, the service is stopped and disabled. The tests start
+/// servers of their own.
+const PACKAGE_SERVICES: &[(&str, &str)] = &[
+    ("prometheus", "prometheus"),
+    ("nginx-light", "nginx"),
+    ("redis-server", "redis-server"),
+];
 
 const LLVM_PREFIX: &str = "/usr/lib/llvm-22";
 

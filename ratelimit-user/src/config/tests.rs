@@ -1730,3 +1730,92 @@ fn pressure_errors() {
             .starts_with("t.toml:2:1: pressure: unknown key \"elastic\""),
     );
 }
+
+// [fleet]
+
+#[test]
+fn no_fleet_section_means_no_fleet() {
+    assert_eq!(ok("").fleet, None);
+}
+
+#[test]
+fn fleet_takes_its_values_and_defaults() {
+    let f = ok("[fleet]\nredis = \"redis://10.1.0.5:6379\"\n")
+        .fleet
+        .unwrap();
+    assert_eq!(f.redis, "redis://10.1.0.5:6379");
+    assert_eq!(f.host_id, None);
+    assert_eq!(f.password_file, None);
+    assert_eq!(f.sync_interval, Duration::from_millis(100));
+    assert!(f.share_bans);
+    let f = ok(
+        "[fleet]\nredis = \"unix:///run/redis/redis.sock\"\nhost_id = \"edge-fra-07\"\n\
+                password_file = \"/etc/ratelimit/redis.pass\"\nsync_interval = \"250ms\"\n\
+                share_bans = false\n",
+    )
+    .fleet
+    .unwrap();
+    assert_eq!(f.redis, "unix:///run/redis/redis.sock");
+    assert_eq!(f.host_id.as_deref(), Some("edge-fra-07"));
+    assert_eq!(
+        f.password_file.as_deref(),
+        Some(std::path::Path::new("/etc/ratelimit/redis.pass"))
+    );
+    assert_eq!(f.sync_interval, Duration::from_millis(250));
+    assert!(!f.share_bans);
+}
+
+#[test]
+fn fleet_errors() {
+    assert_eq!(
+        error("[fleet]\nhost_id = \"a\"\n"),
+        "t.toml:1:1: fleet.redis is required (the store's address, e.g. \"redis://10.1.0.5:6379\")"
+    );
+    assert_eq!(
+        error("[fleet]\nredis = \"http://10.1.0.5\"\n"),
+        "t.toml:2:9: fleet.redis: \"http://10.1.0.5\" is not a store address (expected \
+         redis://HOST:PORT or unix:///PATH)"
+    );
+    let e = error("[fleet]\nredis = \"redis+cluster://a:6379,b:6379\"\n");
+    assert!(
+        e.starts_with("t.toml:2:9: fleet.redis: ")
+            && e.contains("Redis Cluster is not yet supported"),
+        "{e}"
+    );
+    let e = error("[fleet]\nredis = \"rediss://a:6379\"\n");
+    assert!(e.contains("TLS (rediss://) is not yet supported"), "{e}");
+    assert_eq!(
+        error("[fleet]\nredis = \"redis://a:6379\"\nhost_id = \"edge 1\"\n"),
+        "t.toml:3:11: fleet.host_id: \"edge 1\": ' ' is not allowed (letters, digits, '.', '-' \
+         and '_' are)"
+    );
+    assert_eq!(
+        error("[fleet]\nredis = \"redis://a:6379\"\nhost_id = \"\"\n"),
+        "t.toml:3:11: fleet.host_id: must not be empty"
+    );
+    assert_eq!(
+        error("[fleet]\nredis = \"redis://a:6379\"\nsync_interval = \"1ms\"\n"),
+        "t.toml:3:17: fleet.sync_interval must be between 10ms and 1m"
+    );
+    assert_eq!(
+        error("[fleet]\nredis = \"redis://a:6379\"\nshare_bans = \"yes\"\n"),
+        "t.toml:3:14: fleet.share_bans must be true or false, not a string"
+    );
+    assert!(
+        error("[fleet]\nredis = \"redis://a:6379\"\nbans = true\n")
+            .starts_with("t.toml:3:1: fleet: unknown key \"bans\""),
+    );
+}
+
+#[test]
+fn rule_scope_global_is_refused_for_now() {
+    let rule = "[[rule]]\nname = \"r\"\nthreshold = { count = 10, interval = \"1s\" }\n";
+    assert!(ok(&format!("{rule}scope = \"local\"\n")).rules.len() == 1);
+    let e = error(&format!("{rule}scope = \"global\"\n"));
+    assert!(
+        e.starts_with("t.toml:4:9: rule \"r\": scope: \"global\" is not yet supported"),
+        "{e}"
+    );
+    let e = error(&format!("{rule}scope = \"fleet\"\n"));
+    assert!(e.contains("\"fleet\" is not a scope"), "{e}");
+}

@@ -14,10 +14,10 @@ use ratelimit_common::caps;
 use super::tree::{Checker, Field, Item, Node, Table};
 use super::values::{check_amount, check_byte_burst, check_interval, check_port};
 use super::{
-    Action, Algorithm, Config, Daemon, EventsSink, ExceedAction, GeoIp, KeyKind, Lists, Match,
-    Override, OverrideTarget, Pressure, Protocol, Rule, Threshold, Tracking, Unit, override_fits,
-    parse_ban_duration, parse_bytes, parse_duration, parse_net, parse_port_range, parse_region,
-    parse_tcp_flags,
+    Action, Algorithm, Config, Daemon, EventsSink, ExceedAction, Fleet, GeoIp, KeyKind, Lists,
+    Match, Override, OverrideTarget, Pressure, Protocol, Rule, Threshold, Tracking, Unit,
+    override_fits, parse_ban_duration, parse_bytes, parse_duration, parse_net, parse_port_range,
+    parse_region, parse_tcp_flags,
 };
 
 pub(super) fn build(root: &Item, ck: &mut Checker) -> Config {
@@ -41,6 +41,9 @@ pub(super) fn build(root: &Item, ck: &mut Checker) -> Config {
     }
     if let Some(t) = top.get("pressure").and_then(|f| f.table(ck)) {
         config.pressure = pressure(t, ck);
+    }
+    if let Some(t) = top.get("fleet").and_then(|f| f.table(ck)) {
+        config.fleet = fleet(t, ck);
     }
     if let Some(tables) = top.get("rule").and_then(|f| f.tables(ck, "rule")) {
         let mut totals = Totals::default();
@@ -371,6 +374,52 @@ fn pressure(mut t: Table, ck: &mut Checker) -> Pressure {
     p
 }
 
+fn fleet(mut t: Table, ck: &mut Checker) -> Option<Fleet> {
+    let redis = match t.get("redis") {
+        Some(f) => f.str(ck).and_then(|s| {
+            super::check_redis_url(s)
+                .map_err(|e| f.invalid(ck, e))
+                .ok()
+                .map(|()| s.to_owned())
+        }),
+        None => {
+            t.missing(
+                ck,
+                "redis",
+                " (the store's address, e.g. \"redis://10.1.0.5:6379\")",
+            );
+            None
+        }
+    };
+    let host_id = t.get("host_id").and_then(|f| {
+        let s = f.str(ck)?;
+        super::check_host_id(s)
+            .map_err(|e| f.invalid(ck, e))
+            .ok()
+            .map(|()| s.to_owned())
+    });
+    let password_file = t.get("password_file").and_then(|f| path(&f, ck));
+    let mut sync_interval = super::DEFAULT_SYNC_INTERVAL;
+    if let Some(f) = t.get("sync_interval")
+        && let Some(d) = duration(&f, ck)
+    {
+        if d < Duration::from_millis(10) || d > Duration::from_secs(60) {
+            f.error(ck, "must be between 10ms and 1m");
+        } else {
+            sync_interval = d;
+        }
+    }
+    let share_bans = t.get("share_bans").and_then(|f| f.bool(ck)).unwrap_or(true);
+    t.finish(ck);
+    Some(Fleet {
+        redis: redis?,
+        host_id,
+        password_file,
+        sync_interval,
+        share_bans,
+    })
+}
+
 /// Counts across all rules, for the capacities the rules share.
 #[derive(Default)]
 struct Totals {
@@ -517,6 +566,21 @@ fn rule(index: usize, mut t: Table, has_geoip: bool, tot: &mut Totals, ck: &mut 
         .and_then(|f| keyword(&f, ck))
         .unwrap_or(ExceedAction::Drop);
     let preview = t.get("preview").and_then(|f| f.bool(ck)).unwrap_or(false);
+    if let Some(f) = t.get("scope")
+        && let Some(s) = f.str(ck)
+    {
+        match s {
+            "local" => {}
+            "global" | "split" => f.invalid(
+                ck,
+                format!(
+                    "\"{s}\" is not yet supported (fleet mode shares bans for now; every \
+                     threshold is enforced per host)"
+                ),
+            ),
+            other => f.invalid(ck, format!("{other:?} is not a scope (expected \"local\")")),
+        }
+    }
     let mut soft_limit = 0.8;
     if let Some(f) = t.get("soft_limit") {
         match f.number(ck) {

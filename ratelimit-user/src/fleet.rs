@@ -1,0 +1,1030 @@
+//! Fleet mode, shared bans: a ban issued on one host (by a rule, or `ratelimit ban add`
+//! without `--local`) is enforced by every host of the fleet, through one Redis store.
+//!
+//! ## The store
+//! - `ratelimit:{bans}:stream`: a stream of [`Record`]s (`ban` with its absolute end, or
+//!   `unban`), one field `r` holding the record as JSON, trimmed with `MAXLEN ~`
+//!   [`STREAM_MAXLEN`].
+//! - `ratelimit:{bans}:snap`: a hash, CIDR → `<end ms>|<record>`, the ban with the latest end
+//!   for each prefix (an `unban` deletes its field). A ban's expiry needs no message: each
+//!   host's kernel expires its own copy. A host that has no cursor, or whose cursor was
+//!   trimmed away, or that was cut off from the store, reads the snapshot and goes on from the
+//!   stream's last entry.
+//!
+//! Both keys share the hash tag `{bans}`, so the script that updates them together stays in
+//! one slot of a Redis Cluster.
+//!
+//! ## Tasks, and who waits for whom
+//! Nothing on the packet path or the control API waits for the store. The owner task hands
+//! the records it publishes to the **publisher** (an unbounded channel; it never waits), and
+//! the **reader** hands the records it reads to the owner as jobs (the bans installed with
+//! their absolute end, the later end winning). Both run under the supervisor, each with its
+//! own connection and timeouts; what they know is in [`Shared`], which `fleet status`,
+//! `/v1/fleet` and `/metrics` read without waiting for either.
+//!
+//! While the store cannot be reached the daemon enforces everything locally: outgoing records
+//! wait in `state_dir/fleet-outbox.json` (written whole, durably, as the other state files)
+//! and are sent when the store returns; the reader then resyncs from the snapshot. The change
+//! is written as a `fleet_degraded` event, and the return as `fleet_restored`.
+//!
+//! Bans received from the fleet are marked [`BAN_REMOTE`] (and their origin host kept): they
+//! are never published again, so no ban echoes between hosts.
+
+use std::{
+    collections::{BTreeMap, VecDeque},
+    path::{Path, PathBuf},
+    sync::{Arc, Mutex},
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+use anyhow::{Context as _, bail};
+use redis::aio::MultiplexedConnection;
+use serde::{Deserialize, Serialize};
+use tokio::sync::mpsc;
+use tracing::{info, warn};
+
+use crate::{config, events, report, supervise};
+
+/// `BanEntry::flags` of a ban received from the fleet (in the operator's table, with
+/// `BAN_MANUAL`). The program tests only the bits it knows; this one is the daemon's.
+pub const BAN_REMOTE: u32 = 1 << 8;
+
+pub const STREAM_KEY: &str = "ratelimit:{bans}:stream";
+pub const SNAP_KEY: &str = "ratelimit:{bans}:snap";
+/// The stream keeps about this many records (`XADD MAXLEN ~`); a host further behind
+/// resyncs from the snapshot.
+pub const STREAM_MAXLEN: u64 = 100_000;
+/// The outgoing records waiting for the store, in `state_dir`.
+pub const OUTBOX_FILE: &str = "fleet-outbox.json";
+/// The reader's cursor, in `state_dir`.
+pub const STATE_FILE: &str = "fleet.json";
+/// The outbox holds at most this many records; beyond, the oldest are dropped (and counted).
+pub const OUTBOX_MAX: usize = 100_000;
+/// Each store command's answer is awaited this long at most.
+pub const REQUEST_TIMEOUT: Duration = Duration::from_millis(500);
+/// A connection is made within this, or the store counts as unreachable.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// The reader's `XREAD BLOCK`, in ms (its answer is awaited this long plus
+/// [`REQUEST_TIMEOUT`]).
+const READ_BLOCK_MS: u64 = 1000;
+/// Records read (and records published) at once.
+const BATCH: usize = 500;
+/// The publisher looks at its outbox this often when nothing new comes.
+const PUBLISH_RETRY: Duration = Duration::from_millis(250);
+/// Waits between reconnection attempts: from the first to the last, doubling.
+const BACKOFF_FIRST: Duration = Duration::from_millis(100);
+const BACKOFF_MAX: Duration = Duration::from_secs(2);
+
+/// What a record does.
+#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+pub enum Op {
+    Ban,
+    Unban,
+}
+
+/// One entry of the ban stream.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Eq)]
+pub struct Record {
+    pub op: Op,
+    /// The prefix, as `ban add` prints it (`203.0.113.0/24`, `2001:db8::/64`).
+    pub net: String,
+    /// Unix ms when the ban ends; 0 = until removed. 0 for an `unban`.
+    #[serde(default)]
+    pub exp_ms: u64,
+    /// Unix ms when it was issued.
+    pub at_ms: u64,
+    /// The host that issued it.
+    pub host: String,
+    /// The rule that issued it there, if any.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rule: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+pub fn unix_ms(t: SystemTime) -> u64 {
+    t.duration_since(UNIX_EPOCH).unwrap_or_default().as_millis() as u64
+}
+
+/// The CLOCK_MONOTONIC ns of the unix ms `ms` (0 stays 0: until removed); `None` if it has
+/// passed.
+pub fn mono_of_unix_ms(ms: u64) -> Option<u64> {
+    if ms == 0 {
+        return Some(0);
+    }
+    let now_ms = unix_ms(SystemTime::now());
+    if ms <= now_ms {
+        return None;
+    }
+    Some(
+        report::mono_ns()
+            .saturating_add((ms - now_ms).saturating_mul(1_000_000))
+            .max(1),
+    )
+}
+
+/// The unix ms of the CLOCK_MONOTONIC ns `ns` (0 stays 0).
+pub fn unix_ms_of_mono(ns: u64) -> u64 {
+    if ns == 0 {
+        return 0;
+    }
+    let now = report::mono_ns();
+    let now_ms = unix_ms(SystemTime::now());
+    if ns >= now {
+        now_ms + (ns - now).div_ceil(1_000_000)
+    } else {
+        now_ms.saturating_sub((now - ns) / 1_000_000).max(1)
+    }
+}
+
+/// The host name of this machine (`fleet.host_id`'s default).
+pub fn hostname() -> anyhow::Result<String> {
+    let name = std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .context("reading the hostname (/proc/sys/kernel/hostname)")?;
+    Ok(name.trim().to_string())
+}
+
+/// The store's password from `path` (one line): refused if the file is missing, empty, or
+/// readable by every user (mode `o+r`).
+pub fn read_password(path: &Path) -> anyhow::Result<String> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let meta = std::fs::metadata(path)
+        .with_context(|| format!("fleet.password_file {}", path.display()))?;
+    let mode = meta.permissions().mode();
+    if mode & 0o004 != 0 {
+        bail!(
+            "fleet.password_file {} is readable by every user (mode {:04o}); make it private \
+             first, e.g. `chmod 600 {}`",
+            path.display(),
+            mode & 0o7777,
+            path.display()
+        );
+    }
+    let text = std::fs::read_to_string(path)
+        .with_context(|| format!("reading fleet.password_file {}", path.display()))?;
+    let pw = text.trim_end_matches(['\n', '\r']).to_string();
+    if pw.is_empty() {
+        bail!("fleet.password_file {} is empty", path.display());
+    }
+    Ok(pw)
+}
+
+/// The fleet settings in force, resolved at start.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// The store's address as configured (no password in it is shown: see [`redacted`]).
+    pub store: String,
+    pub host_id: String,
+    pub share_bans: bool,
+    pub state_dir: PathBuf,
+    client: redis::Client,
+}
+
+/// `url` with any password replaced by `***`.
+pub fn redacted(url: &str) -> String {
+    match (url.split_once("://"), url.rfind('@')) {
+        (Some((scheme, rest)), Some(at)) if at > scheme.len() + 3 => {
+            let userinfo = &rest[..at - scheme.len() - 3];
+            let user = userinfo.split(':').next().unwrap_or("");
+            format!("{scheme}://{user}:***@{}", &url[at + 1..])
+        }
+        _ => url.to_string(),
+    }
+}
+
+impl Settings {
+    /// Resolve `[fleet]`: the host id (the hostname by default), the password file read.
+    pub fn resolve(f: &config::Fleet, state_dir: &Path) -> anyhow::Result<Self> {
+        let host_id = match &f.host_id {
+            Some(h) => h.clone(),
+            None => {
+                let h = hostname()?;
+                config::check_host_id(&h)
+                    .map_err(|e| anyhow::anyhow!("fleet.host_id (the hostname) {e}; set it"))?;
+                h
+            }
+        };
+        let mut info = redis::IntoConnectionInfo::into_connection_info(f.redis.as_str())
+            .map_err(|e| anyhow::anyhow!("fleet.redis {:?}: {e}", redacted(&f.redis)))?;
+        if let Some(p) = &f.password_file {
+            let pw = read_password(p)?;
+            let settings = info.redis_settings().clone().set_password(pw);
+            info = info.set_redis_settings(settings);
+        }
+        let client = redis::Client::open(info).context("fleet.redis")?;
+        Ok(Self {
+            store: redacted(&f.redis),
+            host_id,
+            share_bans: f.share_bans,
+            state_dir: state_dir.to_path_buf(),
+            client,
+        })
+    }
+
+    async fn connect(&self, response: Duration) -> anyhow::Result<MultiplexedConnection> {
+        let cfg = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(CONNECT_TIMEOUT))
+            .set_response_timeout(Some(response));
+        // The client's own timeouts, and one over the whole (a handshake that hangs).
+        match tokio::time::timeout(
+            CONNECT_TIMEOUT * 2,
+            self.client
+                .get_multiplexed_async_connection_with_config(&cfg),
+        )
+        .await
+        {
+            Ok(Ok(c)) => Ok(c),
+            Ok(Err(e)) => bail!("connecting to {}: {e}", self.store),
+            Err(_) => bail!(
+                "connecting to {}: no answer within {:?}",
+                self.store,
+                CONNECT_TIMEOUT * 2
+            ),
+        }
+    }
+}
+
+/// What `fleet status` and `/v1/fleet` answer.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
+pub struct Report {
+    pub store: String,
+    pub host_id: String,
+    pub share_bans: bool,
+    /// The reader is connected and caught up with the store.
+    pub connected: bool,
+    /// RFC 3339: since when connected, or since when degraded (cut off from the store).
+    pub connected_since: Option<String>,
+    pub degraded_since: Option<String>,
+    /// Why the store was last unreachable.
+    pub last_error: Option<String>,
+    /// The last stream entry applied.
+    pub cursor: Option<String>,
+    /// Time from a record's issue to its receipt here, for the last record received (ms).
+    pub lag_ms: Option<u64>,
+    /// Outgoing records waiting for the store.
+    pub outbox: usize,
+    /// Outgoing records dropped because the outbox was full.
+    pub outbox_dropped: u64,
+    pub bans_published: u64,
+    pub unbans_published: u64,
+    /// Records of other hosts received, and what became of them.
+    pub bans_received: u64,
+    pub unbans_received: u64,
+    /// Received bans not installed: expired already, or a ban here ends later.
+    pub bans_skipped: u64,
+    pub resyncs: u64,
+    /// The store's round trip for the last command (ms).
+    pub store_rtt_ms: Option<f64>,
+}
+
+/// Buckets (seconds) of `ratelimit_fleet_store_latency_seconds`.
+pub const LATENCY_BUCKETS: [f64; 10] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0,
+];
+
+/// The store's round trips, for `/metrics`: the count in each bucket (not cumulative; the
+/// last is above every bound, `+Inf`), their sum and count.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct Latency {
+    pub buckets: [u64; LATENCY_BUCKETS.len() + 1],
+    pub sum: f64,
+    pub count: u64,
+}
+
+impl Latency {
+    pub fn observe(&mut self, secs: f64) {
+        let i = LATENCY_BUCKETS
+            .iter()
+            .position(|le| secs <= *le)
+            .unwrap_or(LATENCY_BUCKETS.len());
+        self.buckets[i] += 1;
+        self.sum += secs;
+        self.count += 1;
+    }
+
+    /// (upper bound, count in that bucket alone), `+Inf` last, as the encoder takes them.
+    pub fn series(&self) -> Vec<(f64, u64)> {
+        LATENCY_BUCKETS
+            .iter()
+            .copied()
+            .chain([f64::INFINITY])
+            .zip(self.buckets)
+            .collect()
+    }
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    report: Report,
+    latency: Latency,
+    /// Degraded since (monotonic), for `down_for_ms`.
+    down_at: Option<Instant>,
+    /// A resync is due when the reader next connects.
+    resync: bool,
+}
+
+/// What the fleet tasks know, for the reports; and the outbox.
+pub struct Shared {
+    inner: Mutex<Inner>,
+    outbox: Mutex<VecDeque<Record>>,
+    events: events::Events,
+}
+
+impl Shared {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    fn outbox(&self) -> std::sync::MutexGuard<'_, VecDeque<Record>> {
+        self.outbox.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    pub fn report(&self) -> Report {
+        let mut r = self.lock().report.clone();
+        r.outbox = self.outbox().len();
+        r
+    }
+
+    pub fn latency(&self) -> Latency {
+        self.lock().latency.clone()
+    }
+
+    fn rtt(&self, t0: Instant) {
+        let secs = t0.elapsed().as_secs_f64();
+        let mut i = self.lock();
+        i.latency.observe(secs);
+        i.report.store_rtt_ms = Some(secs * 1e3);
+    }
+
+    /// The store could not be reached: the first time since it could, a `fleet_degraded`
+    /// event.
+    fn degraded(&self, why: &str) {
+        let outbox = self.outbox().len();
+        let mut i = self.lock();
+        i.report.last_error = Some(why.to_string());
+        i.resync = true;
+        if !i.report.connected && i.report.degraded_since.is_some() {
+            return;
+        }
+        let now = SystemTime::now();
+        i.report.connected = false;
+        i.report.connected_since = None;
+        i.report.degraded_since = Some(report::rfc3339(now));
+        i.down_at = Some(Instant::now());
+        warn!(store = %i.report.store, "fleet store unreachable, enforcing locally: {why}");
+        self.events.fleet(events::FleetLine {
+            time: report::rfc3339(now),
+            event: "fleet_degraded",
+            store: i.report.store.clone(),
+            host_id: i.report.host_id.clone(),
+            reason: Some(why.to_string()),
+            since: i.report.degraded_since.clone(),
+            down_for_ms: None,
+            outbox,
+        });
+    }
+
+    /// The reader is connected and caught up: after a degraded spell, `fleet_restored`.
+    fn restored(&self) {
+        let outbox = self.outbox().len();
+        let mut i = self.lock();
+        if i.report.connected {
+            return;
+        }
+        let now = SystemTime::now();
+        let was_down = i.report.degraded_since.take();
+        i.report.connected = true;
+        i.report.connected_since = Some(report::rfc3339(now));
+        let down_for = i.down_at.take().map(|t| t.elapsed().as_millis() as u64);
+        if let Some(since) = was_down {
+            info!(store = %i.report.store, "fleet store reachable again");
+            self.events.fleet(events::FleetLine {
+                time: report::rfc3339(now),
+                event: "fleet_restored",
+                store: i.report.store.clone(),
+                host_id: i.report.host_id.clone(),
+                reason: None,
+                since: Some(since),
+                down_for_ms: down_for,
+                outbox,
+            });
+        } else {
+            info!(store = %i.report.store, "fleet store connected");
+        }
+    }
+}
+
+/// The owner's side of the fleet: where its records go, and what the reports read.
+#[derive(Clone)]
+pub struct Link {
+    pub settings: Arc<Settings>,
+    pub shared: Arc<Shared>,
+    tx: mpsc::UnboundedSender<Record>,
+}
+
+impl Link {
+    /// Hand records to the publisher (never waits). Nothing when bans are not shared.
+    pub fn publish(&self, records: Vec<Record>) {
+        if !self.settings.share_bans {
+            return;
+        }
+        for r in records {
+            let _ = self.tx.send(r);
+        }
+    }
+
+    pub fn record(&self, op: Op, net: String, exp_ms: u64, rule: Option<String>) -> Record {
+        Record {
+            op,
+            net,
+            exp_ms,
+            at_ms: unix_ms(SystemTime::now()),
+            host: self.settings.host_id.clone(),
+            rule,
+            reason: None,
+        }
+    }
+}
+
+/// The saved cursor (`state_dir/fleet.json`).
+#[derive(Serialize, Deserialize, Debug, Default)]
+struct Saved {
+    host_id: String,
+    cursor: Option<String>,
+}
+
+fn load_saved(dir: &Path) -> Saved {
+    std::fs::read(dir.join(STATE_FILE))
+        .ok()
+        .and_then(|b| serde_json::from_slice(&b).ok())
+        .unwrap_or_default()
+}
+
+fn load_outbox(dir: &Path) -> VecDeque<Record> {
+    let path = dir.join(OUTBOX_FILE);
+    match std::fs::read(&path) {
+        Ok(b) => match serde_json::from_slice::<VecDeque<Record>>(&b) {
+            Ok(v) => {
+                if !v.is_empty() {
+                    info!(
+                        records = v.len(),
+                        "fleet outbox read from {}: sent when the store is reachable",
+                        path.display()
+                    );
+                }
+                v
+            }
+            Err(e) => {
+                let aside = crate::durable::set_aside(&path, "bad")
+                    .map(|p| format!("moved to {}", p.display()))
+                    .unwrap_or_else(|e| format!("could not be moved aside: {e:#}"));
+                warn!(
+                    "{} is not a fleet outbox ({e}); it was {aside}",
+                    path.display()
+                );
+                VecDeque::new()
+            }
+        },
+        Err(_) => VecDeque::new(),
+    }
+}
+
+/// What the reader hands the owner to apply.
+pub enum Received {
+    /// Stream records, in order.
+    Records(Vec<Record>),
+    /// The snapshot: every ban of the fleet now. It only adds: a ban held here that the
+    /// snapshot lacks stays until its end (the store may have lost its data: a restart
+    /// without persistence), so an `unban` trimmed from the stream before this host read it
+    /// is missed.
+    Snapshot(Vec<Record>),
+}
+
+/// What applying records did.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Applied {
+    pub bans: u64,
+    pub unbans: u64,
+    pub skipped: u64,
+}
+
+/// Start the fleet's tasks: the publisher and the reader, supervised. `apply` runs on the
+/// owner task.
+pub fn start<A, Fut>(
+    settings: Settings,
+    tasks: &Arc<supervise::Tasks>,
+    events: events::Events,
+    apply: A,
+) -> Link
+where
+    A: Fn(Received) -> Fut + Send + Sync + Clone + 'static,
+    Fut: std::future::Future<Output = anyhow::Result<Applied>> + Send + 'static,
+{
+    let settings = Arc::new(settings);
+    let saved = load_saved(&settings.state_dir);
+    let outbox = load_outbox(&settings.state_dir);
+    let shared = Arc::new(Shared {
+        inner: Mutex::new(Inner {
+            report: Report {
+                store: settings.store.clone(),
+                host_id: settings.host_id.clone(),
+                share_bans: settings.share_bans,
+                cursor: saved.cursor.clone(),
+                ..Report::default()
+            },
+            resync: saved.cursor.is_none(),
+            ..Inner::default()
+        }),
+        outbox: Mutex::new(outbox),
+        events,
+    });
+    let (tx, rx) = mpsc::unbounded_channel();
+    let rx = Arc::new(tokio::sync::Mutex::new(rx));
+    // With `share_bans = false` there is nothing to share yet (global thresholds are not
+    // built): no task runs and no store is contacted.
+    if settings.share_bans {
+        let (s, sh) = (settings.clone(), shared.clone());
+        supervise::spawn(tasks, "fleet_publisher", BACKOFF_FIRST, move || {
+            publisher(s.clone(), sh.clone(), rx.clone())
+        });
+        let (s, sh) = (settings.clone(), shared.clone());
+        supervise::spawn(tasks, "fleet_reader", BACKOFF_FIRST, move || {
+            reader(s.clone(), sh.clone(), apply.clone())
+        });
+    }
+    Link {
+        settings,
+        shared,
+        tx,
+    }
+}
+
+/// Publish one batch; the records sent are taken off the outbox's front.
+const PUBLISH_SCRIPT: &str = r#"
+local cur = redis.call('HGET', KEYS[2], ARGV[2])
+if ARGV[3] == 'ban' then
+  local keep = false
+  if cur then
+    local e = tonumber(string.match(cur, '^(%d+)|'))
+    if e == 0 then
+      keep = true
+    elseif ARGV[4] ~= '0' and e and e >= tonumber(ARGV[4]) then
+      keep = true
+    end
+  end
+  if not keep then
+    redis.call('HSET', KEYS[2], ARGV[2], ARGV[4] .. '|' .. ARGV[5])
+  end
+else
+  redis.call('HDEL', KEYS[2], ARGV[2])
+end
+return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'r', ARGV[5])
+"#;
+
+async fn publish_batch(conn: &mut MultiplexedConnection, batch: &[Record]) -> anyhow::Result<()> {
+    let mut pipe = redis::pipe();
+    for r in batch {
+        let json = serde_json::to_string(r)?;
+        pipe.cmd("EVAL")
+            .arg(PUBLISH_SCRIPT)
+            .arg(2)
+            .arg(STREAM_KEY)
+            .arg(SNAP_KEY)
+            .arg(STREAM_MAXLEN)
+            .arg(&r.net)
+            .arg(match r.op {
+                Op::Ban => "ban",
+                Op::Unban => "unban",
+            })
+            .arg(r.exp_ms)
+            .arg(json)
+            .ignore();
+    }
+    pipe.query_async::<()>(conn).await?;
+    Ok(())
+}
+
+/// Write the outbox whole (or remove the file when it is empty).
+fn save_outbox(dir: &Path, records: &[Record]) -> anyhow::Result<()> {
+    if records.is_empty() {
+        match std::fs::remove_file(dir.join(OUTBOX_FILE)) {
+            Ok(()) => crate::durable::sync_dir(dir),
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) => Err(e).context("removing the fleet outbox"),
+        }
+    } else {
+        crate::durable::write_atomically(dir, OUTBOX_FILE, &serde_json::to_vec(records)?)
+    }
+}
+
+/// The publisher: takes the owner's records into the outbox and sends the outbox to the
+/// store, oldest first. While the store cannot be reached the outbox is kept on disk.
+async fn publisher(
+    settings: Arc<Settings>,
+    shared: Arc<Shared>,
+    rx: Arc<tokio::sync::Mutex<mpsc::UnboundedReceiver<Record>>>,
+) -> anyhow::Result<()> {
+    let mut rx = rx.lock().await;
+    let mut conn: Option<MultiplexedConnection> = None;
+    // The outbox as last written to disk (its length), to write only on change.
+    let mut on_disk = shared.outbox().len();
+    let mut retry = tokio::time::interval(PUBLISH_RETRY);
+    retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut backoff = BACKOFF_FIRST;
+    let mut next_try = Instant::now();
+    loop {
+        tokio::select! {
+            r = rx.recv() => {
+                let Some(r) = r else { return Ok(()) };
+                let mut fresh = vec![r];
+                while let Ok(r) = rx.try_recv() {
+                    fresh.push(r);
+                }
+                let mut ob = shared.outbox();
+                ob.extend(fresh);
+                let over = ob.len().saturating_sub(OUTBOX_MAX);
+                if over > 0 {
+                    ob.drain(..over);
+                    drop(ob);
+                    shared.lock().report.outbox_dropped += over as u64;
+                    warn!(dropped = over, "fleet outbox full: the oldest records were dropped");
+                }
+            }
+            _ = retry.tick() => {}
+        }
+        if shared.outbox().is_empty() {
+            continue;
+        }
+        if Instant::now() < next_try {
+            persist(&settings, &shared, &mut on_disk).await;
+            continue;
+        }
+        let sent = send_outbox(&settings, &shared, &mut conn).await;
+        match sent {
+            Ok(()) => backoff = BACKOFF_FIRST,
+            Err(e) => {
+                conn = None;
+                next_try = Instant::now() + backoff;
+                backoff = (backoff * 2).min(BACKOFF_MAX);
+                shared.lock().report.last_error = Some(format!("{e:#}"));
+            }
+        }
+        persist(&settings, &shared, &mut on_disk).await;
+    }
+}
+
+/// Send the outbox, batch by batch, until it is empty or a batch fails.
+async fn send_outbox(
+    settings: &Settings,
+    shared: &Shared,
+    conn: &mut Option<MultiplexedConnection>,
+) -> anyhow::Result<()> {
+    loop {
+        let batch: Vec<Record> = shared.outbox().iter().take(BATCH).cloned().collect();
+        if batch.is_empty() {
+            return Ok(());
+        }
+        if conn.is_none() {
+            *conn = Some(settings.connect(REQUEST_TIMEOUT).await?);
+        }
+        let c = conn.as_mut().expect("connected above");
+        let t0 = Instant::now();
+        publish_batch(c, &batch)
+            .await
+            .with_context(|| format!("publishing to {}", settings.store))?;
+        shared.rtt(t0);
+        let (bans, unbans) = batch.iter().fold((0, 0), |(b, u), r| match r.op {
+            Op::Ban => (b + 1, u),
+            Op::Unban => (b, u + 1),
+        });
+        {
+            let mut ob = shared.outbox();
+            let n = batch.len().min(ob.len());
+            ob.drain(..n);
+        }
+        let mut i = shared.lock();
+        i.report.bans_published += bans;
+        i.report.unbans_published += unbans;
+    }
+}
+
+/// Write the outbox to disk if its length changed since it was last written.
+async fn persist(settings: &Arc<Settings>, shared: &Arc<Shared>, on_disk: &mut usize) {
+    let records: Vec<Record> = {
+        let ob = shared.outbox();
+        if ob.len() == *on_disk {
+            return;
+        }
+        ob.iter().cloned().collect()
+    };
+    let n = records.len();
+    let dir = settings.state_dir.clone();
+    let saved = tokio::task::spawn_blocking(move || save_outbox(&dir, &records)).await;
+    match saved {
+        Ok(Ok(())) => *on_disk = n,
+        Ok(Err(e)) => warn!("saving the fleet outbox: {e:#}"),
+        Err(e) => warn!("saving the fleet outbox: {e}"),
+    }
+}
+
+/// Records of a stream reply: `(last id, records)`.
+type StreamReply = Option<Vec<(String, Vec<(String, Vec<(String, String)>)>)>>;
+
+fn parse_entries(entries: Vec<(String, Vec<(String, String)>)>) -> (Option<String>, Vec<Record>) {
+    let mut last = None;
+    let mut out = Vec::with_capacity(entries.len());
+    for (id, fields) in entries {
+        for (k, v) in fields {
+            if k == "r" {
+                match serde_json::from_str::<Record>(&v) {
+                    Ok(r) => out.push(r),
+                    Err(e) => warn!(id, "a fleet record that does not parse was skipped: {e}"),
+                }
+            }
+        }
+        last = Some(id);
+    }
+    (last, out)
+}
+
+/// The reader: keeps a connection to the store, resyncs from the snapshot when it has to,
+/// and follows the stream from its cursor, handing other hosts' records to the owner.
+async fn reader<A, Fut>(
+    settings: Arc<Settings>,
+    shared: Arc<Shared>,
+    apply: A,
+) -> anyhow::Result<()>
+where
+    A: Fn(Received) -> Fut + Send + Sync + Clone + 'static,
+    Fut: std::future::Future<Output = anyhow::Result<Applied>> + Send + 'static,
+{
+    let mut backoff = BACKOFF_FIRST;
+    loop {
+        match follow(&settings, &shared, &apply).await {
+            Ok(()) => backoff = BACKOFF_FIRST,
+            Err(e) => {
+                shared.degraded(&format!("{e:#}"));
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(BACKOFF_MAX);
+            }
+        }
+    }
+}
+
+async fn follow<A, Fut>(settings: &Settings, shared: &Shared, apply: &A) -> anyhow::Result<()>
+where
+    A: Fn(Received) -> Fut + Send + Sync + Clone + 'static,
+    Fut: std::future::Future<Output = anyhow::Result<Applied>> + Send + 'static,
+{
+    let read_timeout = Duration::from_millis(READ_BLOCK_MS) + REQUEST_TIMEOUT;
+    let mut conn = settings.connect(read_timeout).await?;
+    let mut cursor = shared.lock().report.cursor.clone();
+    // A saved cursor that the stream no longer holds: records may have been trimmed away.
+    let mut cursor_found = false;
+    if let Some(c) = &cursor {
+        let t0 = Instant::now();
+        let found: Vec<(String, Vec<(String, String)>)> = redis::cmd("XRANGE")
+            .arg(STREAM_KEY)
+            .arg(c)
+            .arg(c)
+            .query_async(&mut conn)
+            .await
+            .context("reading the ban stream")?;
+        shared.rtt(t0);
+        cursor_found = !found.is_empty();
+        if !cursor_found {
+            shared.lock().resync = true;
+        }
+    }
+    if shared.lock().resync {
+        let last = resync(settings, shared, &mut conn, apply).await?;
+        // Still in the stream: follow it from there, so `unban`s since are applied too.
+        // Otherwise from the snapshot's point.
+        if !cursor_found {
+            save_cursor(settings, shared, &last).await;
+            cursor = Some(last);
+        }
+    }
+    shared.restored();
+    loop {
+        let from = cursor.clone().unwrap_or_else(|| "0-0".into());
+        let reply: StreamReply = redis::cmd("XREAD")
+            .arg("COUNT")
+            .arg(BATCH)
+            .arg("BLOCK")
+            .arg(READ_BLOCK_MS)
+            .arg("STREAMS")
+            .arg(STREAM_KEY)
+            .arg(&from)
+            .query_async(&mut conn)
+            .await
+            .context("reading the ban stream")?;
+        // A blocked read's time is the wait for records, not the store's round trip.
+        let Some(streams) = reply else { continue };
+        for (_, entries) in streams {
+            let (last, records) = parse_entries(entries);
+            let received_at = unix_ms(SystemTime::now());
+            let theirs: Vec<Record> = records
+                .into_iter()
+                .filter(|r| r.host != settings.host_id)
+                .collect();
+            if let Some(r) = theirs.last() {
+                shared.lock().report.lag_ms = Some(received_at.saturating_sub(r.at_ms));
+            }
+            let (bans, unbans) = theirs.iter().fold((0, 0), |(b, u), r| match r.op {
+                Op::Ban => (b + 1, u),
+                Op::Unban => (b, u + 1),
+            });
+            if !theirs.is_empty() {
+                let applied = apply(Received::Records(theirs)).await?;
+                let mut i = shared.lock();
+                i.report.bans_received += bans;
+                i.report.unbans_received += unbans;
+                i.report.bans_skipped += applied.skipped;
+            }
+            if let Some(last) = last {
+                save_cursor(settings, shared, &last).await;
+                cursor = Some(last);
+            }
+        }
+    }
+}
+
+/// Read the snapshot and the stream's last id; hand the snapshot to the owner. Returns the
+/// cursor to follow the stream from.
+async fn resync<A, Fut>(
+    settings: &Settings,
+    shared: &Shared,
+    conn: &mut MultiplexedConnection,
+    apply: &A,
+) -> anyhow::Result<String>
+where
+    A: Fn(Received) -> Fut + Send + Sync + Clone + 'static,
+    Fut: std::future::Future<Output = anyhow::Result<Applied>> + Send + 'static,
+{
+    let t0 = Instant::now();
+    // The last id first: a record added between the two reads is read again, harmlessly.
+    let last: Vec<(String, Vec<(String, String)>)> = redis::cmd("XREVRANGE")
+        .arg(STREAM_KEY)
+        .arg("+")
+        .arg("-")
+        .arg("COUNT")
+        .arg(1)
+        .query_async(conn)
+        .await
+        .context("reading the ban stream's last entry")?;
+    let last = last
+        .into_iter()
+        .next()
+        .map(|(id, _)| id)
+        .unwrap_or_else(|| "0-0".into());
+    let snap: BTreeMap<String, String> = redis::cmd("HGETALL")
+        .arg(SNAP_KEY)
+        .query_async(conn)
+        .await
+        .context("reading the ban snapshot")?;
+    shared.rtt(t0);
+    let records: Vec<Record> = snap
+        .values()
+        .filter_map(|v| v.split_once('|'))
+        .filter_map(|(_, json)| serde_json::from_str::<Record>(json).ok())
+        .filter(|r| r.host != settings.host_id)
+        .collect();
+    let n = records.len();
+    let applied = apply(Received::Snapshot(records)).await?;
+    {
+        let mut i = shared.lock();
+        i.resync = false;
+        i.report.resyncs += 1;
+        i.report.bans_received += applied.bans;
+        i.report.bans_skipped += applied.skipped;
+    }
+    info!(
+        bans = n,
+        installed = applied.bans,
+        stream_end = %last,
+        "fleet bans resynced from the snapshot"
+    );
+    Ok(last)
+}
+
+async fn save_cursor(settings: &Settings, shared: &Shared, cursor: &str) {
+    shared.lock().report.cursor = Some(cursor.to_string());
+    let saved = Saved {
+        host_id: settings.host_id.clone(),
+        cursor: Some(cursor.to_string()),
+    };
+    let dir = settings.state_dir.clone();
+    let res = tokio::task::spawn_blocking(move || {
+        crate::durable::write_atomically(&dir, STATE_FILE, &serde_json::to_vec(&saved)?)
+    })
+    .await;
+    match res {
+        Ok(Ok(())) => {}
+        Ok(Err(e)) => warn!("saving the fleet cursor: {e:#}"),
+        Err(e) => warn!("saving the fleet cursor: {e}"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn latency_lands_in_one_bucket_each() {
+        let mut l = Latency::default();
+        l.observe(0.0001);
+        l.observe(0.003);
+        l.observe(5.0);
+        let s = l.series();
+        assert_eq!(s.len(), LATENCY_BUCKETS.len() + 1);
+        assert_eq!(s[0], (0.0005, 1));
+        assert_eq!(s[3], (0.005, 1));
+        assert_eq!(s.last(), Some(&(f64::INFINITY, 1)));
+        assert_eq!(l.count, 3);
+    }
+
+    #[test]
+    fn passwords_are_redacted() {
+        assert_eq!(redacted("redis://10.0.0.1:6379"), "redis://10.0.0.1:6379");
+        assert_eq!(
+            redacted("redis://user:secret@10.0.0.1:6379/0"),
+            "redis://user:***@10.0.0.1:6379/0"
+        );
+        assert_eq!(redacted("redis://:pw@h:1"), "redis://:***@h:1");
+        assert_eq!(redacted("unix:///run/redis.sock"), "unix:///run/redis.sock");
+    }
+
+    #[test]
+    fn times_convert_between_clocks() {
+        assert_eq!(mono_of_unix_ms(0), Some(0));
+        assert_eq!(unix_ms_of_mono(0), 0);
+        let now = unix_ms(SystemTime::now());
+        assert_eq!(mono_of_unix_ms(now - 1000), None);
+        let mono = mono_of_unix_ms(now + 60_000).unwrap();
+        let back = unix_ms_of_mono(mono);
+        assert!(
+            back.abs_diff(now + 60_000) < 50,
+            "{back} vs {}",
+            now + 60_000
+        );
+    }
+
+    #[test]
+    fn records_round_trip_and_old_fields_default() {
+        let r = Record {
+            op: Op::Ban,
+            net: "192.0.2.0/24".into(),
+            exp_ms: 5,
+            at_ms: 1,
+            host: "a".into(),
+            rule: Some("syn".into()),
+            reason: None,
+        };
+        let s = serde_json::to_string(&r).unwrap();
+        assert_eq!(serde_json::from_str::<Record>(&s).unwrap(), r);
+        let u: Record =
+            serde_json::from_str(r#"{"op":"unban","net":"::1/128","at_ms":2,"host":"b"}"#).unwrap();
+        assert_eq!((u.op, u.exp_ms, u.rule), (Op::Unban, 0, None));
+    }
+
+    #[test]
+    fn a_world_readable_password_file_is_refused() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = std::env::temp_dir().join(format!("rl-fleet-pw-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("pass");
+        std::fs::write(&p, "s3cret\n").unwrap();
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let e = read_password(&p).unwrap_err().to_string();
+        assert!(e.contains("readable by every user (mode 0644)"), "{e}");
+        std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+        assert_eq!(read_password(&p).unwrap(), "s3cret");
+        let e = format!("{:#}", read_password(&dir.join("missing")).unwrap_err());
+        assert!(e.contains("missing") && e.contains("No such file"), "{e}");
+        std::fs::write(&p, "\n").unwrap();
+        assert!(read_password(&p).unwrap_err().to_string().contains("empty"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn the_outbox_is_written_whole_and_removed_when_empty() {
+        let dir = std::env::temp_dir().join(format!("rl-fleet-ob-{}", std::process::id()));
+        let r = Record {
+            op: Op::Unban,
+            net: "192.0.2.1/32".into(),
+            exp_ms: 0,
+            at_ms: 1,
+            host: "a".into(),
+            rule: None,
+            reason: None,
+        };
+        save_outbox(&dir, &[r.clone(), r.clone()]).unwrap();
+        assert_eq!(load_outbox(&dir), VecDeque::from(vec![r.clone(), r]));
+        save_outbox(&dir, &[]).unwrap();
+        assert!(!dir.join(OUTBOX_FILE).exists());
+        assert!(load_outbox(&dir).is_empty());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+}

@@ -1,0 +1,190 @@
+//! A real `redis-server`, the fleet's store, run in a lab namespace on its own port and
+//! directory (no persistence: `--save ""`, `--appendonly no`).
+//!
+//! The guard owns the process and a private temp dir (the server's log). On drop it kills the
+//! server (continuing it first if the test stopped it) and removes the dir, also when a test
+//! panics. Tests can kill it, start it again on the same port, and stop or continue it
+//! (SIGSTOP, SIGCONT) to see what the daemons do without their store.
+
+use std::io::{Read as _, Write as _};
+use std::net::{SocketAddr, TcpStream};
+use std::os::fd::OwnedFd;
+use std::path::PathBuf;
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::netns::{NetNs, command_in_fd, describe, in_netns};
+
+/// How long a start waits for the server to answer `PING`.
+pub const READY_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// The `redis-server` binary on `PATH`.
+///
+/// # Panics
+///
+/// If there is none, saying how to install it.
+pub fn binary() -> PathBuf {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::split_paths(&path)
+        .map(|dir| dir.join("redis-server"))
+        .find(|p| p.is_file())
+        .unwrap_or_else(|| {
+            panic!(
+                "no `redis-server` binary on PATH: run `cargo xtask setup`, which installs the \
+                 Debian package redis-server (or `apt-get install redis-server`)"
+            )
+        })
+}
+
+/// A running `redis-server` in a lab namespace.
+pub struct Redis {
+    child: Option<Child>,
+    dir: PathBuf,
+    ns_fd: OwnedFd,
+    port: u16,
+    /// An address of the server in its namespace, for the readiness check.
+    probe: SocketAddr,
+    stopped: bool,
+}
+
+impl Redis {
+    /// Starts `redis-server` in `ns` listening on every address of `ns` at `port`, and waits
+    /// until it answers `PING` at `probe` (an address of `ns`).
+    pub fn start(ns: &NetNs, probe: std::net::IpAddr, port: u16) -> Redis {
+        let mut r = Redis {
+            child: None,
+            dir: crate::daemon::make_temp_dir(),
+            ns_fd: ns.dup_fd(),
+            port,
+            probe: SocketAddr::new(probe, port),
+            stopped: false,
+        };
+        r.launch();
+        r
+    }
+
+    fn launch(&mut self) {
+        assert!(self.child.is_none(), "redis-server already running");
+        let log = self.dir.join("redis.log");
+        let mut cmd = command_in_fd(self.ns_fd.try_clone().expect("dup netns fd"), binary());
+        cmd.args(["--port", &self.port.to_string()])
+            .args(["--bind", "0.0.0.0", "::"])
+            .args(["--protected-mode", "no"])
+            .args(["--save", ""])
+            .args(["--appendonly", "no"])
+            .args(["--daemonize", "no"])
+            .arg("--dir")
+            .arg(&self.dir)
+            .arg("--logfile")
+            .arg(&log)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        self.child = Some(
+            cmd.spawn()
+                .unwrap_or_else(|e| panic!("starting `{}`: {e}", describe(&cmd))),
+        );
+        self.stopped = false;
+        let give_up = Instant::now() + READY_TIMEOUT;
+        loop {
+            if self.ping() {
+                return;
+            }
+            if let Some(c) = self.child.as_mut()
+                && let Ok(Some(status)) = c.try_wait()
+            {
+                panic!("redis-server exited ({status}):\n{}", self.log());
+            }
+            if Instant::now() > give_up {
+                panic!(
+                    "redis-server did not answer PING within {READY_TIMEOUT:?}:\n{}",
+                    self.log()
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Whether the server answers `PING` within a second.
+    pub fn ping(&self) -> bool {
+        let addr = self.probe;
+        in_netns(self.ns_fd_borrow(), move || {
+            let Ok(mut c) = TcpStream::connect_timeout(&addr, Duration::from_secs(1)) else {
+                return false;
+            };
+            let _ = c.set_read_timeout(Some(Duration::from_secs(1)));
+            if c.write_all(b"PING\r\n").is_err() {
+                return false;
+            }
+            let mut buf = [0u8; 16];
+            matches!(c.read(&mut buf), Ok(n) if buf[..n].starts_with(b"+PONG"))
+        })
+    }
+
+    fn ns_fd_borrow(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd as _;
+        self.ns_fd.as_fd()
+    }
+
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    fn pid(&self) -> Option<i32> {
+        self.child.as_ref().map(|c| c.id() as i32)
+    }
+
+    /// SIGKILL, and wait for it: the store is gone (with its data).
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            if self.stopped {
+                // SAFETY: signalling our own child.
+                unsafe { libc::kill(c.id() as i32, libc::SIGCONT) };
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        self.stopped = false;
+    }
+
+    /// Start it again on the same port, empty.
+    pub fn restart(&mut self) {
+        self.kill();
+        self.launch();
+    }
+
+    /// SIGSTOP: the server keeps its sockets but answers nothing.
+    pub fn freeze(&mut self) {
+        if let Some(pid) = self.pid() {
+            // SAFETY: signalling our own child.
+            unsafe { libc::kill(pid, libc::SIGSTOP) };
+            self.stopped = true;
+        }
+    }
+
+    /// SIGCONT after [`Redis::freeze`].
+    pub fn thaw(&mut self) {
+        if let Some(pid) = self.pid() {
+            // SAFETY: signalling our own child.
+            unsafe { libc::kill(pid, libc::SIGCONT) };
+            self.stopped = false;
+        }
+    }
+
+    /// The server's log so far.
+    pub fn log(&self) -> String {
+        let path = self.dir.join("redis.log");
+        format!(
+            "----- redis log ({}) -----\n{}\n----- end of redis log -----",
+            path.display(),
+            std::fs::read_to_string(&path).unwrap_or_else(|e| format!("({e})"))
+        )
+    }
+}
+
+impl Drop for Redis {
+    fn drop(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}

@@ -1,0 +1,504 @@
+//! Fleet mode, shared bans: three daemons, each in its own namespace with its own veth to a
+//! sender, share their bans through one real `redis-server` in a "store" namespace (a veth
+//! from each daemon's namespace to it). A ban issued on one host (`ban add`, or a rule) is
+//! enforced on the others, `ban del` lifts it everywhere, a host that was down catches up on
+//! restart, and a store that is killed or frozen leaves every host enforcing and answering
+//! (fail-static), with the bans issued meanwhile delivered when it returns.
+
+use std::{
+    net::{IpAddr, Ipv4Addr},
+    path::Path,
+    time::{Duration, Instant},
+};
+
+use ratelimit_tests::{
+    Daemon, NetNs, VethPair, kernel_test,
+    scenario::{Scenario, metric_sum},
+    store::Redis,
+};
+use ratelimit_user::{
+    control::{self, Answer, Request},
+    fleet,
+    report::Ban,
+};
+
+const PORT: u16 = 9000;
+const OTHER_PORT: u16 = 9001;
+const REDIS_PORT: u16 = 6379;
+/// Each daemon's HTTP listener, on 127.0.0.1 in its own namespace.
+const HTTP_PORT: u16 = 19477;
+
+/// Three hosts and their store. Fields drop in order: the daemons (and their namespaces),
+/// the links to the store, the store, its namespace.
+struct Fleet {
+    hosts: Vec<Scenario>,
+    _links: Vec<VethPair>,
+    redis: Redis,
+    _store: NetNs,
+}
+
+const RULES: &str = r#"
+[[rule]]
+name = "udp-ban"
+match = { protocol = "udp", dst_ports = ["9000"] }
+action = "rate_based_ban"
+threshold = { count = 5, interval = "1h" }
+algorithm = "fixed_window"
+ban_threshold = { count = 10, interval = "1h" }
+ban_duration = "1h"
+"#;
+
+impl Fleet {
+    fn new(tag: &str) -> Fleet {
+        let store = NetNs::new(&format!("{tag}-st"));
+        let mut hosts: Vec<Scenario> = (0..3)
+            .map(|i| Scenario::new(&format!("{tag}{i}")).with_http(HTTP_PORT))
+            .collect();
+        let links: Vec<VethPair> = hosts
+            .iter()
+            .map(|h| VethPair::new(&store, &h.server))
+            .collect();
+        let redis = Redis::start(&store, IpAddr::V4(links[0].a().ipv4), REDIS_PORT);
+        for (i, h) in hosts.iter_mut().enumerate() {
+            h.start(&format!(
+                "[fleet]\nredis = \"redis://{}:{REDIS_PORT}\"\nhost_id = \"h{i}\"\n{RULES}",
+                links[i].a().ipv4
+            ));
+        }
+        let f = Fleet {
+            hosts,
+            _links: links,
+            redis,
+            _store: store,
+        };
+        for i in 0..3 {
+            assert!(
+                wait_for(Duration::from_secs(10), || f.fleet(i).connected),
+                "host {i} never connected to the store: {:?}\n{}",
+                f.fleet(i),
+                f.d(i).logs()
+            );
+        }
+        f
+    }
+
+    fn d(&self, i: usize) -> &Daemon {
+        self.hosts[i].daemon()
+    }
+
+    fn fleet(&self, i: usize) -> fleet::Report {
+        match call(self.d(i).socket_path(), &Request::Fleet) {
+            Answer::Fleet(r) => *r,
+            other => panic!("fleet status answered {other:?}"),
+        }
+    }
+
+    fn bans(&self, i: usize) -> Vec<Ban> {
+        match call(self.d(i).socket_path(), &Request::Bans { limit: None }) {
+            Answer::Bans(b) => b,
+            other => panic!("bans answered {other:?}"),
+        }
+    }
+
+    fn holds(&self, i: usize, cidr: &str) -> Option<Ban> {
+        self.bans(i)
+            .into_iter()
+            .find(|b| b.cidr.as_deref() == Some(cidr))
+    }
+
+    /// Datagrams from `src` that reach host `i` on [`OTHER_PORT`] (no rule there: only a
+    /// ban drops them), of `n` sent.
+    fn reaching(&self, i: usize, src: Ipv4Addr, n: u64) -> u64 {
+        let h = &self.hosts[i];
+        let sink = h.sink(OTHER_PORT);
+        let mut tx = h.sender();
+        tx.send_n(std::iter::repeat(h.udp4(src, OTHER_PORT)), n, None);
+        sink.wait_total(n, Duration::from_millis(500));
+        sink.wait_quiet(Duration::from_millis(100));
+        sink.stop().from(IpAddr::V4(src))
+    }
+
+    fn events(&self, i: usize, kind: &str) -> Vec<serde_json::Value> {
+        self.hosts[i]
+            .events()
+            .into_iter()
+            .filter(|e| e["event"] == kind)
+            .collect()
+    }
+}
+
+fn call(socket: &Path, req: &Request) -> Answer {
+    control::call(socket, req).unwrap_or_else(|e| panic!("{req:?}: {e:#}"))
+}
+
+/// `cond` polled every 2 ms for up to `timeout`; its last value.
+fn wait_for(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
+    let give_up = Instant::now() + timeout;
+    loop {
+        if cond() {
+            return true;
+        }
+        if Instant::now() > give_up {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    let i = ((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1;
+    sorted[i]
+}
+
+/// `status` on host `i`, 50 times: (p50, p99) of the answer's time.
+fn status_latency(f: &Fleet, i: usize) -> (Duration, Duration) {
+    let t: Vec<Duration> = (0..50)
+        .map(|_| {
+            let t0 = Instant::now();
+            call(f.d(i).socket_path(), &Request::Status);
+            t0.elapsed()
+        })
+        .collect();
+    let slow: Vec<(usize, u128)> = t
+        .iter()
+        .enumerate()
+        .filter(|(_, d)| **d > Duration::from_millis(20))
+        .map(|(n, d)| (n, d.as_millis()))
+        .collect();
+    if !slow.is_empty() {
+        println!("status calls over 20 ms (call, ms): {slow:?}");
+    }
+    let mut t = t;
+    t.sort();
+    (percentile(&t, 0.5), percentile(&t, 0.99))
+}
+
+#[test]
+fn bans_spread_across_the_fleet_and_a_host_that_was_down_catches_up() {
+    kernel_test!();
+    let t_all = Instant::now();
+    let mut f = Fleet::new("rlfa");
+
+    // (a) `ban add` on host 0 reaches hosts 1 and 2: the time from the CLI's return to the
+    // ban in both hosts' `bans`, 50 times.
+    let mut delays = Vec::new();
+    for n in 0..50u8 {
+        let cidr = format!("203.0.113.{n}/32");
+        f.d(0).cli_ok(&["ban", "add", &cidr, "--for", "1h"]);
+        let t0 = Instant::now();
+        assert!(
+            wait_for(Duration::from_secs(5), || f.holds(1, &cidr).is_some()
+                && f.holds(2, &cidr).is_some()),
+            "{cidr} did not reach hosts 1 and 2: {:?} {:?}",
+            f.fleet(1),
+            f.fleet(2)
+        );
+        delays.push(t0.elapsed());
+    }
+    delays.sort();
+    let (p50, p99) = (percentile(&delays, 0.5), percentile(&delays, 0.99));
+    println!(
+        "ban propagation over 50 bans: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
+        p50.as_secs_f64() * 1e3,
+        p99.as_secs_f64() * 1e3,
+        delays.last().unwrap().as_secs_f64() * 1e3
+    );
+    assert!(p99 <= Duration::from_millis(250), "p99 {p99:?}");
+    // Remote bans say where they come from; the origin's own does not.
+    let b = f.holds(1, "203.0.113.7/32").unwrap();
+    assert_eq!(b.origin.as_deref(), Some("h0"), "{b:?}");
+    let r = b.remaining_secs.unwrap();
+    assert!(r > 3500.0 && r <= 3600.0, "the absolute end is kept: {r}");
+    assert_eq!(f.holds(0, "203.0.113.7/32").unwrap().origin, None);
+    let human = f.d(2).cli_ok(&["bans"]);
+    assert!(human.contains("(fleet: h0)"), "{human}");
+    // And they drop the source's packets there.
+    let banned = Ipv4Addr::new(203, 0, 113, 3);
+    let clean = Ipv4Addr::new(198, 19, 1, 1);
+    for i in 1..3 {
+        assert_eq!(
+            f.reaching(i, banned, 10),
+            0,
+            "host {i} let a banned source in"
+        );
+        assert_eq!(
+            f.reaching(i, clean, 10),
+            10,
+            "host {i} dropped a clean source"
+        );
+    }
+    // Not echoed back: host 0 published 50, the others none.
+    let st: Vec<fleet::Report> = (0..3).map(|i| f.fleet(i)).collect();
+    assert_eq!(st[0].bans_published, 50, "{:?}", st[0]);
+    assert_eq!((st[1].bans_published, st[2].bans_published), (0, 0));
+    assert!(st[1].bans_received >= 50, "{:?}", st[1]);
+
+    // `--local` stays on its host.
+    f.d(0).cli_ok(&["ban", "add", "203.0.113.250", "--local"]);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(f.holds(0, "203.0.113.250/32").is_some());
+    assert!(f.holds(1, "203.0.113.250/32").is_none());
+
+    // (b) A rule-issued ban on host 0 (a source over the ban threshold) reaches hosts 1, 2.
+    let offender = Ipv4Addr::new(198, 19, 7, 7);
+    let h0 = &f.hosts[0];
+    let mut tx = h0.sender();
+    tx.send_n(std::iter::repeat(h0.udp4(offender, PORT)), 20, None);
+    let cidr = "198.19.7.7/32";
+    assert!(
+        wait_for(Duration::from_secs(5), || f
+            .holds(0, cidr)
+            .is_some_and(|b| b.rule.as_deref() == Some("udp-ban"))),
+        "the rule did not ban on host 0: {:?}",
+        f.bans(0)
+    );
+    let t0 = Instant::now();
+    assert!(
+        wait_for(Duration::from_secs(5), || f.holds(1, cidr).is_some()
+            && f.holds(2, cidr).is_some()),
+        "the rule's ban did not reach hosts 1 and 2"
+    );
+    println!(
+        "a rule's ban reached hosts 1 and 2 {:.1} ms after host 0 showed it",
+        t0.elapsed().as_secs_f64() * 1e3
+    );
+    assert_eq!(f.holds(2, cidr).unwrap().origin.as_deref(), Some("h0"));
+    assert_eq!(f.reaching(2, offender, 10), 0);
+
+    // (c) `ban del` lifts everywhere, from any host: a remote ban deleted on host 1, the
+    // rule's ban on host 0.
+    f.d(1).cli_ok(&["ban", "del", "203.0.113.3"]);
+    f.d(0).cli_ok(&["ban", "del", cidr]);
+    assert!(
+        wait_for(Duration::from_secs(5), || (0..3)
+            .all(
+                |i| f.holds(i, "203.0.113.3/32").is_none() && f.holds(i, cidr).is_none()
+            )),
+        "ban del did not lift everywhere"
+    );
+    assert_eq!(f.reaching(2, banned, 10), 10);
+
+    // (d) Host 2 is stopped (its program stays attached) while host 0 issues 1,000 bans;
+    // restarted, it holds all of them within 2 s.
+    f.hosts[2].daemon_mut().stop();
+    let file = std::env::temp_dir().join(format!("rl-fleet-bans-{}", std::process::id()));
+    let list: Vec<String> = (0..1000u32)
+        .map(|n| format!("10.77.{}.{}", n / 250, n % 250 + 1))
+        .collect();
+    std::fs::write(&file, list.join("\n")).unwrap();
+    let t0 = Instant::now();
+    let out = f
+        .d(0)
+        .cli(&["ban", "add", "--file", file.to_str().unwrap()]);
+    let _ = std::fs::remove_file(&file);
+    assert!(out.status.success(), "{out:?}");
+    assert!(
+        wait_for(Duration::from_secs(10), || f.fleet(0).outbox == 0
+            && f.holds(1, "10.77.3.250/32").is_some()),
+        "the 1,000 bans did not go out: {:?}",
+        f.fleet(0)
+    );
+    println!(
+        "1,000 bans issued on host 0 and held by host 1 in {:.0} ms",
+        t0.elapsed().as_secs_f64() * 1e3
+    );
+    f.hosts[2].daemon_mut().restart();
+    let t0 = Instant::now();
+    let count = |f: &Fleet| {
+        f.bans(2)
+            .iter()
+            .filter(|b| b.cidr.as_deref().is_some_and(|c| c.starts_with("10.77.")))
+            .count()
+    };
+    let caught_up = wait_for(Duration::from_secs(10), || count(&f) == 1000);
+    let took = t0.elapsed();
+    println!(
+        "host 2 held all 1,000 bans {:.0} ms after its restart",
+        took.as_secs_f64() * 1e3
+    );
+    assert!(caught_up, "host 2 holds {} of 1,000", count(&f));
+    assert!(took <= Duration::from_secs(2), "{took:?}");
+
+    // What the HTTP listener reads back: /v1/fleet is `fleet status`, and the metrics. Host 0
+    // published 50 + 1 (the rule's) + 1,000 bans and one unban.
+    let (code, body) = f.hosts[0].http_get("/v1/fleet");
+    assert_eq!(code, 200, "{body}");
+    let st: fleet::Report = serde_json::from_str(&body).unwrap();
+    assert_eq!(
+        (
+            st.host_id.as_str(),
+            st.connected,
+            st.bans_published,
+            st.unbans_published
+        ),
+        ("h0", true, 1051, 1),
+        "{st:?}"
+    );
+    let (_, text) = f.hosts[0].http_get("/metrics");
+    let m = |name: &str, labels: &[(&str, &str)]| metric_sum(&text, name, labels);
+    assert_eq!(m("ratelimit_fleet_connected", &[]), 1.0, "{text}");
+    assert_eq!(
+        m("ratelimit_fleet_records_published_total", &[("op", "ban")]),
+        1051.0
+    );
+    assert_eq!(m("ratelimit_fleet_outbox_records", &[]), 0.0);
+    assert!(m("ratelimit_fleet_store_latency_seconds_count", &[]) >= 1.0);
+    let (_, text) = f.hosts[2].http_get("/metrics");
+    assert!(
+        metric_sum(
+            &text,
+            "ratelimit_fleet_records_received_total",
+            &[("op", "ban")]
+        ) >= 1000.0,
+        "{text}"
+    );
+    println!("whole test: {:.1} s", t_all.elapsed().as_secs_f64());
+}
+
+#[test]
+fn a_store_that_dies_or_freezes_leaves_every_host_enforcing_and_answering() {
+    kernel_test!();
+    let t_all = Instant::now();
+    let mut f = Fleet::new("rlfb");
+    let (p50, p99) = status_latency(&f, 0);
+    println!(
+        "status with the store up: p50 {:.2} ms, p99 {:.2} ms",
+        p50.as_secs_f64() * 1e3,
+        p99.as_secs_f64() * 1e3
+    );
+
+    // (e) The store is killed: bans still work locally, `status` stays fast, `fleet status`
+    // says degraded, and a `fleet_degraded` event is written.
+    f.redis.kill();
+    assert!(
+        wait_for(Duration::from_secs(10), || !f.fleet(0).connected),
+        "host 0 never noticed: {:?}",
+        f.fleet(0)
+    );
+    let t0 = Instant::now();
+    f.d(0)
+        .cli_ok(&["ban", "add", "203.0.113.200", "--for", "1h"]);
+    println!(
+        "ban add with the store dead: {:.1} ms",
+        t0.elapsed().as_secs_f64() * 1e3
+    );
+    assert!(f.holds(0, "203.0.113.200/32").is_some());
+    assert_eq!(f.reaching(0, Ipv4Addr::new(203, 0, 113, 200), 10), 0);
+    let (p50, p99) = status_latency(&f, 0);
+    println!(
+        "status with the store dead: p50 {:.2} ms, p99 {:.2} ms",
+        p50.as_secs_f64() * 1e3,
+        p99.as_secs_f64() * 1e3
+    );
+    assert!(p99 < Duration::from_millis(100), "{p99:?}");
+    let st = f.fleet(0);
+    assert!(!st.connected && st.degraded_since.is_some(), "{st:?}");
+    assert!(
+        wait_for(Duration::from_secs(5), || f.fleet(0).outbox == 1),
+        "{:?}",
+        f.fleet(0)
+    );
+    let human = f.d(0).cli_ok(&["fleet", "status"]);
+    assert!(human.contains("DEGRADED since"), "{human}");
+    assert!(
+        wait_for(Duration::from_secs(5), || !f
+            .events(0, "fleet_degraded")
+            .is_empty()),
+        "no fleet_degraded event: {}",
+        f.hosts[0].events_text()
+    );
+    // The outbox is on disk.
+    let outbox = f.d(0).config_dir().join("state").join(fleet::OUTBOX_FILE);
+    assert!(
+        wait_for(Duration::from_secs(5), || outbox.exists()),
+        "{} missing",
+        outbox.display()
+    );
+
+    // The store returns (empty): the outbox reaches hosts 1 and 2, `fleet_restored` is
+    // written, and the bans the hosts held stay.
+    f.redis.restart();
+    let t0 = Instant::now();
+    assert!(
+        wait_for(Duration::from_secs(15), || f
+            .holds(1, "203.0.113.200/32")
+            .is_some()
+            && f.holds(2, "203.0.113.200/32").is_some()),
+        "the outboxed ban did not arrive: {:?} {:?}",
+        f.fleet(0),
+        f.fleet(1)
+    );
+    println!(
+        "outboxed ban delivered {:.0} ms after the store's restart",
+        t0.elapsed().as_secs_f64() * 1e3
+    );
+    assert!(
+        wait_for(Duration::from_secs(5), || !f
+            .events(0, "fleet_restored")
+            .is_empty()
+            && f.fleet(0).connected
+            && f.fleet(0).outbox == 0),
+        "{:?}\n{}",
+        f.fleet(0),
+        f.hosts[0].events_text()
+    );
+    assert!(!outbox.exists(), "the outbox file is removed once sent");
+    assert!(f.fleet(1).resyncs >= 2, "{:?}", f.fleet(1));
+
+    // (f) The store is frozen (SIGSTOP): the control API stays responsive, bans work
+    // locally; continued, it recovers and the ban goes out.
+    f.redis.freeze();
+    let (p50, p99) = status_latency(&f, 0);
+    println!(
+        "store just frozen: status p50 {:.2} ms, p99 {:.2} ms",
+        p50.as_secs_f64() * 1e3,
+        p99.as_secs_f64() * 1e3
+    );
+    assert!(p99 < Duration::from_millis(100), "{p99:?}");
+    let t0 = Instant::now();
+    f.d(0)
+        .cli_ok(&["ban", "add", "203.0.113.201", "--for", "1h"]);
+    let add = t0.elapsed();
+    assert!(add < Duration::from_secs(1), "{add:?}");
+    assert!(f.holds(0, "203.0.113.201/32").is_some());
+    let mut fs: Vec<Duration> = (0..50)
+        .map(|_| {
+            let t0 = Instant::now();
+            f.fleet(0);
+            t0.elapsed()
+        })
+        .collect();
+    fs.sort();
+    println!(
+        "store frozen: ban add {:.1} ms; fleet status p50 {:.2} ms, p99 {:.2} ms",
+        add.as_secs_f64() * 1e3,
+        percentile(&fs, 0.5).as_secs_f64() * 1e3,
+        percentile(&fs, 0.99).as_secs_f64() * 1e3
+    );
+    assert!(percentile(&fs, 0.99) < Duration::from_millis(100));
+    assert!(
+        wait_for(Duration::from_secs(10), || !f.fleet(0).connected),
+        "a frozen store was not noticed: {:?}",
+        f.fleet(0)
+    );
+    let (p50, p99) = status_latency(&f, 0);
+    println!(
+        "store frozen, host degraded: status p50 {:.2} ms, p99 {:.2} ms",
+        p50.as_secs_f64() * 1e3,
+        p99.as_secs_f64() * 1e3
+    );
+    assert!(p99 < Duration::from_millis(100), "{p99:?}");
+    f.redis.thaw();
+    assert!(
+        wait_for(Duration::from_secs(15), || f
+            .holds(1, "203.0.113.201/32")
+            .is_some()
+            && f.holds(2, "203.0.113.201/32").is_some()
+            && (0..3).all(|i| f.fleet(i).connected)),
+        "no recovery after SIGCONT: {:?} {:?}",
+        f.fleet(0),
+        f.fleet(1)
+    );
+    assert!(f.events(0, "fleet_restored").len() >= 2);
+    println!("whole test: {:.1} s", t_all.elapsed().as_secs_f64());
+}
