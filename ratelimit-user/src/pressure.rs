@@ -473,6 +473,11 @@ pub struct Report {
     /// Why the operator's mode could not be saved (it is in force until the daemon stops).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub not_saved: Option<String>,
+    /// The level the XDP program holds now, read back from its map: `low` puts the elastic
+    /// limits of rules and overrides with `elastic` in force, `high` their thresholds.
+    /// `None` if the map could not be read.
+    #[serde(default)]
+    pub data_plane: Option<Level>,
 }
 
 /// The operator's mode as saved in `state_dir`.
