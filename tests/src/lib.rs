@@ -19,6 +19,7 @@ pub mod env;
 pub mod fuzz;
 pub mod leftovers;
 pub mod link;
+pub mod listen;
 pub mod mmdb;
 pub mod netns;
 pub mod packet;
