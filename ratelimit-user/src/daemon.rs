@@ -1091,7 +1091,10 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     // in the data plane before the program is attached, and right again after a restart.
     let pressure_marks = pressure::Marks::of(&cfg.pressure);
     let pressure_mode = load_pressure_mode(&cfg.daemon.state_dir);
-    let pressure = Pressure::new(pressure_marks, pressure_mode, Instant::now());
+    // Adopted maps keep the level the last daemon wrote (a fresh map's 0 reads as high, so
+    // only adopted ones count).
+    let was_high = dp.adopted && apply::read_relaxed(&maps) == Some(false);
+    let pressure = Pressure::resume(pressure_marks, pressure_mode, Instant::now(), was_high);
     apply::write_relaxed(&mut maps, pressure.level() == pressure::Level::Low)?;
     load_regions(&cfg, &mut maps)?;
     let names: Vec<String> = cfg.rules.iter().map(|r| r.name.clone()).collect();

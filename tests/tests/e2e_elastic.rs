@@ -315,6 +315,15 @@ elastic = 2
         Level::High,
         "still high at the end of the measurement (hold 30 s)"
     );
+    // A restart takes over the high level from the pinned maps: held from the start, not
+    // relaxed until the new daemon has read the signals again.
+    s.daemon_mut().restart();
+    let r: Report = s.daemon().cli_as(&["pressure"]);
+    assert_eq!(
+        (r.level, r.data_plane, r.transitions),
+        (Level::High, Some(Level::High), 0),
+        "a restart under pressure is held from its start: {r:#?}"
+    );
     drop(flood);
     sink.stop();
 }
