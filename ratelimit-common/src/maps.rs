@@ -105,6 +105,11 @@ pub struct RuleConfig {
     /// eviction while it is throttled or metered toward a ban: [`state_memory_ns`] of the
     /// rule and its overrides, the longest (see the program's `store.rs`).
     pub protect_ms: u32,
+    /// `elastic = F`: the limit in force while the host has room ([`GlobalConfig::relaxed`]),
+    /// every count of `limit` (threshold, burst, ban threshold) times F, precomputed by the
+    /// daemon with its token bucket constants. All zero (`threshold` 0) for a rule without
+    /// elastic: `limit` then holds whatever the level.
+    pub elastic: Limit,
 }
 
 /// Thresholds in force for a client: the rule's, or an override's.
@@ -176,6 +181,36 @@ pub struct GlobalConfig {
     /// daemon from the map it holds; 0 until then (no per-source state: sources are limited
     /// in their rule's overflow state).
     pub store_sets: u32,
+    /// Non-zero while the host has room (the daemon's pressure level is low): rules and
+    /// overrides with `elastic` meter against their elastic limit ([`RuleConfig::elastic`],
+    /// [`OverrideValue::elastic`]). 0 (under pressure, and in maps no daemon has written yet):
+    /// every limit as configured. The daemon writes it alone, one write of this entry, when
+    /// the level changes.
+    pub relaxed: u32,
+    pub _pad: u32,
+}
+
+impl RuleConfig {
+    /// The rule's limit in force: its elastic limit while the host has room (`relaxed`) if
+    /// it has one, else its limit as configured. A selection, no arithmetic: both were
+    /// precomputed by the daemon.
+    #[inline(always)]
+    pub const fn limit_now(&self, relaxed: bool) -> &Limit {
+        if relaxed && self.elastic.is_set() {
+            &self.elastic
+        } else {
+            &self.limit
+        }
+    }
+}
+
+impl Limit {
+    /// Whether this is a limit at all: an unused elastic limit is all zero (a configured
+    /// threshold is at least 1).
+    #[inline(always)]
+    pub const fn is_set(&self) -> bool {
+        self.threshold != 0
+    }
 }
 
 /// The per-CPU, per-tick cap on new states for a budget of `rate` per second, on a kernel
@@ -678,6 +713,21 @@ pub struct RegionOverrideKey {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct OverrideValue {
     pub limit: Limit,
+    /// The override's limit while the host has room (as [`RuleConfig::elastic`]); all zero
+    /// without elastic.
+    pub elastic: Limit,
+}
+
+impl OverrideValue {
+    /// The override's limit in force (as [`RuleConfig::limit_now`]).
+    #[inline(always)]
+    pub const fn limit_now(&self, relaxed: bool) -> &Limit {
+        if relaxed && self.elastic.is_set() {
+            &self.elastic
+        } else {
+            &self.limit
+        }
+    }
 }
 
 /// The new-source admission budget (`ADMISSION[0]`), a GCRA meter shared by all CPUs.

@@ -9,7 +9,9 @@
 //! of semantics in one stage is a change of one function here. The arithmetic is not restated:
 //! it is the same `crate::limiter` the program calls, and the model consumes the very map
 //! values the daemon writes (`RuleConfig`, `GlobalConfig`, the sources trie's `ListValue`s,
-//! `OverrideValue`s, `BanEntry`s), so the config → maps step is the real one too.
+//! `OverrideValue`s, `BanEntry`s), so the config → maps step is the real one too. The pressure
+//! level is `GlobalConfig::relaxed`, as the program reads it: rules and overrides with
+//! `elastic` meter against their elastic limit while it is set (`RuleConfig::limit_now`).
 //!
 //! What it leaves out, on purpose, because it cannot change a verdict or a counter of the
 //! configurations it is meant for:
@@ -598,7 +600,7 @@ impl Model {
             .iter()
             .filter(|(r, plen, p, _)| *r == i && covers(&p.addr, *plen, &src.addr))
             .max_by_key(|(_, plen, _, _)| *plen)
-            .map(|(_, _, _, v)| v.limit)
+            .map(|(_, _, _, v)| *v.limit_now(self.policy.global.relaxed != 0))
     }
 
     /// One matching rule for one packet (`rules::apply`).
@@ -617,7 +619,7 @@ impl Model {
             kind: rule.key,
             ..ClientKey::default()
         };
-        let mut limit = rule.limit;
+        let mut limit = *rule.limit_now(self.policy.global.relaxed != 0);
         if rule.key == KEY_IP {
             let plen = if pkt.v4 {
                 V4_MAPPED_PREFIX + rule.v4_prefix as u32

@@ -52,6 +52,8 @@ const EMPTY: GlobalConfig = GlobalConfig {
     generation: 0,
     admission_tick_cap: 0,
     store_sets: 0,
+    relaxed: 0,
+    _pad: 0,
 };
 
 #[inline(always)]

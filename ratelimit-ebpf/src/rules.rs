@@ -87,6 +87,7 @@ pub fn evaluate_rules(
             preview_all: g.preview_all,
             admission_fine: (g.flags & GLOBAL_ADMISSION_FINE_CLOCK != 0) as u32,
             generation: g.generation,
+            relaxed: g.relaxed,
             admission_inc_ns: g.admission_inc_ns,
             admission_burst_ns: g.admission_burst_ns,
             admission_tick_cap: g.admission_tick_cap,
@@ -252,7 +253,10 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
     key._pad = [0; 2];
     key.prefix_len = 0;
     zero_addr(&mut key.addr);
-    let mut limit = &rule.limit;
+    // The limit in force: with `elastic`, the precomputed relaxed one while the host has room
+    // (one load and a select; see `RuleConfig::limit_now`).
+    let relaxed = env.relaxed != 0;
+    let mut limit = rule.limit_now(relaxed);
     if rule.key == KEY_IP {
         let plen = if pkt.v4 {
             V4_MAPPED_PREFIX + rule.v4_prefix as u32
@@ -265,7 +269,7 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
         if rule.flags & RULE_CIDR_OVERRIDES != 0
             && let Some(o) = policy::cidr_override(i, &pkt.src)
         {
-            limit = &o.limit;
+            limit = o.limit_now(relaxed);
         }
     } else if rule.key == KEY_REGION {
         let region = policy::region_of(&pkt.src);
@@ -274,13 +278,13 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
         if rule.flags & RULE_REGION_OVERRIDES != 0
             && let Some(o) = policy::region_override(i, region)
         {
-            limit = &o.limit;
+            limit = o.limit_now(relaxed);
         }
     } else if rule.flags & RULE_CIDR_OVERRIDES != 0
         && let Some(o) = policy::cidr_override(i, &pkt.src)
     {
         // key = all with per-CIDR overrides: the override's threshold for the shared bucket.
-        limit = &o.limit;
+        limit = o.limit_now(relaxed);
     }
     let preview = env.preview_all != 0 || rule.flags & RULE_PREVIEW != 0;
     let exceed_pass = rule.flags & RULE_EXCEED_PASS != 0;

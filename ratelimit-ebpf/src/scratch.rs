@@ -20,6 +20,8 @@ pub struct Env {
     pub admission_fine: u32,
     /// `GlobalConfig::generation` this packet was judged under.
     pub generation: u32,
+    /// `GlobalConfig::relaxed`: elastic limits are in force.
+    pub relaxed: u32,
     pub admission_inc_ns: u64,
     pub admission_burst_ns: u64,
     /// `GlobalConfig::admission_tick_cap`.

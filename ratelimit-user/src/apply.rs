@@ -19,7 +19,7 @@ use ratelimit_common::{
 
 use crate::{
     config::{
-        Action, Algorithm, Config, ExceedAction, KeyKind, OverrideTarget, Protocol, Rule,
+        Action, Algorithm, Config, Elastic, ExceedAction, KeyKind, OverrideTarget, Protocol, Rule,
         Threshold, Unit,
     },
     datapath::Maps,
@@ -116,6 +116,28 @@ pub fn limit_of(
     }
 }
 
+/// The elastic limit of a limit: every count (threshold, burst, ban threshold) times F, same
+/// intervals and ban duration, token bucket constants computed again, so the program only
+/// selects one of the two. All zero without elastic (see [`Limit::is_set`]).
+pub fn elastic_limit(
+    e: Option<Elastic>,
+    t: &Threshold,
+    burst: u64,
+    ban: Option<&Threshold>,
+    ban_duration: Option<std::time::Duration>,
+) -> Limit {
+    let Some(e) = e else {
+        return Limit::default();
+    };
+    let ban = ban.map(|b| e.scale_threshold(b));
+    limit_of(
+        &e.scale_threshold(t),
+        Some(e.scale(burst)),
+        ban.as_ref(),
+        ban_duration,
+    )
+}
+
 pub fn rule_config(r: &Rule) -> RuleConfig {
     let mut flags = 0;
     if r.preview {
@@ -186,6 +208,13 @@ pub fn rule_config(r: &Rule) -> RuleConfig {
             if is_ban { Some(&r.ban_threshold) } else { None },
             if is_ban { Some(r.ban_duration) } else { None },
         ),
+        elastic: elastic_limit(
+            r.elastic,
+            &r.threshold,
+            r.burst,
+            if is_ban { Some(&r.ban_threshold) } else { None },
+            if is_ban { Some(r.ban_duration) } else { None },
+        ),
         // At least 1: a soft limit below 0.0005 rounded to 0, which turns reporting off
         // instead of reporting every client.
         soft_limit_permille: (r.soft_limit * 1000.0).round().clamp(1.0, 1000.0) as u32,
@@ -227,6 +256,8 @@ pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
             timer_tick_ns(),
         ),
         store_sets: 0,
+        relaxed: 0,
+        _pad: 0,
     };
     let mut own: Vec<(Prefix, ListValue)> = Vec::new();
     for n in &cfg.lists.allow {
@@ -280,13 +311,18 @@ pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
                 None
             };
             let ban = ban.as_ref();
-            let limit = limit_of(
+            let burst = o.burst.unwrap_or(o.threshold.amount);
+            let ban_duration = if is_ban { Some(r.ban_duration) } else { None };
+            let limit = limit_of(&o.threshold, Some(burst), ban, ban_duration);
+            // The override's own factor, or its rule's.
+            let elastic = elastic_limit(
+                o.elastic.or(r.elastic),
                 &o.threshold,
-                Some(o.burst.unwrap_or(o.threshold.amount)),
+                burst,
                 ban,
-                if is_ban { Some(r.ban_duration) } else { None },
+                ban_duration,
             );
-            let v = OverrideValue { limit };
+            let v = OverrideValue { limit, elastic };
             match &o.target {
                 OverrideTarget::Cidr(n) => {
                     overrides.insert((i as u32, prefix(&n.trunc())), v);
@@ -314,14 +350,20 @@ pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
                         .map(|(_, o)| o),
                 )
         };
-        let fine = needs_fine_clock(&rc.limit, rc.algorithm)
-            || own().any(|o| needs_fine_clock(&o.limit, rc.algorithm));
+        // Both limits of each, the elastic one where there is one: either may be in force.
+        let limits = |rc: &RuleConfig| {
+            let mut v = vec![rc.limit];
+            v.extend(own().flat_map(|o| [o.limit, o.elastic]));
+            v.push(rc.elastic);
+            v.retain(Limit::is_set);
+            v
+        };
+        let limits = limits(rc);
+        let fine = limits.iter().any(|l| needs_fine_clock(l, rc.algorithm));
         if fine {
             rc.flags |= RULE_FINE_CLOCK;
         }
-        let memory = own()
-            .map(|o| state_memory_ns(&o.limit))
-            .fold(state_memory_ns(&rc.limit), u64::max);
+        let memory = limits.iter().map(state_memory_ns).fold(0, u64::max);
         rc.protect_ms = protect_ms(memory);
     }
     Plan {
@@ -498,6 +540,8 @@ pub fn apply(maps: &mut Maps, plan: &Plan) -> anyhow::Result<()> {
     // void from then on.
     let mut global = plan.global;
     global.generation = old.generation.wrapping_add(1);
+    // The pressure level is the daemon's to write ([`write_relaxed`]), not the config's.
+    global.relaxed = old.relaxed;
     global.store_sets = maps.clients.sets();
     if shrinking {
         maps.global
@@ -512,6 +556,27 @@ pub fn apply(maps: &mut Maps, plan: &Plan) -> anyhow::Result<()> {
         .set(0, global, 0)
         .context("writing the global settings")?;
     Ok(())
+}
+
+/// Write the pressure level into the data plane: `relaxed` (the level is low) puts the rules'
+/// and overrides' elastic limits in force, and not relaxed their limits as configured. One
+/// write of the global entry, nothing else: a new generation, so the program's fast-drop
+/// entries made under the other level are void from then on.
+pub fn write_relaxed(maps: &mut Maps, relaxed: bool) -> anyhow::Result<()> {
+    let mut global = maps
+        .global
+        .get(&0, 0)
+        .context("reading the global settings")?;
+    global.relaxed = relaxed as u32;
+    global.generation = global.generation.wrapping_add(1);
+    maps.global
+        .set(0, global, 0)
+        .context("writing the pressure level")
+}
+
+/// The pressure level the data plane holds: `Some(true)` when elastic limits are in force.
+pub fn read_relaxed(maps: &Maps) -> Option<bool> {
+    maps.global.get(&0, 0).ok().map(|g| g.relaxed != 0)
 }
 
 /// The kernel's timer tick (the coarse clock's resolution), 4 ms if it cannot be read.
@@ -775,5 +840,127 @@ threshold = { count = 10, interval = "1h" }"#
         let text = "[[rule]]\nname = \"r\"\nthreshold = { count = 10, interval = \"1s\" }\nsoft_limit = 0.0001\n";
         let cfg = crate::config::parse("t.toml", text).unwrap();
         assert_eq!(rule_config(&cfg.rules[0]).soft_limit_permille, 1);
+    }
+
+    fn plan_of(body: &str) -> Plan {
+        let text = format!("[[rule]]\nname = \"r\"\n{body}");
+        plan(
+            &crate::config::parse("t.toml", &text).expect("config"),
+            false,
+        )
+    }
+
+    /// Elastic scales every count of the rule (threshold, burst, ban threshold) and keeps
+    /// its intervals and ban duration, with token bucket constants of its own; the limit as
+    /// configured is untouched, and a rule without elastic has no elastic limit.
+    #[test]
+    fn elastic_limits_are_every_count_times_f_precomputed() {
+        let p = plan_of(
+            r#"threshold = { count = 1000, interval = "1s" }
+algorithm = "token_bucket"
+burst = 300
+action = "rate_based_ban"
+ban_threshold = { count = 4000, interval = "10s" }
+ban_duration = "1m"
+elastic = 1.5"#,
+        );
+        let r = &p.rules[0];
+        let (l, e) = (r.limit, r.elastic);
+        assert_eq!((l.threshold, l.burst, l.ban_threshold), (1000, 300, 4000));
+        assert_eq!((e.threshold, e.burst, e.ban_threshold), (1500, 450, 6000));
+        assert_eq!(
+            (e.interval_ns, e.ban_interval_ns, e.ban_duration_ns),
+            (l.interval_ns, l.ban_interval_ns, l.ban_duration_ns)
+        );
+        let th: Threshold = "1500/1s".parse().unwrap();
+        assert_eq!(
+            (e.gcra_inc_ns, e.gcra_burst_ns),
+            (
+                ratelimit_common::limiter::gcra_increment(1, 1500, 1_000_000_000),
+                ratelimit_common::limiter::gcra_burst_ns(450, 1500, 1_000_000_000)
+            )
+        );
+        assert_eq!(
+            e,
+            limit_of(
+                &th,
+                Some(450),
+                Some(&"6000/10s".parse().unwrap()),
+                Some(std::time::Duration::from_secs(60))
+            )
+        );
+        // The program selects one, by the level; no arithmetic.
+        assert_eq!(r.limit_now(true), &e);
+        assert_eq!(r.limit_now(false), &l);
+        // Without elastic: nothing to select.
+        let p = plan_of(r#"threshold = { count = 1000, interval = "1s" }"#);
+        assert!(!p.rules[0].elastic.is_set());
+        assert_eq!(p.rules[0].limit_now(true), &p.rules[0].limit);
+        // A throttle's elastic limit has no ban counts; a window rule's burst is the scaled
+        // threshold (as the configured one is the threshold).
+        let p = plan_of(
+            r#"threshold = { count = 7, interval = "1s" }
+elastic = 2.5"#,
+        );
+        let e = p.rules[0].elastic;
+        assert_eq!((e.threshold, e.burst, e.ban_threshold), (17, 17, 17));
+        assert_eq!(e.ban_interval_ns, 1_000_000_000);
+        assert_eq!(e.ban_duration_ns, 0);
+    }
+
+    /// An override takes its own factor, or its rule's; its elastic limit scales its own
+    /// counts.
+    #[test]
+    fn overrides_get_their_own_or_the_rules_factor() {
+        let p = plan_of(
+            r#"threshold = { count = 10, interval = "1s" }
+elastic = 2
+[[rule.override]]
+cidr = "192.0.2.0/24"
+threshold = { count = 100, interval = "1s" }
+[[rule.override]]
+cidr = "198.51.100.0/24"
+threshold = { count = 100, interval = "1s" }
+elastic = 3"#,
+        );
+        let mut thresholds: Vec<(u64, u64)> = p
+            .overrides
+            .values()
+            .map(|o| (o.limit.threshold, o.elastic.threshold))
+            .collect();
+        thresholds.sort();
+        assert_eq!(thresholds, [(100, 200), (100, 300)]);
+        let p = plan_of(
+            r#"threshold = { count = 10, interval = "1s" }
+[[rule.override]]
+cidr = "192.0.2.0/24"
+threshold = { count = 100, interval = "1s" }
+elastic = 1.25"#,
+        );
+        assert!(!p.rules[0].elastic.is_set());
+        let o = p.overrides.values().next().unwrap();
+        assert_eq!((o.limit.threshold, o.elastic.threshold), (100, 125));
+        assert_eq!(o.limit_now(false).threshold, 100);
+        assert_eq!(o.limit_now(true).threshold, 125);
+    }
+
+    /// The fine clock and the eviction protection cover the elastic limit too: either may be
+    /// in force.
+    #[test]
+    fn fine_clock_and_protection_cover_the_elastic_limit() {
+        // 20 a second, burst 2: the burst refills in 100 ms, the coarse clock is fine; times
+        // 3 the burst (6) refills in 100 ms too. A burst of 1 at 20/s refills in 50 ms, under
+        // 3x it (burst 3 at 60/s) in 50 ms as well: scaling keeps the refill time.
+        assert!(!fine(
+            "threshold = { count = 20, interval = \"1s\" }\nalgorithm = \"token_bucket\"\nburst = 2\nelastic = 3\n"
+        ));
+        let p = plan_of(
+            r#"threshold = { count = 10, interval = "1s" }
+action = "rate_based_ban"
+ban_threshold = { count = 100, interval = "1m" }
+ban_duration = "1h"
+elastic = 2"#,
+        );
+        assert_eq!(p.rules[0].protect_ms, 120_000);
     }
 }

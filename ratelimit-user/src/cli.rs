@@ -262,6 +262,10 @@ pub struct RuleSetArgs {
     /// Share of the threshold (0..1] above which clients are reported as offenders.
     #[arg(long)]
     pub soft_limit: Option<f64>,
+    /// Elastic factor F > 1 (e.g. 2): up to F times every count of the rule while the host
+    /// has room, the rule as written under pressure.
+    #[arg(long)]
+    pub elastic: Option<f64>,
     #[arg(long)]
     pub json: bool,
 }
@@ -277,6 +281,7 @@ impl RuleSetArgs {
             exceed_action: self.exceed_action.clone(),
             preview: self.preview,
             soft_limit: self.soft_limit,
+            elastic: self.elastic,
         }
     }
 }
@@ -326,6 +331,10 @@ pub struct OverrideAddArgs {
     /// threshold, or this threshold where it is higher.
     #[arg(long)]
     pub ban_threshold: Option<String>,
+    /// Elastic factor F > 1 (e.g. 1.5): up to F times every count of this override while the
+    /// host has room, the override as given under pressure. Default: the rule's.
+    #[arg(long)]
+    pub elastic: Option<String>,
     #[arg(long)]
     pub json: bool,
 }
@@ -349,6 +358,7 @@ impl OverrideAddArgs {
             threshold: self.threshold.clone(),
             burst: self.burst.clone(),
             ban_threshold: self.ban_threshold.clone(),
+            elastic: self.elastic.clone(),
         }
     }
 }

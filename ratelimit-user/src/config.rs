@@ -294,6 +294,10 @@ pub struct Rule {
     pub preview: bool,
     /// In (0, 1].
     pub soft_limit: f64,
+    /// `elastic = F`: while the host has room (pressure low), every count of the rule
+    /// (threshold, token bucket burst, ban threshold) times F; under pressure, the rule as
+    /// written. `None`: the rule holds whatever the level.
+    pub elastic: Option<Elastic>,
     /// TOML `[[rule.override]]`, in file order.
     pub overrides: Vec<Override>,
 }
@@ -428,14 +432,110 @@ impl FromStr for Threshold {
     }
 }
 
-/// Override of a rule's thresholds for some clients. `burst` and `ban_threshold` fall back to
-/// the rule's when `None`.
+/// Override of a rule's thresholds for some clients. `burst`, `ban_threshold` and `elastic`
+/// fall back to the rule's when `None`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Override {
     pub target: OverrideTarget,
     pub threshold: Threshold,
     pub burst: Option<u64>,
     pub ban_threshold: Option<Threshold>,
+    pub elastic: Option<Elastic>,
+}
+
+/// `elastic = F`, F > 1: how far above its counts a rule (or override) lets clients go while
+/// the host has room. Kept in thousandths (1.5 is 1500), so it compares exactly and scales
+/// counts without floating point.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Elastic(u32);
+
+impl Elastic {
+    /// The largest factor: a hundred times the threshold is no longer a threshold.
+    pub const MAX: u32 = 100;
+
+    /// F from its number: greater than 1, at most [`Elastic::MAX`], at most three decimals.
+    pub fn new(f: f64) -> Result<Elastic, String> {
+        if !f.is_finite() || f <= 1.0 || f > Self::MAX as f64 {
+            return Err(format!(
+                "must be greater than 1 and at most {} (got {f}): the factor by which clients \
+                 may exceed their threshold while the host has room",
+                Self::MAX
+            ));
+        }
+        let milli = (f * 1000.0).round();
+        if (milli - f * 1000.0).abs() > 1e-6 || milli <= 1000.0 {
+            return Err(format!("must have at most three decimals (got {f})"));
+        }
+        Ok(Elastic(milli as u32))
+    }
+
+    /// F in thousandths.
+    pub fn milli(self) -> u32 {
+        self.0
+    }
+
+    pub fn factor(self) -> f64 {
+        self.0 as f64 / 1000.0
+    }
+
+    /// `n` times F, rounded down (never below `n`), saturating.
+    pub fn scale(self, n: u64) -> u64 {
+        let v = n as u128 * self.0 as u128 / 1000;
+        v.clamp(n as u128, u64::MAX as u128) as u64
+    }
+
+    /// `t` times F (same unit and interval).
+    pub fn scale_threshold(self, t: &Threshold) -> Threshold {
+        Threshold {
+            amount: self.scale(t.amount),
+            ..*t
+        }
+    }
+}
+
+/// `1.5`, `2`: parses back to the same value.
+impl fmt::Display for Elastic {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}", self.factor())
+    }
+}
+
+impl FromStr for Elastic {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        let f: f64 = s
+            .trim()
+            .parse()
+            .map_err(|_| format!("{s:?} is not a number; write a factor such as 1.5 or 2"))?;
+        Elastic::new(f)
+    }
+}
+
+/// Why `elastic` is refused on a rule with `exceed_action = "pass"`.
+pub const ELASTIC_WITH_PASS: &str = "has no effect with exceed_action = \"pass\": elastic only \
+     changes which packets are dropped, and this rule drops none";
+
+/// Whether `elastic` fits a rule whose `exceed_action` is `exceed` and whose (or whose
+/// override's) counts are `threshold` and `ban`: the rule must drop (elastic decides only
+/// which packets are dropped), and the scaled counts must stay rates the limiter meters.
+pub fn check_elastic(
+    e: Elastic,
+    exceed: ExceedAction,
+    threshold: &Threshold,
+    ban: Option<&Threshold>,
+) -> Result<(), String> {
+    if exceed == ExceedAction::Pass {
+        return Err(ELASTIC_WITH_PASS.into());
+    }
+    for (what, t) in
+        std::iter::once(("threshold", threshold)).chain(ban.map(|b| ("ban_threshold", b)))
+    {
+        let scaled = e.scale_threshold(t);
+        values::check_amount(scaled.amount, scaled.unit, scaled.interval).map_err(|why| {
+            format!("= {e} makes the {what} {scaled} while the host has room, and {why}")
+        })?;
+    }
+    Ok(())
 }
 
 /// Who an override applies to.

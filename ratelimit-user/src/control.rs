@@ -408,6 +408,12 @@ pub(crate) mod samples {
                 verified_insns: 120_000,
             }),
             rules: vec!["syn-per-client".into()],
+            thresholds: vec![crate::reader::RuleThreshold {
+                rule: "syn-per-client".into(),
+                threshold: "2000/20m".into(),
+                elastic: Some(1.5),
+                threshold_now: "3000/20m".into(),
+            }],
             tracked_clients: 12,
             max_sources: 1 << 20,
             admission: crate::reader::Admission {
@@ -493,6 +499,7 @@ pub(crate) mod samples {
             not_saved: Some(
                 "writing /var/lib/ratelimit/.pressure.json.tmp: No space left on device".into(),
             ),
+            data_plane: Some(Level::High),
         }
     }
 
@@ -599,6 +606,7 @@ pub(crate) mod samples {
             threshold: "5000/20m".into(),
             burst: Some("100".into()),
             ban_threshold: Some("9000/20m".into()),
+            elastic: Some("1.5".into()),
         }
     }
 
@@ -611,6 +619,7 @@ pub(crate) mod samples {
             exceed_action: Some("pass".into()),
             preview: Some(true),
             soft_limit: Some(0.5),
+            elastic: Some(2.0),
         }
     }
 
@@ -696,6 +705,8 @@ pub(crate) mod samples {
                     burst: Some(10),
                     ban_threshold: Some("6000/20m".into()),
                     ban_duration: Some("1h".into()),
+                    elastic: Some(2.0),
+                    threshold_now: "6000/20m".into(),
                     exceed_action: "drop".into(),
                     preview: false,
                     soft_limit: 0.8,

@@ -202,6 +202,17 @@ impl State {
             bans_restore: self.bans_restore.clone(),
             live_changes: self.live.report.clone(),
             pressure: self.pressure_report(),
+            thresholds: self
+                .cfg
+                .rules
+                .iter()
+                .map(|r| reader::RuleThreshold {
+                    rule: r.name.clone(),
+                    threshold: r.threshold.to_string(),
+                    elastic: r.elastic.map(crate::config::Elastic::factor),
+                    threshold_now: crate::live::threshold_now(r, self.relaxed()).to_string(),
+                })
+                .collect(),
         }
     }
 
@@ -221,6 +232,13 @@ impl State {
             signals: p.readings(),
             transitions: p.transitions(),
             not_saved: self.pressure_not_saved.clone(),
+            data_plane: apply::read_relaxed(&self.maps).map(|relaxed| {
+                if relaxed {
+                    pressure::Level::Low
+                } else {
+                    pressure::Level::High
+                }
+            }),
         }
     }
 
@@ -265,6 +283,8 @@ impl State {
     /// Log and write the event of a change of the level.
     fn pressure_changed(&mut self, change: Option<pressure::Transition>) {
         let Some(t) = change else { return };
+        // The data plane first: elastic limits follow the level within the sampler's period.
+        self.write_level();
         let above: Vec<&str> = t.above.iter().map(|r| r.signal.name()).collect();
         info!(
             level = t.level.name(),
@@ -285,24 +305,42 @@ impl State {
         });
     }
 
+    /// Whether the host has room: the elastic limits are in force.
+    pub fn relaxed(&self) -> bool {
+        self.pressure.level() == pressure::Level::Low
+    }
+
+    /// Write the level into the data plane (a failure is logged; the next change retries).
+    fn write_level(&mut self) {
+        let relaxed = self.relaxed();
+        if let Err(e) = apply::write_relaxed(&mut self.maps, relaxed) {
+            error!("writing the pressure level to the data plane: {e:#}");
+        }
+    }
+
     pub fn rule_names(&self) -> Vec<String> {
         self.cfg.rules.iter().map(|r| r.name.clone()).collect()
     }
 
-    /// Rules as the data plane holds them (live `rule set` changes included).
+    /// Rules as the data plane holds them (live `rule set` changes included), each with its
+    /// limit in force now as `limit` (its elastic limit while the pressure level is low), so
+    /// client reports measure usage against what the program meters.
     pub fn live_rules(&self) -> Vec<(String, RuleConfig)> {
+        let relaxed = self.relaxed();
         self.cfg
             .rules
             .iter()
             .enumerate()
             .map(|(i, r)| {
-                (
-                    r.name.clone(),
-                    self.maps
+                (r.name.clone(), {
+                    let mut rc = self
+                        .maps
                         .rules
                         .get(&(i as u32), 0)
-                        .unwrap_or_else(|_| apply::rule_config(r)),
-                )
+                        .unwrap_or_else(|_| apply::rule_config(r));
+                    rc.limit = *rc.limit_now(relaxed);
+                    rc
+                })
             })
             .collect()
     }
@@ -484,7 +522,9 @@ impl State {
                 self.preview_all,
                 &name,
             )?)),
-            Request::Rules => Response::ok(Answer::Rules(self.live.rules(&self.cfg))),
+            Request::Rules => {
+                Response::ok(Answer::Rules(self.live.rules(&self.cfg, self.relaxed())))
+            }
             Request::OverrideAdd { spec } => Response::ok(Answer::OverrideAdd(
                 self.live
                     .override_add(&mut self.maps, &mut self.cfg, self.preview_all, &spec)?,
@@ -1205,6 +1245,15 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     // Policy first, then attach: the program never runs against empty policy maps.
     let plan = apply::plan(&cfg, opts.preview);
     apply::apply(&mut maps, &plan)?;
+    // The pressure level, from the operator's saved mode (the signals have no reading yet):
+    // in the data plane before the program is attached, and right again after a restart.
+    let pressure_marks = pressure::Marks::of(&cfg.pressure);
+    let pressure_mode = load_pressure_mode(&cfg.daemon.state_dir);
+    // Adopted maps keep the level the last daemon wrote (a fresh map's 0 reads as high, so
+    // only adopted ones count).
+    let was_high = dp.adopted && apply::read_relaxed(&maps) == Some(false);
+    let pressure = Pressure::resume(pressure_marks, pressure_mode, Instant::now(), was_high);
+    apply::write_relaxed(&mut maps, pressure.level() == pressure::Level::Low)?;
     load_regions(&cfg, &mut maps)?;
     let names: Vec<String> = cfg.rules.iter().map(|r| r.name.clone()).collect();
     let rules = config_rules(&cfg);
@@ -1260,8 +1309,6 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         tasks.clone(),
         known_status,
     ));
-    let pressure_marks = pressure::Marks::of(&cfg.pressure);
-    let pressure_mode = load_pressure_mode(&cfg.daemon.state_dir);
     let (jobs_tx, jobs_rx) = mpsc::channel(JOBS_QUEUED);
     let handle = Handle {
         jobs: jobs_tx,
@@ -1297,7 +1344,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         bans_restore: restored.report,
         live,
         reports: reports.clone(),
-        pressure: Pressure::new(pressure_marks, pressure_mode, Instant::now()),
+        pressure,
         pressure_counters: None,
         pressure_not_saved: None,
         fleet,

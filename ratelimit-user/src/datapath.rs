@@ -268,7 +268,7 @@ pub fn ifindex(iface: &str) -> anyhow::Result<u32> {
 /// The layout of every pinned map's keys and values. `LAYOUT_VERSION` is bumped by hand
 /// whenever one changes (a reordered field included), and when where a key is placed changes
 /// (the per-source store's hash, `known_hash`); the sizes follow as a check.
-const LAYOUT_VERSION: u32 = 9;
+const LAYOUT_VERSION: u32 = 10;
 
 /// File in `daemon.state_dir` recording the layout of the maps pinned in `daemon.bpffs_dir`.
 pub const LAYOUT_FILE: &str = "pinned-layout";
@@ -276,7 +276,7 @@ pub const LAYOUT_FILE: &str = "pinned-layout";
 pub fn layout() -> String {
     use std::mem::size_of;
     format!(
-        "v{LAYOUT_VERSION} client_key={} client_state={} store_set={} shared={} fast_entry={} global={} rule={} ban={} stats={} hash_key={}",
+        "v{LAYOUT_VERSION} client_key={} client_state={} store_set={} shared={} fast_entry={} global={} rule={} override={} ban={} stats={} hash_key={}",
         size_of::<ClientKey>(),
         size_of::<ClientState>(),
         size_of::<ratelimit_common::maps::StoreSet>(),
@@ -284,6 +284,7 @@ pub fn layout() -> String {
         size_of::<FastEntry>(),
         size_of::<GlobalConfig>(),
         size_of::<RuleConfig>(),
+        size_of::<ratelimit_common::maps::OverrideValue>(),
         size_of::<BanEntry>(),
         ratelimit_common::stats::STATS_LEN,
         size_of::<HashKey>(),

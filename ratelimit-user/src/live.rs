@@ -89,6 +89,9 @@ pub struct OverrideSpec {
     pub burst: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ban_threshold: Option<String>,
+    /// `elastic = F` of this override (default: the rule's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub elastic: Option<String>,
 }
 
 impl OverrideSpec {
@@ -107,6 +110,7 @@ impl OverrideSpec {
             threshold: o.threshold.to_string(),
             burst: o.burst.map(|b| b.to_string()),
             ban_threshold: o.ban_threshold.map(|t| t.to_string()),
+            elastic: o.elastic.map(|e| e.to_string()),
         }
     }
 
@@ -173,12 +177,39 @@ pub fn check(spec: &OverrideSpec, rule: &Rule) -> Result<Override, String> {
         }
         Some(t) => Some(parse_threshold("--ban-threshold", t, unit)?),
     };
+    let own_elastic = match &spec.elastic {
+        None => None,
+        Some(e) => Some(
+            e.parse::<config::Elastic>()
+                .map_err(|why| format!("--elastic {why}"))?,
+        ),
+    };
+    if let Some(e) = own_elastic.or(rule.elastic) {
+        let ban = ban_threshold.or((rule.action == Action::RateBasedBan).then_some(threshold));
+        config::check_elastic(e, rule.exceed_action, &threshold, ban.as_ref()).map_err(|why| {
+            let whose = if own_elastic.is_some() {
+                ""
+            } else {
+                " (the rule's)"
+            };
+            format!("rule {:?}: --elastic{whose} {why}", rule.name)
+        })?;
+    }
     Ok(Override {
         target,
         threshold,
         burst,
         ban_threshold,
+        elastic: own_elastic,
     })
+}
+
+/// The threshold of `r` in force: times its `elastic` while the host has room (`relaxed`).
+pub fn threshold_now(r: &Rule, relaxed: bool) -> config::Threshold {
+    match r.elastic {
+        Some(e) if relaxed => e.scale_threshold(&r.threshold),
+        _ => r.threshold,
+    }
 }
 
 /// A threshold in the command line's form (the config's parser), counting `unit`.
@@ -437,6 +468,13 @@ pub struct RuleEntry {
     pub ban_threshold: Option<String>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ban_duration: Option<String>,
+    /// `elastic = F`, if the rule has it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub elastic: Option<f64>,
+    /// The threshold in force now: the threshold times `elastic` while the pressure level is
+    /// low, the threshold itself while it is high (or without elastic).
+    #[serde(default)]
+    pub threshold_now: String,
     pub exceed_action: String,
     pub preview: bool,
     pub soft_limit: f64,
@@ -799,7 +837,7 @@ impl Live {
     }
 
     /// Every rule with its values in force (`running`) and its live changes.
-    pub fn rules(&self, running: &Config) -> Vec<RuleEntry> {
+    pub fn rules(&self, running: &Config, relaxed: bool) -> Vec<RuleEntry> {
         running
             .rules
             .iter()
@@ -815,6 +853,8 @@ impl Live {
                     burst: (r.algorithm == Algorithm::TokenBucket).then_some(r.burst),
                     ban_threshold: ban.then(|| r.ban_threshold.to_string()),
                     ban_duration: ban.then(|| config::format_duration(r.ban_duration)),
+                    elastic: r.elastic.map(config::Elastic::factor),
+                    threshold_now: threshold_now(r, relaxed).to_string(),
                     exceed_action: r.exceed_action.to_string(),
                     preview: r.preview,
                     soft_limit: r.soft_limit,

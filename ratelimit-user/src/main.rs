@@ -389,6 +389,15 @@ fn print_pressure(p: &ratelimit_user::pressure::Report) {
         ),
     };
     println!("level    {} ({how})", p.level.name());
+    match p.data_plane {
+        Some(ratelimit_user::pressure::Level::Low) => println!(
+            "data     low: rules and overrides with elastic = F admit up to F times their counts"
+        ),
+        Some(ratelimit_user::pressure::Level::High) => {
+            println!("data     high: rules and overrides with elastic are held to their thresholds")
+        }
+        None => println!("data     unknown (the map could not be read)"),
+    }
     println!("since    {}", p.since);
     for r in &p.signals {
         let value = match r.value {
@@ -498,8 +507,8 @@ fn print_bans(bans: &[report::Ban]) {
 
 fn print_overrides(entries: &[live::OverrideEntry]) {
     println!(
-        "{:<20} {:<40} {:>14} {:>10} {:>14}  source",
-        "rule", "cidr/region", "threshold", "burst", "ban_threshold"
+        "{:<20} {:<40} {:>14} {:>10} {:>14} {:>7}  source",
+        "rule", "cidr/region", "threshold", "burst", "ban_threshold", "elastic"
     );
     for e in entries {
         let v = &e.values;
@@ -509,20 +518,23 @@ fn print_overrides(entries: &[live::OverrideEntry]) {
             (live::Source::Config, _) => "config",
         };
         println!(
-            "{:<20} {:<40} {:>14} {:>10} {:>14}  {source}",
+            "{:<20} {:<40} {:>14} {:>10} {:>14} {:>7}  {source}",
             v.at.rule,
             target_label(&v.at),
             v.threshold,
             v.burst.as_deref().unwrap_or("-"),
             v.ban_threshold.as_deref().unwrap_or("-"),
+            v.elastic
+                .as_deref()
+                .map_or_else(|| "-".to_string(), |e| format!("x{e}")),
         );
     }
 }
 
 fn print_rules(rules: &[live::RuleEntry]) {
     println!(
-        "{:<20} {:<7} {:<15} {:<15} {:>14} {:>10} {:>9}  source",
-        "rule", "key", "action", "algorithm", "threshold", "burst", "overrides"
+        "{:<20} {:<7} {:<15} {:<15} {:>14} {:>10} {:>7} {:>14} {:>9}  source",
+        "rule", "key", "action", "algorithm", "threshold", "burst", "elastic", "now", "overrides"
     );
     for r in rules {
         let source = match &r.live {
@@ -530,13 +542,16 @@ fn print_rules(rules: &[live::RuleEntry]) {
             None => "config".into(),
         };
         println!(
-            "{:<20} {:<7} {:<15} {:<15} {:>14} {:>10} {:>9}  {source}",
+            "{:<20} {:<7} {:<15} {:<15} {:>14} {:>10} {:>7} {:>14} {:>9}  {source}",
             r.name,
             r.key,
             r.action,
             r.algorithm,
             r.threshold,
             r.burst.map_or_else(|| "-".to_string(), |b| b.to_string()),
+            r.elastic
+                .map_or_else(|| "-".to_string(), |e| format!("x{e}")),
+            r.threshold_now,
             r.overrides
         );
     }

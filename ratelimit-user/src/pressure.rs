@@ -345,6 +345,20 @@ impl Pressure {
         p
     }
 
+    /// As [`Pressure::new`], for a daemon that takes over pinned state whose level was high
+    /// (`was_high`): the automatic level starts high, as if a signal had been above its mark
+    /// at `now`, so a restart does not relax the data plane until the signals have been read
+    /// again; it falls after `hold` without a signal, as it would have.
+    pub fn resume(marks: Marks, mode: Mode, now: Instant, was_high: bool) -> Self {
+        let mut p = Self::new(marks, mode, now);
+        if was_high {
+            p.auto = Level::High;
+            p.last_above = Some(now);
+            p.level = p.effective();
+        }
+        p
+    }
+
     fn effective(&self) -> Level {
         match self.mode {
             Mode::Auto => self.auto,
@@ -473,6 +487,11 @@ pub struct Report {
     /// Why the operator's mode could not be saved (it is in force until the daemon stops).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub not_saved: Option<String>,
+    /// The level the XDP program holds now, read back from its map: `low` puts the elastic
+    /// limits of rules and overrides with `elastic` in force, `high` their thresholds.
+    /// `None` if the map could not be read.
+    #[serde(default)]
+    pub data_plane: Option<Level>,
 }
 
 /// The operator's mode as saved in `state_dir`.
@@ -531,6 +550,28 @@ mod tests {
         assert_eq!(p.observe(s, t0 + 250 * MS), None);
         assert!(p.readings().iter().all(|r| r.value.is_none() && !r.above));
         assert_eq!(p.level(), Level::Low);
+    }
+
+    /// A daemon that takes over a high level stays high (no relaxed gap before its first
+    /// readings), and falls after the hold without a signal; a forced mode still decides.
+    #[test]
+    fn a_resumed_high_level_holds_until_the_hold_has_passed() {
+        let t0 = Instant::now();
+        let mut p = Pressure::resume(marks(), Mode::Auto, t0, true);
+        assert_eq!((p.level(), p.transitions()), (Level::High, 0));
+        assert_eq!(p.observe(cpu(0.1), t0 + 9_999 * MS), None);
+        let t = p
+            .observe(cpu(0.1), t0 + 10_000 * MS)
+            .expect("low after the hold");
+        assert_eq!((t.level, t.cause), (Level::Low, Cause::Hold));
+        assert_eq!(
+            Pressure::resume(marks(), Mode::Low, t0, true).level(),
+            Level::Low
+        );
+        assert_eq!(
+            Pressure::resume(marks(), Mode::Auto, t0, false).level(),
+            Level::Low
+        );
     }
 
     #[test]

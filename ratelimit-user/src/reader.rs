@@ -68,6 +68,22 @@ pub struct View {
     pub live_changes: crate::live::Report,
     /// The pressure level and its signals (the sampler's latest).
     pub pressure: crate::pressure::Report,
+    /// Each rule's threshold in force now.
+    pub thresholds: Vec<RuleThreshold>,
+}
+
+/// A rule's threshold in force now, for `status`.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
+pub struct RuleThreshold {
+    pub rule: String,
+    /// As configured (or set live).
+    pub threshold: String,
+    /// `elastic = F`, if the rule has it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub elastic: Option<f64>,
+    /// The threshold times F while the pressure level is low, the threshold itself while it
+    /// is high (or without elastic).
+    pub threshold_now: String,
 }
 
 /// Counts that take a walk over maps: kept for `status` and `/metrics` while still true.
@@ -361,6 +377,7 @@ impl Reports {
                 verified_insns: v,
             }),
             rules: view.rule_names.clone(),
+            thresholds: view.thresholds.clone(),
             tracked_clients: census.tracked_clients,
             max_sources: view.max_sources,
             admission: view.admission,
@@ -403,6 +420,9 @@ pub struct Status {
     pub program: Option<Program>,
     /// The rules, in evaluation order.
     pub rules: Vec<String>,
+    /// Each rule's threshold and elastic factor, and the threshold in force now.
+    #[serde(default)]
+    pub thresholds: Vec<RuleThreshold>,
     pub tracked_clients: u64,
     pub max_sources: u32,
     /// The new-source admission budget in force (`[tracking]`).

@@ -27,6 +27,8 @@ pub struct RuleChanges {
     pub preview: Option<bool>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub soft_limit: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub elastic: Option<f64>,
 }
 
 impl RuleChanges {
@@ -55,6 +57,7 @@ impl RuleChanges {
                 .or_else(|| self.exceed_action.clone()),
             preview: newer.preview.or(self.preview),
             soft_limit: newer.soft_limit.or(self.soft_limit),
+            elastic: newer.elastic.or(self.elastic),
         }
     }
 
@@ -73,6 +76,7 @@ impl RuleChanges {
         flag("exceed-action", self.exceed_action.clone());
         flag("preview", self.preview.map(|b| b.to_string()));
         flag("soft-limit", self.soft_limit.map(|b| b.to_string()));
+        flag("elastic", self.elastic.map(|e| e.to_string()));
         out.join(" ")
     }
 }
@@ -153,6 +157,17 @@ pub fn apply_changes(rule: &mut Rule, set: &RuleChanges) -> anyhow::Result<()> {
             bail!("--soft-limit must be in (0, 1]");
         }
         rule.soft_limit = s;
+    }
+    if let Some(f) = set.elastic {
+        rule.elastic =
+            Some(crate::config::Elastic::new(f).map_err(|e| anyhow::anyhow!("--elastic {e}"))?);
+    }
+    // Elastic against the rule as it now stands: a new threshold or exceed_action may no
+    // longer fit a factor given before.
+    if let Some(e) = rule.elastic {
+        let ban = (rule.action == Action::RateBasedBan).then_some(rule.ban_threshold);
+        crate::config::check_elastic(e, rule.exceed_action, &rule.threshold, ban.as_ref())
+            .map_err(|why| anyhow::anyhow!("elastic {why}"))?;
     }
     Ok(())
 }
@@ -241,5 +256,37 @@ mod tests {
         };
         apply_changes(&mut rule, &set).unwrap();
         assert_eq!(rule.ban_duration, crate::config::MAX_BAN_DURATION);
+    }
+
+    /// `--elastic` is checked against the rule as it stands after the change.
+    #[test]
+    fn elastic_is_set_live_and_checked_against_the_rule() {
+        let mut rule = crate::config::parse(
+            "t.toml",
+            "[[rule]]\nname = \"r\"\nthreshold = { count = 10, interval = \"1s\" }\n",
+        )
+        .unwrap()
+        .rules
+        .remove(0);
+        let set = |e: Option<f64>, exceed: Option<&str>| RuleChanges {
+            elastic: e,
+            exceed_action: exceed.map(Into::into),
+            ..Default::default()
+        };
+        let e = apply_changes(&mut rule.clone(), &set(Some(0.9), None)).unwrap_err();
+        assert!(
+            e.to_string()
+                .starts_with("--elastic must be greater than 1"),
+            "{e}"
+        );
+        apply_changes(&mut rule, &set(Some(2.0), None)).unwrap();
+        assert_eq!(rule.elastic.unwrap().milli(), 2000);
+        let e = apply_changes(&mut rule.clone(), &set(None, Some("pass"))).unwrap_err();
+        assert!(
+            e.to_string()
+                .contains("elastic has no effect with exceed_action"),
+            "{e}"
+        );
+        assert_eq!(set(Some(2.0), None).describe(), "--elastic 2");
     }
 }

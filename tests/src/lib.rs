@@ -20,6 +20,7 @@ pub mod env;
 pub mod fuzz;
 pub mod leftovers;
 pub mod link;
+pub mod listen;
 pub mod mmdb;
 pub mod netns;
 pub mod nginx;

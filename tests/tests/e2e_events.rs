@@ -21,13 +21,22 @@ const PORT: u16 = 9000;
 
 /// A rule under which a client's first packet reaches its soft limit (1 of a threshold of 1):
 /// every new source makes exactly one `soft_limit` event, so spoofed sources turn packets into
-/// event lines one for one.
+/// event lines one for one. The pressure marks are out of reach (see [`NO_PRESSURE_EVENTS`]).
 const ONE_EVENT_PER_SOURCE: &str = r#"
+[pressure]
+cpu_busy = 1.0
+listen_overflows_per_sec = 1000000
+
 [[rule]]
 name = "udp"
 match = { protocol = "udp" }
 threshold = { count = 1, interval = "1h" }
 "#;
+
+/// Pressure marks no machine reaches: a busy machine (the flood itself, or other work) would
+/// otherwise raise the level under the default marks and add `pressure_high` and
+/// `pressure_low` lines to the counts these tests make exactly.
+const NO_PRESSURE_EVENTS: &str = "[pressure]\ncpu_busy = 1.0\nlisten_overflows_per_sec = 1000000\n";
 
 /// The default of `daemon.events_per_sec`.
 const DEFAULT_EVENTS_PER_SEC: usize = 1000;
@@ -196,7 +205,7 @@ fn a_full_disk_leaves_no_torn_event_line_and_counts_the_lost_lines() {
     let mut s = Scenario::new("rlevd")
         .with_events(events.to_str().unwrap())
         .with_http(9477);
-    s.start("");
+    s.start(NO_PRESSURE_EVENTS);
     // 3,000 operator bans: about 500 KB of `ban` lines for 128 KiB of room.
     let n = 3000u32;
     let list = s.daemon().config_dir().join("bans.txt");

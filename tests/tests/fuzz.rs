@@ -63,8 +63,11 @@ const MAX_SOURCES: u32 = 1 << 18;
 /// threshold per /2 (byte thresholds are at least 64 KiB), and an ICMPv6 ban of the shared key. The ban rules' IPv6 prefixes are
 /// long (/124, /120) so that a ban covers few of the generated sources and the rest of the
 /// epoch still has rule verdicts to compare (that an IPv6 ban never covers an IPv4 client is
-/// kept by `fuzz-regressions/aliasing-bogons-malformed.hex`).
+/// kept by `fuzz-regressions/aliasing-bogons-malformed.hex`). The pressure level is low: the
+/// SYN ban rule, the token bucket and the override are elastic, and meter against their
+/// elastic limits.
 const CONFIG_LISTS: &str = r#"
+# pressure: low (the elastic limits are in force)
 [tracking]
 max_sources = 262144
 new_sources_per_sec = 0
@@ -84,6 +87,7 @@ threshold = { count = 2, interval = "{I}s" }
 algorithm = "fixed_window"
 ban_threshold = { count = 4, interval = "{I}s" }
 ban_duration = "1h"
+elastic = 2
 
 [[rule]]
 name = "dns-bucket"
@@ -92,6 +96,7 @@ key = "ip"
 threshold = { count = 3, interval = "1h" }
 algorithm = "token_bucket"
 burst = 5
+elastic = 2
 
 [[rule]]
 name = "icmp-all"
@@ -133,6 +138,7 @@ algorithm = "fixed_window"
 [[rule.override]]
 cidr = "198.18.40.128/25"
 threshold = { count = 30, interval = "{I}s" }
+elastic = 1.5
 
 [[rule]]
 name = "tcp-bytes"
@@ -158,7 +164,8 @@ ban_duration = "1h"
 /// rule looks its sources up itself), a key = all rule on SYN-ACK flags with an override, a
 /// byte threshold on a sliding window with exceed action pass and eight port ranges per /1,
 /// a token bucket of burst 1 per /28 and /100, a preview rule that matches every packet, an
-/// ICMP ban rule on bytes with an override, and a catch-all shared bucket.
+/// ICMP ban rule on bytes with an override, and a catch-all shared bucket. The pressure level
+/// is high: the SYN-ACK rule and its override are elastic, and held to their thresholds.
 const CONFIG_NO_LISTS: &str = r#"
 [tracking]
 max_sources = 262144
@@ -170,10 +177,12 @@ match = { protocol = "tcp", tcp_flags = "syn,ack,!rst" }
 key = "all"
 threshold = { count = 150, interval = "{I}s" }
 algorithm = "fixed_window"
+elastic = 3
 
 [[rule.override]]
 cidr = "2001:db8:40::/48"
 threshold = { count = 1000, interval = "{I}s" }
+elastic = 1.25
 
 [[rule]]
 name = "udp-ports-bytes"
@@ -275,6 +284,11 @@ impl Lab {
         let cfg = config::parse("fuzz.toml", &text).expect("the fuzz config parses");
         let plan = apply::plan(&cfg, false);
         apply::apply(&mut maps, &plan).expect("apply the fuzz config");
+        // The pressure level: low (elastic limits in force) where the config says so, high
+        // (every limit as configured, elastic or not) otherwise; the model reads it from the
+        // global config like the program.
+        let relaxed = text.contains("# pressure: low");
+        apply::write_relaxed(&mut maps, relaxed).expect("write the pressure level");
         // `apply` writes the store's size into the global config.
         let global = maps.global.get(&0, 0).expect("global config");
         let policy = Policy {

@@ -206,6 +206,7 @@ fn spec_example_parses() {
             threshold: pkts(100_000, 20 * 60),
             burst: None,
             ban_threshold: None,
+            elastic: None,
         }]
     );
 
@@ -231,6 +232,7 @@ fn spec_example_parses() {
             },
             burst: None,
             ban_threshold: None,
+            elastic: None,
         }]
     );
 }
@@ -285,6 +287,7 @@ fn rule_defaults() {
             exceed_action: ExceedAction::Drop,
             preview: false,
             soft_limit: 0.8,
+            elastic: None,
             overrides: vec![],
         }]
     );
@@ -1818,4 +1821,115 @@ fn rule_scope_global_is_refused_for_now() {
     );
     let e = error(&format!("{rule}scope = \"fleet\"\n"));
     assert!(e.contains("\"fleet\" is not a scope"), "{e}");
+}
+
+#[test]
+fn elastic_on_rules_and_overrides() {
+    let c = ok(&rule(
+        "r",
+        "algorithm = \"token_bucket\"\nburst = 40\nelastic = 1.5\n\
+         [[rule.override]]\ncidr = \"192.0.2.0/24\"\nthreshold = { count = 100, interval = \"1s\" }\n\
+         [[rule.override]]\ncidr = \"192.0.2.7/32\"\nthreshold = { count = 5, interval = \"1s\" }\n\
+         elastic = 3\n",
+    ));
+    let r = &c.rules[0];
+    let e = r.elastic.unwrap();
+    assert_eq!((e.milli(), e.to_string()), (1500, "1.5".to_string()));
+    assert_eq!(
+        r.overrides[0].elastic, None,
+        "inherits the rule's when applied"
+    );
+    assert_eq!(r.overrides[1].elastic.unwrap().to_string(), "3");
+    assert_eq!(
+        ok(&rule("r", "")).rules[0].elastic,
+        None,
+        "no elasticity by default"
+    );
+    assert_eq!(
+        ok(&rule("r", "elastic = 100")).rules[0]
+            .elastic
+            .unwrap()
+            .milli(),
+        100_000
+    );
+}
+
+#[test]
+fn bad_elastic_is_refused_with_the_reason() {
+    for (value, why) in [
+        (
+            "1",
+            "must be greater than 1 and at most 100 (got 1): the factor by which clients may exceed their threshold while the host has room",
+        ),
+        (
+            "0.5",
+            "must be greater than 1 and at most 100 (got 0.5): the factor by which clients may exceed their threshold while the host has room",
+        ),
+        (
+            "-2",
+            "must be greater than 1 and at most 100 (got -2): the factor by which clients may exceed their threshold while the host has room",
+        ),
+        (
+            "101",
+            "must be greater than 1 and at most 100 (got 101): the factor by which clients may exceed their threshold while the host has room",
+        ),
+        ("1.0005", "must have at most three decimals (got 1.0005)"),
+    ] {
+        let text = rule("r", &format!("elastic = {value}\n"));
+        assert_eq!(
+            error(&text),
+            format!("t.toml:4:11: rule \"r\": elastic {why}"),
+            "{value}"
+        );
+    }
+    let text = rule("r", "elastic = \"2\"\n");
+    assert!(
+        error(&text).contains("elastic must be a number"),
+        "{}",
+        error(&text)
+    );
+    // Where it has no meaning: a rule that never drops.
+    let text = rule("r", "exceed_action = \"pass\"\nelastic = 2\n");
+    assert_eq!(
+        error(&text),
+        at(
+            &text,
+            "elastic",
+            0,
+            "rule \"r\": elastic has no effect with exceed_action = \"pass\": elastic only \
+             changes which packets are dropped, and this rule drops none"
+        )
+    );
+    let text = rule(
+        "r",
+        "exceed_action = \"pass\"\n[[rule.override]]\ncidr = \"192.0.2.0/24\"\n\
+         threshold = { count = 100, interval = \"1s\" }\nelastic = 2\n",
+    );
+    assert!(
+        error(&text).contains("override #1: elastic has no effect with exceed_action"),
+        "{}",
+        error(&text)
+    );
+    // Scaled past the fastest rate the limiter meters exactly.
+    let text = "[[rule]]\nname = \"r\"\nthreshold = { count = 600000000, interval = \"1s\" }\n\
+                elastic = 2\n";
+    let e = error(text);
+    assert!(
+        e.starts_with(&at(
+            text,
+            "elastic",
+            0,
+            "rule \"r\": elastic = 2 makes the threshold 1200000000/1s while the host has room, and"
+        )),
+        "{e}"
+    );
+    // An override's counts under the rule's factor are checked too.
+    let text = "[[rule]]\nname = \"r\"\nthreshold = { count = 10, interval = \"1s\" }\n\
+                elastic = 2\n[[rule.override]]\ncidr = \"192.0.2.0/24\"\n\
+                threshold = { count = 600000000, interval = \"1s\" }\n";
+    let e = error(text);
+    assert!(
+        e.contains("override #1: elastic (the rule's) = 2 makes the threshold"),
+        "{e}"
+    );
 }

@@ -14,10 +14,10 @@ use ratelimit_common::caps;
 use super::tree::{Checker, Field, Item, Node, Table};
 use super::values::{check_amount, check_byte_burst, check_interval, check_port};
 use super::{
-    Action, Algorithm, Config, Daemon, EventsSink, ExceedAction, Fleet, GeoIp, KeyKind, Lists,
-    Match, Override, OverrideTarget, Pressure, Protocol, Rule, Threshold, Tracking, Unit,
-    override_fits, parse_ban_duration, parse_bytes, parse_duration, parse_net, parse_port_range,
-    parse_region, parse_tcp_flags,
+    Action, Algorithm, Config, Daemon, ELASTIC_WITH_PASS, Elastic, EventsSink, ExceedAction,
+    Fleet, GeoIp, KeyKind, Lists, Match, Override, OverrideTarget, Pressure, Protocol, Rule,
+    Threshold, Tracking, Unit, check_elastic, override_fits, parse_ban_duration, parse_bytes,
+    parse_duration, parse_net, parse_port_range, parse_region, parse_tcp_flags,
 };
 
 pub(super) fn build(root: &Item, ck: &mut Checker) -> Config {
@@ -440,6 +440,9 @@ struct RuleCtx {
     action: Option<Action>,
     algorithm: Option<Algorithm>,
     unit: Option<Unit>,
+    /// The rule's `exceed_action` and `elastic`, once read (overrides inherit `elastic`).
+    exceed: ExceedAction,
+    elastic: Option<Elastic>,
 }
 
 fn rule(index: usize, mut t: Table, has_geoip: bool, tot: &mut Totals, ck: &mut Checker) -> Rule {
@@ -525,12 +528,14 @@ fn rule(index: usize, mut t: Table, has_geoip: bool, tot: &mut Totals, ck: &mut 
         None => Some(Algorithm::SlidingWindow),
     };
 
-    let ctx = RuleCtx {
+    let mut ctx = RuleCtx {
         pre: t.pre.clone(),
         key,
         action,
         algorithm,
         unit,
+        exceed: ExceedAction::Drop,
+        elastic: None,
     };
 
     let burst = t.get("burst").and_then(|f| burst(&f, &ctx, ck));
@@ -589,6 +594,21 @@ fn rule(index: usize, mut t: Table, has_geoip: bool, tot: &mut Totals, ck: &mut 
             None => {}
         }
     }
+    let elastic = t.get("elastic").and_then(|f| {
+        let e = elastic(&f, ck)?;
+        let ban = (action == Some(Action::RateBasedBan))
+            .then_some(ban_threshold.or(threshold))
+            .flatten();
+        if let Some(th) = threshold
+            && let Err(why) = check_elastic(e, exceed_action, &th, ban.as_ref())
+        {
+            f.error_at_key(ck, why);
+            return None;
+        }
+        Some(e)
+    });
+    ctx.exceed = exceed_action;
+    ctx.elastic = elastic;
 
     let mut overrides = Vec::new();
     if let Some(tables) = t
@@ -626,8 +646,15 @@ fn rule(index: usize, mut t: Table, has_geoip: bool, tot: &mut Totals, ck: &mut 
         exceed_action,
         preview,
         soft_limit,
+        elastic,
         overrides,
     }
+}
+
+/// `elastic` of a rule or an override: a number F, 1 < F <= 100 ([`Elastic::new`]).
+fn elastic(f: &Field, ck: &mut Checker) -> Option<Elastic> {
+    let v = f.number(ck)?;
+    Elastic::new(v).map_err(|e| f.error(ck, e)).ok()
 }
 
 fn matcher(mut t: Table, tot: &mut Totals, ck: &mut Checker) -> Match {
@@ -899,12 +926,41 @@ fn override_(
     };
     let burst = t.get("burst").map(|f| burst(&f, ctx, ck));
     let ban_threshold = t.get("ban_threshold").map(|f| ban_threshold(&f, ctx, ck));
+    let own_elastic = t.get("elastic").map(|f| {
+        let e = elastic(&f, ck)?;
+        if ctx.exceed == ExceedAction::Pass {
+            f.error_at_key(ck, ELASTIC_WITH_PASS);
+            return None;
+        }
+        Some((e, f))
+    });
+    // The override's counts under its own factor or the rule's must stay meterable.
+    let factor = match &own_elastic {
+        Some(Some((e, _))) => Some(*e),
+        _ => ctx.elastic,
+    };
+    if let (Some(e), Some(th)) = (factor, threshold) {
+        let ban = match &ban_threshold {
+            Some(Some(b)) => Some(*b),
+            _ => (ctx.action == Some(Action::RateBasedBan)).then_some(th),
+        };
+        if let Err(why) = check_elastic(e, ExceedAction::Drop, &th, ban.as_ref()) {
+            match &own_elastic {
+                Some(Some((_, f))) => f.error_at_key(ck, why),
+                _ => ck.error(t.at(), format!("{}elastic (the rule's) {why}", t.pre)),
+            }
+        }
+    }
     t.finish(ck);
     Some(Override {
         target: target?,
         threshold: threshold?,
         burst: burst.map(|b| b.ok_or(())).transpose().ok()?,
         ban_threshold: ban_threshold.map(|b| b.ok_or(())).transpose().ok()?,
+        elastic: own_elastic
+            .map(|e| e.map(|(e, _)| e).ok_or(()))
+            .transpose()
+            .ok()?,
     })
 }
 

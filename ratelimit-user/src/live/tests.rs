@@ -56,6 +56,7 @@ fn spec(rule: &str, cidr: Option<&str>, region: Option<&str>, threshold: &str) -
         threshold: threshold.into(),
         burst: None,
         ban_threshold: None,
+        elastic: None,
     }
 }
 
@@ -133,6 +134,51 @@ fn overrides_are_checked_as_the_config_checks_them() {
         o.target,
         OverrideTarget::Cidr(ipnet::IpNet::V6(_))
     ));
+}
+
+/// `--elastic` is checked as the config's `elastic`: a number above 1, on a rule that drops,
+/// and the override's counts times F (its own or its rule's) still meterable.
+#[test]
+fn live_override_elastic_is_checked() {
+    let cfg = config(
+        Path::new("/nonexistent"),
+        &format!(
+            "{RULES}\n[[rule]]\nname = \"pass\"\nthreshold = {{ count = 10, interval = \"1s\" }}\n\
+             exceed_action = \"pass\"\n[[rule]]\nname = \"el\"\n\
+             threshold = {{ count = 10, interval = \"1s\" }}\nelastic = 2\n"
+        ),
+    );
+    let with = |r: &str, e: Option<&str>, t: &str| {
+        let mut s = spec(r, Some("192.0.2.0/24"), None, t);
+        s.elastic = e.map(Into::into);
+        check(&s, rule(&cfg, r))
+    };
+    assert!(
+        with("udp", Some("1"), "5/1h")
+            .unwrap_err()
+            .starts_with("--elastic must be greater than 1 and at most 100 (got 1)")
+    );
+    assert!(
+        with("udp", Some("x"), "5/1h")
+            .unwrap_err()
+            .contains("is not a number")
+    );
+    assert!(
+        with("pass", Some("2"), "5/1s")
+            .unwrap_err()
+            .contains("--elastic has no effect with exceed_action = \"pass\"")
+    );
+    // The rule's factor makes this override's threshold too fast to meter exactly.
+    assert!(
+        with("el", None, "600000000/1s")
+            .unwrap_err()
+            .contains("--elastic (the rule's) = 2 makes the threshold 1200000000/1s")
+    );
+    let o = with("udp", Some("1.5"), "5/1h").unwrap();
+    assert_eq!(o.elastic.unwrap().milli(), 1500);
+    // Listed and saved in its command-line spelling.
+    assert_eq!(OverrideSpec::of("udp", &o).elastic.as_deref(), Some("1.5"));
+    assert_eq!(with("el", None, "5/1s").unwrap().elastic, None);
 }
 
 /// Live changes apply by rule name: a rule that moved keeps them, one that is gone or no longer
@@ -306,6 +352,7 @@ fn live_overrides_respect_the_maps_capacity() {
             threshold: t,
             burst: None,
             ban_threshold: None,
+            elastic: None,
         });
     }
     let changes = Changes {
