@@ -14,10 +14,10 @@ use ratelimit_common::caps;
 use super::tree::{Checker, Field, Item, Node, Table};
 use super::values::{check_amount, check_byte_burst, check_interval, check_port};
 use super::{
-    Action, Algorithm, Config, Daemon, ELASTIC_WITH_PASS, Elastic, EventsSink, ExceedAction,
-    Fleet, GeoIp, KeyKind, Lists, Match, Override, OverrideTarget, Pressure, Protocol, Rule,
-    Threshold, Tracking, Unit, check_elastic, override_fits, parse_ban_duration, parse_bytes,
-    parse_duration, parse_net, parse_port_range, parse_region, parse_tcp_flags,
+    Action, Algorithm, Config, Daemon, ELASTIC_WITH_PASS, Elastic, EventsSink, ExceedAction, Fleet,
+    GeoIp, KeyKind, Lists, Match, Override, OverrideTarget, Pressure, Protocol, Rule, Threshold,
+    Tracking, Unit, check_elastic, override_fits, parse_ban_duration, parse_bytes, parse_duration,
+    parse_net, parse_port_range, parse_region, parse_tcp_flags,
 };
 
 pub(super) fn build(root: &Item, ck: &mut Checker) -> Config {
