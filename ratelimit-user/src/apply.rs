@@ -451,7 +451,7 @@ fn sync_list(
         }
     }
     for (p, v) in want {
-        trie.insert(&lpm_key(p), *v, 0)
+        crate::datapath::retry_enomem(|| trie.insert(&lpm_key(p), *v, 0))
             .with_context(|| format!("writing the {what} map"))?;
     }
     for p in have {
@@ -499,8 +499,7 @@ pub fn apply(maps: &mut Maps, plan: &Plan) -> anyhow::Result<()> {
         .collect();
     for ((rule, p), v) in &plan.overrides {
         let key = override_key(*rule, p);
-        maps.overrides
-            .insert(&key, *v, 0)
+        crate::datapath::retry_enomem(|| maps.overrides.insert(&key, *v, 0))
             .context("writing the override map")?;
     }
     for (rule, p) in have {
@@ -522,8 +521,7 @@ pub fn apply(maps: &mut Maps, plan: &Plan) -> anyhow::Result<()> {
             region: *region,
             _pad: [0; 2],
         };
-        maps.region_overrides
-            .insert(key, *v, 0)
+        crate::datapath::retry_enomem(|| maps.region_overrides.insert(key, *v, 0))
             .context("writing the region override map")?;
     }
     for k in have {

@@ -778,10 +778,7 @@ impl State {
         };
         // BPF_EXIST: the state must still be there (an expiry in between would have lifted
         // it already).
-        self.maps
-            .clients
-            .shared
-            .insert(key, lifted, 2)
+        crate::datapath::retry_enomem(|| self.maps.clients.shared.insert(key, lifted, 2))
             .with_context(|| format!("lifting the ban of {what}"))?;
         self.events.operator(vec![Event {
             kind: EV_UNBAN,

@@ -106,7 +106,7 @@ pub fn apply(
         .collect::<Result<_, _>>()
         .context("reading the regions map")?;
     for ((len, key), value) in &want {
-        trie.insert(&lpm_key(&(*len, *key)), value, 0)
+        crate::datapath::retry_enomem(|| trie.insert(&lpm_key(&(*len, *key)), value, 0))
             .context("writing the regions map")?;
     }
     for p in have {

@@ -1244,7 +1244,8 @@ algorithm = "fixed_window"
     for i in 0..MAX_BANS {
         let e = ratelimit_tests::bans::flood_rule_ban(i, 0, 1);
         let key = ratelimit_user::datapath::ban_key(64, &IpKey { addr: e.addr });
-        bans.insert(&key, e, 0).expect("fill the ban table");
+        ratelimit_user::datapath::retry_enomem(|| bans.insert(&key, e, 0))
+            .expect("fill the ban table");
     }
     let mut tx = s.sender();
     // 20 clients cross the ban threshold: 20 held bans, one line (the first, at once).
