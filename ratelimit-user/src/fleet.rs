@@ -178,7 +178,78 @@ pub struct Settings {
     pub host_id: String,
     pub share_bans: bool,
     pub state_dir: PathBuf,
-    client: redis::Client,
+    client: Client,
+}
+
+/// How the store is reached: one server, or the nodes a Redis Cluster is discovered from.
+#[derive(Debug, Clone)]
+enum Client {
+    Single(redis::Client),
+    Cluster(Vec<redis::ConnectionInfo>),
+}
+
+/// A connection to the store: one server's, or a Redis Cluster's (which routes each command
+/// to the master of its keys' slot; every key here carries the tag `{bans}`, so all of them,
+/// and the script that updates two at once, live in one slot). Every command's answer is
+/// awaited [`Conn::timeout`] at most, retries inside the cluster client included.
+pub struct Conn {
+    inner: ConnKind,
+    timeout: Duration,
+}
+
+enum ConnKind {
+    Single(MultiplexedConnection),
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+fn timed_out(what: &str, t: Duration) -> redis::RedisError {
+    redis::RedisError::from(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!("{what}: no answer within {t:?}"),
+    ))
+}
+
+impl redis::aio::ConnectionLike for Conn {
+    fn req_packed_command<'a>(
+        &'a mut self,
+        cmd: &'a redis::Cmd,
+    ) -> redis::RedisFuture<'a, redis::Value> {
+        let t = self.timeout;
+        Box::pin(async move {
+            let fut = match &mut self.inner {
+                ConnKind::Single(c) => c.req_packed_command(cmd),
+                ConnKind::Cluster(c) => c.req_packed_command(cmd),
+            };
+            tokio::time::timeout(t, fut)
+                .await
+                .unwrap_or_else(|_| Err(timed_out("the store", t)))
+        })
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        let t = self.timeout;
+        Box::pin(async move {
+            let fut = match &mut self.inner {
+                ConnKind::Single(c) => c.req_packed_commands(pipeline, offset, count),
+                ConnKind::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+            };
+            tokio::time::timeout(t, fut)
+                .await
+                .unwrap_or_else(|_| Err(timed_out("the store", t)))
+        })
+    }
+
+    fn get_db(&self) -> i64 {
+        match &self.inner {
+            ConnKind::Single(c) => c.get_db(),
+            ConnKind::Cluster(c) => c.get_db(),
+        }
+    }
 }
 
 /// `url` with any password replaced by `***`.
@@ -205,14 +276,33 @@ impl Settings {
                 h
             }
         };
-        let mut info = redis::IntoConnectionInfo::into_connection_info(f.redis.as_str())
-            .map_err(|e| anyhow::anyhow!("fleet.redis {:?}: {e}", redacted(&f.redis)))?;
-        if let Some(p) = &f.password_file {
-            let pw = read_password(p)?;
-            let settings = info.redis_settings().clone().set_password(pw);
-            info = info.set_redis_settings(settings);
-        }
-        let client = redis::Client::open(info).context("fleet.redis")?;
+        let password = f.password_file.as_deref().map(read_password).transpose()?;
+        let with_password = |mut info: redis::ConnectionInfo| {
+            if let Some(pw) = &password {
+                let settings = info.redis_settings().clone().set_password(pw.clone());
+                info = info.set_redis_settings(settings);
+            }
+            info
+        };
+        let client = match config::cluster_nodes(&f.redis) {
+            Some(nodes) => {
+                let nodes = nodes.map_err(|e| anyhow::anyhow!("fleet.redis {e}"))?;
+                let infos = nodes
+                    .iter()
+                    .map(|n| {
+                        redis::IntoConnectionInfo::into_connection_info(n.as_str())
+                            .map(with_password)
+                            .map_err(|e| anyhow::anyhow!("fleet.redis {:?}: {e}", redacted(n)))
+                    })
+                    .collect::<anyhow::Result<Vec<_>>>()?;
+                Client::Cluster(infos)
+            }
+            None => {
+                let info = redis::IntoConnectionInfo::into_connection_info(f.redis.as_str())
+                    .map_err(|e| anyhow::anyhow!("fleet.redis {:?}: {e}", redacted(&f.redis)))?;
+                Client::Single(redis::Client::open(with_password(info)).context("fleet.redis")?)
+            }
+        };
         Ok(Self {
             store: redacted(&f.redis),
             host_id,
@@ -222,26 +312,62 @@ impl Settings {
         })
     }
 
-    async fn connect(&self, response: Duration) -> anyhow::Result<MultiplexedConnection> {
-        let cfg = redis::AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(CONNECT_TIMEOUT))
-            .set_response_timeout(Some(response));
-        // The client's own timeouts, and one over the whole (a handshake that hangs).
-        match tokio::time::timeout(
-            CONNECT_TIMEOUT * 2,
-            self.client
-                .get_multiplexed_async_connection_with_config(&cfg),
-        )
-        .await
-        {
-            Ok(Ok(c)) => Ok(c),
-            Ok(Err(e)) => bail!("connecting to {}: {e}", self.store),
-            Err(_) => bail!(
-                "connecting to {}: no answer within {:?}",
-                self.store,
-                CONNECT_TIMEOUT * 2
-            ),
-        }
+    /// Whether the store is a Redis Cluster.
+    pub fn cluster(&self) -> bool {
+        matches!(self.client, Client::Cluster(_))
+    }
+
+    /// A connection whose commands are answered within `response` (or fail).
+    async fn connect(&self, response: Duration) -> anyhow::Result<Conn> {
+        let inner = match &self.client {
+            Client::Single(client) => {
+                let cfg = redis::AsyncConnectionConfig::new()
+                    .set_connection_timeout(Some(CONNECT_TIMEOUT))
+                    .set_response_timeout(Some(response));
+                // The client's own timeouts, and one over the whole (a handshake that hangs).
+                match tokio::time::timeout(
+                    CONNECT_TIMEOUT * 2,
+                    client.get_multiplexed_async_connection_with_config(&cfg),
+                )
+                .await
+                {
+                    Ok(Ok(c)) => ConnKind::Single(c),
+                    Ok(Err(e)) => bail!("connecting to {}: {e}", self.store),
+                    Err(_) => bail!(
+                        "connecting to {}: no answer within {:?}",
+                        self.store,
+                        CONNECT_TIMEOUT * 2
+                    ),
+                }
+            }
+            Client::Cluster(nodes) => {
+                // Few retries inside the client: a slot whose master is gone fails fast, and
+                // the tasks' own backoff takes over.
+                let client = redis::cluster::ClusterClientBuilder::new(nodes.clone())
+                    .connection_timeout(CONNECT_TIMEOUT)
+                    .response_timeout(response)
+                    .retries(2)
+                    .min_retry_wait(50)
+                    .max_retry_wait(200)
+                    .build()
+                    .with_context(|| format!("fleet.redis {}", self.store))?;
+                match tokio::time::timeout(CONNECT_TIMEOUT * 2, client.get_async_connection()).await
+                {
+                    Ok(Ok(c)) => ConnKind::Cluster(c),
+                    Ok(Err(e)) => bail!("connecting to {}: {e}", self.store),
+                    Err(_) => bail!(
+                        "connecting to {}: no answer within {:?}",
+                        self.store,
+                        CONNECT_TIMEOUT * 2
+                    ),
+                }
+            }
+        };
+        // The command's own timeout, and a little more for the client's retries.
+        Ok(Conn {
+            inner,
+            timeout: response + REQUEST_TIMEOUT,
+        })
     }
 }
 
@@ -582,7 +708,7 @@ end
 return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'r', ARGV[5])
 "#;
 
-async fn publish_batch(conn: &mut MultiplexedConnection, batch: &[Record]) -> anyhow::Result<()> {
+async fn publish_batch(conn: &mut Conn, batch: &[Record]) -> anyhow::Result<()> {
     let mut pipe = redis::pipe();
     for r in batch {
         let json = serde_json::to_string(r)?;
@@ -626,7 +752,7 @@ async fn publisher(
     rx: Arc<tokio::sync::Mutex<mpsc::UnboundedReceiver<Record>>>,
 ) -> anyhow::Result<()> {
     let mut rx = rx.lock().await;
-    let mut conn: Option<MultiplexedConnection> = None;
+    let mut conn: Option<Conn> = None;
     // The outbox as last written to disk (its length), to write only on change.
     let mut on_disk = shared.outbox().len();
     let mut retry = tokio::time::interval(PUBLISH_RETRY);
@@ -678,7 +804,7 @@ async fn publisher(
 async fn send_outbox(
     settings: &Settings,
     shared: &Shared,
-    conn: &mut Option<MultiplexedConnection>,
+    conn: &mut Option<Conn>,
 ) -> anyhow::Result<()> {
     loop {
         let batch: Vec<Record> = shared.outbox().iter().take(BATCH).cloned().collect();
@@ -856,7 +982,7 @@ where
 async fn resync<A, Fut>(
     settings: &Settings,
     shared: &Shared,
-    conn: &mut MultiplexedConnection,
+    conn: &mut Conn,
     apply: &A,
 ) -> anyhow::Result<String>
 where
