@@ -51,6 +51,14 @@ pub const BAN_REMOTE: u32 = 1 << 8;
 
 pub const STREAM_KEY: &str = "ratelimit:{bans}:stream";
 pub const SNAP_KEY: &str = "ratelimit:{bans}:snap";
+/// A hash, host id → that host's last [`Heartbeat`] (JSON), written every [`HEARTBEAT`].
+pub const PEERS_KEY: &str = "ratelimit:{bans}:peers";
+/// How often each host writes its heartbeat (and reads the others').
+pub const HEARTBEAT: Duration = Duration::from_secs(1);
+/// A peer not seen for this long is shown as stale.
+pub const PEER_STALE: Duration = Duration::from_secs(10);
+/// A peer not seen for this long is taken off the hash (by any host).
+const PEER_FORGET: Duration = Duration::from_secs(24 * 3600);
 /// The stream keeps about this many records (`XADD MAXLEN ~`); a host further behind
 /// resyncs from the snapshot.
 pub const STREAM_MAXLEN: u64 = 100_000;
@@ -402,6 +410,62 @@ pub struct Report {
     pub resyncs: u64,
     /// The store's round trip for the last command (ms).
     pub store_rtt_ms: Option<f64>,
+    /// The hosts that wrote a heartbeat to the store (this one included), by host id, as last
+    /// read.
+    #[serde(default)]
+    pub peers: Vec<Peer>,
+}
+
+/// What each host writes into [`PEERS_KEY`] every [`HEARTBEAT`].
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
+pub struct Heartbeat {
+    pub host_id: String,
+    pub version: String,
+    /// Unix ms, by the host's own clock.
+    pub seen_ms: u64,
+    #[serde(default)]
+    pub bans_published: u64,
+    #[serde(default)]
+    pub bans_received: u64,
+    #[serde(default)]
+    pub cursor: Option<String>,
+}
+
+/// A peer as `fleet peers` and `/v1/fleet` show it.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
+pub struct Peer {
+    pub host_id: String,
+    pub version: String,
+    /// RFC 3339: its last heartbeat.
+    pub last_seen: String,
+    /// How long ago that was (ms, this host's clock against the peer's).
+    pub age_ms: u64,
+    /// Not seen for [`PEER_STALE`] or more (stopped, cut off from the store, or this host
+    /// is).
+    pub stale: bool,
+    /// This host.
+    pub this_host: bool,
+    pub bans_published: u64,
+    pub bans_received: u64,
+    /// The last stream entry it applied.
+    pub cursor: Option<String>,
+}
+
+impl Peer {
+    fn of(h: &Heartbeat, me: &str, now_ms: u64) -> Peer {
+        let age_ms = now_ms.saturating_sub(h.seen_ms);
+        Peer {
+            host_id: h.host_id.clone(),
+            version: h.version.clone(),
+            last_seen: report::rfc3339(UNIX_EPOCH + Duration::from_millis(h.seen_ms)),
+            age_ms,
+            stale: age_ms >= PEER_STALE.as_millis() as u64,
+            this_host: h.host_id == me,
+            bans_published: h.bans_published,
+            bans_received: h.bans_received,
+            cursor: h.cursor.clone(),
+        }
+    }
 }
 
 /// Buckets (seconds) of `ratelimit_fleet_store_latency_seconds`.
@@ -448,6 +512,8 @@ struct Inner {
     down_at: Option<Instant>,
     /// A resync is due when the reader next connects.
     resync: bool,
+    /// The heartbeats last read from the store.
+    peers: Vec<Heartbeat>,
 }
 
 /// What the fleet tasks know, for the reports; and the outbox.
@@ -467,9 +533,30 @@ impl Shared {
     }
 
     pub fn report(&self) -> Report {
-        let mut r = self.lock().report.clone();
+        let (mut r, peers) = {
+            let i = self.lock();
+            (i.report.clone(), i.peers.clone())
+        };
         r.outbox = self.outbox().len();
+        let now_ms = unix_ms(SystemTime::now());
+        r.peers = peers
+            .iter()
+            .map(|h| Peer::of(h, &r.host_id, now_ms))
+            .collect();
         r
+    }
+
+    /// This host's heartbeat now.
+    fn heartbeat(&self) -> Heartbeat {
+        let i = self.lock();
+        Heartbeat {
+            host_id: i.report.host_id.clone(),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            seen_ms: unix_ms(SystemTime::now()),
+            bans_published: i.report.bans_published,
+            bans_received: i.report.bans_received,
+            cursor: i.report.cursor.clone(),
+        }
     }
 
     pub fn latency(&self) -> Latency {
@@ -678,6 +765,10 @@ where
         supervise::spawn(tasks, "fleet_reader", BACKOFF_FIRST, move || {
             reader(s.clone(), sh.clone(), apply.clone())
         });
+        let (s, sh) = (settings.clone(), shared.clone());
+        supervise::spawn(tasks, "fleet_heartbeat", BACKOFF_FIRST, move || {
+            heartbeat(s.clone(), sh.clone())
+        });
     }
     Link {
         settings,
@@ -852,6 +943,60 @@ async fn persist(settings: &Arc<Settings>, shared: &Arc<Shared>, on_disk: &mut u
         Ok(Err(e)) => warn!("saving the fleet outbox: {e:#}"),
         Err(e) => warn!("saving the fleet outbox: {e}"),
     }
+}
+
+/// The heartbeat: every [`HEARTBEAT`], this host's [`Heartbeat`] into [`PEERS_KEY`], and the
+/// others' read back. A failure waits for the next beat (the reader reports the store's
+/// health).
+async fn heartbeat(settings: Arc<Settings>, shared: Arc<Shared>) -> anyhow::Result<()> {
+    let mut conn: Option<Conn> = None;
+    let mut tick = tokio::time::interval(HEARTBEAT);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if let Err(e) = beat(&settings, &shared, &mut conn).await {
+            conn = None;
+            tracing::debug!("fleet heartbeat: {e:#}");
+        }
+    }
+}
+
+async fn beat(settings: &Settings, shared: &Shared, conn: &mut Option<Conn>) -> anyhow::Result<()> {
+    if conn.is_none() {
+        *conn = Some(settings.connect(REQUEST_TIMEOUT).await?);
+    }
+    let c = conn.as_mut().expect("connected above");
+    let me = shared.heartbeat();
+    let (all,): (BTreeMap<String, String>,) = redis::pipe()
+        .cmd("HSET")
+        .arg(PEERS_KEY)
+        .arg(&me.host_id)
+        .arg(serde_json::to_string(&me)?)
+        .ignore()
+        .cmd("HGETALL")
+        .arg(PEERS_KEY)
+        .query_async(c)
+        .await
+        .context("writing the heartbeat")?;
+    let forget_before = me.seen_ms.saturating_sub(PEER_FORGET.as_millis() as u64);
+    let mut peers = Vec::with_capacity(all.len());
+    let mut forget = Vec::new();
+    for (host, json) in all {
+        match serde_json::from_str::<Heartbeat>(&json) {
+            Ok(h) if h.seen_ms >= forget_before => peers.push(h),
+            _ => forget.push(host),
+        }
+    }
+    if !forget.is_empty() {
+        redis::cmd("HDEL")
+            .arg(PEERS_KEY)
+            .arg(&forget)
+            .query_async::<()>(c)
+            .await
+            .context("forgetting old peers")?;
+    }
+    shared.lock().peers = peers;
+    Ok(())
 }
 
 /// Records of a stream reply: `(last id, records)`.

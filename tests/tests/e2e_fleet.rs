@@ -556,6 +556,39 @@ fn bans_spread_over_a_redis_cluster_and_survive_the_loss_of_its_master() {
         f.cluster().url()
     );
 
+    // Every host sees the three hosts in `fleet peers` (their heartbeats), none stale.
+    let t0 = Instant::now();
+    let fresh = |f: &Fleet, i: usize| {
+        let p = f.fleet(i).peers;
+        p.len() == 3 && p.iter().all(|p| !p.stale)
+    };
+    assert!(
+        wait_for(Duration::from_secs(10), || (0..3).all(|i| fresh(&f, i))),
+        "{:?}",
+        f.fleet(0).peers
+    );
+    println!(
+        "all three hosts saw all three peers within {:.0} ms",
+        t0.elapsed().as_secs_f64() * 1e3
+    );
+    let human = f.d(1).cli_ok(&["fleet", "peers"]);
+    println!("{human}");
+    assert!(
+        human.contains("h0") && human.contains("h1 (this host)") && human.contains("h2"),
+        "{human}"
+    );
+    assert!(!human.contains("STALE"), "{human}");
+    let peers: Vec<fleet::Peer> =
+        serde_json::from_str(&f.d(0).cli_ok(&["fleet", "peers", "--json"])).unwrap();
+    let ids: Vec<&str> = peers.iter().map(|p| p.host_id.as_str()).collect();
+    assert_eq!(ids, ["h0", "h1", "h2"], "{peers:?}");
+    assert!(peers[0].this_host && !peers[1].this_host, "{peers:?}");
+    assert!(
+        peers
+            .iter()
+            .all(|p| !p.version.is_empty() && p.age_ms < 10_000)
+    );
+
     // `ban add` on host 0 reaches hosts 1 and 2 through the cluster, 10 times.
     let mut delays = Vec::new();
     for n in 0..10u8 {
@@ -583,11 +616,13 @@ fn bans_spread_over_a_redis_cluster_and_survive_the_loss_of_its_master() {
         Some("h0")
     );
     assert_eq!(f.reaching(1, Ipv4Addr::new(203, 0, 113, 4), 10), 0);
-    // The stream and the snapshot are both on the owner; the other masters hold nothing.
+    // The stream, the snapshot and the peers' hash are all on the owner; the other masters
+    // hold nothing.
+    assert_eq!(f.cluster().owner_of(fleet::PEERS_KEY), owner);
     let sizes: Vec<u64> = (0..3).map(|i| f.cluster().dbsize(i)).collect();
     println!("keys per master: {sizes:?}");
-    assert_eq!(sizes[owner], 2, "{sizes:?}");
-    assert_eq!(sizes.iter().sum::<u64>(), 2, "{sizes:?}");
+    assert_eq!(sizes[owner], 3, "{sizes:?}");
+    assert_eq!(sizes.iter().sum::<u64>(), 3, "{sizes:?}");
 
     // `ban del` on host 2 lifts a ban everywhere.
     f.d(2).cli_ok(&["ban", "del", "203.0.113.5"]);
@@ -597,6 +632,19 @@ fn bans_spread_over_a_redis_cluster_and_survive_the_loss_of_its_master() {
         "ban del did not lift everywhere"
     );
     assert_eq!(f.reaching(1, Ipv4Addr::new(203, 0, 113, 5), 10), 10);
+    // Hosts 0 and 1 write the `unban` with its origin, host 2.
+    for i in 0..2 {
+        assert!(
+            wait_for(Duration::from_secs(5), || f.events(i, "unban").iter().any(
+                |e| e["origin"] == "h2"
+                    && e["client"]
+                        .as_str()
+                        .is_some_and(|c| c.contains("203.0.113.5"))
+            )),
+            "host {i}: {}",
+            f.hosts[i].events_text()
+        );
+    }
 
     // The master of `{bans}` is killed (no replica takes over): every host says degraded and
     // keeps enforcing what it holds; a ban issued meanwhile waits in the outbox.
@@ -664,5 +712,43 @@ fn bans_spread_over_a_redis_cluster_and_survive_the_loss_of_its_master() {
         let logs = f.d(i).logs();
         assert!(!logs.contains("CROSSSLOT"), "host {i}:\n{logs}");
     }
+
+    // Host 2 stops: the others show it stale once its heartbeat is 10 s old.
+    f.hosts[2].daemon_mut().stop();
+    let t0 = Instant::now();
+    let stale = |f: &Fleet, i: usize| {
+        f.fleet(i)
+            .peers
+            .iter()
+            .any(|p| p.host_id == "h2" && p.stale)
+    };
+    assert!(
+        wait_for(Duration::from_secs(20), || stale(&f, 0) && stale(&f, 1)),
+        "{:?}",
+        f.fleet(0).peers
+    );
+    println!(
+        "host 2 stopped: shown stale on hosts 0 and 1 after {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
+    let st = f.fleet(0);
+    assert!(
+        st.peers.iter().filter(|p| !p.stale).count() == 2,
+        "{:?}",
+        st.peers
+    );
+    assert!(f.d(0).cli_ok(&["fleet", "peers"]).contains("STALE"));
+    let (_, body) = f.hosts[1].http_get("/v1/fleet");
+    let r: fleet::Report = serde_json::from_str(&body).unwrap();
+    assert!(
+        r.peers.iter().any(|p| p.host_id == "h2" && p.stale),
+        "{body}"
+    );
+    let (_, text) = f.hosts[1].http_get("/metrics");
+    assert_eq!(
+        metric_sum(&text, "ratelimit_fleet_peers", &[("state", "stale")]),
+        1.0,
+        "{text}"
+    );
     println!("whole test: {:.1} s", t_all.elapsed().as_secs_f64());
 }
