@@ -11,8 +11,12 @@
 //!   trimmed away, or that was cut off from the store, reads the snapshot and goes on from the
 //!   stream's last entry.
 //!
-//! Both keys share the hash tag `{bans}`, so the script that updates them together stays in
-//! one slot of a Redis Cluster.
+//! - `ratelimit:{bans}:peers`: a hash, host id → that host's [`Heartbeat`], written every
+//!   [`HEARTBEAT`] by each host (`fleet peers`; stale after [`PEER_STALE`]).
+//!
+//! Every key shares the hash tag `{bans}`, so the script that updates two of them together
+//! stays in one slot of a Redis Cluster (`redis+cluster://`), on one master: losing it with
+//! no replica to take over is, for the hosts, a store that cannot be reached.
 //!
 //! ## Tasks, and who waits for whom
 //! Nothing on the packet path or the control API waits for the store. The owner task hands
