@@ -1221,6 +1221,27 @@ mod tests {
     }
 
     #[test]
+    fn peers_are_stale_after_ten_seconds_unseen() {
+        let h = Heartbeat {
+            host_id: "b".into(),
+            version: "0.1.0".into(),
+            seen_ms: 1_000_000,
+            bans_published: 3,
+            bans_received: 4,
+            cursor: Some("5-0".into()),
+        };
+        let p = Peer::of(&h, "a", 1_009_999);
+        assert!(!p.stale && !p.this_host && p.age_ms == 9_999, "{p:?}");
+        assert_eq!(p.last_seen, "1970-01-01T00:16:40.000Z");
+        let p = Peer::of(&h, "b", 1_010_000);
+        assert!(p.stale && p.this_host, "{p:?}");
+        // A peer's clock ahead of ours: age 0, not stale.
+        assert_eq!(Peer::of(&h, "a", 999_000).age_ms, 0);
+        let back: Heartbeat = serde_json::from_str(&serde_json::to_string(&h).unwrap()).unwrap();
+        assert_eq!(back, h);
+    }
+
+    #[test]
     fn passwords_are_redacted() {
         assert_eq!(redacted("redis://10.0.0.1:6379"), "redis://10.0.0.1:6379");
         assert_eq!(
@@ -1229,6 +1250,10 @@ mod tests {
         );
         assert_eq!(redacted("redis://:pw@h:1"), "redis://:***@h:1");
         assert_eq!(redacted("unix:///run/redis.sock"), "unix:///run/redis.sock");
+        assert_eq!(
+            redacted("redis+cluster://u:pw@a:1,b:2"),
+            "redis+cluster://u:***@a:1,b:2"
+        );
     }
 
     #[test]

@@ -578,6 +578,8 @@ fn bans_spread_over_a_redis_cluster_and_survive_the_loss_of_its_master() {
         "{human}"
     );
     assert!(!human.contains("STALE"), "{human}");
+    let status = f.d(1).cli_ok(&["fleet", "status"]);
+    assert!(status.contains("peers      3 (0 stale"), "{status}");
     let peers: Vec<fleet::Peer> =
         serde_json::from_str(&f.d(0).cli_ok(&["fleet", "peers", "--json"])).unwrap();
     let ids: Vec<&str> = peers.iter().map(|p| p.host_id.as_str()).collect();
