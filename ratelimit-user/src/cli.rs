@@ -221,6 +221,10 @@ pub enum FleetCommand {
     /// The store, this host's connection to it (connected, or degraded since when), the
     /// stream cursor and lag, the outbox, and the bans sent and received.
     Status(JsonArg),
+    /// The hosts of the fleet, from their heartbeats in the store (written every second):
+    /// version, last seen, bans published and received, stream cursor; a host not seen for
+    /// 10 s is shown as stale.
+    Peers(JsonArg),
 }
 
 #[derive(Subcommand, Debug)]

@@ -110,25 +110,61 @@ pub fn check_host_id(id: &str) -> Result<(), String> {
     Ok(())
 }
 
+/// The nodes of a `redis+cluster://[USER:PASSWORD@]HOST:PORT,HOST:PORT,...` address, each as
+/// a `redis://` address (the credentials, if any, on each); `None` if `url` is not a
+/// cluster address.
+pub fn cluster_nodes(url: &str) -> Option<Result<Vec<String>, String>> {
+    let rest = url.strip_prefix("redis+cluster://")?;
+    let (userinfo, hosts) = match rest.rfind('@') {
+        Some(at) => (&rest[..=at], &rest[at + 1..]),
+        None => ("", rest),
+    };
+    let hosts = hosts.trim_end_matches('/');
+    if hosts.is_empty() {
+        return Some(Err(format!(
+            "{:?} names no node (expected redis+cluster://HOST:PORT,HOST:PORT,...)",
+            crate::fleet::redacted(url)
+        )));
+    }
+    let mut nodes = Vec::new();
+    for h in hosts.split(',') {
+        let h = h.trim();
+        if h.is_empty() || h.contains('/') {
+            return Some(Err(format!(
+                "{:?}: {h:?} is not a node (expected redis+cluster://HOST:PORT,HOST:PORT,...)",
+                crate::fleet::redacted(url)
+            )));
+        }
+        let node = format!("redis://{userinfo}{h}");
+        if let Err(e) = redis::IntoConnectionInfo::into_connection_info(node.as_str()) {
+            return Some(Err(format!(
+                "{:?}: {h:?} is not a node: {e}",
+                crate::fleet::redacted(url)
+            )));
+        }
+        nodes.push(node);
+    }
+    Some(Ok(nodes))
+}
+
 /// Check a `fleet.redis` address: the schemes the client speaks, refused clearly otherwise.
 pub fn check_redis_url(url: &str) -> Result<(), String> {
     let scheme = url.split_once("://").map(|(s, _)| s);
     match scheme {
         Some("redis" | "unix" | "redis+unix") => {}
-        Some("rediss") => {
+        Some("redis+cluster") => {
+            return cluster_nodes(url).expect("a cluster address").map(drop);
+        }
+        Some("rediss" | "rediss+cluster") => {
             return Err(format!(
                 "{url:?}: TLS (rediss://) is not yet supported; reach the store over a private \
                  network, a tunnel or a unix socket"
             ));
         }
-        Some("redis+cluster" | "rediss+cluster") => {
-            return Err(format!(
-                "{url:?}: Redis Cluster is not yet supported; give one server's redis:// address"
-            ));
-        }
         _ => {
             return Err(format!(
-                "{url:?} is not a store address (expected redis://HOST:PORT or unix:///PATH)"
+                "{url:?} is not a store address (expected redis://HOST:PORT, \
+                 redis+cluster://HOST:PORT,HOST:PORT,... or unix:///PATH)"
             ));
         }
     }

@@ -777,6 +777,17 @@ pub(crate) mod samples {
                     bans_skipped: 1,
                     resyncs: 1,
                     store_rtt_ms: Some(0.25),
+                    peers: vec![crate::fleet::Peer {
+                        host_id: "edge-fra-07".into(),
+                        version: "0.1.0".into(),
+                        last_seen: "2026-01-02T03:04:05.000Z".into(),
+                        age_ms: 400,
+                        stale: false,
+                        this_host: true,
+                        bans_published: 10,
+                        bans_received: 7,
+                        cursor: Some("1767323045000-0".into()),
+                    }],
                 })),
             ),
         ]

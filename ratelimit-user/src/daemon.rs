@@ -407,6 +407,7 @@ impl State {
                 count: 0,
                 threshold: 0,
                 ban_expires: None,
+                origin: None,
             });
         }
         self.events.operator_lines(lines);
@@ -1121,6 +1122,21 @@ impl State {
         let (Received::Records(records) | Received::Snapshot(records)) = rx;
         let mut applied = crate::fleet::Applied::default();
         let now = report::mono_ns();
+        // The event lines of what was applied, with the issuing host as `origin`, so whoever
+        // follows this host's events sees every ban of the fleet.
+        let mut lines = Vec::new();
+        let mut time = |ns: u64| {
+            report::rfc3339(
+                std::time::UNIX_EPOCH
+                    + Duration::from_millis(crate::fleet::unix_ms_of_mono(ns.max(1))),
+            )
+        };
+        let mut line = |kind: u32, entry: &BanEntry, r: &crate::fleet::Record| {
+            let mut l = events::line_with(&ban_event(kind, entry, now), &[], &mut time);
+            l.rule = r.rule.clone().unwrap_or_default();
+            l.origin = Some(r.host.clone());
+            l
+        };
         for r in &records {
             let Ok(net) = config::parse_net(&r.net) else {
                 warn!(net = %r.net, host = %r.host, "a fleet record with a bad prefix was skipped");
@@ -1154,6 +1170,7 @@ impl State {
                     if exp != 0 {
                         self.next_ban_expiry = self.next_ban_expiry.min(exp);
                     }
+                    lines.push(line(EV_BAN, &entry, r));
                     Arc::make_mut(&mut self.ban_origins).insert(cidr.clone(), r.host.clone());
                     match &r.reason {
                         Some(why) => {
@@ -1169,6 +1186,7 @@ impl State {
                     for entry in self.maps.bans_at(plen, &key) {
                         if let Ok(true) = self.maps.remove_ban(ban_table(entry.flags), plen, &key) {
                             applied.unbans += 1;
+                            lines.push(line(EV_UNBAN, &entry, r));
                         }
                     }
                     Arc::make_mut(&mut self.ban_origins).remove(&cidr);
@@ -1179,6 +1197,7 @@ impl State {
         self.maps
             .flush_ban_epoch()
             .context("voiding the program's fast-drop entries")?;
+        self.events.operator_lines(lines);
         if applied.bans + applied.unbans > 0 {
             self.bans_changed();
             self.reports.changed();

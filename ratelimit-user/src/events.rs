@@ -85,6 +85,10 @@ pub struct EventLine {
     pub threshold: u64,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ban_expires: Option<String>,
+    /// Fleet mode: the host that issued a ban installed (or an unban applied) here from the
+    /// fleet; absent for this host's own.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub origin: Option<String>,
 }
 
 /// A change of the pressure level (`crate::pressure`):
@@ -168,6 +172,7 @@ pub fn line_with(
         count: e.count,
         threshold: e.threshold,
         ban_expires: (e.kind == EV_BAN && e.expires_ns != 0).then(|| time(e.expires_ns)),
+        origin: None,
     }
 }
 

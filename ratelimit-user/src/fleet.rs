@@ -11,8 +11,12 @@
 //!   trimmed away, or that was cut off from the store, reads the snapshot and goes on from the
 //!   stream's last entry.
 //!
-//! Both keys share the hash tag `{bans}`, so the script that updates them together stays in
-//! one slot of a Redis Cluster.
+//! - `ratelimit:{bans}:peers`: a hash, host id → that host's [`Heartbeat`], written every
+//!   [`HEARTBEAT`] by each host (`fleet peers`; stale after [`PEER_STALE`]).
+//!
+//! Every key shares the hash tag `{bans}`, so the script that updates two of them together
+//! stays in one slot of a Redis Cluster (`redis+cluster://`), on one master: losing it with
+//! no replica to take over is, for the hosts, a store that cannot be reached.
 //!
 //! ## Tasks, and who waits for whom
 //! Nothing on the packet path or the control API waits for the store. The owner task hands
@@ -51,6 +55,14 @@ pub const BAN_REMOTE: u32 = 1 << 8;
 
 pub const STREAM_KEY: &str = "ratelimit:{bans}:stream";
 pub const SNAP_KEY: &str = "ratelimit:{bans}:snap";
+/// A hash, host id → that host's last [`Heartbeat`] (JSON), written every [`HEARTBEAT`].
+pub const PEERS_KEY: &str = "ratelimit:{bans}:peers";
+/// How often each host writes its heartbeat (and reads the others').
+pub const HEARTBEAT: Duration = Duration::from_secs(1);
+/// A peer not seen for this long is shown as stale.
+pub const PEER_STALE: Duration = Duration::from_secs(10);
+/// A peer not seen for this long is taken off the hash (by any host).
+const PEER_FORGET: Duration = Duration::from_secs(24 * 3600);
 /// The stream keeps about this many records (`XADD MAXLEN ~`); a host further behind
 /// resyncs from the snapshot.
 pub const STREAM_MAXLEN: u64 = 100_000;
@@ -178,7 +190,78 @@ pub struct Settings {
     pub host_id: String,
     pub share_bans: bool,
     pub state_dir: PathBuf,
-    client: redis::Client,
+    client: Client,
+}
+
+/// How the store is reached: one server, or the nodes a Redis Cluster is discovered from.
+#[derive(Debug, Clone)]
+enum Client {
+    Single(redis::Client),
+    Cluster(Vec<redis::ConnectionInfo>),
+}
+
+/// A connection to the store: one server's, or a Redis Cluster's (which routes each command
+/// to the master of its keys' slot; every key here carries the tag `{bans}`, so all of them,
+/// and the script that updates two at once, live in one slot). Every command's answer is
+/// awaited [`Conn::timeout`] at most, retries inside the cluster client included.
+pub struct Conn {
+    inner: ConnKind,
+    timeout: Duration,
+}
+
+enum ConnKind {
+    Single(MultiplexedConnection),
+    Cluster(redis::cluster_async::ClusterConnection),
+}
+
+fn timed_out(what: &str, t: Duration) -> redis::RedisError {
+    redis::RedisError::from(std::io::Error::new(
+        std::io::ErrorKind::TimedOut,
+        format!("{what}: no answer within {t:?}"),
+    ))
+}
+
+impl redis::aio::ConnectionLike for Conn {
+    fn req_packed_command<'a>(
+        &'a mut self,
+        cmd: &'a redis::Cmd,
+    ) -> redis::RedisFuture<'a, redis::Value> {
+        let t = self.timeout;
+        Box::pin(async move {
+            let fut = match &mut self.inner {
+                ConnKind::Single(c) => c.req_packed_command(cmd),
+                ConnKind::Cluster(c) => c.req_packed_command(cmd),
+            };
+            tokio::time::timeout(t, fut)
+                .await
+                .unwrap_or_else(|_| Err(timed_out("the store", t)))
+        })
+    }
+
+    fn req_packed_commands<'a>(
+        &'a mut self,
+        pipeline: &'a redis::Pipeline,
+        offset: usize,
+        count: usize,
+    ) -> redis::RedisFuture<'a, Vec<redis::Value>> {
+        let t = self.timeout;
+        Box::pin(async move {
+            let fut = match &mut self.inner {
+                ConnKind::Single(c) => c.req_packed_commands(pipeline, offset, count),
+                ConnKind::Cluster(c) => c.req_packed_commands(pipeline, offset, count),
+            };
+            tokio::time::timeout(t, fut)
+                .await
+                .unwrap_or_else(|_| Err(timed_out("the store", t)))
+        })
+    }
+
+    fn get_db(&self) -> i64 {
+        match &self.inner {
+            ConnKind::Single(c) => c.get_db(),
+            ConnKind::Cluster(c) => c.get_db(),
+        }
+    }
 }
 
 /// `url` with any password replaced by `***`.
@@ -205,14 +288,33 @@ impl Settings {
                 h
             }
         };
-        let mut info = redis::IntoConnectionInfo::into_connection_info(f.redis.as_str())
-            .map_err(|e| anyhow::anyhow!("fleet.redis {:?}: {e}", redacted(&f.redis)))?;
-        if let Some(p) = &f.password_file {
-            let pw = read_password(p)?;
-            let settings = info.redis_settings().clone().set_password(pw);
-            info = info.set_redis_settings(settings);
-        }
-        let client = redis::Client::open(info).context("fleet.redis")?;
+        let password = f.password_file.as_deref().map(read_password).transpose()?;
+        let with_password = |mut info: redis::ConnectionInfo| {
+            if let Some(pw) = &password {
+                let settings = info.redis_settings().clone().set_password(pw.clone());
+                info = info.set_redis_settings(settings);
+            }
+            info
+        };
+        let client = match config::cluster_nodes(&f.redis) {
+            Some(nodes) => {
+                let nodes = nodes.map_err(|e| anyhow::anyhow!("fleet.redis {e}"))?;
+                let infos = nodes
+                    .iter()
+                    .map(|n| {
+                        redis::IntoConnectionInfo::into_connection_info(n.as_str())
+                            .map(with_password)
+                            .map_err(|e| anyhow::anyhow!("fleet.redis {:?}: {e}", redacted(n)))
+                    })
+                    .collect::<anyhow::Result<Vec<_>>>()?;
+                Client::Cluster(infos)
+            }
+            None => {
+                let info = redis::IntoConnectionInfo::into_connection_info(f.redis.as_str())
+                    .map_err(|e| anyhow::anyhow!("fleet.redis {:?}: {e}", redacted(&f.redis)))?;
+                Client::Single(redis::Client::open(with_password(info)).context("fleet.redis")?)
+            }
+        };
         Ok(Self {
             store: redacted(&f.redis),
             host_id,
@@ -222,26 +324,62 @@ impl Settings {
         })
     }
 
-    async fn connect(&self, response: Duration) -> anyhow::Result<MultiplexedConnection> {
-        let cfg = redis::AsyncConnectionConfig::new()
-            .set_connection_timeout(Some(CONNECT_TIMEOUT))
-            .set_response_timeout(Some(response));
-        // The client's own timeouts, and one over the whole (a handshake that hangs).
-        match tokio::time::timeout(
-            CONNECT_TIMEOUT * 2,
-            self.client
-                .get_multiplexed_async_connection_with_config(&cfg),
-        )
-        .await
-        {
-            Ok(Ok(c)) => Ok(c),
-            Ok(Err(e)) => bail!("connecting to {}: {e}", self.store),
-            Err(_) => bail!(
-                "connecting to {}: no answer within {:?}",
-                self.store,
-                CONNECT_TIMEOUT * 2
-            ),
-        }
+    /// Whether the store is a Redis Cluster.
+    pub fn cluster(&self) -> bool {
+        matches!(self.client, Client::Cluster(_))
+    }
+
+    /// A connection whose commands are answered within `response` (or fail).
+    async fn connect(&self, response: Duration) -> anyhow::Result<Conn> {
+        let inner = match &self.client {
+            Client::Single(client) => {
+                let cfg = redis::AsyncConnectionConfig::new()
+                    .set_connection_timeout(Some(CONNECT_TIMEOUT))
+                    .set_response_timeout(Some(response));
+                // The client's own timeouts, and one over the whole (a handshake that hangs).
+                match tokio::time::timeout(
+                    CONNECT_TIMEOUT * 2,
+                    client.get_multiplexed_async_connection_with_config(&cfg),
+                )
+                .await
+                {
+                    Ok(Ok(c)) => ConnKind::Single(c),
+                    Ok(Err(e)) => bail!("connecting to {}: {e}", self.store),
+                    Err(_) => bail!(
+                        "connecting to {}: no answer within {:?}",
+                        self.store,
+                        CONNECT_TIMEOUT * 2
+                    ),
+                }
+            }
+            Client::Cluster(nodes) => {
+                // Few retries inside the client: a slot whose master is gone fails fast, and
+                // the tasks' own backoff takes over.
+                let client = redis::cluster::ClusterClientBuilder::new(nodes.clone())
+                    .connection_timeout(CONNECT_TIMEOUT)
+                    .response_timeout(response)
+                    .retries(2)
+                    .min_retry_wait(50)
+                    .max_retry_wait(200)
+                    .build()
+                    .with_context(|| format!("fleet.redis {}", self.store))?;
+                match tokio::time::timeout(CONNECT_TIMEOUT * 2, client.get_async_connection()).await
+                {
+                    Ok(Ok(c)) => ConnKind::Cluster(c),
+                    Ok(Err(e)) => bail!("connecting to {}: {e}", self.store),
+                    Err(_) => bail!(
+                        "connecting to {}: no answer within {:?}",
+                        self.store,
+                        CONNECT_TIMEOUT * 2
+                    ),
+                }
+            }
+        };
+        // The command's own timeout, and a little more for the client's retries.
+        Ok(Conn {
+            inner,
+            timeout: response + REQUEST_TIMEOUT,
+        })
     }
 }
 
@@ -276,6 +414,62 @@ pub struct Report {
     pub resyncs: u64,
     /// The store's round trip for the last command (ms).
     pub store_rtt_ms: Option<f64>,
+    /// The hosts that wrote a heartbeat to the store (this one included), by host id, as last
+    /// read.
+    #[serde(default)]
+    pub peers: Vec<Peer>,
+}
+
+/// What each host writes into [`PEERS_KEY`] every [`HEARTBEAT`].
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
+pub struct Heartbeat {
+    pub host_id: String,
+    pub version: String,
+    /// Unix ms, by the host's own clock.
+    pub seen_ms: u64,
+    #[serde(default)]
+    pub bans_published: u64,
+    #[serde(default)]
+    pub bans_received: u64,
+    #[serde(default)]
+    pub cursor: Option<String>,
+}
+
+/// A peer as `fleet peers` and `/v1/fleet` show it.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
+pub struct Peer {
+    pub host_id: String,
+    pub version: String,
+    /// RFC 3339: its last heartbeat.
+    pub last_seen: String,
+    /// How long ago that was (ms, this host's clock against the peer's).
+    pub age_ms: u64,
+    /// Not seen for [`PEER_STALE`] or more (stopped, cut off from the store, or this host
+    /// is).
+    pub stale: bool,
+    /// This host.
+    pub this_host: bool,
+    pub bans_published: u64,
+    pub bans_received: u64,
+    /// The last stream entry it applied.
+    pub cursor: Option<String>,
+}
+
+impl Peer {
+    fn of(h: &Heartbeat, me: &str, now_ms: u64) -> Peer {
+        let age_ms = now_ms.saturating_sub(h.seen_ms);
+        Peer {
+            host_id: h.host_id.clone(),
+            version: h.version.clone(),
+            last_seen: report::rfc3339(UNIX_EPOCH + Duration::from_millis(h.seen_ms)),
+            age_ms,
+            stale: age_ms >= PEER_STALE.as_millis() as u64,
+            this_host: h.host_id == me,
+            bans_published: h.bans_published,
+            bans_received: h.bans_received,
+            cursor: h.cursor.clone(),
+        }
+    }
 }
 
 /// Buckets (seconds) of `ratelimit_fleet_store_latency_seconds`.
@@ -322,6 +516,8 @@ struct Inner {
     down_at: Option<Instant>,
     /// A resync is due when the reader next connects.
     resync: bool,
+    /// The heartbeats last read from the store.
+    peers: Vec<Heartbeat>,
 }
 
 /// What the fleet tasks know, for the reports; and the outbox.
@@ -341,9 +537,30 @@ impl Shared {
     }
 
     pub fn report(&self) -> Report {
-        let mut r = self.lock().report.clone();
+        let (mut r, peers) = {
+            let i = self.lock();
+            (i.report.clone(), i.peers.clone())
+        };
         r.outbox = self.outbox().len();
+        let now_ms = unix_ms(SystemTime::now());
+        r.peers = peers
+            .iter()
+            .map(|h| Peer::of(h, &r.host_id, now_ms))
+            .collect();
         r
+    }
+
+    /// This host's heartbeat now.
+    fn heartbeat(&self) -> Heartbeat {
+        let i = self.lock();
+        Heartbeat {
+            host_id: i.report.host_id.clone(),
+            version: env!("CARGO_PKG_VERSION").to_string(),
+            seen_ms: unix_ms(SystemTime::now()),
+            bans_published: i.report.bans_published,
+            bans_received: i.report.bans_received,
+            cursor: i.report.cursor.clone(),
+        }
     }
 
     pub fn latency(&self) -> Latency {
@@ -552,6 +769,10 @@ where
         supervise::spawn(tasks, "fleet_reader", BACKOFF_FIRST, move || {
             reader(s.clone(), sh.clone(), apply.clone())
         });
+        let (s, sh) = (settings.clone(), shared.clone());
+        supervise::spawn(tasks, "fleet_heartbeat", BACKOFF_FIRST, move || {
+            heartbeat(s.clone(), sh.clone())
+        });
     }
     Link {
         settings,
@@ -582,7 +803,7 @@ end
 return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'r', ARGV[5])
 "#;
 
-async fn publish_batch(conn: &mut MultiplexedConnection, batch: &[Record]) -> anyhow::Result<()> {
+async fn publish_batch(conn: &mut Conn, batch: &[Record]) -> anyhow::Result<()> {
     let mut pipe = redis::pipe();
     for r in batch {
         let json = serde_json::to_string(r)?;
@@ -626,7 +847,7 @@ async fn publisher(
     rx: Arc<tokio::sync::Mutex<mpsc::UnboundedReceiver<Record>>>,
 ) -> anyhow::Result<()> {
     let mut rx = rx.lock().await;
-    let mut conn: Option<MultiplexedConnection> = None;
+    let mut conn: Option<Conn> = None;
     // The outbox as last written to disk (its length), to write only on change.
     let mut on_disk = shared.outbox().len();
     let mut retry = tokio::time::interval(PUBLISH_RETRY);
@@ -678,7 +899,7 @@ async fn publisher(
 async fn send_outbox(
     settings: &Settings,
     shared: &Shared,
-    conn: &mut Option<MultiplexedConnection>,
+    conn: &mut Option<Conn>,
 ) -> anyhow::Result<()> {
     loop {
         let batch: Vec<Record> = shared.outbox().iter().take(BATCH).cloned().collect();
@@ -726,6 +947,60 @@ async fn persist(settings: &Arc<Settings>, shared: &Arc<Shared>, on_disk: &mut u
         Ok(Err(e)) => warn!("saving the fleet outbox: {e:#}"),
         Err(e) => warn!("saving the fleet outbox: {e}"),
     }
+}
+
+/// The heartbeat: every [`HEARTBEAT`], this host's [`Heartbeat`] into [`PEERS_KEY`], and the
+/// others' read back. A failure waits for the next beat (the reader reports the store's
+/// health).
+async fn heartbeat(settings: Arc<Settings>, shared: Arc<Shared>) -> anyhow::Result<()> {
+    let mut conn: Option<Conn> = None;
+    let mut tick = tokio::time::interval(HEARTBEAT);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        if let Err(e) = beat(&settings, &shared, &mut conn).await {
+            conn = None;
+            tracing::debug!("fleet heartbeat: {e:#}");
+        }
+    }
+}
+
+async fn beat(settings: &Settings, shared: &Shared, conn: &mut Option<Conn>) -> anyhow::Result<()> {
+    if conn.is_none() {
+        *conn = Some(settings.connect(REQUEST_TIMEOUT).await?);
+    }
+    let c = conn.as_mut().expect("connected above");
+    let me = shared.heartbeat();
+    let (all,): (BTreeMap<String, String>,) = redis::pipe()
+        .cmd("HSET")
+        .arg(PEERS_KEY)
+        .arg(&me.host_id)
+        .arg(serde_json::to_string(&me)?)
+        .ignore()
+        .cmd("HGETALL")
+        .arg(PEERS_KEY)
+        .query_async(c)
+        .await
+        .context("writing the heartbeat")?;
+    let forget_before = me.seen_ms.saturating_sub(PEER_FORGET.as_millis() as u64);
+    let mut peers = Vec::with_capacity(all.len());
+    let mut forget = Vec::new();
+    for (host, json) in all {
+        match serde_json::from_str::<Heartbeat>(&json) {
+            Ok(h) if h.seen_ms >= forget_before => peers.push(h),
+            _ => forget.push(host),
+        }
+    }
+    if !forget.is_empty() {
+        redis::cmd("HDEL")
+            .arg(PEERS_KEY)
+            .arg(&forget)
+            .query_async::<()>(c)
+            .await
+            .context("forgetting old peers")?;
+    }
+    shared.lock().peers = peers;
+    Ok(())
 }
 
 /// Records of a stream reply: `(last id, records)`.
@@ -856,7 +1131,7 @@ where
 async fn resync<A, Fut>(
     settings: &Settings,
     shared: &Shared,
-    conn: &mut MultiplexedConnection,
+    conn: &mut Conn,
     apply: &A,
 ) -> anyhow::Result<String>
 where
@@ -946,6 +1221,27 @@ mod tests {
     }
 
     #[test]
+    fn peers_are_stale_after_ten_seconds_unseen() {
+        let h = Heartbeat {
+            host_id: "b".into(),
+            version: "0.1.0".into(),
+            seen_ms: 1_000_000,
+            bans_published: 3,
+            bans_received: 4,
+            cursor: Some("5-0".into()),
+        };
+        let p = Peer::of(&h, "a", 1_009_999);
+        assert!(!p.stale && !p.this_host && p.age_ms == 9_999, "{p:?}");
+        assert_eq!(p.last_seen, "1970-01-01T00:16:40.000Z");
+        let p = Peer::of(&h, "b", 1_010_000);
+        assert!(p.stale && p.this_host, "{p:?}");
+        // A peer's clock ahead of ours: age 0, not stale.
+        assert_eq!(Peer::of(&h, "a", 999_000).age_ms, 0);
+        let back: Heartbeat = serde_json::from_str(&serde_json::to_string(&h).unwrap()).unwrap();
+        assert_eq!(back, h);
+    }
+
+    #[test]
     fn passwords_are_redacted() {
         assert_eq!(redacted("redis://10.0.0.1:6379"), "redis://10.0.0.1:6379");
         assert_eq!(
@@ -954,6 +1250,10 @@ mod tests {
         );
         assert_eq!(redacted("redis://:pw@h:1"), "redis://:***@h:1");
         assert_eq!(redacted("unix:///run/redis.sock"), "unix:///run/redis.sock");
+        assert_eq!(
+            redacted("redis+cluster://u:pw@a:1,b:2"),
+            "redis+cluster://u:***@a:1,b:2"
+        );
     }
 
     #[test]

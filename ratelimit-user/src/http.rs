@@ -333,6 +333,8 @@ fn snapshot(s: &Reports) -> anyhow::Result<(Stats, Gauges)> {
                 unbans_received: r.unbans_received,
                 outbox: r.outbox as u64,
                 resyncs: r.resyncs,
+                peers: r.peers.iter().filter(|p| !p.stale).count() as u64,
+                peers_stale: r.peers.iter().filter(|p| p.stale).count() as u64,
                 latency: f.latency(),
             }
         }),
@@ -381,6 +383,9 @@ pub struct FleetGauges {
     pub unbans_received: u64,
     pub outbox: u64,
     pub resyncs: u64,
+    /// Hosts (this one included) whose heartbeat is fresh, and stale.
+    pub peers: u64,
+    pub peers_stale: u64,
     pub latency: crate::fleet::Latency,
 }
 
@@ -889,6 +894,13 @@ fn fleet_families(f: &FleetGauges) -> Vec<Family> {
         )
         .with(vec![], Value::Counter(f.resyncs)),
         Family::new(
+            "ratelimit_fleet_peers",
+            Gauge,
+            "Hosts of the fleet (this one included) by their heartbeat in the store: fresh, or stale (not seen for 10 s)",
+        )
+        .with(vec![("state", "fresh".into())], Value::Gauge(f.peers))
+        .with(vec![("state", "stale".into())], Value::Gauge(f.peers_stale)),
+        Family::new(
             "ratelimit_fleet_store_latency_seconds",
             Histogram,
             "Round trips to the fleet store: a publish (a batch of records), a cursor check, a snapshot read",
@@ -1190,6 +1202,8 @@ mod tests {
                 unbans_received: 2,
                 outbox: 3,
                 resyncs: 1,
+                peers: 2,
+                peers_stale: 1,
                 latency,
             }),
             ..GAUGES
@@ -1206,6 +1220,9 @@ mod tests {
             "ratelimit_fleet_records_received_total{op=\"unban\"} 2",
             "ratelimit_fleet_outbox_records 3",
             "ratelimit_fleet_resyncs_total 1",
+            "# TYPE ratelimit_fleet_peers gauge",
+            "ratelimit_fleet_peers{state=\"fresh\"} 2",
+            "ratelimit_fleet_peers{state=\"stale\"} 1",
             "# TYPE ratelimit_fleet_store_latency_seconds histogram",
             "ratelimit_fleet_store_latency_seconds_count 3",
             "ratelimit_fleet_store_latency_seconds_bucket{le=\"0.0005\"} 1",

@@ -196,7 +196,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         },
         Command::Overrides(_) => Request::Overrides,
         Command::Fleet {
-            action: FleetCommand::Status(_),
+            action: FleetCommand::Status(_) | FleetCommand::Peers(_),
         } => Request::Fleet,
         Command::Pressure(p) => match &p.action {
             None => Request::Pressure,
@@ -213,7 +213,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         | Command::Overrides(j) => j.json,
         Command::Top(t) => t.json,
         Command::Fleet {
-            action: FleetCommand::Status(j),
+            action: FleetCommand::Status(j) | FleetCommand::Peers(j),
         } => j.json,
         Command::Pressure(p) => match &p.action {
             None => p.json,
@@ -237,6 +237,20 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         _ => false,
     };
     let answer = control::call(&socket_path(&cli)?, &req)?;
+    if let (
+        Command::Fleet {
+            action: FleetCommand::Peers(_),
+        },
+        Answer::Fleet(f),
+    ) = (&cli.command, &answer)
+    {
+        if json {
+            println!("{}", serde_json::to_string_pretty(&f.peers)?);
+        } else {
+            print_peers(f);
+        }
+        return Ok(ExitCode::SUCCESS);
+    }
     if json {
         println!("{}", serde_json::to_string_pretty(&answer)?);
     } else {
@@ -331,6 +345,40 @@ fn print_human(answer: &Answer) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn print_peers(f: &ratelimit_user::fleet::Report) {
+    if !f.share_bans {
+        println!("no peers: share_bans = false (the store is not contacted)");
+        return;
+    }
+    if f.peers.is_empty() {
+        println!("no peers read from the store yet");
+        return;
+    }
+    println!(
+        "{:<24} {:<10} {:<26} {:>9} {:>10} {:>10}  CURSOR",
+        "HOST", "VERSION", "LAST SEEN", "AGE", "PUBLISHED", "RECEIVED"
+    );
+    for p in &f.peers {
+        let name = format!(
+            "{}{}",
+            p.host_id,
+            if p.this_host { " (this host)" } else { "" }
+        );
+        let age = format!("{:.1}s", p.age_ms as f64 / 1e3);
+        println!(
+            "{:<24} {:<10} {:<26} {:>9} {:>10} {:>10}  {}{}",
+            name,
+            p.version,
+            p.last_seen,
+            age,
+            p.bans_published,
+            p.bans_received,
+            p.cursor.as_deref().unwrap_or("-"),
+            if p.stale { "  STALE" } else { "" }
+        );
+    }
+}
+
 fn print_fleet(f: &ratelimit_user::fleet::Report) {
     let state = match (&f.connected_since, &f.degraded_since) {
         _ if !f.share_bans => "not contacted: share_bans = false".to_string(),
@@ -376,6 +424,13 @@ fn print_fleet(f: &ratelimit_user::fleet::Report) {
     );
     if let Some(ms) = f.store_rtt_ms {
         println!("store rtt  {ms:.2} ms (last)");
+    }
+    if f.share_bans {
+        let stale = f.peers.iter().filter(|p| p.stale).count();
+        println!(
+            "peers      {} ({stale} stale; `ratelimit fleet peers`)",
+            f.peers.len()
+        );
     }
 }
 

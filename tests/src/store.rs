@@ -5,6 +5,10 @@
 //! server (continuing it first if the test stopped it) and removes the dir, also when a test
 //! panics. Tests can kill it, start it again on the same port, and stop or continue it
 //! (SIGSTOP, SIGCONT) to see what the daemons do without their store.
+//!
+//! [`Cluster`] runs three such servers as a Redis Cluster of three masters and no replicas
+//! (`--cluster-enabled yes`, then `redis-cli --cluster create`), each with its own port and
+//! directory (its `nodes.conf` survives a kill, so a restarted master rejoins with its slots).
 
 use std::io::{Read as _, Write as _};
 use std::net::{SocketAddr, TcpStream};
@@ -45,12 +49,19 @@ pub struct Redis {
     /// An address of the server in its namespace, for the readiness check.
     probe: SocketAddr,
     stopped: bool,
+    /// More `redis-server` arguments (the cluster's).
+    extra: Vec<String>,
 }
 
 impl Redis {
     /// Starts `redis-server` in `ns` listening on every address of `ns` at `port`, and waits
     /// until it answers `PING` at `probe` (an address of `ns`).
     pub fn start(ns: &NetNs, probe: std::net::IpAddr, port: u16) -> Redis {
+        Redis::start_with(ns, probe, port, &[])
+    }
+
+    /// [`Redis::start`] with more `redis-server` arguments.
+    pub fn start_with(ns: &NetNs, probe: std::net::IpAddr, port: u16, extra: &[&str]) -> Redis {
         let mut r = Redis {
             child: None,
             dir: crate::daemon::make_temp_dir(),
@@ -58,6 +69,7 @@ impl Redis {
             port,
             probe: SocketAddr::new(probe, port),
             stopped: false,
+            extra: extra.iter().map(|a| a.to_string()).collect(),
         };
         r.launch();
         r
@@ -77,6 +89,7 @@ impl Redis {
             .arg(&self.dir)
             .arg("--logfile")
             .arg(&log)
+            .args(&self.extra)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null());
@@ -186,5 +199,139 @@ impl Drop for Redis {
     fn drop(&mut self) {
         self.kill();
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The `redis-cli` binary beside `redis-server`.
+pub fn cli_binary() -> PathBuf {
+    binary().with_file_name("redis-cli")
+}
+
+/// A Redis Cluster of three masters (no replicas) in a lab namespace. Every node announces
+/// the one address `announce` (put on the namespace's loopback by the caller, and routed to
+/// from the daemons' namespaces), on its own port. Dropping it kills every node.
+pub struct Cluster {
+    pub nodes: Vec<Redis>,
+    ns_fd: OwnedFd,
+    announce: std::net::Ipv4Addr,
+}
+
+impl Cluster {
+    /// Starts three nodes on `ports` and joins them into one cluster (`redis-cli --cluster
+    /// create`, every slot assigned), waiting until each says `cluster_state:ok`.
+    pub fn start(ns: &NetNs, announce: std::net::Ipv4Addr, ports: [u16; 3]) -> Cluster {
+        let ip = announce.to_string();
+        let nodes: Vec<Redis> = ports
+            .iter()
+            .map(|&port| {
+                Redis::start_with(
+                    ns,
+                    std::net::IpAddr::V4(announce),
+                    port,
+                    &[
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        "nodes.conf",
+                        "--cluster-node-timeout",
+                        "2000",
+                        "--cluster-announce-ip",
+                        &ip,
+                    ],
+                )
+            })
+            .collect();
+        let c = Cluster {
+            nodes,
+            ns_fd: ns.dup_fd(),
+            announce,
+        };
+        let mut args: Vec<String> = vec!["--cluster".into(), "create".into()];
+        args.extend(ports.iter().map(|p| format!("{ip}:{p}")));
+        args.extend(["--cluster-replicas", "0", "--cluster-yes"].map(String::from));
+        let out = c.cli_raw(&args);
+        assert!(
+            out.status.success(),
+            "redis-cli --cluster create failed: {}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        for i in 0..3 {
+            assert!(
+                c.wait_state(i, "ok", READY_TIMEOUT),
+                "node {i} not ok: {}\n{}",
+                c.cli(i, &["cluster", "info"]),
+                c.nodes[i].log()
+            );
+        }
+        c
+    }
+
+    fn cli_raw(&self, args: &[String]) -> std::process::Output {
+        let mut cmd = command_in_fd(self.ns_fd.try_clone().expect("dup netns fd"), cli_binary());
+        cmd.args(args).stdin(Stdio::null());
+        cmd.output()
+            .unwrap_or_else(|e| panic!("running `{}`: {e}", describe(&cmd)))
+    }
+
+    /// `redis-cli` against node `i` (no redirects followed): its output.
+    pub fn cli(&self, i: usize, args: &[&str]) -> String {
+        let mut all: Vec<String> = vec![
+            "-h".into(),
+            self.announce.to_string(),
+            "-p".into(),
+            self.nodes[i].port().to_string(),
+        ];
+        all.extend(args.iter().map(|a| a.to_string()));
+        let out = self.cli_raw(&all);
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    }
+
+    /// Waits until node `i` reports `cluster_state:<state>`.
+    pub fn wait_state(&self, i: usize, state: &str, timeout: Duration) -> bool {
+        let want = format!("cluster_state:{state}");
+        let give_up = Instant::now() + timeout;
+        loop {
+            if self.cli(i, &["cluster", "info"]).contains(&want) {
+                return true;
+            }
+            if Instant::now() > give_up {
+                return false;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// The node serving the slot of the key `key` (the others answer `MOVED`).
+    pub fn owner_of(&self, key: &str) -> usize {
+        (0..self.nodes.len())
+            .find(|&i| {
+                let out = self.cli(i, &["exists", key]);
+                !out.contains("MOVED") && out.trim().ends_with(['0', '1'])
+            })
+            .unwrap_or_else(|| panic!("no node serves {key}"))
+    }
+
+    /// The nodes' `host:port`s, as a `redis+cluster://` address lists them.
+    pub fn url(&self) -> String {
+        let nodes: Vec<String> = self
+            .nodes
+            .iter()
+            .map(|n| format!("{}:{}", self.announce, n.port()))
+            .collect();
+        format!("redis+cluster://{}", nodes.join(","))
+    }
+
+    /// The keys node `i` holds.
+    pub fn dbsize(&self, i: usize) -> u64 {
+        self.cli(i, &["dbsize"])
+            .trim()
+            .trim_start_matches("(integer) ")
+            .parse()
+            .unwrap_or(0)
     }
 }

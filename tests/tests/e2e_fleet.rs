@@ -14,7 +14,7 @@ use std::{
 use ratelimit_tests::{
     Daemon, NetNs, VethPair, kernel_test,
     scenario::{Scenario, metric_sum},
-    store::Redis,
+    store::{Cluster, Redis},
 };
 use ratelimit_user::{
     control::{self, Answer, Request},
@@ -28,12 +28,19 @@ const REDIS_PORT: u16 = 6379;
 /// Each daemon's HTTP listener, on 127.0.0.1 in its own namespace.
 const HTTP_PORT: u16 = 19477;
 
-/// Three hosts and their store. Fields drop in order: the daemons (and their namespaces),
-/// the links to the store, the store, its namespace.
+/// The cluster's nodes' ports, and the one address they announce: on the store namespace's
+/// loopback, routed to through each host's own link.
+const CLUSTER_PORTS: [u16; 3] = [7001, 7002, 7003];
+const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(100, 64, 250, 1);
+
+/// Three hosts and their store: one `redis-server`, or a Redis Cluster of three masters.
+/// Fields drop in order: the daemons (and their namespaces), the links to the store, the
+/// store, its namespace.
 struct Fleet {
     hosts: Vec<Scenario>,
     _links: Vec<VethPair>,
-    redis: Redis,
+    redis: Option<Redis>,
+    cluster: Option<Cluster>,
     _store: NetNs,
 }
 
@@ -50,6 +57,10 @@ ban_duration = "1h"
 
 impl Fleet {
     fn new(tag: &str) -> Fleet {
+        Fleet::with_store(tag, false)
+    }
+
+    fn with_store(tag: &str, cluster: bool) -> Fleet {
         let store = NetNs::new(&format!("{tag}-st"));
         let mut hosts: Vec<Scenario> = (0..3)
             .map(|i| Scenario::new(&format!("{tag}{i}")).with_http(HTTP_PORT))
@@ -58,17 +69,38 @@ impl Fleet {
             .iter()
             .map(|h| VethPair::new(&store, &h.server))
             .collect();
-        let redis = Redis::start(&store, IpAddr::V4(links[0].a().ipv4), REDIS_PORT);
+        let (redis, cluster, urls) = if cluster {
+            store.ip(&["addr", "add", &format!("{CLUSTER_IP}/32"), "dev", "lo"]);
+            for (h, l) in hosts.iter().zip(&links) {
+                ratelimit_tests::link::add_route(
+                    &h.server,
+                    &format!("{CLUSTER_IP}/32"),
+                    &l.b().name,
+                    Some(&l.a().ipv4.to_string()),
+                );
+            }
+            let c = Cluster::start(&store, CLUSTER_IP, CLUSTER_PORTS);
+            let url = c.url();
+            (None, Some(c), vec![url; 3])
+        } else {
+            let r = Redis::start(&store, IpAddr::V4(links[0].a().ipv4), REDIS_PORT);
+            let urls = links
+                .iter()
+                .map(|l| format!("redis://{}:{REDIS_PORT}", l.a().ipv4))
+                .collect();
+            (Some(r), None, urls)
+        };
         for (i, h) in hosts.iter_mut().enumerate() {
             h.start(&format!(
-                "[fleet]\nredis = \"redis://{}:{REDIS_PORT}\"\nhost_id = \"h{i}\"\n{RULES}",
-                links[i].a().ipv4
+                "[fleet]\nredis = \"{}\"\nhost_id = \"h{i}\"\n{RULES}",
+                urls[i]
             ));
         }
         let f = Fleet {
             hosts,
             _links: links,
             redis,
+            cluster,
             _store: store,
         };
         for i in 0..3 {
@@ -80,6 +112,14 @@ impl Fleet {
             );
         }
         f
+    }
+
+    fn redis(&mut self) -> &mut Redis {
+        self.redis.as_mut().expect("a single store")
+    }
+
+    fn cluster(&mut self) -> &mut Cluster {
+        self.cluster.as_mut().expect("a cluster store")
     }
 
     fn d(&self, i: usize) -> &Daemon {
@@ -369,7 +409,7 @@ fn a_store_that_dies_or_freezes_leaves_every_host_enforcing_and_answering() {
 
     // (e) The store is killed: bans still work locally, `status` stays fast, `fleet status`
     // says degraded, and a `fleet_degraded` event is written.
-    f.redis.kill();
+    f.redis().kill();
     assert!(
         wait_for(Duration::from_secs(10), || !f.fleet(0).connected),
         "host 0 never noticed: {:?}",
@@ -417,7 +457,7 @@ fn a_store_that_dies_or_freezes_leaves_every_host_enforcing_and_answering() {
 
     // The store returns (empty): the outbox reaches hosts 1 and 2, `fleet_restored` is
     // written, and the bans the hosts held stay.
-    f.redis.restart();
+    f.redis().restart();
     let t0 = Instant::now();
     assert!(
         wait_for(Duration::from_secs(15), || f
@@ -447,7 +487,7 @@ fn a_store_that_dies_or_freezes_leaves_every_host_enforcing_and_answering() {
 
     // (f) The store is frozen (SIGSTOP): the control API stays responsive, bans work
     // locally; continued, it recovers and the ban goes out.
-    f.redis.freeze();
+    f.redis().freeze();
     let (p50, p99) = status_latency(&f, 0);
     println!(
         "store just frozen: status p50 {:.2} ms, p99 {:.2} ms",
@@ -488,7 +528,7 @@ fn a_store_that_dies_or_freezes_leaves_every_host_enforcing_and_answering() {
         p99.as_secs_f64() * 1e3
     );
     assert!(p99 < Duration::from_millis(100), "{p99:?}");
-    f.redis.thaw();
+    f.redis().thaw();
     assert!(
         wait_for(Duration::from_secs(15), || f
             .holds(1, "203.0.113.201/32")
@@ -500,5 +540,217 @@ fn a_store_that_dies_or_freezes_leaves_every_host_enforcing_and_answering() {
         f.fleet(1)
     );
     assert!(f.events(0, "fleet_restored").len() >= 2);
+    println!("whole test: {:.1} s", t_all.elapsed().as_secs_f64());
+}
+
+#[test]
+fn bans_spread_over_a_redis_cluster_and_survive_the_loss_of_its_master() {
+    kernel_test!();
+    let t_all = Instant::now();
+    let mut f = Fleet::with_store("rlfc", true);
+    // Every key of the ban feature carries the tag `{bans}`: one slot, one master.
+    let owner = f.cluster().owner_of("ratelimit:{bans}:stream");
+    assert_eq!(f.cluster().owner_of(fleet::SNAP_KEY), owner);
+    println!(
+        "cluster up ({}); the {{bans}} slot is on node {owner}",
+        f.cluster().url()
+    );
+
+    // Every host sees the three hosts in `fleet peers` (their heartbeats), none stale.
+    let t0 = Instant::now();
+    let fresh = |f: &Fleet, i: usize| {
+        let p = f.fleet(i).peers;
+        p.len() == 3 && p.iter().all(|p| !p.stale)
+    };
+    assert!(
+        wait_for(Duration::from_secs(10), || (0..3).all(|i| fresh(&f, i))),
+        "{:?}",
+        f.fleet(0).peers
+    );
+    println!(
+        "all three hosts saw all three peers within {:.0} ms",
+        t0.elapsed().as_secs_f64() * 1e3
+    );
+    let human = f.d(1).cli_ok(&["fleet", "peers"]);
+    println!("{human}");
+    assert!(
+        human.contains("h0") && human.contains("h1 (this host)") && human.contains("h2"),
+        "{human}"
+    );
+    assert!(!human.contains("STALE"), "{human}");
+    let status = f.d(1).cli_ok(&["fleet", "status"]);
+    assert!(status.contains("peers      3 (0 stale"), "{status}");
+    let peers: Vec<fleet::Peer> =
+        serde_json::from_str(&f.d(0).cli_ok(&["fleet", "peers", "--json"])).unwrap();
+    let ids: Vec<&str> = peers.iter().map(|p| p.host_id.as_str()).collect();
+    assert_eq!(ids, ["h0", "h1", "h2"], "{peers:?}");
+    assert!(peers[0].this_host && !peers[1].this_host, "{peers:?}");
+    assert!(
+        peers
+            .iter()
+            .all(|p| !p.version.is_empty() && p.age_ms < 10_000)
+    );
+
+    // `ban add` on host 0 reaches hosts 1 and 2 through the cluster, 10 times.
+    let mut delays = Vec::new();
+    for n in 0..10u8 {
+        let cidr = format!("203.0.113.{n}/32");
+        f.d(0).cli_ok(&["ban", "add", &cidr, "--for", "1h"]);
+        let t0 = Instant::now();
+        assert!(
+            wait_for(Duration::from_secs(5), || f.holds(1, &cidr).is_some()
+                && f.holds(2, &cidr).is_some()),
+            "{cidr} did not reach hosts 1 and 2: {:?} {:?}\n{}",
+            f.fleet(1),
+            f.fleet(2),
+            f.d(0).logs()
+        );
+        delays.push(t0.elapsed());
+    }
+    delays.sort();
+    println!(
+        "ban propagation over a 3-master cluster, 10 bans: p50 {:.1} ms, max {:.1} ms",
+        percentile(&delays, 0.5).as_secs_f64() * 1e3,
+        delays.last().unwrap().as_secs_f64() * 1e3
+    );
+    assert_eq!(
+        f.holds(2, "203.0.113.4/32").unwrap().origin.as_deref(),
+        Some("h0")
+    );
+    assert_eq!(f.reaching(1, Ipv4Addr::new(203, 0, 113, 4), 10), 0);
+    // The stream, the snapshot and the peers' hash are all on the owner; the other masters
+    // hold nothing.
+    assert_eq!(f.cluster().owner_of(fleet::PEERS_KEY), owner);
+    let sizes: Vec<u64> = (0..3).map(|i| f.cluster().dbsize(i)).collect();
+    println!("keys per master: {sizes:?}");
+    assert_eq!(sizes[owner], 3, "{sizes:?}");
+    assert_eq!(sizes.iter().sum::<u64>(), 3, "{sizes:?}");
+
+    // `ban del` on host 2 lifts a ban everywhere.
+    f.d(2).cli_ok(&["ban", "del", "203.0.113.5"]);
+    assert!(
+        wait_for(Duration::from_secs(5), || (0..3)
+            .all(|i| f.holds(i, "203.0.113.5/32").is_none())),
+        "ban del did not lift everywhere"
+    );
+    assert_eq!(f.reaching(1, Ipv4Addr::new(203, 0, 113, 5), 10), 10);
+    // Hosts 0 and 1 write the `unban` with its origin, host 2.
+    for i in 0..2 {
+        assert!(
+            wait_for(Duration::from_secs(5), || f.events(i, "unban").iter().any(
+                |e| e["origin"] == "h2"
+                    && e["client"]
+                        .as_str()
+                        .is_some_and(|c| c.contains("203.0.113.5"))
+            )),
+            "host {i}: {}",
+            f.hosts[i].events_text()
+        );
+    }
+
+    // The master of `{bans}` is killed (no replica takes over): every host says degraded and
+    // keeps enforcing what it holds; a ban issued meanwhile waits in the outbox.
+    f.cluster().nodes[owner].kill();
+    let t0 = Instant::now();
+    assert!(
+        wait_for(Duration::from_secs(10), || (0..3)
+            .all(|i| !f.fleet(i).connected)),
+        "the hosts did not notice: {:?} {:?} {:?}",
+        f.fleet(0),
+        f.fleet(1),
+        f.fleet(2)
+    );
+    println!(
+        "master killed: all three hosts degraded within {:.0} ms",
+        t0.elapsed().as_secs_f64() * 1e3
+    );
+    for i in 0..3 {
+        assert!(
+            wait_for(Duration::from_secs(5), || !f
+                .events(i, "fleet_degraded")
+                .is_empty()),
+            "no fleet_degraded event on host {i}"
+        );
+    }
+    f.d(0)
+        .cli_ok(&["ban", "add", "203.0.113.200", "--for", "1h"]);
+    assert_eq!(f.reaching(0, Ipv4Addr::new(203, 0, 113, 200), 10), 0);
+    assert_eq!(f.reaching(2, Ipv4Addr::new(203, 0, 113, 4), 10), 0);
+    assert!(
+        wait_for(Duration::from_secs(5), || f.fleet(0).outbox == 1),
+        "{:?}",
+        f.fleet(0)
+    );
+
+    // The master returns (empty, with its slots): the hosts recover, the outbox drains.
+    f.cluster().nodes[owner].restart();
+    let t0 = Instant::now();
+    assert!(
+        wait_for(Duration::from_secs(20), || f
+            .holds(1, "203.0.113.200/32")
+            .is_some()
+            && f.holds(2, "203.0.113.200/32").is_some()),
+        "the outboxed ban did not arrive: {:?} {:?}\n{}",
+        f.fleet(0),
+        f.fleet(1),
+        f.cluster().cli(owner, &["cluster", "info"])
+    );
+    println!(
+        "master restarted: the outboxed ban reached hosts 1 and 2 in {:.0} ms",
+        t0.elapsed().as_secs_f64() * 1e3
+    );
+    assert!(
+        wait_for(Duration::from_secs(10), || (0..3).all(|i| {
+            let st = f.fleet(i);
+            st.connected && st.outbox == 0
+        }) && (0..3)
+            .all(|i| !f.events(i, "fleet_restored").is_empty())),
+        "{:?} {:?} {:?}",
+        f.fleet(0),
+        f.fleet(1),
+        f.fleet(2)
+    );
+    for i in 0..3 {
+        let logs = f.d(i).logs();
+        assert!(!logs.contains("CROSSSLOT"), "host {i}:\n{logs}");
+    }
+
+    // Host 2 stops: the others show it stale once its heartbeat is 10 s old.
+    f.hosts[2].daemon_mut().stop();
+    let t0 = Instant::now();
+    let stale = |f: &Fleet, i: usize| {
+        f.fleet(i)
+            .peers
+            .iter()
+            .any(|p| p.host_id == "h2" && p.stale)
+    };
+    assert!(
+        wait_for(Duration::from_secs(20), || stale(&f, 0) && stale(&f, 1)),
+        "{:?}",
+        f.fleet(0).peers
+    );
+    println!(
+        "host 2 stopped: shown stale on hosts 0 and 1 after {:.1} s",
+        t0.elapsed().as_secs_f64()
+    );
+    let st = f.fleet(0);
+    assert!(
+        st.peers.iter().filter(|p| !p.stale).count() == 2,
+        "{:?}",
+        st.peers
+    );
+    assert!(f.d(0).cli_ok(&["fleet", "peers"]).contains("STALE"));
+    let (_, body) = f.hosts[1].http_get("/v1/fleet");
+    let r: fleet::Report = serde_json::from_str(&body).unwrap();
+    assert!(
+        r.peers.iter().any(|p| p.host_id == "h2" && p.stale),
+        "{body}"
+    );
+    let (_, text) = f.hosts[1].http_get("/metrics");
+    assert_eq!(
+        metric_sum(&text, "ratelimit_fleet_peers", &[("state", "stale")]),
+        1.0,
+        "{text}"
+    );
     println!("whole test: {:.1} s", t_all.elapsed().as_secs_f64());
 }

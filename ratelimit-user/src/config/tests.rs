@@ -1777,14 +1777,35 @@ fn fleet_errors() {
     assert_eq!(
         error("[fleet]\nredis = \"http://10.1.0.5\"\n"),
         "t.toml:2:9: fleet.redis: \"http://10.1.0.5\" is not a store address (expected \
-         redis://HOST:PORT or unix:///PATH)"
+         redis://HOST:PORT, redis+cluster://HOST:PORT,HOST:PORT,... or unix:///PATH)"
     );
-    let e = error("[fleet]\nredis = \"redis+cluster://a:6379,b:6379\"\n");
+    let c = ok("[fleet]\nredis = \"redis+cluster://a:6379,b:6379,c:6379\"\n");
+    assert_eq!(
+        c.fleet.unwrap().redis,
+        "redis+cluster://a:6379,b:6379,c:6379"
+    );
+    assert_eq!(
+        super::cluster_nodes("redis+cluster://u:pw@a:1,b:2").unwrap(),
+        Ok(vec![
+            "redis://u:pw@a:1".to_string(),
+            "redis://u:pw@b:2".to_string()
+        ])
+    );
+    assert_eq!(super::cluster_nodes("redis://a:1"), None);
+    assert_eq!(
+        error("[fleet]\nredis = \"redis+cluster://a:6379,,b:6379\"\n"),
+        "t.toml:2:9: fleet.redis: \"redis+cluster://a:6379,,b:6379\": \"\" is not a node \
+         (expected redis+cluster://HOST:PORT,HOST:PORT,...)"
+    );
+    let e = error("[fleet]\nredis = \"redis+cluster://u:secret@\"\n");
     assert!(
         e.starts_with("t.toml:2:9: fleet.redis: ")
-            && e.contains("Redis Cluster is not yet supported"),
+            && e.contains("names no node")
+            && !e.contains("secret"),
         "{e}"
     );
+    let e = error("[fleet]\nredis = \"rediss+cluster://a:6379\"\n");
+    assert!(e.contains("TLS (rediss://) is not yet supported"), "{e}");
     let e = error("[fleet]\nredis = \"rediss://a:6379\"\n");
     assert!(e.contains("TLS (rediss://) is not yet supported"), "{e}");
     assert_eq!(
