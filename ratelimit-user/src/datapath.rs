@@ -1101,6 +1101,34 @@ fn raise_memlock() -> std::io::Result<()> {
     Ok(())
 }
 
+/// Retries of an update that failed with ENOMEM ([`retry_enomem`]).
+const ENOMEM_RETRIES: u32 = 10;
+
+/// `update` (an insert into a map whose elements the kernel takes from its BPF memory
+/// allocator: the LPM tries, hash maps without preallocation), retried while it fails with
+/// ENOMEM. That allocator hands out elements from a per-CPU cache that it refills
+/// asynchronously (irq_work), so a burst of updates from one thread can find the cache empty
+/// and fail with ENOMEM while memory is plentiful: seen on 6.18 filling a ban table of 262,144
+/// entries on a loaded machine (`ban add --file` failed at entry 47,887). Each retry first
+/// sleeps (100 us, doubling up to 12.8 ms; at most ~50 ms in all), which lets the refill
+/// run; a map that is really out of memory still fails, after the last retry.
+pub fn retry_enomem<T>(
+    mut update: impl FnMut() -> Result<T, aya::maps::MapError>,
+) -> Result<T, aya::maps::MapError> {
+    let mut tries = 0;
+    loop {
+        match update() {
+            Err(aya::maps::MapError::SyscallError(e))
+                if e.io_error.raw_os_error() == Some(libc::ENOMEM) && tries < ENOMEM_RETRIES =>
+            {
+                std::thread::sleep(std::time::Duration::from_micros(100 << tries.min(7)));
+                tries += 1;
+            }
+            r => return r,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::Entry;
@@ -1180,34 +1208,6 @@ mod tests {
                 e.starts_with(&format!("ib0 has link type {other} ")) && e.contains("remove ib0"),
                 "{e}"
             );
-        }
-    }
-}
-
-/// Retries of an update that failed with ENOMEM ([`retry_enomem`]).
-const ENOMEM_RETRIES: u32 = 10;
-
-/// `update` (an insert into a map whose elements the kernel takes from its BPF memory
-/// allocator: the LPM tries, hash maps without preallocation), retried while it fails with
-/// ENOMEM. That allocator hands out elements from a per-CPU cache that it refills
-/// asynchronously (irq_work), so a burst of updates from one thread can find the cache empty
-/// and fail with ENOMEM while memory is plentiful: seen on 6.18 filling a ban table of 262,144
-/// entries on a loaded machine (`ban add --file` failed at entry 47,887). Each retry first
-/// sleeps (100 us, doubling up to 12.8 ms; at most ~50 ms in all), which lets the refill
-/// run; a map that is really out of memory still fails, after the last retry.
-pub fn retry_enomem<T>(
-    mut update: impl FnMut() -> Result<T, aya::maps::MapError>,
-) -> Result<T, aya::maps::MapError> {
-    let mut tries = 0;
-    loop {
-        match update() {
-            Err(aya::maps::MapError::SyscallError(e))
-                if e.io_error.raw_os_error() == Some(libc::ENOMEM) && tries < ENOMEM_RETRIES =>
-            {
-                std::thread::sleep(std::time::Duration::from_micros(100 << tries.min(7)));
-                tries += 1;
-            }
-            r => return r,
         }
     }
 }
