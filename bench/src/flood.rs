@@ -877,11 +877,12 @@ fn section(results: &[ScenarioResult], skipped: &[String], quick: bool, secs: f6
             .find(|s| s.name == k && s.family == f)
             .and_then(|s| s.contenders.iter().find(|x| x.name == c))
     };
-    let ratio = |k: &str, f: &str, other: &str| -> Option<f64> {
-        let ours = find(k, f, "ours")?.absorbed_mpps;
+    // `who`'s absorbed Mpps over `other`'s in scenario `k`; `ratio` is ours' (tuned).
+    let ratio_of = |k: &str, f: &str, who: &str, other: &str| -> Option<f64> {
         let o = find(k, f, other)?.absorbed_mpps;
-        (o > 0.0).then_some(ours / o)
+        (o > 0.0).then_some(find(k, f, who)?.absorbed_mpps / o)
     };
+    let ratio = |k: &str, f: &str, other: &str| ratio_of(k, f, "ours", other);
     let mut md = String::from("## Live floods\n\n");
     md.push_str(&format!(
         "Per source 1000 pps, burst 100 ((B): 1 pps, burst 1), drop the excess, on the receiving veth of a pair between two namespaces; {}each flood {:.1} s; this part took {secs:.0} s.\n\n",
@@ -968,13 +969,8 @@ fn section(results: &[ScenarioResult], skipped: &[String], quick: bool, secs: f6
 
     // Targets.
     let fams = ["ipv4", "ipv6"];
-    // `who`'s absorbed Mpps over `other`'s in scenario `k`.
-    let ratio_of = |k: &str, f: &str, who: &str, other: &str| -> Option<f64> {
-        let o = find(k, f, other)?.absorbed_mpps;
-        (o > 0.0).then_some(find(k, f, who)?.absorbed_mpps / o)
-    };
-    // A target row: each part's text and whether it holds; met when every part was measured
-    // and holds.
+    // A target row: its parts' texts, and met when every value was measured and is at least
+    // its floor (not measured if any is missing).
     struct Row {
         parts: Vec<String>,
         met: Option<bool>,
@@ -986,15 +982,13 @@ fn section(results: &[ScenarioResult], skipped: &[String], quick: bool, secs: f6
                 met: Some(true),
             }
         }
-        fn check(&mut self, text: String, value: Option<f64>, floor: f64) {
-            match value {
-                Some(v) => {
-                    self.parts.push(text);
-                    if v < floor {
-                        self.met = self.met.map(|_| false);
-                    }
-                }
-                None => self.met = None,
+        fn part(&mut self, text: String, checks: &[(Option<f64>, f64)]) {
+            self.parts.push(text);
+            for &(value, floor) in checks {
+                self.met = match (self.met, value) {
+                    (None, _) | (_, None) => None,
+                    (Some(met), Some(v)) => Some(met && v >= floor),
+                };
             }
         }
     }
@@ -1011,36 +1005,31 @@ fn section(results: &[ScenarioResult], skipped: &[String], quick: bool, secs: f6
             x(h),
             pct(d)
         );
-        f_row.check(text, n, 4.0);
-        f_row.check(String::new(), h, 3.0);
-        f_row.check(String::new(), d, 0.75);
+        f_row.part(text, &[(n, 4.0), (h, 3.0), (d, 0.75)]);
     }
     let mut r_row = Row::new();
     for f in fams {
         let n = ratio_of("R", f, "ours_default", "nftables");
         let d = ratio_of("R", f, "ours_default", "xdp_drop");
         let t = ratio("R", f, "xdp_drop");
-        r_row.check(
+        r_row.part(
             format!(
                 "R {f}: default {} nftables, {} of XDP_DROP; tuned {} of XDP_DROP",
                 x(n),
                 pct(d),
                 pct(t)
             ),
-            n,
-            5.0,
+            &[(n, 5.0), (d, 0.5), (t, 0.6)],
         );
-        r_row.check(String::new(), d, 0.5);
-        r_row.check(String::new(), t, 0.6);
     }
     for f in fams {
         for who in ["ours_default", "ours"] {
             let c = find("M", f, who);
             let share = c.and_then(|c| c.legit_share);
-            let text = c.map_or(String::new(), |c| {
+            let label = if who == "ours" { "tuned" } else { "default" };
+            let text = c.map_or(format!("M {f} {label}: -"), |c| {
                 format!(
-                    "M {f} {}: {} kept (ring loss {:.1}%{})",
-                    if who == "ours" { "tuned" } else { "default" },
+                    "M {f} {label}: {} kept (ring loss {:.1}%{})",
                     share.map_or("-".to_string(), |s| format!("{:.2}%", 100.0 * s)),
                     100.0 * c.ring_loss,
                     c.legit_dropped_by_contender
@@ -1048,7 +1037,7 @@ fn section(results: &[ScenarioResult], skipped: &[String], quick: bool, secs: f6
                         .unwrap_or_default()
                 )
             });
-            r_row.check(text, share, 0.99);
+            r_row.part(text, &[(share, 0.99)]);
         }
     }
     let mut b_row = Row::new();
@@ -1062,12 +1051,11 @@ fn section(results: &[ScenarioResult], skipped: &[String], quick: bool, secs: f6
                 .map(|h| format!(", {h:.2}x hashlimit"))
                 .unwrap_or_default()
         );
-        b_row.check(text, n, 3.0);
+        b_row.part(text, &[(n, 3.0)]);
     }
     let quick_note = if quick { " (quick run)" } else { "" };
     let row = |name: &str, r: Row| {
-        let parts: Vec<String> = r.parts.into_iter().filter(|p| !p.is_empty()).collect();
-        TargetRow::new(name, format!("{}{quick_note}", parts.join("; ")), r.met)
+        TargetRow::new(name, format!("{}{quick_note}", r.parts.join("; ")), r.met)
     };
     let targets = vec![
         row(F_TARGET, f_row),
