@@ -31,6 +31,7 @@ pub mod receiver;
 pub mod scenario;
 pub mod sender;
 pub mod store;
+pub mod tool;
 pub mod tun;
 
 pub use daemon::Daemon;

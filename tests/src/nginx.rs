@@ -17,6 +17,7 @@ use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::netns::{NetNs, command_in_fd, describe, in_netns};
+use crate::tool::{find_binary, terminate};
 
 /// How long [`Nginx::start`] waits for the server to accept a connection.
 pub const READY_TIMEOUT: Duration = Duration::from_secs(20);
@@ -33,25 +34,6 @@ pub const INDEX: &str = "index.html";
 /// If there is none, saying how to install it.
 pub fn binary() -> PathBuf {
     find_binary("nginx", "nginx-light")
-}
-
-/// `name` on `PATH`, or in `/usr/sbin` and `/sbin` (not on every root PATH).
-///
-/// # Panics
-///
-/// If there is none: under `cargo xtask test` a test that cannot run its tool must not pass.
-pub(crate) fn find_binary(name: &str, package: &str) -> PathBuf {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .chain([PathBuf::from("/usr/sbin"), PathBuf::from("/sbin")])
-        .map(|dir| dir.join(name))
-        .find(|p| p.is_file())
-        .unwrap_or_else(|| {
-            panic!(
-                "no `{name}` binary on PATH or in /usr/sbin: run `cargo xtask setup`, which \
-                 installs the Debian package {package} (or `apt-get install {package}`)"
-            )
-        })
 }
 
 /// A running nginx in a lab namespace, with its own temp dir.
@@ -201,16 +183,8 @@ impl Nginx {
         let Some(mut child) = self.child.take() else {
             return;
         };
-        if let Ok(pid) = libc::pid_t::try_from(child.id()) {
-            // SAFETY: kill(2) on our own unreaped child's pid, which cannot be reused.
-            unsafe { libc::kill(pid, libc::SIGTERM) };
-        }
-        let give_up = Instant::now() + STOP_TIMEOUT;
-        while Instant::now() < give_up {
-            if let Ok(Some(_)) = child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
+        if terminate(&mut child, STOP_TIMEOUT) {
+            return;
         }
         eprintln!("nginx ignored SIGTERM for {STOP_TIMEOUT:?}: SIGKILL to it and its workers");
         for w in workers {

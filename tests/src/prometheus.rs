@@ -30,23 +30,14 @@ pub const SCRAPE_INTERVAL: Duration = Duration::from_secs(1);
 /// Upper bound on one request to the server's HTTP API.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
 
-/// The `prometheus` binary on `PATH`.
+/// The `prometheus` binary on `PATH` (or in /usr/sbin).
 ///
 /// # Panics
 ///
 /// If there is none, saying how to install it: under `cargo xtask test` a test that cannot
 /// run its server has nothing to test, and must not pass.
 pub fn binary() -> PathBuf {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .map(|dir| dir.join("prometheus"))
-        .find(|p| p.is_file())
-        .unwrap_or_else(|| {
-            panic!(
-                "no `prometheus` binary on PATH: run `cargo xtask setup`, which installs the \
-                 Debian package prometheus (or `apt-get install prometheus`)"
-            )
-        })
+    crate::tool::find_binary("prometheus", "prometheus")
 }
 
 /// One series of a PromQL instant vector: its labels and value.
@@ -289,16 +280,8 @@ impl Prometheus {
         let Some(mut child) = self.child.take() else {
             return;
         };
-        if let Ok(pid) = libc::pid_t::try_from(child.id()) {
-            // SAFETY: kill(2) on our own unreaped child's pid, which cannot be reused.
-            unsafe { libc::kill(pid, libc::SIGTERM) };
-        }
-        let give_up = Instant::now() + STOP_TIMEOUT;
-        while Instant::now() < give_up {
-            if let Ok(Some(_)) = child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(50));
+        if crate::tool::terminate(&mut child, STOP_TIMEOUT) {
+            return;
         }
         eprintln!("prometheus ignored SIGTERM for {STOP_TIMEOUT:?}: SIGKILL");
         let _ = child.kill();

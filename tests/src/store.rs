@@ -22,22 +22,13 @@ use crate::netns::{NetNs, command_in_fd, describe, in_netns};
 /// How long a start waits for the server to answer `PING`.
 pub const READY_TIMEOUT: Duration = Duration::from_secs(20);
 
-/// The `redis-server` binary on `PATH`.
+/// The `redis-server` binary on `PATH` (or in /usr/sbin).
 ///
 /// # Panics
 ///
 /// If there is none, saying how to install it.
 pub fn binary() -> PathBuf {
-    let path = std::env::var_os("PATH").unwrap_or_default();
-    std::env::split_paths(&path)
-        .map(|dir| dir.join("redis-server"))
-        .find(|p| p.is_file())
-        .unwrap_or_else(|| {
-            panic!(
-                "no `redis-server` binary on PATH: run `cargo xtask setup`, which installs the \
-                 Debian package redis-server (or `apt-get install redis-server`)"
-            )
-        })
+    crate::tool::find_binary("redis-server", "redis-server")
 }
 
 /// A running `redis-server` in a lab namespace.
