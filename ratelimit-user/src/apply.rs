@@ -521,7 +521,8 @@ pub fn apply(maps: &mut Maps, plan: &Plan) -> anyhow::Result<()> {
             region: *region,
             _pad: [0; 2],
         };
-        crate::datapath::retry_enomem(|| maps.region_overrides.insert(key, *v, 0))
+        maps.region_overrides
+            .insert(key, *v, 0)
             .context("writing the region override map")?;
     }
     for k in have {

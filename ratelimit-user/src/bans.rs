@@ -547,7 +547,9 @@ fn insert_aggregate(
         banned_until_ns: b.until_ns,
         ..SharedState::default()
     };
-    crate::datapath::retry_enomem(|| maps.clients.shared.insert(key, state, 0))
+    maps.clients
+        .shared
+        .insert(key, state, 0)
         .with_context(|| format!("restoring the aggregate ban of rule {}", b.rule))?;
     Ok(Some(true))
 }

@@ -424,6 +424,17 @@ impl State {
         n
     }
 
+    /// Drop what the daemon keeps beside an operator's ban at `cidr` (its reason, and the
+    /// host it came from), once the ban is gone: by expiry, `ban del`, or the fleet's unban.
+    fn forget_ban_notes(&mut self, cidr: &str) {
+        for notes in [&mut self.ban_reasons, &mut self.ban_origins] {
+            // Checked first: the reports share the map, and a removal copies it.
+            if notes.contains_key(cidr) {
+                Arc::make_mut(notes).remove(cidr);
+            }
+        }
+    }
+
     fn sweep_expired_bans_inner(&mut self) -> usize {
         let now = report::mono_ns();
         if self.next_ban_expiry == u64::MAX || now < self.next_ban_expiry {
@@ -453,6 +464,9 @@ impl State {
             }
             if !matches!(self.maps.remove_ban(table, b.prefix_len, &addr), Ok(true)) {
                 continue; // the program lifted it first and reported it
+            }
+            if table == BAN_TABLE_OPERATOR {
+                self.forget_ban_notes(&crate::apply::net_of(b.prefix_len, &addr).to_string());
             }
             // Capped like the program's own events: rule bans expire by the thousand after
             // a flood.
@@ -697,7 +711,7 @@ impl State {
             return Err(e);
         }
         for net in &nets {
-            Arc::make_mut(&mut self.ban_reasons).remove(&net.to_string());
+            self.forget_ban_notes(&net.to_string());
         }
         let removed = lifted.len();
         // An `unban` for the fleet: lifts the ban on every host (whichever issued it).
@@ -779,7 +793,10 @@ impl State {
         };
         // BPF_EXIST: the state must still be there (an expiry in between would have lifted
         // it already).
-        crate::datapath::retry_enomem(|| self.maps.clients.shared.insert(key, lifted, 2))
+        self.maps
+            .clients
+            .shared
+            .insert(key, lifted, 2)
             .with_context(|| format!("lifting the ban of {what}"))?;
         self.events.operator(vec![Event {
             kind: EV_UNBAN,
@@ -1189,8 +1206,7 @@ impl State {
                             lines.push(line(EV_UNBAN, &entry, r));
                         }
                     }
-                    Arc::make_mut(&mut self.ban_origins).remove(&cidr);
-                    Arc::make_mut(&mut self.ban_reasons).remove(&cidr);
+                    self.forget_ban_notes(&cidr);
                 }
             }
         }
