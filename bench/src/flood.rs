@@ -40,7 +40,7 @@ use aya::{
     maps::{Array, PerCpuArray},
     programs::Xdp,
 };
-use contenders::{BOTNET, BOTNET_SOURCES, Contender, PER_SOURCE, Policy};
+use contenders::{BOTNET, BOTNET_SOURCES, Contender, PER_SOURCE, Policy, RefProgs};
 use generator::{Family, GenRun, Generator, Plan};
 use ratelimit_tests::Scenario;
 use ratelimit_user::datapath;
@@ -200,7 +200,7 @@ impl Drop for Pins {
 
 struct Env<'a> {
     generator: Generator<'a>,
-    drop_prog: &'a mut Xdp,
+    progs: RefProgs<'a>,
     timing: Timing,
 }
 
@@ -269,11 +269,12 @@ pub fn run(ctx: &Ctx) -> Option<Section> {
     let cfg = Array::try_from(map(ebpf, "RL_BENCH_GEN_CFG")).unwrap();
     let state = PerCpuArray::try_from(map(ebpf, "RL_BENCH_GEN_STATE")).unwrap();
     let legit = PerCpuArray::try_from(map(ebpf, "RL_BENCH_GEN_LEGIT")).unwrap();
-    let (mut gen_prog, mut drop_prog) = (None, None);
+    let (mut gen_prog, mut drop_prog, mut parse_prog) = (None, None, None);
     for (name, p) in ebpf.programs_mut() {
         match name {
             "gen_flood" => gen_prog = Some(p),
             "ref_drop" => drop_prog = Some(p),
+            "ref_parse_drop" => parse_prog = Some(p),
             _ => {}
         }
     }
@@ -281,6 +282,8 @@ pub fn run(ctx: &Ctx) -> Option<Section> {
     gen_prog.load().expect("load gen_flood");
     let drop_prog: &mut Xdp = drop_prog.expect("ref_drop").try_into().unwrap();
     drop_prog.load().expect("load ref_drop");
+    let parse_prog: &mut Xdp = parse_prog.expect("ref_parse_drop").try_into().unwrap();
+    parse_prog.load().expect("load ref_parse_drop");
     let mut env = Env {
         generator: Generator {
             prog: gen_prog,
@@ -288,7 +291,10 @@ pub fn run(ctx: &Ctx) -> Option<Section> {
             state,
             legit,
         },
-        drop_prog,
+        progs: RefProgs {
+            drop: drop_prog,
+            parse_drop: parse_prog,
+        },
         timing,
     };
 
@@ -297,6 +303,7 @@ pub fn run(ctx: &Ctx) -> Option<Section> {
         Contender::Nftables,
         Contender::Hashlimit,
         Contender::XdpDrop,
+        Contender::ParseDrop,
         Contender::NoFilter,
     ];
     let mut skipped = Vec::new();
@@ -331,6 +338,11 @@ pub fn run(ctx: &Ctx) -> Option<Section> {
             // one ((B) configures the bots' 1 pps for every contender, so ours there is tuned).
             if kind != Kind::B {
                 list.insert(1, Contender::OursDefault);
+            }
+            // The parse-and-drop floor is a drop-everything reference: (M) asks what happens
+            // to legitimate clients, which it drops like XDP_DROP.
+            if kind == Kind::M {
+                list.retain(|&c| c != Contender::ParseDrop);
             }
             // On this shared machine other work can only slow a flood down, and a stall of
             // the receiver's CPU by the host can only lose frames at its ring: in the full
@@ -437,7 +449,7 @@ fn run_case(
     // Let the previous case's cleanup finish before this one starts.
     std::thread::sleep(Duration::from_millis(200));
     let policy = kind.policy();
-    let inst = contenders::install(sc, c, policy, env.drop_prog);
+    let inst = contenders::install(sc, c, policy, &mut env.progs);
     let debug = std::env::var_os("RL_FLOOD_DEBUG").is_some();
     // An XDP attach may re-create the NAPI thread: look it up (and pin it) again.
     let rx_pid = contenders::receiver_thread(sc, RX_CPU);
@@ -605,7 +617,7 @@ fn run_case(
         legit_received = Some(got);
         legit_min = Some(min);
     }
-    contenders::uninstall(sc, inst, env.drop_prog);
+    contenders::uninstall(sc, inst, &mut env.progs);
     ContenderResult {
         name: c.name(),
         absorbed_mpps: absorbed,
@@ -750,7 +762,12 @@ fn check_verdict(kind: Kind, c: Contender, r: &ContenderResult) {
         "{ctx}: the receiver processed nothing"
     );
     match c {
-        Contender::XdpDrop => assert_eq!(r.passed, 0, "{ctx}: XDP_DROP passed frames"),
+        Contender::XdpDrop | Contender::ParseDrop => {
+            assert_eq!(
+                r.passed, 0,
+                "{ctx}: a drop-everything reference passed frames"
+            )
+        }
         Contender::NoFilter => assert_eq!(r.dropped, 0, "{ctx}: no filter dropped frames"),
         _ => {}
     }
@@ -891,7 +908,7 @@ fn section(results: &[ScenarioResult], skipped: &[String], quick: bool, secs: f6
     ));
     md.push_str(&format!("How it is measured: {METHOD}\n\n"));
     md.push_str(&format!(
-        "Contenders: **ours** — the daemon, native XDP, `token_bucket` 1000/1s burst 100 per /32 and /128, `max_sources = {}`, admission budget `new_sources_per_sec = {}` (burst the same; sources refused state share the rule's one aggregate bucket), the known-sources filter on (the daemon builds it at its start, so a spoofed source skips its per-client lookup){}; **nftables** — netdev ingress, `update @meter {{ ip saddr limit rate over 1000/second burst 100 packets }} drop` on a dynamic set of size {} with a 10 s timeout (a new source finding the set full is not limited); **hashlimit** — iptables-legacy / ip6tables-legacy raw PREROUTING `--hashlimit-above 1000/sec --hashlimit-burst 100 --hashlimit-mode srcip`, htable size and max {}, expiry 10 s (a new source finding the table full is dropped); **xdp_drop** — an XDP program returning XDP_DROP; **no_filter** — nothing.\n\n",
+        "Contenders: **ours** — the daemon, native XDP, `token_bucket` 1000/1s burst 100 per /32 and /128, `max_sources = {}`, admission budget `new_sources_per_sec = {}` (burst the same; sources refused state share the rule's one aggregate bucket), the known-sources filter on (the daemon builds it at its start, so a spoofed source skips its per-client lookup){}; **nftables** — netdev ingress, `update @meter {{ ip saddr limit rate over 1000/second burst 100 packets }} drop` on a dynamic set of size {} with a 10 s timeout (a new source finding the set full is not limited); **hashlimit** — iptables-legacy / ip6tables-legacy raw PREROUTING `--hashlimit-above 1000/sec --hashlimit-burst 100 --hashlimit-mode srcip`, htable size and max {}, expiry 10 s (a new source finding the table full is dropped); **xdp_drop** — an XDP program returning XDP_DROP; **parse_drop** ((F), (R), (B)) — our parser, then XDP_DROP: the floor of any filter that reads the headers, since in a live flood a frame's first cache line arrives cold from the generator's CPU and XDP_DROP alone never reads it; **no_filter** — nothing.\n\n",
         PER_SOURCE.state_max,
         PER_SOURCE.admission.unwrap_or(0),
         "; **ours_default** ((F), (R), (M)) — the same rule and nothing else: the packaged defaults (`max_sources = 1000000`, `new_sources_per_sec = \"auto\"`: 16,667 new states a second, burst the same)",
@@ -994,16 +1011,30 @@ fn section(results: &[ScenarioResult], skipped: &[String], quick: bool, secs: f6
     }
     let pct = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{:.0}%", 100.0 * v));
     let x = |v: Option<f64>| v.map_or("-".to_string(), |v| format!("{v:.2}x"));
+    // The same run's floor of any filter that reads the headers (informative, not a check):
+    // what the parse-and-drop reference absorbs of XDP_DROP, and `who` of it.
+    let floor = |k: &str, f: &str, who: &str| match (
+        ratio_of(k, f, "parse_drop", "xdp_drop"),
+        ratio_of(k, f, who, "parse_drop"),
+    ) {
+        (Some(p), Some(o)) => format!(
+            " (floor: parse_drop {:.0}% of XDP_DROP; {who} {:.0}% of parse_drop)",
+            100.0 * p,
+            100.0 * o
+        ),
+        _ => String::new(),
+    };
     let mut f_row = Row::new();
     for f in fams {
         let n = ratio("F", f, "nftables");
         let h = ratio("F", f, "hashlimit");
         let d = ratio("F", f, "xdp_drop");
         let text = format!(
-            "{f}: {} nftables, {} hashlimit, {} of XDP_DROP",
+            "{f}: {} nftables, {} hashlimit, {} of XDP_DROP{}",
             x(n),
             x(h),
-            pct(d)
+            pct(d),
+            floor("F", f, "ours")
         );
         f_row.part(text, &[(n, 4.0), (h, 3.0), (d, 0.75)]);
     }
@@ -1014,10 +1045,11 @@ fn section(results: &[ScenarioResult], skipped: &[String], quick: bool, secs: f6
         let t = ratio("R", f, "xdp_drop");
         r_row.part(
             format!(
-                "R {f}: default {} nftables, {} of XDP_DROP; tuned {} of XDP_DROP",
+                "R {f}: default {} nftables, {} of XDP_DROP; tuned {} of XDP_DROP{}",
                 x(n),
                 pct(d),
-                pct(t)
+                pct(t),
+                floor("R", f, "ours_default")
             ),
             &[(n, 5.0), (d, 0.5), (t, 0.6)],
         );
@@ -1050,7 +1082,7 @@ fn section(results: &[ScenarioResult], skipped: &[String], quick: bool, secs: f6
             ratio("B", f, "hashlimit")
                 .map(|h| format!(", {h:.2}x hashlimit"))
                 .unwrap_or_default()
-        );
+        ) + &floor("B", f, "ours");
         b_row.part(text, &[(n, 3.0)]);
     }
     let quick_note = if quick { " (quick run)" } else { "" };

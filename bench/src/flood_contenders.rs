@@ -47,7 +47,24 @@ pub enum Contender {
     Nftables,
     Hashlimit,
     XdpDrop,
+    /// Our parser, then XDP_DROP: what any filter that reads the headers pays at least.
+    ParseDrop,
     NoFilter,
+}
+
+/// The reference programs a contender may attach.
+pub struct RefProgs<'a> {
+    pub drop: &'a mut Xdp,
+    pub parse_drop: &'a mut Xdp,
+}
+
+impl RefProgs<'_> {
+    fn of(&mut self, c: Contender) -> &mut Xdp {
+        match c {
+            Contender::ParseDrop => self.parse_drop,
+            _ => self.drop,
+        }
+    }
 }
 
 impl Contender {
@@ -58,6 +75,7 @@ impl Contender {
             Contender::Nftables => "nftables",
             Contender::Hashlimit => "hashlimit",
             Contender::XdpDrop => "xdp_drop",
+            Contender::ParseDrop => "parse_drop",
             Contender::NoFilter => "no_filter",
         }
     }
@@ -200,7 +218,7 @@ fn exec_ok(ns: &NetNs, args: &[&str]) -> String {
 
 /// Installs `c` on `sc`'s receiving end (the daemon is started here for ours; the scenario
 /// must have been made `with_daemon_line("xdp_mode = \"native\"")`).
-pub fn install(sc: &Scenario, c: Contender, p: &Policy, drop_prog: &mut Xdp) -> Installed {
+pub fn install(sc: &Scenario, c: Contender, p: &Policy, progs: &mut RefProgs) -> Installed {
     let dev = sc.pair.b().name.clone();
     let mut xdp_link = None;
     let mut daemon = None;
@@ -235,11 +253,12 @@ pub fn install(sc: &Scenario, c: Contender, p: &Policy, drop_prog: &mut Xdp) -> 
                 }
             }
         }
-        Contender::XdpDrop => {
+        Contender::XdpDrop | Contender::ParseDrop => {
+            let prog = progs.of(c);
             let id = sc
                 .server
-                .enter(|| drop_prog.attach(&dev, XdpMode::Driver))
-                .unwrap_or_else(|e| panic!("attaching ref_drop to {dev}: {e:#}"));
+                .enter(|| prog.attach(&dev, XdpMode::Driver))
+                .unwrap_or_else(|e| panic!("attaching {} to {dev}: {e:#}", c.name()));
             xdp_link = Some(id);
         }
         Contender::NoFilter => {}
@@ -252,9 +271,9 @@ pub fn install(sc: &Scenario, c: Contender, p: &Policy, drop_prog: &mut Xdp) -> 
 }
 
 /// Removes the contender, leaving the receiving end bare.
-pub fn uninstall(sc: &Scenario, inst: Installed, drop_prog: &mut Xdp) {
+pub fn uninstall(sc: &Scenario, inst: Installed, progs: &mut RefProgs) {
     if let Some(id) = inst.xdp_link {
-        let _ = drop_prog.detach(id);
+        let _ = progs.of(inst.contender).detach(id);
     }
     drop(inst.daemon);
     match inst.contender {
@@ -331,7 +350,7 @@ pub fn counters(sc: &Scenario, inst: &Installed) -> Counters {
             }
             c
         }
-        Contender::XdpDrop => {
+        Contender::XdpDrop | Contender::ParseDrop => {
             let s = veth_stats(sc);
             let drops = s.get("rx_queue_0_xdp_drops").copied().unwrap_or(0);
             Counters {
