@@ -43,6 +43,10 @@ pub const RULE_REGION_OVERRIDES: u32 = 1 << 6;
 /// the coarse clock (the last timer tick, at most a tick = 1..10 ms behind), which costs a
 /// fraction of a clock-source read. See [`needs_fine_clock`].
 pub const RULE_FINE_CLOCK: u32 = 1 << 7;
+/// `scope = "global"`: the rule's window meters (threshold and ban meter) count in windows of
+/// the wall clock (`now + GlobalConfig::wall_offset_ns`), so every host of the fleet counts
+/// in the same windows and the daemon can add the fleet's counts into its client's state.
+pub const RULE_GLOBAL: u32 = 1 << 8;
 
 /// Intervals at least this long are judged on the coarse clock: a tick is then at most 1% of
 /// the interval (window edges move by at most a tick; counts stay exact).
@@ -188,6 +192,10 @@ pub struct GlobalConfig {
     /// the level changes.
     pub relaxed: u32,
     pub _pad: u32,
+    /// CLOCK_REALTIME - CLOCK_MONOTONIC in ns, written by the daemon: rules with
+    /// [`RULE_GLOBAL`] meter in windows of `now + wall_offset_ns` (the wall clock's), which
+    /// every host of a fleet shares.
+    pub wall_offset_ns: u64,
 }
 
 impl RuleConfig {

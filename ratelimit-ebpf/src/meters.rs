@@ -77,7 +77,7 @@ pub extern "C" fn rl_ban_meter(
             stamp,
             &raw mut (*st).seen_cur,
             &raw mut (*st).seen_prev,
-            (*j).now,
+            (*j).wnow,
             interval,
             (*j).cost,
         );
@@ -111,6 +111,7 @@ pub extern "C" fn rl_limit(st: *mut ClientState, lim: *const Limit, j: *mut Judg
             (*j).algorithm as u8,
             &*lim,
             (*j).now,
+            (*j).wnow,
             (*j).cost,
         );
         (*j).usage = usage;
@@ -279,6 +280,7 @@ unsafe fn limit_check(
     algorithm: u8,
     limit: &Limit,
     now: u64,
+    wnow: u64,
     cost: u64,
 ) -> (bool, u64, u64, bool) {
     let interval = limit.interval_ns;
@@ -329,11 +331,12 @@ unsafe fn limit_check(
         return (false, burst_ns, burst_ns, true);
     }
     // SAFETY: three aligned words of the live map value `st`.
-    let w = unsafe { rotate(stamp, cur, prev, now, interval) };
+    // Windows on the window clock (the wall clock's for a global rule).
+    let w = unsafe { rotate(stamp, cur, prev, wnow, interval) };
     let weight = if algorithm == ALG_FIXED_WINDOW {
         0
     } else {
-        limiter::prev_weight_in(now, interval, w)
+        limiter::prev_weight_in(wnow, interval, w)
     };
     // Admit by compare-and-swap on `cur`: read, decide, and commit only if no other CPU
     // counted in between. (Reserving with fetch-add and giving back on overshoot would race

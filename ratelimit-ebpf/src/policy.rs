@@ -54,6 +54,7 @@ const EMPTY: GlobalConfig = GlobalConfig {
     store_sets: 0,
     relaxed: 0,
     _pad: 0,
+    wall_offset_ns: 0,
 };
 
 #[inline(always)]

@@ -92,6 +92,7 @@ pub fn evaluate_rules(
             admission_burst_ns: g.admission_burst_ns,
             admission_tick_cap: g.admission_tick_cap,
             store_sets: g.store_sets,
+            wall_offset_ns: g.wall_offset_ns,
         };
         (*rl).src_mask_known = src_mask.0;
         (*rl).src_mask = src_mask.1;
@@ -309,6 +310,11 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
         };
     let j = &mut rl.judge;
     j.now = env.now;
+    j.wnow = if rule.flags & RULE_GLOBAL != 0 {
+        env.now.wrapping_add(env.wall_offset_ns)
+    } else {
+        env.now
+    };
     j.cost = cost;
     j.usage = 0;
     j.capacity = 0;

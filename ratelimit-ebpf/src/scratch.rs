@@ -28,6 +28,8 @@ pub struct Env {
     pub admission_tick_cap: u32,
     /// `GlobalConfig::store_sets`.
     pub store_sets: u32,
+    /// `GlobalConfig::wall_offset_ns`.
+    pub wall_offset_ns: u64,
 }
 
 /// New states this CPU inserted in its current tick (kept across packets in the scratch
@@ -135,6 +137,9 @@ pub static SCRATCH: aya_ebpf::maps::PerCpuArray<RuleLoop> =
 #[repr(C)]
 pub struct Judge {
     pub now: u64,
+    /// The clock of the rule's window meters: `now`, or for a global rule (`RULE_GLOBAL`) the
+    /// wall clock's `now + wall_offset_ns`, whose windows every host of the fleet shares.
+    pub wnow: u64,
     pub cost: u64,
     /// Limiter usage after this packet, and what it is measured against.
     pub usage: u64,

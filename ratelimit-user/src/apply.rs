@@ -170,6 +170,9 @@ pub fn rule_config(r: &Rule) -> RuleConfig {
     {
         flags |= RULE_REGION_OVERRIDES;
     }
+    if r.scope == crate::config::Scope::Global {
+        flags |= RULE_GLOBAL;
+    }
     let mut ports = [PortRange::default(); MAX_PORT_RANGES];
     for (slot, (lo, hi)) in ports.iter_mut().zip(&r.matcher.dst_ports) {
         *slot = PortRange { lo: *lo, hi: *hi };
@@ -258,6 +261,7 @@ pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
         store_sets: 0,
         relaxed: 0,
         _pad: 0,
+        wall_offset_ns: 0,
     };
     let mut own: Vec<(Prefix, ListValue)> = Vec::new();
     for n in &cfg.lists.allow {
@@ -542,6 +546,7 @@ pub fn apply(maps: &mut Maps, plan: &Plan) -> anyhow::Result<()> {
     // The pressure level is the daemon's to write ([`write_relaxed`]), not the config's.
     global.relaxed = old.relaxed;
     global.store_sets = maps.clients.sets();
+    global.wall_offset_ns = wall_offset_ns();
     if shrinking {
         maps.global
             .set(0, global, 0)
@@ -571,6 +576,41 @@ pub fn write_relaxed(maps: &mut Maps, relaxed: bool) -> anyhow::Result<()> {
     maps.global
         .set(0, global, 0)
         .context("writing the pressure level")
+}
+
+/// CLOCK_REALTIME - CLOCK_MONOTONIC in ns now: what `GlobalConfig::wall_offset_ns` holds, so
+/// that global rules count in the wall clock's windows (the same on every host of a fleet).
+pub fn wall_offset_ns() -> u64 {
+    let clock = |id| {
+        let mut ts = libc::timespec {
+            tv_sec: 0,
+            tv_nsec: 0,
+        };
+        // SAFETY: clock_gettime fills `ts`; both clocks exist on every Linux.
+        unsafe { libc::clock_gettime(id, &mut ts) };
+        ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
+    };
+    let mono = clock(libc::CLOCK_MONOTONIC);
+    clock(libc::CLOCK_REALTIME).saturating_sub(mono)
+}
+
+/// Rewrite `GlobalConfig::wall_offset_ns` if the wall clock moved more than `tolerance_ns`
+/// against the monotonic one since it was written (an NTP step or slew). True if it did.
+pub fn refresh_wall_offset(maps: &mut Maps, tolerance_ns: u64) -> anyhow::Result<bool> {
+    let mut global = maps
+        .global
+        .get(&0, 0)
+        .context("reading the global settings")?;
+    let now = wall_offset_ns();
+    if now.abs_diff(global.wall_offset_ns) <= tolerance_ns {
+        return Ok(false);
+    }
+    global.wall_offset_ns = now;
+    global.generation = global.generation.wrapping_add(1);
+    maps.global
+        .set(0, global, 0)
+        .context("writing the wall clock's offset")?;
+    Ok(true)
 }
 
 /// The pressure level the data plane holds: `Some(true)` when elastic limits are in force.

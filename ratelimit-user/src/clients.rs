@@ -11,7 +11,7 @@ use std::{
     os::fd::{AsFd as _, AsRawFd as _},
     path::Path,
     ptr::NonNull,
-    sync::atomic::{AtomicU32, Ordering},
+    sync::atomic::{AtomicU32, AtomicU64, Ordering},
 };
 
 use anyhow::{Context as _, anyhow, bail};
@@ -20,6 +20,24 @@ use ratelimit_common::maps::{
     ClientKey, ClientState, HashKey, KEY_IP, SLOT_BUSY, STORE_WAYS, SharedState, StoreSet,
     known_hash, slot_key, slot_ready, slot_tag, store_sets_of,
 };
+
+/// A window meter of a per-source state.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Meter {
+    /// The threshold's: `stamp`, `cur` (admitted), `prev`.
+    Admitted,
+    /// The ban meter's: `ban_stamp`, `seen_cur` (offered), `seen_prev`.
+    Offered,
+}
+
+/// A per-source state where it was found: its slot, the slot's tag and the address, which
+/// must both still be there for the state to be the same client's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct SlotRef {
+    pub index: SlotIndex,
+    pub tag: u32,
+    pub addr: [u8; 16],
+}
 
 /// A slot: `set * STORE_WAYS + way`, as the program names it.
 pub type SlotIndex = u64;
@@ -229,6 +247,69 @@ impl ClientStore {
         }
         self.tag(i).store(tag, Ordering::Release);
         Ok(())
+    }
+
+    /// A snapshot of slot `i` if it holds `tag` and `addr` (a per-source state the program may
+    /// be updating: the window meters' words are read one by one).
+    pub fn slot_state(&self, at: &SlotRef) -> Option<ClientState> {
+        let (i, tag, addr) = (at.index, at.tag, &at.addr);
+        if i >= self.capacity() || self.tag(i).load(Ordering::Acquire) != tag {
+            return None;
+        }
+        let s = self.slot(i);
+        // SAFETY: a slot inside the mapping; read after its tag, checked again after.
+        let (a, st) = unsafe {
+            (
+                std::ptr::read_volatile(&raw const (*s).addr),
+                std::ptr::read_volatile(&raw const (*s).state),
+            )
+        };
+        (a == *addr && self.tag(i).load(Ordering::Acquire) == tag).then_some(st)
+    }
+
+    /// Add `delta` to a window counter of slot `i` (`cur` or `prev` of the meter `meter`) if
+    /// the slot still holds `tag` and `addr` and the meter is still in window `window`: how the
+    /// fleet's counts of a global rule's client enter its state. An atomic add, as the
+    /// program's, so no count of either is lost. False if the slot or window moved on.
+    pub fn add_in_window(
+        &self,
+        at: &SlotRef,
+        meter: Meter,
+        window: u64,
+        to_prev: bool,
+        delta: u64,
+    ) -> bool {
+        let (i, tag, addr) = (at.index, at.tag, &at.addr);
+        if i >= self.capacity() || self.tag(i).load(Ordering::Acquire) != tag {
+            return false;
+        }
+        let s = self.slot(i);
+        // SAFETY: a slot inside the mapping; its words are 8-aligned and the program updates
+        // them atomically too.
+        unsafe {
+            if std::ptr::read_volatile(&raw const (*s).addr) != *addr {
+                return false;
+            }
+            let st = &raw mut (*s).state;
+            let (stamp, cur, prev) = match meter {
+                Meter::Admitted => (
+                    &raw mut (*st).stamp,
+                    &raw mut (*st).cur,
+                    &raw mut (*st).prev,
+                ),
+                Meter::Offered => (
+                    &raw mut (*st).ban_stamp,
+                    &raw mut (*st).seen_cur,
+                    &raw mut (*st).seen_prev,
+                ),
+            };
+            if AtomicU64::from_ptr(stamp).load(Ordering::Acquire) != window {
+                return false;
+            }
+            AtomicU64::from_ptr(if to_prev { prev } else { cur })
+                .fetch_add(delta, Ordering::AcqRel);
+        }
+        true
     }
 
     /// Retire per-source `key`'s state (as an eviction would). True if it had one.

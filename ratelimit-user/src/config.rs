@@ -334,8 +334,21 @@ pub struct Rule {
     /// (threshold, token bucket burst, ban threshold) times F; under pressure, the rule as
     /// written. `None`: the rule holds whatever the level.
     pub elastic: Option<Elastic>,
+    /// `scope`: where the threshold holds.
+    pub scope: Scope,
     /// TOML `[[rule.override]]`, in file order.
     pub overrides: Vec<Override>,
+}
+
+/// A rule's `scope`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Scope {
+    /// Each host holds the threshold on its own (the default).
+    #[default]
+    Local,
+    /// The threshold holds across the fleet: each host adds the other hosts' counts of a
+    /// client, shared through the `[fleet]` store, into its own (`crate::global`).
+    Global,
 }
 
 /// What a rule matches. The default matches every packet.

@@ -788,6 +788,17 @@ pub(crate) mod samples {
                         bans_received: 7,
                         cursor: Some("1767323045000-0".into()),
                     }],
+                    global: crate::global::GlobalReport {
+                        rules: vec!["syn-per-client".into()],
+                        synced_keys: 12,
+                        capped_keys: 0,
+                        rounds: 100,
+                        store_calls: 400,
+                        store_errors: 1,
+                        added_total: 5000,
+                        last_round_ms: Some(0.8),
+                        last_error: None,
+                    },
                 })),
             ),
         ]

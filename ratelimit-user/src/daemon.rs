@@ -121,6 +121,18 @@ pub struct Handle {
     pub reports: Arc<Reports>,
 }
 
+impl crate::global::Owner for Handle {
+    async fn rules(&self) -> anyhow::Result<Vec<crate::global::GlobalRule>> {
+        self.with(|s| crate::global::GlobalRule::of(&s.live_rules()))
+            .await
+    }
+
+    async fn check_clock(&self) -> anyhow::Result<bool> {
+        self.with(|s| apply::refresh_wall_offset(&mut s.maps, crate::global::CLOCK_TOLERANCE_NS))
+            .await?
+    }
+}
+
 impl Handle {
     /// Run `f` on the owner task and wait for its result.
     pub async fn with<T: Send + 'static>(
@@ -1346,6 +1358,11 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         jobs: jobs_tx,
         reports: reports.clone(),
     };
+    let sync_interval = cfg
+        .fleet
+        .as_ref()
+        .map_or(crate::config::DEFAULT_SYNC_INTERVAL, |f| f.sync_interval);
+    let h_owner = handle.clone();
     let fleet = fleet_settings.map(|settings| {
         let h = handle.clone();
         let link = crate::fleet::start(settings, &tasks, events.clone(), move |rx| {
@@ -1353,6 +1370,31 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             async move { h.with(move |s| s.apply_fleet(rx)).await? }
         });
         reports.set_fleet(link.shared.clone());
+        // Global thresholds: one task, whatever `share_bans` says; it idles while no rule is
+        // global.
+        match dp.open_maps() {
+            Ok(maps) => {
+                let store = Arc::new(maps.clients);
+                let (settings, owner) = (link.settings.clone(), Arc::new(h_owner.clone()));
+                let g = link.global.clone();
+                let every = sync_interval;
+                crate::supervise::spawn(
+                    &tasks,
+                    "fleet_global",
+                    Duration::from_millis(100),
+                    move || {
+                        crate::global::run(
+                            settings.clone(),
+                            every,
+                            store.clone(),
+                            owner.clone(),
+                            g.clone(),
+                        )
+                    },
+                );
+            }
+            Err(e) => warn!("global thresholds off: opening the per-source store: {e:#}"),
+        }
         info!(
             store = %link.settings.store,
             host_id = %link.settings.host_id,

@@ -329,6 +329,11 @@ impl Settings {
         matches!(self.client, Client::Cluster(_))
     }
 
+    /// A connection for global thresholds' counts.
+    pub async fn connect_for_counts(&self) -> anyhow::Result<Conn> {
+        self.connect(REQUEST_TIMEOUT).await
+    }
+
     /// A connection whose commands are answered within `response` (or fail).
     async fn connect(&self, response: Duration) -> anyhow::Result<Conn> {
         let inner = match &self.client {
@@ -418,6 +423,9 @@ pub struct Report {
     /// read.
     #[serde(default)]
     pub peers: Vec<Peer>,
+    /// Global thresholds (`scope = "global"` rules): what is shared.
+    #[serde(default)]
+    pub global: crate::global::GlobalReport,
 }
 
 /// What each host writes into [`PEERS_KEY`] every [`HEARTBEAT`].
@@ -525,6 +533,7 @@ pub struct Shared {
     inner: Mutex<Inner>,
     outbox: Mutex<VecDeque<Record>>,
     events: events::Events,
+    global: Arc<crate::global::Shared>,
 }
 
 impl Shared {
@@ -542,6 +551,7 @@ impl Shared {
             (i.report.clone(), i.peers.clone())
         };
         r.outbox = self.outbox().len();
+        r.global = self.global.report();
         let now_ms = unix_ms(SystemTime::now());
         r.peers = peers
             .iter()
@@ -637,6 +647,8 @@ impl Shared {
 pub struct Link {
     pub settings: Arc<Settings>,
     pub shared: Arc<Shared>,
+    /// Global thresholds' task state (`crate::global`).
+    pub global: Arc<crate::global::Shared>,
     tx: mpsc::UnboundedSender<Record>,
 }
 
@@ -755,6 +767,7 @@ where
         }),
         outbox: Mutex::new(outbox),
         events,
+        global: Arc::default(),
     });
     let (tx, rx) = mpsc::unbounded_channel();
     let rx = Arc::new(tokio::sync::Mutex::new(rx));
@@ -776,6 +789,7 @@ where
     }
     Link {
         settings,
+        global: shared.global.clone(),
         shared,
         tx,
     }

@@ -14,6 +14,7 @@ pub mod durable;
 pub mod events;
 pub mod fleet;
 pub mod geoip;
+pub mod global;
 pub mod http;
 pub mod kernel_log;
 pub mod known;

@@ -288,6 +288,7 @@ fn rule_defaults() {
             preview: false,
             soft_limit: 0.8,
             elastic: None,
+            scope: Scope::Local,
             overrides: vec![],
         }]
     );
@@ -1832,14 +1833,34 @@ fn fleet_errors() {
 }
 
 #[test]
-fn rule_scope_global_is_refused_for_now() {
+fn rule_scope_global_needs_a_fleet_a_per_source_key_and_windows() {
     let rule = "[[rule]]\nname = \"r\"\nthreshold = { count = 10, interval = \"1s\" }\n";
-    assert!(ok(&format!("{rule}scope = \"local\"\n")).rules.len() == 1);
+    let fleet = "[fleet]\nredis = \"redis://a:6379\"\n";
+    assert_eq!(
+        ok(&format!("{rule}scope = \"local\"\n")).rules[0].scope,
+        Scope::Local
+    );
+    assert_eq!(ok(rule).rules[0].scope, Scope::Local, "local by default");
+    assert_eq!(
+        ok(&format!("{fleet}{rule}scope = \"global\"\n")).rules[0].scope,
+        Scope::Global
+    );
     let e = error(&format!("{rule}scope = \"global\"\n"));
     assert!(
-        e.starts_with("t.toml:4:9: rule \"r\": scope: \"global\" is not yet supported"),
+        e.starts_with("t.toml:4:9: rule \"r\": scope: \"global\" needs a [fleet] section"),
         "{e}"
     );
+    let e = error(&format!("{fleet}{rule}key = \"all\"\nscope = \"global\"\n"));
+    assert!(e.contains("is supported with key = \"ip\" only"), "{e}");
+    let e = error(&format!(
+        "{fleet}{rule}algorithm = \"token_bucket\"\nscope = \"global\"\n"
+    ));
+    assert!(
+        e.contains("not supported with algorithm = \"token_bucket\""),
+        "{e}"
+    );
+    let e = error(&format!("{fleet}{rule}scope = \"split\"\n"));
+    assert!(e.contains("\"split\" is not yet supported"), "{e}");
     let e = error(&format!("{rule}scope = \"fleet\"\n"));
     assert!(e.contains("\"fleet\" is not a scope"), "{e}");
 }

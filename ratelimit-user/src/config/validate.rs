@@ -15,9 +15,9 @@ use super::tree::{Checker, Field, Item, Node, Table};
 use super::values::{check_amount, check_byte_burst, check_interval, check_port};
 use super::{
     Action, Algorithm, Config, Daemon, ELASTIC_WITH_PASS, Elastic, EventsSink, ExceedAction, Fleet,
-    GeoIp, KeyKind, Lists, Match, Override, OverrideTarget, Pressure, Protocol, Rule, Threshold,
-    Tracking, Unit, check_elastic, override_fits, parse_ban_duration, parse_bytes, parse_duration,
-    parse_net, parse_port_range, parse_region, parse_tcp_flags,
+    GeoIp, KeyKind, Lists, Match, Override, OverrideTarget, Pressure, Protocol, Rule, Scope,
+    Threshold, Tracking, Unit, check_elastic, override_fits, parse_ban_duration, parse_bytes,
+    parse_duration, parse_net, parse_port_range, parse_region, parse_tcp_flags,
 };
 
 pub(super) fn build(root: &Item, ck: &mut Checker) -> Config {
@@ -48,7 +48,14 @@ pub(super) fn build(root: &Item, ck: &mut Checker) -> Config {
     if let Some(tables) = top.get("rule").and_then(|f| f.tables(ck, "rule")) {
         let mut totals = Totals::default();
         for (index, t) in tables.into_iter().enumerate() {
-            let rule = rule(index, t, geoip_field.is_some(), &mut totals, ck);
+            let rule = rule(
+                index,
+                t,
+                geoip_field.is_some(),
+                config.fleet.is_some(),
+                &mut totals,
+                ck,
+            );
             config.rules.push(rule);
         }
     }
@@ -445,7 +452,14 @@ struct RuleCtx {
     elastic: Option<Elastic>,
 }
 
-fn rule(index: usize, mut t: Table, has_geoip: bool, tot: &mut Totals, ck: &mut Checker) -> Rule {
+fn rule(
+    index: usize,
+    mut t: Table,
+    has_geoip: bool,
+    has_fleet: bool,
+    tot: &mut Totals,
+    ck: &mut Checker,
+) -> Rule {
     t.pre = format!("rule #{}: ", index + 1);
     let mut name = String::new();
     match t.get("name") {
@@ -571,19 +585,35 @@ fn rule(index: usize, mut t: Table, has_geoip: bool, tot: &mut Totals, ck: &mut 
         .and_then(|f| keyword(&f, ck))
         .unwrap_or(ExceedAction::Drop);
     let preview = t.get("preview").and_then(|f| f.bool(ck)).unwrap_or(false);
+    let mut scope = Scope::Local;
     if let Some(f) = t.get("scope")
         && let Some(s) = f.str(ck)
     {
         match s {
             "local" => {}
-            "global" | "split" => f.invalid(
+            "global" if !has_fleet => f.invalid(
                 ck,
-                format!(
-                    "\"{s}\" is not yet supported (fleet mode shares bans for now; every \
-                     threshold is enforced per host)"
-                ),
+                "\"global\" needs a [fleet] section (the store the hosts count in)",
             ),
-            other => f.invalid(ck, format!("{other:?} is not a scope (expected \"local\")")),
+            "global" if key.is_some_and(|k| k != KeyKind::Ip) => f.invalid(
+                ck,
+                "\"global\" is supported with key = \"ip\" only (the shared states of key = \
+                 \"all\" and \"region\" are counted per host)",
+            ),
+            "global" if algorithm == Some(Algorithm::TokenBucket) => f.invalid(
+                ck,
+                "\"global\" is not supported with algorithm = \"token_bucket\": use \
+                 \"sliding_window\" or \"fixed_window\", whose windows the fleet counts in",
+            ),
+            "global" => scope = Scope::Global,
+            "split" => f.invalid(
+                ck,
+                "\"split\" is not yet supported (use \"global\", or a threshold per host)",
+            ),
+            other => f.invalid(
+                ck,
+                format!("{other:?} is not a scope (expected \"local\" or \"global\")"),
+            ),
         }
     }
     let mut soft_limit = 0.8;
@@ -647,6 +677,7 @@ fn rule(index: usize, mut t: Table, has_geoip: bool, tot: &mut Totals, ck: &mut 
         preview,
         soft_limit,
         elastic,
+        scope,
         overrides,
     }
 }

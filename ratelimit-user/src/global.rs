@@ -1,0 +1,573 @@
+//! Global thresholds (`scope = "global"`): a rule whose threshold holds across the fleet.
+//!
+//! The program counts a global rule's clients in windows of the wall clock
+//! (`RULE_GLOBAL`, `GlobalConfig::wall_offset_ns`), so window W is the same span of time on
+//! every host. This task, every `fleet.sync_interval`:
+//!
+//! 1. reads each synced client's window meters from the per-source store's mapping (the
+//!    admitted count `cur`/`prev` and, for `rate_based_ban`, the offered count
+//!    `seen_cur`/`seen_prev`), takes off what it added itself, and publishes this host's own
+//!    count of the window as an absolute value (`<key>|<host>` in a hash per rule, meter,
+//!    bucket and window); the store's script adds the change into the key's fleet total and
+//!    answers the totals (absolute values make a retry or a replay harmless);
+//! 2. adds what the other hosts counted (`total - own - already added`) into the client's
+//!    state with an atomic add, the program's own operation, so the program's next verdict
+//!    for that client measures the fleet's count against the threshold. It only ever adds.
+//!
+//! Nothing on the packet path waits for the store. Without it the hosts keep what they were
+//! given (it ages out with its window) and each enforces its threshold alone (fail-static).
+//! A client is synced once its own count reaches [`PUBLISH_ABOVE_PERMILLE`] of the
+//! threshold on this host (found by a walk of the store every [`SCAN_EVERY`]), or once
+//! another host announces it, and at most [`MAX_SYNCED_KEYS`] are.
+//!
+//! The fleet admits about `L * (1 + e)`, where `e` is about `(delay / interval) *
+//! (hosts - 1) / hosts` (delay = the sync interval plus the store's round trip): the counts a
+//! host has not heard of yet.
+
+use std::{
+    collections::HashMap,
+    sync::{Arc, Mutex},
+    time::{Duration, Instant},
+};
+
+use ratelimit_common::maps::{
+    ACTION_BAN, BAN_HELD_MARK, ClientState, KEY_IP, RULE_GLOBAL, RuleConfig, slot_key,
+};
+use serde::{Deserialize, Serialize};
+use tracing::{info, warn};
+
+use crate::{
+    clients::{ClientStore, Meter, SlotRef},
+    fleet::{Conn, Settings},
+};
+
+/// Buckets the keys of a rule are spread over (one hash per bucket and window, each in a
+/// slot of its own on a Redis Cluster).
+pub const BUCKETS: u64 = 16;
+/// A client is synced once this host counted this share (per mille) of its threshold in a
+/// window: the many clients far below it cost the store nothing.
+pub const PUBLISH_ABOVE_PERMILLE: u64 = 50;
+/// At most this many clients are synced; the rest are held to the threshold per host.
+pub const MAX_SYNCED_KEYS: usize = 100_000;
+/// How often the store is walked for clients to sync.
+pub const SCAN_EVERY: Duration = Duration::from_secs(1);
+/// How often the wall clock's offset is checked (an NTP step moves it), and how far it may
+/// drift before it is rewritten.
+const CLOCK_CHECK_EVERY: Duration = Duration::from_secs(10);
+pub const CLOCK_TOLERANCE_NS: u64 = 1_000_000;
+/// How many clients one script call carries at most.
+const CALL_KEYS: usize = 500;
+
+/// The store's side: for each `(key, own absolute count)`, raise this host's count to it
+/// (never lower: a count only grows within a window), add the change into the key's total,
+/// and answer the totals in order. KEYS[1] is the hash of one rule, meter, bucket and window;
+/// ARGV: host, expiry (unix ms), then key and count pairs.
+const SYNC_SCRIPT: &str = r#"
+local host = ARGV[1]
+local out = {}
+for i = 3, #ARGV, 2 do
+  local k = ARGV[i]
+  local abs = tonumber(ARGV[i + 1])
+  local f = k .. '|' .. host
+  local old = tonumber(redis.call('HGET', KEYS[1], f) or '0')
+  local total
+  if abs > old then
+    redis.call('HSET', KEYS[1], f, abs)
+    total = redis.call('HINCRBY', KEYS[1], k, abs - old)
+  else
+    total = tonumber(redis.call('HGET', KEYS[1], k) or '0')
+  end
+  out[#out + 1] = total
+end
+redis.call('PEXPIREAT', KEYS[1], ARGV[2])
+return out
+"#;
+
+/// A global rule as the data plane holds it.
+#[derive(Clone, Debug, PartialEq)]
+pub struct GlobalRule {
+    pub index: u8,
+    pub name: String,
+    /// The rule's id in the store: its name and what its counts mean (interval, algorithm,
+    /// prefixes, ban interval), so rules of the same name that count differently never mix.
+    pub rid: String,
+    pub interval_ns: u64,
+    pub threshold: u64,
+    /// The ban meter's interval and threshold; 0 for a rule that does not ban.
+    pub ban_interval_ns: u64,
+    pub ban_threshold: u64,
+}
+
+impl GlobalRule {
+    /// The global rules among `rules` (name and configuration, in data-plane order).
+    pub fn of(rules: &[(String, RuleConfig)]) -> Vec<GlobalRule> {
+        rules
+            .iter()
+            .enumerate()
+            .filter(|(_, (_, r))| r.flags & RULE_GLOBAL != 0 && r.key == KEY_IP)
+            .map(|(i, (name, r))| {
+                let bans = r.action == ACTION_BAN;
+                let l = &r.limit;
+                let what = format!(
+                    "{}|{}|{}|{}|{}|{}",
+                    l.interval_ns,
+                    r.algorithm,
+                    r.v4_prefix,
+                    r.v6_prefix,
+                    if bans { l.ban_interval_ns } else { 0 },
+                    r.flags & ratelimit_common::maps::RULE_BYTES
+                );
+                GlobalRule {
+                    index: i as u8,
+                    name: name.clone(),
+                    rid: format!("{}#{:08x}", name, fnv32(what.as_bytes())),
+                    interval_ns: l.interval_ns,
+                    threshold: l.threshold,
+                    ban_interval_ns: if bans { l.ban_interval_ns } else { 0 },
+                    ban_threshold: if bans { l.ban_threshold } else { 0 },
+                }
+            })
+            .collect()
+    }
+
+    fn meters(&self) -> impl Iterator<Item = (Meter, u64)> + '_ {
+        [
+            (Meter::Admitted, self.interval_ns),
+            (Meter::Offered, self.ban_interval_ns),
+        ]
+        .into_iter()
+        .filter(|&(_, t)| t > 0)
+    }
+
+    /// Whether `own` (this host's count in a window of `meter`) is worth sharing.
+    fn worth(&self, meter: Meter, own: u64) -> bool {
+        let l = match meter {
+            Meter::Admitted => self.threshold,
+            Meter::Offered => self.ban_threshold,
+        };
+        own > 0 && own.saturating_mul(1000) >= l.saturating_mul(PUBLISH_ABOVE_PERMILLE)
+    }
+}
+
+/// 32-bit FNV-1a.
+fn fnv32(b: &[u8]) -> u32 {
+    b.iter().fold(0x811c_9dc5u32, |h, &c| {
+        (h ^ c as u32).wrapping_mul(0x0100_0193)
+    })
+}
+
+/// The store's name of a client: its masked address and prefix length.
+fn key_name(addr: &[u8; 16], prefix_len: u32) -> String {
+    let a = std::net::Ipv6Addr::from(*addr);
+    match a.to_ipv4_mapped() {
+        Some(v4) if prefix_len >= 96 => format!("{v4}/{}", prefix_len - 96),
+        _ => format!("{a}/{prefix_len}"),
+    }
+}
+
+/// The hash of `rid`'s counts of `meter` in `bucket` and `window`. The tag `{g<bucket>}`
+/// keeps one call's keys in one Cluster slot.
+fn hash_name(rid: &str, meter: Meter, bucket: u64, window: u64) -> String {
+    let m = match meter {
+        Meter::Admitted => "a",
+        Meter::Offered => "o",
+    };
+    format!("ratelimit:{{g{bucket}}}:{m}:{rid}:{window}")
+}
+
+/// What this host added into one meter of one client, and what it published of its own.
+#[derive(Clone, Copy, Debug, Default)]
+struct Added {
+    /// The meter's window when last read (its `stamp`).
+    window: u64,
+    /// Added into `cur` in `window`, and into `prev` (window - 1).
+    cur: u64,
+    prev: u64,
+}
+
+impl Added {
+    /// The meter moved to `stamp`: what was added to the current window is now the previous
+    /// window's (the program moved `cur` into `prev`), or nothing if it skipped windows.
+    fn roll(&mut self, stamp: u64) {
+        if stamp == self.window {
+            return;
+        }
+        self.prev = if stamp == self.window.wrapping_add(1) {
+            self.cur
+        } else {
+            0
+        };
+        self.cur = 0;
+        self.window = stamp;
+    }
+}
+
+/// A synced client.
+#[derive(Clone, Debug)]
+struct Synced {
+    rule: usize,
+    at: SlotRef,
+    name: String,
+    bucket: u64,
+    added: [Added; 2],
+    /// Last time it counted anything of its own here.
+    active: Instant,
+}
+
+/// What `fleet status` shows of global thresholds.
+#[derive(Serialize, Deserialize, Debug, Clone, Default, PartialEq)]
+pub struct GlobalReport {
+    /// Global rules in force, by name.
+    pub rules: Vec<String>,
+    /// Clients whose counts are shared now.
+    pub synced_keys: usize,
+    /// Clients left to their host's own count because [`MAX_SYNCED_KEYS`] were synced.
+    pub capped_keys: u64,
+    /// Sync rounds done, and store calls made (each one script call).
+    pub rounds: u64,
+    pub store_calls: u64,
+    pub store_errors: u64,
+    /// Counts of other hosts added into this host's states, in all (admitted and offered).
+    pub added_total: u64,
+    /// The last round's duration (ms), and when it ran (ms ago at the time of the report).
+    pub last_round_ms: Option<f64>,
+    pub last_error: Option<String>,
+}
+
+/// The task's state shared with the reports.
+#[derive(Default)]
+pub struct Shared {
+    report: Mutex<GlobalReport>,
+}
+
+impl Shared {
+    pub fn report(&self) -> GlobalReport {
+        self.report
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn update(&self, f: impl FnOnce(&mut GlobalReport)) {
+        f(&mut self.report.lock().unwrap_or_else(|e| e.into_inner()));
+    }
+}
+
+/// Where the task gets the rules in force and has the wall clock's offset checked: the
+/// daemon's owner task.
+pub trait Owner: Send + Sync + 'static {
+    fn rules(&self) -> impl std::future::Future<Output = anyhow::Result<Vec<GlobalRule>>> + Send;
+    fn check_clock(&self) -> impl std::future::Future<Output = anyhow::Result<bool>> + Send;
+}
+
+/// One entry of a round: a client's own count of one window of one meter.
+struct Entry {
+    synced: usize,
+    meter_ix: usize,
+    to_prev: bool,
+    own: u64,
+}
+
+/// The sync loop (supervised: an error ends one run, and the supervisor starts another).
+pub async fn run<O: Owner>(
+    settings: Arc<Settings>,
+    interval: Duration,
+    store: Arc<ClientStore>,
+    owner: Arc<O>,
+    shared: Arc<Shared>,
+) -> anyhow::Result<()> {
+    let script = redis::Script::new(SYNC_SCRIPT);
+    let mut conn: Option<Conn> = None;
+    let mut rules: Vec<GlobalRule> = Vec::new();
+    let mut synced: Vec<Synced> = Vec::new();
+    let mut last_scan: Option<Instant> = None;
+    let mut last_clock = Instant::now();
+    let mut tick = tokio::time::interval(interval);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        let t0 = Instant::now();
+        if last_clock.elapsed() >= CLOCK_CHECK_EVERY {
+            last_clock = Instant::now();
+            match owner.check_clock().await {
+                Ok(true) => info!("the wall clock moved: its offset rewritten for global rules"),
+                Ok(false) => {}
+                Err(e) => warn!("checking the wall clock's offset: {e:#}"),
+            }
+        }
+        if last_scan.is_none_or(|t| t.elapsed() >= SCAN_EVERY) {
+            last_scan = Some(Instant::now());
+            let now_rules = owner.rules().await?;
+            if now_rules != rules {
+                // Another rule set: what was synced belongs to rules that may be gone.
+                synced.clear();
+                rules = now_rules;
+                shared.update(|r| r.rules = rules.iter().map(|g| g.name.clone()).collect());
+            }
+            if !rules.is_empty() {
+                let capped = scan(&store, &rules, &mut synced)?;
+                shared.update(|r| {
+                    r.synced_keys = synced.len();
+                    r.capped_keys = capped;
+                });
+            }
+        }
+        if synced.is_empty() {
+            continue;
+        }
+        if conn.is_none() {
+            match settings.connect_for_counts().await {
+                Ok(c) => conn = Some(c),
+                Err(e) => {
+                    shared.update(|r| {
+                        r.store_errors += 1;
+                        r.last_error = Some(format!("{e:#}"));
+                    });
+                    continue;
+                }
+            }
+        }
+        let c = conn.as_mut().expect("connected above");
+        match round(c, &script, &settings.host_id, &store, &rules, &mut synced).await {
+            Ok((calls, added)) => shared.update(|r| {
+                r.rounds += 1;
+                r.store_calls += calls;
+                r.added_total += added;
+                r.last_round_ms = Some(t0.elapsed().as_secs_f64() * 1e3);
+            }),
+            Err(e) => {
+                conn = None;
+                shared.update(|r| {
+                    r.store_errors += 1;
+                    r.last_error = Some(format!("{e:#}"));
+                });
+            }
+        }
+    }
+}
+
+/// Walk the store for clients of global rules to sync: keep those still in their slots,
+/// add those whose own count is worth sharing. Returns how many were left out for the cap.
+fn scan(
+    store: &ClientStore,
+    rules: &[GlobalRule],
+    synced: &mut Vec<Synced>,
+) -> anyhow::Result<u64> {
+    let by_index: HashMap<u8, usize> = rules
+        .iter()
+        .enumerate()
+        .map(|(i, r)| (r.index, i))
+        .collect();
+    let mut known: HashMap<(usize, [u8; 16], u32), usize> = synced
+        .iter()
+        .enumerate()
+        .map(|(i, s)| ((s.rule, s.at.addr, s.at.tag), i))
+        .collect();
+    let mut keep = vec![false; synced.len()];
+    let mut fresh = Vec::new();
+    let mut capped = 0u64;
+    store.walk_slots(&mut |i, tag, slot| {
+        let key = slot_key(tag, slot.addr);
+        let Some(&rule) = by_index.get(&key.rule) else {
+            return;
+        };
+        if let Some(&ix) = known.get(&(rule, slot.addr, tag)) {
+            keep[ix] = true;
+            synced[ix].at.index = i;
+            return;
+        }
+        let g = &rules[rule];
+        let st = &slot.state;
+        let worth = g.meters().any(|(m, _)| {
+            let (cur, prev) = own_counts(st, m);
+            g.worth(m, cur.max(prev))
+        });
+        if !worth {
+            return;
+        }
+        if synced.len() + fresh.len() >= MAX_SYNCED_KEYS {
+            capped += 1;
+            return;
+        }
+        let name = key_name(&slot.addr, key.prefix_len);
+        let bucket = fnv32(format!("{}|{name}", g.rid).as_bytes()) as u64 % BUCKETS;
+        known.insert((rule, slot.addr, tag), usize::MAX);
+        fresh.push(Synced {
+            rule,
+            at: SlotRef {
+                index: i,
+                tag,
+                addr: slot.addr,
+            },
+            name,
+            bucket,
+            added: [Added::default(); 2],
+            active: Instant::now(),
+        });
+    })?;
+    // Drop those gone from their slots, and those idle here for two of their windows.
+    let mut ix = 0;
+    synced.retain(|s| {
+        let k = keep[ix];
+        ix += 1;
+        let idle = Duration::from_nanos(rules[s.rule].interval_ns.saturating_mul(2));
+        k && s.active.elapsed() < idle.max(SCAN_EVERY * 2)
+    });
+    synced.extend(fresh);
+    Ok(capped)
+}
+
+/// A meter's `(cur, prev)` (a ban held in the meter is no window: nothing).
+fn own_counts(st: &ClientState, m: Meter) -> (u64, u64) {
+    match m {
+        Meter::Admitted => (st.cur, st.prev),
+        Meter::Offered if st.ban_stamp == BAN_HELD_MARK => (0, 0),
+        Meter::Offered => (st.seen_cur, st.seen_prev),
+    }
+}
+
+fn stamp_of(st: &ClientState, m: Meter) -> u64 {
+    match m {
+        Meter::Admitted => st.stamp,
+        Meter::Offered => st.ban_stamp,
+    }
+}
+
+/// One round: read, publish, add. Returns (store calls, counts added).
+async fn round(
+    conn: &mut Conn,
+    script: &redis::Script,
+    host: &str,
+    store: &ClientStore,
+    rules: &[GlobalRule],
+    synced: &mut [Synced],
+) -> anyhow::Result<(u64, u64)> {
+    // Group entries by the hash they go to.
+    let mut groups: HashMap<String, (u64, Vec<Entry>)> = HashMap::new();
+    for (si, s) in synced.iter_mut().enumerate() {
+        let Some(st) = store.slot_state(&s.at) else {
+            continue;
+        };
+        let g = &rules[s.rule];
+        for (mi, (m, interval)) in g.meters().enumerate() {
+            let stamp = stamp_of(&st, m);
+            if m == Meter::Offered && stamp == BAN_HELD_MARK {
+                continue;
+            }
+            let a = &mut s.added[mi];
+            let before = *a;
+            a.roll(stamp);
+            let (cur, prev) = own_counts(&st, m);
+            let own_cur = cur.saturating_sub(a.cur);
+            let own_prev = prev.saturating_sub(a.prev);
+            if before.window != stamp || own_cur > 0 {
+                s.active = Instant::now();
+            }
+            for (to_prev, window, own) in [
+                (false, stamp, own_cur),
+                (true, stamp.wrapping_sub(1), own_prev),
+            ] {
+                let h = hash_name(&g.rid, m, s.bucket, window);
+                // Expire two windows after this one ends, plus a minute of clock skew.
+                let expire_ms = ((window.saturating_add(2) as u128 * interval as u128) / 1_000_000)
+                    as u64
+                    + 60_000;
+                let e = groups.entry(h).or_insert((expire_ms, Vec::new()));
+                e.1.push(Entry {
+                    synced: si,
+                    meter_ix: mi,
+                    to_prev,
+                    own,
+                });
+            }
+        }
+    }
+    let (mut calls, mut added) = (0u64, 0u64);
+    for (hash, (expire_ms, entries)) in groups {
+        for chunk in entries.chunks(CALL_KEYS) {
+            let mut inv = script.key(&hash);
+            inv.arg(host).arg(expire_ms);
+            for e in chunk {
+                inv.arg(&synced[e.synced].name).arg(e.own);
+            }
+            let totals: Vec<u64> = inv.invoke_async(conn).await?;
+            calls += 1;
+            for (e, total) in chunk.iter().zip(totals) {
+                let s = &mut synced[e.synced];
+                let (m, _) = rules[s.rule]
+                    .meters()
+                    .nth(e.meter_ix)
+                    .expect("an entry of a meter of its rule");
+                let a = &mut s.added[e.meter_ix];
+                let others = total.saturating_sub(e.own);
+                let have = if e.to_prev { a.prev } else { a.cur };
+                if others <= have {
+                    continue;
+                }
+                let delta = others - have;
+                let window = a.window;
+                if store.add_in_window(&s.at, m, window, e.to_prev, delta) {
+                    if e.to_prev {
+                        a.prev += delta;
+                    } else {
+                        a.cur += delta;
+                    }
+                    added += delta;
+                }
+            }
+        }
+    }
+    Ok((calls, added))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn what_was_added_follows_the_program_s_rotation() {
+        let mut a = Added {
+            window: 7,
+            cur: 30,
+            prev: 5,
+        };
+        a.roll(7);
+        assert_eq!((a.window, a.cur, a.prev), (7, 30, 5));
+        // The next window: the program moved cur into prev, and so did what was added.
+        a.roll(8);
+        assert_eq!((a.window, a.cur, a.prev), (8, 0, 30));
+        // A window skipped: the program started clean.
+        a.cur = 4;
+        a.roll(10);
+        assert_eq!((a.window, a.cur, a.prev), (10, 0, 0));
+    }
+
+    #[test]
+    fn a_client_is_synced_from_a_share_of_its_threshold() {
+        let g = GlobalRule {
+            index: 0,
+            name: "r".into(),
+            rid: "r#0".into(),
+            interval_ns: 1_000_000_000,
+            threshold: 1000,
+            ban_interval_ns: 0,
+            ban_threshold: 0,
+        };
+        assert!(!g.worth(Meter::Admitted, 0));
+        assert!(!g.worth(Meter::Admitted, 49));
+        assert!(g.worth(Meter::Admitted, 50));
+        assert_eq!(g.meters().count(), 1, "a throttle has no ban meter");
+    }
+
+    #[test]
+    fn store_names_are_readable_and_cluster_safe() {
+        let v4: std::net::Ipv6Addr = "::ffff:198.51.100.7".parse().unwrap();
+        assert_eq!(key_name(&v4.octets(), 128), "198.51.100.7/32");
+        let v6: std::net::Ipv6Addr = "2001:db8::".parse().unwrap();
+        assert_eq!(key_name(&v6.octets(), 64), "2001:db8::/64");
+        assert_eq!(
+            hash_name("r#00000001", Meter::Offered, 3, 42),
+            "ratelimit:{g3}:o:r#00000001:42"
+        );
+    }
+}
