@@ -19,7 +19,7 @@ use ratelimit_common::{
 
 use crate::{
     config::{
-        Action, Algorithm, Config, Elastic, ExceedAction, KeyKind, OverrideTarget, Protocol, Rule,
+        Action, Algorithm, Config, Counts, ExceedAction, KeyKind, OverrideTarget, Protocol, Rule,
         Threshold, Unit,
     },
     datapath::Maps,
@@ -116,26 +116,18 @@ pub fn limit_of(
     }
 }
 
-/// The elastic limit of a limit: every count (threshold, burst, ban threshold) times F, same
-/// intervals and ban duration, token bucket constants computed again, so the program only
-/// selects one of the two. All zero without elastic (see [`Limit::is_set`]).
-pub fn elastic_limit(
-    e: Option<Elastic>,
-    t: &Threshold,
-    burst: u64,
-    ban: Option<&Threshold>,
-    ban_duration: Option<std::time::Duration>,
-) -> Limit {
-    let Some(e) = e else {
-        return Limit::default();
-    };
-    let ban = ban.map(|b| e.scale_threshold(b));
-    limit_of(
-        &e.scale_threshold(t),
-        Some(e.scale(burst)),
-        ban.as_ref(),
-        ban_duration,
-    )
+/// The limit of counts (a rule's or an override's, [`Counts`]), as configured.
+pub fn limit_of_counts(c: &Counts) -> Limit {
+    limit_of(&c.threshold, Some(c.burst), c.ban.as_ref(), c.ban_duration)
+}
+
+/// The elastic limit of counts: every count (threshold, burst, ban threshold) times F, same
+/// intervals and ban duration, token bucket constants computed again ([`Counts::relaxed`]),
+/// so the program only selects one of the two. All zero without elastic (see
+/// [`Limit::is_set`]).
+pub fn elastic_limit(c: &Counts) -> Limit {
+    c.relaxed()
+        .map_or_else(Limit::default, |r| limit_of_counts(&r))
 }
 
 pub fn rule_config(r: &Rule) -> RuleConfig {
@@ -175,6 +167,7 @@ pub fn rule_config(r: &Rule) -> RuleConfig {
         *slot = PortRange { lo: *lo, hi: *hi };
     }
     let is_ban = r.action == Action::RateBasedBan;
+    let counts = Counts::of_rule(r);
     RuleConfig {
         flags,
         key: match r.key {
@@ -202,19 +195,8 @@ pub fn rule_config(r: &Rule) -> RuleConfig {
         port_count: r.matcher.dst_ports.len().min(MAX_PORT_RANGES) as u8,
         _pad: [0; 3],
         ports,
-        limit: limit_of(
-            &r.threshold,
-            Some(r.burst),
-            if is_ban { Some(&r.ban_threshold) } else { None },
-            if is_ban { Some(r.ban_duration) } else { None },
-        ),
-        elastic: elastic_limit(
-            r.elastic,
-            &r.threshold,
-            r.burst,
-            if is_ban { Some(&r.ban_threshold) } else { None },
-            if is_ban { Some(r.ban_duration) } else { None },
-        ),
+        limit: limit_of_counts(&counts),
+        elastic: elastic_limit(&counts),
         // At least 1: a soft limit below 0.0005 rounded to 0, which turns reporting off
         // instead of reporting every client.
         soft_limit_permille: (r.soft_limit * 1000.0).round().clamp(1.0, 1000.0) as u32,
@@ -293,35 +275,10 @@ pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
     let mut overrides = BTreeMap::new();
     let mut region_overrides = BTreeMap::new();
     for (i, r) in cfg.rules.iter().enumerate() {
-        let is_ban = r.action == Action::RateBasedBan;
+        let rule = Counts::of_rule(r);
         for o in &r.overrides {
-            // An override without its own ban threshold: if the rule's ban threshold is the
-            // default (its threshold), the override's threshold is the ban threshold too;
-            // otherwise the larger of the two applies, so a client is never banned below
-            // its own allowance.
-            let inherited =
-                if r.ban_threshold == r.threshold || o.threshold.amount > r.ban_threshold.amount {
-                    o.threshold
-                } else {
-                    r.ban_threshold
-                };
-            let ban = if is_ban {
-                Some(o.ban_threshold.unwrap_or(inherited))
-            } else {
-                None
-            };
-            let ban = ban.as_ref();
-            let burst = o.burst.unwrap_or(o.threshold.amount);
-            let ban_duration = if is_ban { Some(r.ban_duration) } else { None };
-            let limit = limit_of(&o.threshold, Some(burst), ban, ban_duration);
-            // The override's own factor, or its rule's.
-            let elastic = elastic_limit(
-                o.elastic.or(r.elastic),
-                &o.threshold,
-                burst,
-                ban,
-                ban_duration,
-            );
+            let c = rule.for_override(o);
+            let (limit, elastic) = (limit_of_counts(&c), elastic_limit(&c));
             let v = OverrideValue { limit, elastic };
             match &o.target {
                 OverrideTarget::Cidr(n) => {

@@ -184,9 +184,17 @@ pub fn check(spec: &OverrideSpec, rule: &Rule) -> Result<Override, String> {
                 .map_err(|why| format!("--elastic {why}"))?,
         ),
     };
-    if let Some(e) = own_elastic.or(rule.elastic) {
-        let ban = ban_threshold.or((rule.action == Action::RateBasedBan).then_some(threshold));
-        config::check_elastic(e, rule.exceed_action, &threshold, ban.as_ref()).map_err(|why| {
+    let o = Override {
+        target,
+        threshold,
+        burst,
+        ban_threshold,
+        elastic: own_elastic,
+    };
+    // The counts `apply::plan` will write for it (what it inherits from the rule included).
+    config::Counts::of_override(rule, &o)
+        .check_elastic(rule.exceed_action)
+        .map_err(|why| {
             let whose = if own_elastic.is_some() {
                 ""
             } else {
@@ -194,21 +202,15 @@ pub fn check(spec: &OverrideSpec, rule: &Rule) -> Result<Override, String> {
             };
             format!("rule {:?}: --elastic{whose} {why}", rule.name)
         })?;
-    }
-    Ok(Override {
-        target,
-        threshold,
-        burst,
-        ban_threshold,
-        elastic: own_elastic,
-    })
+    Ok(o)
 }
 
 /// The threshold of `r` in force: times its `elastic` while the host has room (`relaxed`).
 pub fn threshold_now(r: &Rule, relaxed: bool) -> config::Threshold {
-    match r.elastic {
-        Some(e) if relaxed => e.scale_threshold(&r.threshold),
-        _ => r.threshold,
+    let counts = config::Counts::of_rule(r);
+    match counts.relaxed() {
+        Some(c) if relaxed => c.threshold,
+        _ => counts.threshold,
     }
 }
 

@@ -6,7 +6,7 @@
 use anyhow::{Context as _, bail};
 use serde::{Deserialize, Serialize};
 
-use crate::config::{Action, ExceedAction, Rule, Threshold};
+use crate::config::{Action, Counts, ExceedAction, Rule, Threshold};
 
 /// The fields of a rule changed live, in their command-line spelling; `None` keeps the
 /// config's value. On the control API (`rule set`) and in the saved live changes.
@@ -162,13 +162,17 @@ pub fn apply_changes(rule: &mut Rule, set: &RuleChanges) -> anyhow::Result<()> {
         rule.elastic =
             Some(crate::config::Elastic::new(f).map_err(|e| anyhow::anyhow!("--elastic {e}"))?);
     }
-    // Elastic against the rule as it now stands: a new threshold or exceed_action may no
-    // longer fit a factor given before.
-    if let Some(e) = rule.elastic {
-        let ban = (rule.action == Action::RateBasedBan).then_some(rule.ban_threshold);
-        crate::config::check_elastic(e, rule.exceed_action, &rule.threshold, ban.as_ref())
-            .map_err(|why| anyhow::anyhow!("elastic {why}"))?;
-    }
+    check_elastic(rule)
+}
+
+/// Elastic against the rule as it now stands: a new threshold, ban threshold or exceed_action
+/// may no longer fit a factor given before. The counts checked are the ones `apply::plan`
+/// writes ([`Counts`]).
+fn check_elastic(rule: &Rule) -> anyhow::Result<()> {
+    let counts = Counts::of_rule(rule);
+    counts
+        .check_elastic(rule.exceed_action)
+        .map_err(|why| anyhow::anyhow!("elastic {why}"))?;
     Ok(())
 }
 
