@@ -670,9 +670,21 @@ impl Live {
             .cloned()
             .unwrap_or_default()
             .merged(set);
-        // Checked here first for its own message (`resolve` would prefix it).
+        // Checked here first for its own message (`resolve` would prefix it): the rule as
+        // changed, its overrides in the config (which `override del` brings back where a live
+        // one replaces them), and its live overrides, each against the rule as changed.
         if let Some(rule) = self.file.rules.iter().find(|r| r.name == name) {
-            ruleset::apply_changes(&mut rule.clone(), &merged)?;
+            let mut changed = rule.clone();
+            ruleset::apply_changes(&mut changed, &merged)?;
+            for spec in self.changes.overrides.iter().filter(|s| s.at.rule == name) {
+                check(spec, &changed).map_err(|e| {
+                    anyhow::anyhow!(
+                        "live override {} would not fit the rule as changed: {e}; remove it \
+                         first (`ratelimit override del`); nothing was changed",
+                        spec.label()
+                    )
+                })?;
+            }
         }
         let mut changes = self.changes.clone();
         if !merged.is_empty() {
