@@ -123,11 +123,10 @@ pub fn limit_of_counts(c: &Counts) -> Limit {
 
 /// The elastic limit of counts: every count (threshold, burst, ban threshold) times F, same
 /// intervals and ban duration, token bucket constants computed again ([`Counts::relaxed`]),
-/// so the program only selects one of the two. All zero without elastic (see
-/// [`Limit::is_set`]).
+/// so the program only selects one of the two. Without elastic, the limit itself: the
+/// program selects by the level alone, with nothing to test per packet.
 pub fn elastic_limit(c: &Counts) -> Limit {
-    c.relaxed()
-        .map_or_else(Limit::default, |r| limit_of_counts(&r))
+    limit_of_counts(&c.relaxed().unwrap_or(*c))
 }
 
 pub fn rule_config(r: &Rule) -> RuleConfig {
@@ -307,12 +306,10 @@ pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
                         .map(|(_, o)| o),
                 )
         };
-        // Both limits of each, the elastic one where there is one: either may be in force.
+        // Both limits of each (the same one twice without elastic): either may be in force.
         let limits = |rc: &RuleConfig| {
-            let mut v = vec![rc.limit];
+            let mut v = vec![rc.limit, rc.elastic];
             v.extend(own().flat_map(|o| [o.limit, o.elastic]));
-            v.push(rc.elastic);
-            v.retain(Limit::is_set);
             v
         };
         let limits = limits(rc);
@@ -808,7 +805,7 @@ threshold = { count = 10, interval = "1h" }"#
 
     /// Elastic scales every count of the rule (threshold, burst, ban threshold) and keeps
     /// its intervals and ban duration, with token bucket constants of its own; the limit as
-    /// configured is untouched, and a rule without elastic has no elastic limit.
+    /// configured is untouched, and a rule without elastic has its limit as its elastic one.
     #[test]
     fn elastic_limits_are_every_count_times_f_precomputed() {
         let p = plan_of(
@@ -848,9 +845,9 @@ elastic = 1.5"#,
         // The program selects one, by the level; no arithmetic.
         assert_eq!(r.limit_now(true), &e);
         assert_eq!(r.limit_now(false), &l);
-        // Without elastic: nothing to select.
+        // Without elastic: the limit in both, so the level selects it either way.
         let p = plan_of(r#"threshold = { count = 1000, interval = "1s" }"#);
-        assert!(!p.rules[0].elastic.is_set());
+        assert_eq!(p.rules[0].elastic, p.rules[0].limit);
         assert_eq!(p.rules[0].limit_now(true), &p.rules[0].limit);
         // A throttle's elastic limit has no ban counts; a window rule's burst is the scaled
         // threshold (as the configured one is the threshold).
@@ -893,7 +890,7 @@ cidr = "192.0.2.0/24"
 threshold = { count = 100, interval = "1s" }
 elastic = 1.25"#,
         );
-        assert!(!p.rules[0].elastic.is_set());
+        assert_eq!(p.rules[0].elastic, p.rules[0].limit);
         let o = p.overrides.values().next().unwrap();
         assert_eq!((o.limit.threshold, o.elastic.threshold), (100, 125));
         assert_eq!(o.limit_now(false).threshold, 100);
