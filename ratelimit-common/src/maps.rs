@@ -111,8 +111,8 @@ pub struct RuleConfig {
     pub protect_ms: u32,
     /// `elastic = F`: the limit in force while the host has room ([`GlobalConfig::relaxed`]),
     /// every count of `limit` (threshold, burst, ban threshold) times F, precomputed by the
-    /// daemon with its token bucket constants. All zero (`threshold` 0) for a rule without
-    /// elastic: `limit` then holds whatever the level.
+    /// daemon with its token bucket constants. For a rule without elastic, `limit` itself:
+    /// the program selects by the level alone, with nothing to test per packet.
     pub elastic: Limit,
 }
 
@@ -199,25 +199,13 @@ pub struct GlobalConfig {
 }
 
 impl RuleConfig {
-    /// The rule's limit in force: its elastic limit while the host has room (`relaxed`) if
-    /// it has one, else its limit as configured. A selection, no arithmetic: both were
-    /// precomputed by the daemon.
+    /// The rule's limit in force: its elastic limit while the host has room (`relaxed`),
+    /// else its limit as configured. A selection by the level alone, no arithmetic and no
+    /// test of the rule: both were precomputed by the daemon, and a rule without elastic has
+    /// its limit in both.
     #[inline(always)]
     pub const fn limit_now(&self, relaxed: bool) -> &Limit {
-        if relaxed && self.elastic.is_set() {
-            &self.elastic
-        } else {
-            &self.limit
-        }
-    }
-}
-
-impl Limit {
-    /// Whether this is a limit at all: an unused elastic limit is all zero (a configured
-    /// threshold is at least 1).
-    #[inline(always)]
-    pub const fn is_set(&self) -> bool {
-        self.threshold != 0
+        if relaxed { &self.elastic } else { &self.limit }
     }
 }
 
@@ -721,8 +709,8 @@ pub struct RegionOverrideKey {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct OverrideValue {
     pub limit: Limit,
-    /// The override's limit while the host has room (as [`RuleConfig::elastic`]); all zero
-    /// without elastic.
+    /// The override's limit while the host has room (as [`RuleConfig::elastic`]); `limit`
+    /// itself without elastic.
     pub elastic: Limit,
 }
 
@@ -730,11 +718,7 @@ impl OverrideValue {
     /// The override's limit in force (as [`RuleConfig::limit_now`]).
     #[inline(always)]
     pub const fn limit_now(&self, relaxed: bool) -> &Limit {
-        if relaxed && self.elastic.is_set() {
-            &self.elastic
-        } else {
-            &self.limit
-        }
+        if relaxed { &self.elastic } else { &self.limit }
     }
 }
 

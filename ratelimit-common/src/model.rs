@@ -11,7 +11,8 @@
 //! values the daemon writes (`RuleConfig`, `GlobalConfig`, the sources trie's `ListValue`s,
 //! `OverrideValue`s, `BanEntry`s), so the config → maps step is the real one too. The pressure
 //! level is `GlobalConfig::relaxed`, as the program reads it: rules and overrides with
-//! `elastic` meter against their elastic limit while it is set (`RuleConfig::limit_now`).
+//! `elastic` meter against their elastic limit while it is set (`RuleConfig::limit_now`;
+//! without elastic, that is the limit itself).
 //!
 //! What it leaves out, on purpose, because it cannot change a verdict or a counter of the
 //! configurations it is meant for:

@@ -254,8 +254,8 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
     key._pad = [0; 2];
     key.prefix_len = 0;
     zero_addr(&mut key.addr);
-    // The limit in force: with `elastic`, the precomputed relaxed one while the host has room
-    // (one load and a select; see `RuleConfig::limit_now`).
+    // The limit in force: the precomputed relaxed one while the host has room, which is the
+    // limit itself without `elastic` (a select by the level; see `RuleConfig::limit_now`).
     let relaxed = env.relaxed != 0;
     let mut limit = rule.limit_now(relaxed);
     if rule.key == KEY_IP {

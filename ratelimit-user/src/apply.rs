@@ -19,7 +19,7 @@ use ratelimit_common::{
 
 use crate::{
     config::{
-        Action, Algorithm, Config, Elastic, ExceedAction, KeyKind, OverrideTarget, Protocol, Rule,
+        Action, Algorithm, Config, Counts, ExceedAction, KeyKind, OverrideTarget, Protocol, Rule,
         Threshold, Unit,
     },
     datapath::Maps,
@@ -116,26 +116,17 @@ pub fn limit_of(
     }
 }
 
-/// The elastic limit of a limit: every count (threshold, burst, ban threshold) times F, same
-/// intervals and ban duration, token bucket constants computed again, so the program only
-/// selects one of the two. All zero without elastic (see [`Limit::is_set`]).
-pub fn elastic_limit(
-    e: Option<Elastic>,
-    t: &Threshold,
-    burst: u64,
-    ban: Option<&Threshold>,
-    ban_duration: Option<std::time::Duration>,
-) -> Limit {
-    let Some(e) = e else {
-        return Limit::default();
-    };
-    let ban = ban.map(|b| e.scale_threshold(b));
-    limit_of(
-        &e.scale_threshold(t),
-        Some(e.scale(burst)),
-        ban.as_ref(),
-        ban_duration,
-    )
+/// The limit of counts (a rule's or an override's, [`Counts`]), as configured.
+pub fn limit_of_counts(c: &Counts) -> Limit {
+    limit_of(&c.threshold, Some(c.burst), c.ban.as_ref(), c.ban_duration)
+}
+
+/// The elastic limit of counts: every count (threshold, burst, ban threshold) times F, same
+/// intervals and ban duration, token bucket constants computed again ([`Counts::relaxed`]),
+/// so the program only selects one of the two. Without elastic, the limit itself: the
+/// program selects by the level alone, with nothing to test per packet.
+pub fn elastic_limit(c: &Counts) -> Limit {
+    limit_of_counts(&c.relaxed().unwrap_or(*c))
 }
 
 pub fn rule_config(r: &Rule) -> RuleConfig {
@@ -178,6 +169,7 @@ pub fn rule_config(r: &Rule) -> RuleConfig {
         *slot = PortRange { lo: *lo, hi: *hi };
     }
     let is_ban = r.action == Action::RateBasedBan;
+    let counts = Counts::of_rule(r);
     RuleConfig {
         flags,
         key: match r.key {
@@ -205,19 +197,8 @@ pub fn rule_config(r: &Rule) -> RuleConfig {
         port_count: r.matcher.dst_ports.len().min(MAX_PORT_RANGES) as u8,
         _pad: [0; 3],
         ports,
-        limit: limit_of(
-            &r.threshold,
-            Some(r.burst),
-            if is_ban { Some(&r.ban_threshold) } else { None },
-            if is_ban { Some(r.ban_duration) } else { None },
-        ),
-        elastic: elastic_limit(
-            r.elastic,
-            &r.threshold,
-            r.burst,
-            if is_ban { Some(&r.ban_threshold) } else { None },
-            if is_ban { Some(r.ban_duration) } else { None },
-        ),
+        limit: limit_of_counts(&counts),
+        elastic: elastic_limit(&counts),
         // At least 1: a soft limit below 0.0005 rounded to 0, which turns reporting off
         // instead of reporting every client.
         soft_limit_permille: (r.soft_limit * 1000.0).round().clamp(1.0, 1000.0) as u32,
@@ -297,35 +278,10 @@ pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
     let mut overrides = BTreeMap::new();
     let mut region_overrides = BTreeMap::new();
     for (i, r) in cfg.rules.iter().enumerate() {
-        let is_ban = r.action == Action::RateBasedBan;
+        let rule = Counts::of_rule(r);
         for o in &r.overrides {
-            // An override without its own ban threshold: if the rule's ban threshold is the
-            // default (its threshold), the override's threshold is the ban threshold too;
-            // otherwise the larger of the two applies, so a client is never banned below
-            // its own allowance.
-            let inherited =
-                if r.ban_threshold == r.threshold || o.threshold.amount > r.ban_threshold.amount {
-                    o.threshold
-                } else {
-                    r.ban_threshold
-                };
-            let ban = if is_ban {
-                Some(o.ban_threshold.unwrap_or(inherited))
-            } else {
-                None
-            };
-            let ban = ban.as_ref();
-            let burst = o.burst.unwrap_or(o.threshold.amount);
-            let ban_duration = if is_ban { Some(r.ban_duration) } else { None };
-            let limit = limit_of(&o.threshold, Some(burst), ban, ban_duration);
-            // The override's own factor, or its rule's.
-            let elastic = elastic_limit(
-                o.elastic.or(r.elastic),
-                &o.threshold,
-                burst,
-                ban,
-                ban_duration,
-            );
+            let c = rule.for_override(o);
+            let (limit, elastic) = (limit_of_counts(&c), elastic_limit(&c));
             let v = OverrideValue { limit, elastic };
             match &o.target {
                 OverrideTarget::Cidr(n) => {
@@ -354,12 +310,10 @@ pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
                         .map(|(_, o)| o),
                 )
         };
-        // Both limits of each, the elastic one where there is one: either may be in force.
+        // Both limits of each (the same one twice without elastic): either may be in force.
         let limits = |rc: &RuleConfig| {
-            let mut v = vec![rc.limit];
+            let mut v = vec![rc.limit, rc.elastic];
             v.extend(own().flat_map(|o| [o.limit, o.elastic]));
-            v.push(rc.elastic);
-            v.retain(Limit::is_set);
             v
         };
         let limits = limits(rc);
@@ -891,7 +845,7 @@ threshold = { count = 10, interval = "1h" }"#
 
     /// Elastic scales every count of the rule (threshold, burst, ban threshold) and keeps
     /// its intervals and ban duration, with token bucket constants of its own; the limit as
-    /// configured is untouched, and a rule without elastic has no elastic limit.
+    /// configured is untouched, and a rule without elastic has its limit as its elastic one.
     #[test]
     fn elastic_limits_are_every_count_times_f_precomputed() {
         let p = plan_of(
@@ -931,9 +885,9 @@ elastic = 1.5"#,
         // The program selects one, by the level; no arithmetic.
         assert_eq!(r.limit_now(true), &e);
         assert_eq!(r.limit_now(false), &l);
-        // Without elastic: nothing to select.
+        // Without elastic: the limit in both, so the level selects it either way.
         let p = plan_of(r#"threshold = { count = 1000, interval = "1s" }"#);
-        assert!(!p.rules[0].elastic.is_set());
+        assert_eq!(p.rules[0].elastic, p.rules[0].limit);
         assert_eq!(p.rules[0].limit_now(true), &p.rules[0].limit);
         // A throttle's elastic limit has no ban counts; a window rule's burst is the scaled
         // threshold (as the configured one is the threshold).
@@ -976,7 +930,7 @@ cidr = "192.0.2.0/24"
 threshold = { count = 100, interval = "1s" }
 elastic = 1.25"#,
         );
-        assert!(!p.rules[0].elastic.is_set());
+        assert_eq!(p.rules[0].elastic, p.rules[0].limit);
         let o = p.overrides.values().next().unwrap();
         assert_eq!((o.limit.threshold, o.elastic.threshold), (100, 125));
         assert_eq!(o.limit_now(false).threshold, 100);

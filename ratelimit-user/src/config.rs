@@ -564,27 +564,98 @@ impl FromStr for Elastic {
 pub const ELASTIC_WITH_PASS: &str = "has no effect with exceed_action = \"pass\": elastic only \
      changes which packets are dropped, and this rule drops none";
 
-/// Whether `elastic` fits a rule whose `exceed_action` is `exceed` and whose (or whose
-/// override's) counts are `threshold` and `ban`: the rule must drop (elastic decides only
-/// which packets are dropped), and the scaled counts must stay rates the limiter meters.
-pub fn check_elastic(
-    e: Elastic,
-    exceed: ExceedAction,
-    threshold: &Threshold,
-    ban: Option<&Threshold>,
-) -> Result<(), String> {
-    if exceed == ExceedAction::Pass {
-        return Err(ELASTIC_WITH_PASS.into());
+/// The counts in force for a rule, or for one of its overrides: threshold, token bucket
+/// burst, ban threshold (after what an override inherits from its rule), ban duration, and
+/// the elastic factor. What [`crate::apply::plan`] writes and what every check of `elastic`
+/// (the config's, `override add`'s, `rule set`'s) checks are both read from this, so they
+/// cannot disagree.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Counts {
+    pub threshold: Threshold,
+    /// The token bucket's capacity (the threshold's amount for the window algorithms).
+    pub burst: u64,
+    /// `Some` for a `rate_based_ban` rule only.
+    pub ban: Option<Threshold>,
+    /// `Some` for a `rate_based_ban` rule only.
+    pub ban_duration: Option<Duration>,
+    /// The rule's factor; an override's own, or its rule's.
+    pub elastic: Option<Elastic>,
+}
+
+impl Counts {
+    /// A rule's counts.
+    pub fn of_rule(r: &Rule) -> Counts {
+        let is_ban = r.action == Action::RateBasedBan;
+        Counts {
+            threshold: r.threshold,
+            burst: r.burst,
+            ban: is_ban.then_some(r.ban_threshold),
+            ban_duration: is_ban.then_some(r.ban_duration),
+            elastic: r.elastic,
+        }
     }
-    for (what, t) in
-        std::iter::once(("threshold", threshold)).chain(ban.map(|b| ("ban_threshold", b)))
-    {
-        let scaled = e.scale_threshold(t);
-        values::check_amount(scaled.amount, scaled.unit, scaled.interval).map_err(|why| {
-            format!("= {e} makes the {what} {scaled} while the host has room, and {why}")
-        })?;
+
+    /// The counts of override `o` of rule `r`.
+    pub fn of_override(r: &Rule, o: &Override) -> Counts {
+        Counts::of_rule(r).for_override(o)
     }
-    Ok(())
+
+    /// The counts of override `o` of the rule whose counts these are. Its own threshold; its
+    /// own burst, else its threshold's amount; its own ban threshold, else: if the rule's ban
+    /// threshold is the default (its threshold), the override's threshold; otherwise the
+    /// larger of the two, so a client is never banned below its own allowance. Its own
+    /// factor, else the rule's.
+    pub fn for_override(&self, o: &Override) -> Counts {
+        let ban = self.ban.map(|rule_ban| {
+            o.ban_threshold.unwrap_or(
+                if rule_ban == self.threshold || o.threshold.amount > rule_ban.amount {
+                    o.threshold
+                } else {
+                    rule_ban
+                },
+            )
+        });
+        Counts {
+            threshold: o.threshold,
+            burst: o.burst.unwrap_or(o.threshold.amount),
+            ban,
+            ban_duration: self.ban_duration,
+            elastic: o.elastic.or(self.elastic),
+        }
+    }
+
+    /// The counts while the host has room: every count times the factor, intervals and ban
+    /// duration as they are. `None` without a factor.
+    pub fn relaxed(&self) -> Option<Counts> {
+        let e = self.elastic?;
+        Some(Counts {
+            threshold: e.scale_threshold(&self.threshold),
+            burst: e.scale(self.burst),
+            ban: self.ban.map(|b| e.scale_threshold(&b)),
+            ..*self
+        })
+    }
+
+    /// Whether the factor (if any) fits a rule whose `exceed_action` is `exceed`: the rule
+    /// must drop (elastic decides only which packets are dropped), and the scaled counts
+    /// ([`Counts::relaxed`]) must stay rates the limiter meters. The error follows
+    /// `elastic`, e.g. "= 2 makes the threshold ...".
+    pub fn check_elastic(&self, exceed: ExceedAction) -> Result<(), String> {
+        let (Some(e), Some(relaxed)) = (self.elastic, self.relaxed()) else {
+            return Ok(());
+        };
+        if exceed == ExceedAction::Pass {
+            return Err(ELASTIC_WITH_PASS.into());
+        }
+        for (what, scaled) in std::iter::once(("threshold", relaxed.threshold))
+            .chain(relaxed.ban.map(|b| ("ban_threshold", b)))
+        {
+            values::check_amount(scaled.amount, scaled.unit, scaled.interval).map_err(|why| {
+                format!("= {e} makes the {what} {scaled} while the host has room, and {why}")
+            })?;
+        }
+        Ok(())
+    }
 }
 
 /// Who an override applies to.

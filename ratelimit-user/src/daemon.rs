@@ -96,6 +96,8 @@ pub struct State {
     pub pressure_counters: Option<(pressure::Counters, Instant)>,
     /// Why the operator's last mode could not be saved to `state_dir`.
     pub pressure_not_saved: Option<String>,
+    /// Whether the data plane holds the level, checked at every sample.
+    pub level_sync: pressure::LevelSync,
     /// Fleet mode (`[fleet]`): where this host's bans are published. `None` without it.
     pub fleet: Option<crate::fleet::Link>,
     /// The origin host of each ban received from the fleet, by prefix (only bans marked
@@ -268,6 +270,12 @@ impl State {
         self.pressure_counters = Some((counters, at));
         let change = self.pressure.observe(sample, at);
         self.pressure_changed(change);
+        // Whatever became of the last write: the data plane holds the level, or gets it
+        // again now.
+        let held = apply::read_relaxed(&self.maps);
+        let (relaxed, maps) = (self.relaxed(), &mut self.maps);
+        self.level_sync
+            .tick(relaxed, held, |r| apply::write_relaxed(maps, r));
     }
 
     /// `pressure set`: the mode from now on, saved to `state_dir` for the next start. A mode
@@ -322,7 +330,8 @@ impl State {
         self.pressure.level() == pressure::Level::Low
     }
 
-    /// Write the level into the data plane (a failure is logged; the next change retries).
+    /// Write the level into the data plane (a failure is logged; the sampler's next tick
+    /// finds the data plane holding the other level and writes it again, [`pressure::LevelSync`]).
     fn write_level(&mut self) {
         let relaxed = self.relaxed();
         if let Err(e) = apply::write_relaxed(&mut self.maps, relaxed) {
@@ -1421,6 +1430,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         pressure,
         pressure_counters: None,
         pressure_not_saved: None,
+        level_sync: pressure::LevelSync::default(),
         fleet,
         ban_origins: Arc::new(restored.origins),
     };

@@ -267,7 +267,9 @@ pub fn ifindex(iface: &str) -> anyhow::Result<u32> {
 
 /// The layout of every pinned map's keys and values. `LAYOUT_VERSION` is bumped by hand
 /// whenever one changes (a reordered field included), and when where a key is placed changes
-/// (the per-source store's hash, `known_hash`); the sizes follow as a check.
+/// (the per-source store's hash, `known_hash`) or what a value means (an elastic limit without
+/// `elastic` is the limit itself, no longer all zero; global rules' windows on the wall clock);
+/// the sizes follow as a check.
 const LAYOUT_VERSION: u32 = 11;
 
 /// File in `daemon.state_dir` recording the layout of the maps pinned in `daemon.bpffs_dir`.

@@ -184,9 +184,17 @@ pub fn check(spec: &OverrideSpec, rule: &Rule) -> Result<Override, String> {
                 .map_err(|why| format!("--elastic {why}"))?,
         ),
     };
-    if let Some(e) = own_elastic.or(rule.elastic) {
-        let ban = ban_threshold.or((rule.action == Action::RateBasedBan).then_some(threshold));
-        config::check_elastic(e, rule.exceed_action, &threshold, ban.as_ref()).map_err(|why| {
+    let o = Override {
+        target,
+        threshold,
+        burst,
+        ban_threshold,
+        elastic: own_elastic,
+    };
+    // The counts `apply::plan` will write for it (what it inherits from the rule included).
+    config::Counts::of_override(rule, &o)
+        .check_elastic(rule.exceed_action)
+        .map_err(|why| {
             let whose = if own_elastic.is_some() {
                 ""
             } else {
@@ -194,21 +202,15 @@ pub fn check(spec: &OverrideSpec, rule: &Rule) -> Result<Override, String> {
             };
             format!("rule {:?}: --elastic{whose} {why}", rule.name)
         })?;
-    }
-    Ok(Override {
-        target,
-        threshold,
-        burst,
-        ban_threshold,
-        elastic: own_elastic,
-    })
+    Ok(o)
 }
 
 /// The threshold of `r` in force: times its `elastic` while the host has room (`relaxed`).
 pub fn threshold_now(r: &Rule, relaxed: bool) -> config::Threshold {
-    match r.elastic {
-        Some(e) if relaxed => e.scale_threshold(&r.threshold),
-        _ => r.threshold,
+    let counts = config::Counts::of_rule(r);
+    match counts.relaxed() {
+        Some(c) if relaxed => c.threshold,
+        _ => counts.threshold,
     }
 }
 
@@ -668,9 +670,21 @@ impl Live {
             .cloned()
             .unwrap_or_default()
             .merged(set);
-        // Checked here first for its own message (`resolve` would prefix it).
+        // Checked here first for its own message (`resolve` would prefix it): the rule as
+        // changed, its overrides in the config (which `override del` brings back where a live
+        // one replaces them), and its live overrides, each against the rule as changed.
         if let Some(rule) = self.file.rules.iter().find(|r| r.name == name) {
-            ruleset::apply_changes(&mut rule.clone(), &merged)?;
+            let mut changed = rule.clone();
+            ruleset::apply_changes(&mut changed, &merged)?;
+            for spec in self.changes.overrides.iter().filter(|s| s.at.rule == name) {
+                check(spec, &changed).map_err(|e| {
+                    anyhow::anyhow!(
+                        "live override {} would not fit the rule as changed: {e}; remove it \
+                         first (`ratelimit override del`); nothing was changed",
+                        spec.label()
+                    )
+                })?;
+            }
         }
         let mut changes = self.changes.clone();
         if !merged.is_empty() {

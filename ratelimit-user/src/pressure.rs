@@ -500,6 +500,83 @@ pub struct Saved {
     pub mode: Mode,
 }
 
+/// Keeps the level the data plane holds equal to the daemon's: on every tick of the sampler
+/// the daemon compares what the global entry holds with the level it wants, and writes it again
+/// where they differ (a write that failed at a change of the level, or an entry someone else
+/// wrote). One warning an episode of disagreement, not one a tick, and one line when it ends
+/// if it outlived its first rewrite.
+#[derive(Debug, Default)]
+pub struct LevelSync {
+    /// Since the first tick of the current disagreement, until a tick finds them agreeing.
+    disagreeing: bool,
+    /// A rewrite in the current episode failed.
+    failed: bool,
+    /// Lines logged, for the tests.
+    lines: u64,
+}
+
+/// What one [`LevelSync::tick`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Synced {
+    /// The data plane holds the level: nothing written.
+    Agrees,
+    /// It held the other level, or could not be read, and the level was written.
+    Rewritten,
+    /// As `Rewritten`, but the write failed: the next tick tries again.
+    Failed,
+}
+
+impl LevelSync {
+    /// Compare `held` (the data plane's level: `Some(true)` relaxed, `None` unreadable) with
+    /// `relaxed` (the daemon's), and `write` the daemon's where they differ.
+    pub fn tick(
+        &mut self,
+        relaxed: bool,
+        held: Option<bool>,
+        write: impl FnOnce(bool) -> anyhow::Result<()>,
+    ) -> Synced {
+        let name = |relaxed: bool| if relaxed { Level::Low } else { Level::High }.name();
+        if held == Some(relaxed) {
+            if self.disagreeing && self.failed {
+                tracing::info!(
+                    "the data plane holds the pressure level {} again",
+                    name(relaxed)
+                );
+                self.lines += 1;
+            }
+            self.disagreeing = false;
+            self.failed = false;
+            return Synced::Agrees;
+        }
+        let first = !self.disagreeing;
+        self.disagreeing = true;
+        let held = held.map_or("an unreadable level", name);
+        let result = write(relaxed);
+        if first {
+            self.lines += 1;
+            match &result {
+                Ok(()) => tracing::warn!(
+                    "the data plane held {held} while the pressure level is {}: written again",
+                    name(relaxed)
+                ),
+                Err(e) => tracing::error!(
+                    "the data plane holds {held} while the pressure level is {}, and writing it \
+                     failed: {e:#}; retrying every {} ms",
+                    name(relaxed),
+                    SAMPLE_PERIOD.as_millis()
+                ),
+            }
+        }
+        match result {
+            Ok(()) => Synced::Rewritten,
+            Err(_) => {
+                self.failed = true;
+                Synced::Failed
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -825,5 +902,62 @@ mod tests {
             serde_json::to_string(&Saved { mode: Mode::High }).unwrap(),
             r#"{"mode":"high"}"#
         );
+    }
+
+    /// A level the data plane does not hold (a write that failed, or an entry written by
+    /// someone else) is written again on the next tick, and logged once an episode.
+    #[test]
+    fn the_data_plane_level_is_rewritten_until_it_holds() {
+        struct Plane {
+            held: Option<bool>,
+            failures: u32,
+            writes: u32,
+        }
+        impl Plane {
+            fn write(&mut self, relaxed: bool) -> anyhow::Result<()> {
+                self.writes += 1;
+                if self.failures > 0 {
+                    self.failures -= 1;
+                    anyhow::bail!("injected failure");
+                }
+                self.held = Some(relaxed);
+                Ok(())
+            }
+        }
+        let mut sync = LevelSync::default();
+        let mut plane = Plane {
+            held: Some(false),
+            failures: 0,
+            writes: 0,
+        };
+        let tick = |sync: &mut LevelSync, plane: &mut Plane, relaxed: bool| {
+            let held = plane.held;
+            sync.tick(relaxed, held, |r| plane.write(r))
+        };
+        // Agreeing: nothing written, nothing logged.
+        assert_eq!(tick(&mut sync, &mut plane, false), Synced::Agrees);
+        assert_eq!((plane.writes, sync.lines), (0, 0));
+        // The level went low and its write failed twice: rewritten on every tick until it
+        // holds, one line when it starts and one when it ends.
+        plane.failures = 2;
+        assert_eq!(tick(&mut sync, &mut plane, true), Synced::Failed);
+        assert_eq!(tick(&mut sync, &mut plane, true), Synced::Failed);
+        assert_eq!(sync.lines, 1, "once an episode");
+        assert_eq!(plane.held, Some(false));
+        assert_eq!(tick(&mut sync, &mut plane, true), Synced::Rewritten);
+        assert_eq!(plane.held, Some(true));
+        assert_eq!(tick(&mut sync, &mut plane, true), Synced::Agrees);
+        assert_eq!((plane.writes, sync.lines), (3, 2));
+        assert_eq!(tick(&mut sync, &mut plane, true), Synced::Agrees);
+        assert_eq!((plane.writes, sync.lines), (3, 2));
+        // Someone else writes the entry: put back at once, one line.
+        plane.held = Some(false);
+        assert_eq!(tick(&mut sync, &mut plane, true), Synced::Rewritten);
+        assert_eq!(tick(&mut sync, &mut plane, true), Synced::Agrees);
+        assert_eq!((plane.held, plane.writes, sync.lines), (Some(true), 4, 3));
+        // An entry that cannot be read is written.
+        plane.held = None;
+        assert_eq!(tick(&mut sync, &mut plane, true), Synced::Rewritten);
+        assert_eq!(plane.held, Some(true));
     }
 }

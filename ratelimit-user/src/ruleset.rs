@@ -6,7 +6,7 @@
 use anyhow::{Context as _, bail};
 use serde::{Deserialize, Serialize};
 
-use crate::config::{Action, ExceedAction, Rule, Threshold};
+use crate::config::{Action, Counts, ExceedAction, Rule, Threshold};
 
 /// The fields of a rule changed live, in their command-line spelling; `None` keeps the
 /// config's value. On the control API (`rule set`) and in the saved live changes.
@@ -162,12 +162,30 @@ pub fn apply_changes(rule: &mut Rule, set: &RuleChanges) -> anyhow::Result<()> {
         rule.elastic =
             Some(crate::config::Elastic::new(f).map_err(|e| anyhow::anyhow!("--elastic {e}"))?);
     }
-    // Elastic against the rule as it now stands: a new threshold or exceed_action may no
-    // longer fit a factor given before.
-    if let Some(e) = rule.elastic {
-        let ban = (rule.action == Action::RateBasedBan).then_some(rule.ban_threshold);
-        crate::config::check_elastic(e, rule.exceed_action, &rule.threshold, ban.as_ref())
-            .map_err(|why| anyhow::anyhow!("elastic {why}"))?;
+    check_elastic(rule)
+}
+
+/// Elastic against the rule as it now stands, and against each of its overrides under the
+/// rule as it now stands: a new threshold, ban threshold (which overrides may inherit), factor
+/// (which they inherit) or exceed_action may no longer fit a factor given before. The counts
+/// checked are the ones `apply::plan` writes ([`Counts`]).
+fn check_elastic(rule: &Rule) -> anyhow::Result<()> {
+    let counts = Counts::of_rule(rule);
+    counts
+        .check_elastic(rule.exceed_action)
+        .map_err(|why| anyhow::anyhow!("elastic {why}"))?;
+    for o in &rule.overrides {
+        counts
+            .for_override(o)
+            .check_elastic(rule.exceed_action)
+            .map_err(|why| {
+                let whose = if o.elastic.is_some() {
+                    ""
+                } else {
+                    " (the rule's)"
+                };
+                anyhow::anyhow!("override {}: elastic{whose} {why}", o.target)
+            })?;
     }
     Ok(())
 }
@@ -288,5 +306,68 @@ mod tests {
             "{e}"
         );
         assert_eq!(set(Some(2.0), None).describe(), "--elastic 2");
+    }
+    /// A rule's overrides are checked against the rule as it stands after the change: a new
+    /// factor (which they inherit), a new ban threshold (which they may inherit) or
+    /// exceed_action = "pass" can make one of them refused, and then so is the change.
+    #[test]
+    fn a_change_that_does_not_fit_the_rules_overrides_is_refused() {
+        let rule_of = |body: &str| {
+            crate::config::parse(
+                "t.toml",
+                &format!(
+                    "[[rule]]\nname = \"r\"\nthreshold = {{ count = 10, interval = \"1s\" }}\n{body}"
+                ),
+            )
+            .unwrap()
+            .rules
+            .remove(0)
+        };
+        let refused = |rule: &Rule, set: &RuleChanges| {
+            apply_changes(&mut rule.clone(), set)
+                .unwrap_err()
+                .to_string()
+        };
+        // The rule's new factor on an override's threshold.
+        let rule = rule_of(
+            "[[rule.override]]\ncidr = \"192.0.2.0/24\"\n\
+             threshold = { count = 600000000, interval = \"1s\" }\n",
+        );
+        let set = RuleChanges {
+            elastic: Some(2.0),
+            ..Default::default()
+        };
+        let e = refused(&rule, &set);
+        assert!(
+            e.contains("override cidr 192.0.2.0/24: elastic (the rule's) = 2 makes the threshold 1200000000/1s"),
+            "{e}"
+        );
+        // A new ban threshold an override inherits, under the override's own factor.
+        let rule = rule_of(
+            "action = \"rate_based_ban\"\nban_duration = \"1m\"\n\
+             [[rule.override]]\ncidr = \"192.0.2.0/24\"\n\
+             threshold = { count = 100, interval = \"1s\" }\nelastic = 2\n",
+        );
+        let set = RuleChanges {
+            ban_threshold: Some("600000000/1s".into()),
+            ..Default::default()
+        };
+        let e = refused(&rule, &set);
+        assert!(
+            e.contains(
+                "override cidr 192.0.2.0/24: elastic = 2 makes the ban_threshold 1200000000/1s"
+            ),
+            "{e}"
+        );
+        // exceed_action = "pass" on a rule whose override has a factor.
+        let set = RuleChanges {
+            exceed_action: Some("pass".into()),
+            ..Default::default()
+        };
+        let e = refused(&rule, &set);
+        assert!(
+            e.contains("override cidr 192.0.2.0/24: elastic has no effect with exceed_action"),
+            "{e}"
+        );
     }
 }

@@ -502,3 +502,46 @@ fn override_del_restores_the_configs_value_and_bad_input_changes_nothing() {
         "rule \"udp\" has no live changes",
     );
 }
+
+/// `rule set` checks the rule's overrides, the config's and the live ones, against the rule
+/// as changed: a factor they inherit that makes one too fast to meter, or exceed_action =
+/// "pass" under an override's own factor, is refused, and the running rule stays as it was.
+#[test]
+fn rule_set_is_refused_when_the_rules_overrides_would_not_fit() {
+    kernel_test!();
+    let mut s = Scenario::new("rlo6");
+    s.start(&format!(
+        "{RULE}\n[[rule.override]]\ncidr = \"198.19.56.9/32\"\nthreshold = {{ count = 600000000, interval = \"1s\" }}\n"
+    ));
+    let sink = s.sink(PORT);
+    let d = s.daemon();
+    d.cli_ok(&[
+        "override",
+        "add",
+        "udp",
+        "198.19.56.1",
+        "--threshold",
+        "150/1h",
+        "--elastic",
+        "2",
+    ]);
+    let overrides = d.cli_json(&["overrides"]);
+    let rules = d.cli_json(&["rules"]);
+    let file = d.config_dir().join("state/live.json");
+    let saved = std::fs::read(&file).unwrap();
+    refused(
+        &d.cli(&["rule", "set", "udp", "--elastic", "2"]),
+        "override cidr 198.19.56.9/32: elastic (the rule's) = 2 makes the threshold \
+         1200000000/1s while the host has room",
+    );
+    refused(
+        &d.cli(&["rule", "set", "udp", "--exceed-action", "pass"]),
+        "live override cidr 198.19.56.1/32 of rule \"udp\" would not fit the rule as changed: \
+         rule \"udp\": --elastic has no effect with exceed_action = \"pass\"",
+    );
+    assert_eq!(s.daemon().cli_json(&["overrides"]), overrides);
+    assert_eq!(s.daemon().cli_json(&["rules"]), rules);
+    assert_eq!(std::fs::read(&file).unwrap(), saved, "the saved file");
+    // The data plane too: 100 for a client without an override, and drops past it.
+    assert_eq!(delivered(&s, &sink, ip4(56, 2), 150), 100);
+}

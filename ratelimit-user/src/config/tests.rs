@@ -1975,3 +1975,37 @@ fn bad_elastic_is_refused_with_the_reason() {
         "{e}"
     );
 }
+
+/// An override without a ban threshold of its own is banned at its rule's where that is the
+/// larger (`apply::plan`); its elastic factor scales that one, so that is the one checked.
+#[test]
+fn an_overrides_inherited_ban_threshold_is_checked_as_scaled() {
+    let text = "[[rule]]\nname = \"r\"\nthreshold = { count = 10, interval = \"1s\" }\n\
+                action = \"rate_based_ban\"\n\
+                ban_threshold = { count = 600000000, interval = \"1s\" }\nban_duration = \"1m\"\n\
+                [[rule.override]]\ncidr = \"192.0.2.0/24\"\n\
+                threshold = { count = 100, interval = \"1s\" }\nelastic = 2\n";
+    let e = error(text);
+    assert!(
+        e.starts_with(&at(
+            text,
+            "elastic",
+            0,
+            "rule \"r\": override #1: elastic = 2 makes the ban_threshold 1200000000/1s while \
+             the host has room, and"
+        )),
+        "{e}"
+    );
+    // With a ban threshold of its own, the override's is the one scaled.
+    let fits = text.replace(
+        "elastic = 2\n",
+        "ban_threshold = { count = 1000, interval = \"1s\" }\nelastic = 2\n",
+    );
+    let c = ok(&fits);
+    let p = crate::apply::plan(&c, false);
+    let o = p.overrides.values().next().unwrap();
+    assert_eq!(
+        (o.limit.ban_threshold, o.elastic.ban_threshold),
+        (1000, 2000)
+    );
+}

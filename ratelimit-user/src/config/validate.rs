@@ -14,10 +14,10 @@ use ratelimit_common::caps;
 use super::tree::{Checker, Field, Item, Node, Table};
 use super::values::{check_amount, check_byte_burst, check_interval, check_port};
 use super::{
-    Action, Algorithm, Config, Daemon, ELASTIC_WITH_PASS, Elastic, EventsSink, ExceedAction, Fleet,
-    GeoIp, KeyKind, Lists, Match, Override, OverrideTarget, Pressure, Protocol, Rule, Scope,
-    Threshold, Tracking, Unit, check_elastic, override_fits, parse_ban_duration, parse_bytes,
-    parse_duration, parse_net, parse_port_range, parse_region, parse_tcp_flags,
+    Action, Algorithm, Config, Counts, Daemon, ELASTIC_WITH_PASS, Elastic, EventsSink,
+    ExceedAction, Fleet, GeoIp, KeyKind, Lists, Match, Override, OverrideTarget, Pressure,
+    Protocol, Rule, Scope, Threshold, Tracking, Unit, override_fits, parse_ban_duration,
+    parse_bytes, parse_duration, parse_net, parse_port_range, parse_region, parse_tcp_flags,
 };
 
 pub(super) fn build(root: &Item, ck: &mut Checker) -> Config {
@@ -447,9 +447,10 @@ struct RuleCtx {
     action: Option<Action>,
     algorithm: Option<Algorithm>,
     unit: Option<Unit>,
-    /// The rule's `exceed_action` and `elastic`, once read (overrides inherit `elastic`).
+    /// The rule's `exceed_action` and counts (with `elastic`), once read: what its overrides
+    /// inherit.
     exceed: ExceedAction,
-    elastic: Option<Elastic>,
+    counts: Option<Counts>,
 }
 
 fn rule(
@@ -549,7 +550,7 @@ fn rule(
         algorithm,
         unit,
         exceed: ExceedAction::Drop,
-        elastic: None,
+        counts: None,
     };
 
     let burst = t.get("burst").and_then(|f| burst(&f, &ctx, ck));
@@ -624,13 +625,23 @@ fn rule(
             None => {}
         }
     }
+    // The rule's counts as `apply::plan` reads them, for its factor and its overrides'.
+    let is_ban = action == Some(Action::RateBasedBan);
+    let counts = threshold.map(|th| Counts {
+        threshold: th,
+        burst: burst.unwrap_or(th.amount),
+        ban: is_ban.then_some(ban_threshold.unwrap_or(th)),
+        ban_duration: is_ban.then_some(ban_duration),
+        elastic: None,
+    });
     let elastic = t.get("elastic").and_then(|f| {
         let e = elastic(&f, ck)?;
-        let ban = (action == Some(Action::RateBasedBan))
-            .then_some(ban_threshold.or(threshold))
-            .flatten();
-        if let Some(th) = threshold
-            && let Err(why) = check_elastic(e, exceed_action, &th, ban.as_ref())
+        if let Some(c) = counts
+            && let Err(why) = (Counts {
+                elastic: Some(e),
+                ..c
+            })
+            .check_elastic(exceed_action)
         {
             f.error_at_key(ck, why);
             return None;
@@ -638,7 +649,7 @@ fn rule(
         Some(e)
     });
     ctx.exceed = exceed_action;
-    ctx.elastic = elastic;
+    ctx.counts = counts.map(|c| Counts { elastic, ..c });
 
     let mut overrides = Vec::new();
     if let Some(tables) = t
@@ -965,34 +976,30 @@ fn override_(
         }
         Some((e, f))
     });
-    // The override's counts under its own factor or the rule's must stay meterable.
-    let factor = match &own_elastic {
-        Some(Some((e, _))) => Some(*e),
-        _ => ctx.elastic,
-    };
-    if let (Some(e), Some(th)) = (factor, threshold) {
-        let ban = match &ban_threshold {
-            Some(Some(b)) => Some(*b),
-            _ => (ctx.action == Some(Action::RateBasedBan)).then_some(th),
-        };
-        if let Err(why) = check_elastic(e, ExceedAction::Drop, &th, ban.as_ref()) {
-            match &own_elastic {
-                Some(Some((_, f))) => f.error_at_key(ck, why),
-                _ => ck.error(t.at(), format!("{}elastic (the rule's) {why}", t.pre)),
-            }
-        }
-    }
+    let (t_at, t_pre) = (t.at(), t.pre.clone());
     t.finish(ck);
-    Some(Override {
+    let o = Override {
         target: target?,
         threshold: threshold?,
         burst: burst.map(|b| b.ok_or(())).transpose().ok()?,
         ban_threshold: ban_threshold.map(|b| b.ok_or(())).transpose().ok()?,
-        elastic: own_elastic
-            .map(|e| e.map(|(e, _)| e).ok_or(()))
-            .transpose()
-            .ok()?,
-    })
+        elastic: match &own_elastic {
+            None => None,
+            Some(Some((e, _))) => Some(*e),
+            Some(None) => return None,
+        },
+    };
+    // The override's counts as `apply::plan` reads them (its rule's ban threshold where it
+    // inherits it), under its own factor or the rule's, must stay meterable.
+    if let Some(rule) = &ctx.counts
+        && let Err(why) = rule.for_override(&o).check_elastic(ctx.exceed)
+    {
+        match &own_elastic {
+            Some(Some((_, f))) => f.error_at_key(ck, why),
+            _ => ck.error(t_at, format!("{t_pre}elastic (the rule's) {why}")),
+        }
+    }
+    Some(o)
 }
 
 /// Two uppercase ASCII letters ([`parse_region`]).

@@ -174,6 +174,21 @@ fn live_override_elastic_is_checked() {
             .unwrap_err()
             .contains("--elastic (the rule's) = 2 makes the threshold 1200000000/1s")
     );
+    // An override without a ban threshold of its own is banned at its rule's larger one,
+    // and that is what its factor scales.
+    let cfg2 = config(
+        Path::new("/nonexistent"),
+        "[[rule]]\nname = \"ban\"\nthreshold = { count = 10, interval = \"1s\" }\n\
+         action = \"rate_based_ban\"\nban_duration = \"1m\"\n\
+         ban_threshold = { count = 600000000, interval = \"1s\" }\n",
+    );
+    let mut s = spec("ban", Some("192.0.2.0/24"), None, "100/1s");
+    s.elastic = Some("2".into());
+    let e = check(&s, rule(&cfg2, "ban")).unwrap_err();
+    assert!(
+        e.contains("--elastic = 2 makes the ban_threshold 1200000000/1s"),
+        "{e}"
+    );
     let o = with("udp", Some("1.5"), "5/1h").unwrap();
     assert_eq!(o.elastic.unwrap().milli(), 1500);
     // Listed and saved in its command-line spelling.
