@@ -542,6 +542,8 @@ pub struct Shared {
     /// Bumped at every change of the outbox's content (under its lock), so that it is written
     /// to disk whenever it changed, whatever its length.
     outbox_gen: AtomicU64,
+    /// Held while the cursor file is written (by the reader, or at shutdown).
+    cursor_file: Mutex<()>,
     events: events::Events,
 }
 
@@ -699,7 +701,7 @@ impl Link {
             i.report.cursor.clone()
         };
         if let Some(c) = cursor {
-            match write_cursor(&self.settings, &c) {
+            match write_cursor(&self.settings, &self.shared, &c) {
                 Ok(()) => self.shared.lock().saved_cursor = Some(c),
                 Err(e) => warn!("saving the fleet cursor: {e:#}"),
             }
@@ -799,6 +801,7 @@ where
         }),
         outbox: Mutex::new(outbox),
         outbox_gen: AtomicU64::new(0),
+        cursor_file: Mutex::new(()),
         events,
     });
     let (tx, rx) = mpsc::unbounded_channel();
@@ -1401,7 +1404,8 @@ where
 }
 
 /// Write the cursor to `state_dir` (a temporary file renamed over the old one, durably).
-fn write_cursor(settings: &Settings, cursor: &str) -> anyhow::Result<()> {
+fn write_cursor(settings: &Settings, shared: &Shared, cursor: &str) -> anyhow::Result<()> {
+    let _writing = shared.cursor_file.lock().unwrap_or_else(|e| e.into_inner());
     let saved = Saved {
         host_id: settings.host_id.clone(),
         cursor: Some(cursor.to_string()),
@@ -1429,13 +1433,9 @@ async fn save_cursor_if_moved(settings: &Settings, shared: &Shared) {
         i.report.cursor.clone()
     };
     let Some(cursor) = cursor else { return };
-    let s = settings.clone();
-    let c = cursor.clone();
-    let res = tokio::task::spawn_blocking(move || write_cursor(&s, &c)).await;
-    match res {
-        Ok(Ok(())) => shared.lock().saved_cursor = Some(cursor),
-        Ok(Err(e)) => warn!("saving the fleet cursor: {e:#}"),
-        Err(e) => warn!("saving the fleet cursor: {e}"),
+    match tokio::task::block_in_place(|| write_cursor(settings, shared, &cursor)) {
+        Ok(()) => shared.lock().saved_cursor = Some(cursor),
+        Err(e) => warn!("saving the fleet cursor: {e:#}"),
     }
 }
 
@@ -1586,6 +1586,7 @@ mod tests {
             inner: Mutex::new(Inner::default()),
             outbox: Mutex::new(VecDeque::new()),
             outbox_gen: AtomicU64::new(0),
+            cursor_file: Mutex::new(()),
             events: events::Events::start(None, 1, vec![]).unwrap(),
         });
         let mut on_disk = shared.outbox_gen.load(Ordering::Relaxed);
