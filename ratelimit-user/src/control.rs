@@ -125,8 +125,12 @@ pub struct BansAdded {
 pub struct BansRemoved {
     /// Bans removed (a prefix may have had one in each ban table).
     pub removed: usize,
-    /// The entries that had no ban.
+    /// The entries that had no ban (and, in fleet mode, no `unban` was published for).
     pub not_found: Vec<String>,
+    /// In fleet mode: the entries that had no ban here, whose `unban` was published to the
+    /// fleet all the same.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub published_only: Vec<String>,
 }
 
 /// The answer to `ban del --rule`: the aggregate ban lifted.
@@ -664,6 +668,7 @@ pub(crate) mod samples {
                 Answer::BanDel(BansRemoved {
                     removed: 1,
                     not_found: vec!["192.0.2.1/32".into()],
+                    published_only: vec!["192.0.2.2/32".into()],
                 }),
             ),
             (

@@ -103,7 +103,15 @@ pub struct State {
     /// The origin host of each ban received from the fleet, by prefix (only bans marked
     /// [`crate::fleet::BAN_REMOTE`] are looked up here).
     pub ban_origins: Arc<BTreeMap<String, String>>,
+    /// In fleet mode: when (unix ms) `ban del` last lifted each prefix here, so that a fleet
+    /// record issued before (read again from the stream, or from the snapshot at a resync)
+    /// does not install it again. At most [`FLEET_LIFTS_MAX`], the latest kept.
+    pub fleet_lifts: BTreeMap<String, u64>,
 }
+
+/// How many `ban del` times the daemon keeps for the fleet's records (see
+/// [`State::fleet_lifts`]).
+pub const FLEET_LIFTS_MAX: usize = 100_000;
 
 /// How often the daemon checks whether the known-sources filter needs a rebuild (a rebuild
 /// that took `t` is followed by the next check `10 t` later at the earliest).
@@ -735,13 +743,29 @@ impl State {
             self.forget_ban_notes(&net.to_string());
         }
         let removed = lifted.len();
-        // An `unban` for the fleet: lifts the ban on every host (whichever issued it).
-        if let Some(f) = self.fleet.as_ref().filter(|_| !local && removed > 0) {
-            let records = nets
-                .iter()
-                .map(|n| f.record(crate::fleet::Op::Unban, n.to_string(), 0, None))
-                .collect();
-            f.publish(records);
+        let mut published_only = Vec::new();
+        if let Some(f) = &self.fleet {
+            let now_ms = crate::fleet::unix_ms(std::time::SystemTime::now());
+            for n in &nets {
+                self.fleet_lifts.insert(n.to_string(), now_ms);
+            }
+            if self.fleet_lifts.len() > FLEET_LIFTS_MAX {
+                let mut times: Vec<u64> = self.fleet_lifts.values().copied().collect();
+                let cut = FLEET_LIFTS_MAX / 2;
+                times.select_nth_unstable_by(cut, |a, b| b.cmp(a));
+                let keep_from = times[cut];
+                self.fleet_lifts.retain(|_, at| *at > keep_from);
+            }
+            // An `unban` for the fleet: lifts the ban on every host (whichever issued it),
+            // also where this host holds none (ended here, or never installed).
+            if !local && f.settings.share_bans {
+                let records = nets
+                    .iter()
+                    .map(|n| f.record(crate::fleet::Op::Unban, n.to_string(), 0, None))
+                    .collect();
+                f.publish(records);
+                published_only = std::mem::take(&mut missing);
+            }
         }
         self.bans_changed();
         self.events.operator(lifted);
@@ -751,6 +775,7 @@ impl State {
         Ok(BansRemoved {
             removed,
             not_found: missing,
+            published_only,
         })
     }
 
@@ -1124,7 +1149,9 @@ impl State {
     /// ban table holds it now: only bans that drop (a rule in preview, or with `exceed_action
     /// = pass`, bans nobody elsewhere).
     fn publish_rule_bans(&mut self, seen: &[(u32, [u8; 16], u32)]) {
-        let Some(f) = &self.fleet else { return };
+        let Some(f) = self.fleet.as_ref().filter(|f| f.settings.share_bans) else {
+            return;
+        };
         let names = self.rule_names();
         let now = report::mono_ns();
         let mut records = Vec::new();
@@ -1156,8 +1183,11 @@ impl State {
         rx: crate::fleet::Received,
     ) -> anyhow::Result<crate::fleet::Applied> {
         use crate::fleet::{BAN_REMOTE, Op, Received};
-        // A snapshot only adds (see `Received::Snapshot`).
-        let (Received::Records(records) | Received::Snapshot(records)) = rx;
+        // A snapshot's tombstones lift only the fleet's bans (see `Received::Snapshot`).
+        let (records, snapshot) = match rx {
+            Received::Records(r) => (r, false),
+            Received::Snapshot(r) => (r, true),
+        };
         let mut applied = crate::fleet::Applied::default();
         let now = report::mono_ns();
         // The event lines of what was applied, with the issuing host as `origin`, so whoever
@@ -1189,6 +1219,11 @@ impl State {
                         applied.skipped += 1;
                         continue;
                     };
+                    // Lifted here after it was issued: the later word stands.
+                    if self.fleet_lifts.get(&cidr).is_some_and(|&at| at >= r.at_ms) {
+                        applied.skipped += 1;
+                        continue;
+                    }
                     if let Some(e) = self.maps.ban_at(BAN_TABLE_OPERATOR, plen, &key)
                         && ratelimit_common::limiter::ban_active(e.expires_ns, now)
                         && (e.expires_ns == 0 || (exp != 0 && e.expires_ns >= exp))
@@ -1222,6 +1257,9 @@ impl State {
                 }
                 Op::Unban => {
                     for entry in self.maps.bans_at(plen, &key) {
+                        if snapshot && entry.flags & BAN_REMOTE == 0 {
+                            continue;
+                        }
                         if let Ok(true) = self.maps.remove_ban(ban_table(entry.flags), plen, &key) {
                             applied.unbans += 1;
                             lines.push(line(EV_UNBAN, &entry, r));
@@ -1412,6 +1450,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         );
         link
     });
+    let share_bans = fleet.as_ref().is_some_and(|f| f.settings.share_bans);
     let mut state = State {
         cfg,
         opts_ifaces: opts.ifaces,
@@ -1433,6 +1472,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         level_sync: pressure::LevelSync::default(),
         fleet,
         ban_origins: Arc::new(restored.origins),
+        fleet_lifts: BTreeMap::new(),
     };
     state.write_dropped(&dropped);
     reports.publish(state.view());
@@ -1453,7 +1493,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         let ev = events.clone();
         let news = news.clone();
         supervise::spawn(&tasks, "events", first, move || {
-            read_events(ring.clone(), news.clone(), ev.clone())
+            read_events(ring.clone(), news.clone(), ev.clone(), share_bans)
         });
     }
     let h = handle.clone();
@@ -1511,6 +1551,9 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     // The last job: save the bans. Later jobs (a request that raced the signal) fail.
     let saved = handle
         .with(|s| {
+            if let Some(f) = &s.fleet {
+                f.save_cursor_now();
+            }
             let saved = s.save_bans();
             let _ = std::fs::remove_file(&s.cfg.daemon.control_socket);
             saved
@@ -1611,7 +1654,13 @@ type EventsRing = Arc<Mutex<AsyncFd<RingBuf<MapData>>>>;
 /// bookkeeping needs (the expiry sweep's next deadline, bans to save) in the owner's mailbox.
 /// It waits for no one: a long report or a slow job of the owner's does not leave the ring
 /// buffer to fill.
-async fn read_events(ring: EventsRing, news: Arc<NewsBox>, events: Events) -> anyhow::Result<()> {
+/// `share_bans`: rule-issued bans are noted for the fleet (in fleet mode, with `share_bans`).
+async fn read_events(
+    ring: EventsRing,
+    news: Arc<NewsBox>,
+    events: Events,
+    share_bans: bool,
+) -> anyhow::Result<()> {
     let mut fd = ring.lock().await;
     loop {
         let mut guard = fd.readable_mut().await?;
@@ -1625,7 +1674,7 @@ async fn read_events(ring: EventsRing, news: Arc<NewsBox>, events: Events) -> an
             }
         }
         guard.clear_ready();
-        let n = BanNews::of(&batch);
+        let n = BanNews::of(&batch, share_bans);
         events.data_plane(batch);
         if n.changed {
             news.put(n);
@@ -1658,7 +1707,7 @@ impl Default for BanNews {
 }
 
 impl BanNews {
-    fn of(batch: &[Event]) -> Self {
+    fn of(batch: &[Event], share_bans: bool) -> Self {
         let mut n = Self::default();
         for e in batch {
             if e.kind == EV_BAN || e.kind == EV_UNBAN {
@@ -1667,7 +1716,7 @@ impl BanNews {
             if e.kind == EV_BAN && e.expires_ns != 0 {
                 n.earliest_expiry = n.earliest_expiry.min(e.expires_ns);
             }
-            if e.kind == EV_BAN && e.key_kind == u32::from(KEY_IP) {
+            if share_bans && e.kind == EV_BAN && e.key_kind == u32::from(KEY_IP) {
                 n.rule_bans.push((e.prefix_len, e.addr, e.rule));
             }
         }
@@ -1859,5 +1908,25 @@ fn ban_event(kind: u32, b: &BanEntry, now: u64) -> Event {
         count: 0,
         threshold: 0,
         expires_ns: b.expires_ns,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rule_bans_are_noted_for_the_fleet_only_when_bans_are_shared() {
+        let ban = Event {
+            kind: EV_BAN,
+            key_kind: u32::from(KEY_IP),
+            prefix_len: 128,
+            expires_ns: 5,
+            ..Event::default()
+        };
+        let n = BanNews::of(&[ban], false);
+        assert!(n.changed && n.rule_bans.is_empty(), "{n:?}");
+        assert_eq!(n.earliest_expiry, 5);
+        assert_eq!(BanNews::of(&[ban], true).rule_bans.len(), 1);
     }
 }

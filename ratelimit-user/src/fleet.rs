@@ -6,10 +6,12 @@
 //!   `unban`), one field `r` holding the record as JSON, trimmed with `MAXLEN ~`
 //!   [`STREAM_MAXLEN`].
 //! - `ratelimit:{bans}:snap`: a hash, CIDR → `<end ms>|<record>`, the ban with the latest end
-//!   for each prefix (an `unban` deletes its field). A ban's expiry needs no message: each
-//!   host's kernel expires its own copy. A host that has no cursor, or whose cursor was
-//!   trimmed away, or that was cut off from the store, reads the snapshot and goes on from the
-//!   stream's last entry.
+//!   for each prefix, or `t<unban ms>|<record>`, the tombstone of an `unban`. A ban's expiry
+//!   needs no message: each host's kernel expires its own copy. Expired bans are pruned, and
+//!   tombstones older than the stream's first entry (its retention), by every host's
+//!   heartbeat, a bounded `HSCAN` at a time ([`SWEEP_COUNT`]). A host that has no cursor, or
+//!   whose cursor was trimmed away, reads the snapshot and goes on from the stream's last
+//!   entry; a host whose cursor the stream still holds goes on from its cursor.
 //!
 //! - `ratelimit:{bans}:peers`: a hash, host id → that host's [`Heartbeat`], written every
 //!   [`HEARTBEAT`] by each host (`fleet peers`; stale after [`PEER_STALE`]).
@@ -28,8 +30,14 @@
 //!
 //! While the store cannot be reached the daemon enforces everything locally: outgoing records
 //! wait in `state_dir/fleet-outbox.json` (written whole, durably, as the other state files)
-//! and are sent when the store returns; the reader then resyncs from the snapshot. The change
-//! is written as a `fleet_degraded` event, and the return as `fleet_restored`.
+//! and are sent when the store returns; the reader then goes on from its cursor (or resyncs
+//! from the snapshot if the cursor was trimmed away meanwhile). The change is written as a
+//! `fleet_degraded` event, and the return as `fleet_restored`.
+//!
+//! The cursor is written to `state_dir/fleet.json` at most every [`CURSOR_SAVE`] (and at
+//! shutdown): after a crash a few records are read again, and applying them again changes
+//! nothing. A ban lifted on this host (`ban del`, `--local` or not) is not installed again by
+//! a record issued before the lift (last writer wins, by time).
 //!
 //! Bans received from the fleet are marked [`BAN_REMOTE`] (and their origin host kept): they
 //! are never published again, so no ban echoes between hosts.
@@ -37,7 +45,10 @@
 use std::{
     collections::{BTreeMap, VecDeque},
     path::{Path, PathBuf},
-    sync::{Arc, Mutex},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering},
+    },
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
@@ -86,6 +97,10 @@ const PUBLISH_RETRY: Duration = Duration::from_millis(250);
 /// Waits between reconnection attempts: from the first to the last, doubling.
 const BACKOFF_FIRST: Duration = Duration::from_millis(100);
 const BACKOFF_MAX: Duration = Duration::from_secs(2);
+/// The reader writes its cursor to disk at most this often.
+pub const CURSOR_SAVE: Duration = Duration::from_secs(1);
+/// Snapshot fields looked at per heartbeat by the sweep that prunes it.
+pub const SWEEP_COUNT: usize = 1000;
 
 /// What a record does.
 #[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
@@ -522,8 +537,8 @@ struct Inner {
     latency: Latency,
     /// Degraded since (monotonic), for `down_for_ms`.
     down_at: Option<Instant>,
-    /// A resync is due when the reader next connects.
-    resync: bool,
+    /// The cursor as last written to disk.
+    saved_cursor: Option<String>,
     /// The heartbeats last read from the store.
     peers: Vec<Heartbeat>,
 }
@@ -532,6 +547,11 @@ struct Inner {
 pub struct Shared {
     inner: Mutex<Inner>,
     outbox: Mutex<VecDeque<Record>>,
+    /// Bumped at every change of the outbox's content (under its lock), so that it is written
+    /// to disk whenever it changed, whatever its length.
+    outbox_gen: AtomicU64,
+    /// Held while the cursor file is written (by the reader, or at shutdown).
+    cursor_file: Mutex<()>,
     events: events::Events,
     global: Arc<crate::global::Shared>,
 }
@@ -543,6 +563,14 @@ impl Shared {
 
     fn outbox(&self) -> std::sync::MutexGuard<'_, VecDeque<Record>> {
         self.outbox.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Change the outbox: `f` on it, and its generation bumped.
+    fn change_outbox<T>(&self, f: impl FnOnce(&mut VecDeque<Record>) -> T) -> T {
+        let mut ob = self.outbox();
+        let out = f(&mut ob);
+        self.outbox_gen.fetch_add(1, Ordering::Relaxed);
+        out
     }
 
     pub fn report(&self) -> Report {
@@ -590,7 +618,6 @@ impl Shared {
         let outbox = self.outbox().len();
         let mut i = self.lock();
         i.report.last_error = Some(why.to_string());
-        i.resync = true;
         if !i.report.connected && i.report.degraded_since.is_some() {
             return;
         }
@@ -674,6 +701,24 @@ impl Link {
             reason: None,
         }
     }
+
+    /// Write the reader's cursor to disk now if it moved since it was last written (at
+    /// shutdown).
+    pub fn save_cursor_now(&self) {
+        let cursor = {
+            let i = self.shared.lock();
+            if i.report.cursor == i.saved_cursor {
+                return;
+            }
+            i.report.cursor.clone()
+        };
+        if let Some(c) = cursor {
+            match write_cursor(&self.settings, &self.shared, &c) {
+                Ok(()) => self.shared.lock().saved_cursor = Some(c),
+                Err(e) => warn!("saving the fleet cursor: {e:#}"),
+            }
+        }
+    }
 }
 
 /// The saved cursor (`state_dir/fleet.json`).
@@ -723,10 +768,11 @@ fn load_outbox(dir: &Path) -> VecDeque<Record> {
 pub enum Received {
     /// Stream records, in order.
     Records(Vec<Record>),
-    /// The snapshot: every ban of the fleet now. It only adds: a ban held here that the
-    /// snapshot lacks stays until its end (the store may have lost its data: a restart
-    /// without persistence), so an `unban` trimmed from the stream before this host read it
-    /// is missed.
+    /// The snapshot: every ban of the fleet now, and the tombstones of recent `unban`s,
+    /// which lift only bans received from the fleet. A ban held here that the snapshot lacks
+    /// stays until its end (the store may have lost its data: a restart without
+    /// persistence), so an `unban` whose tombstone was pruned before this host read it is
+    /// missed.
     Snapshot(Vec<Record>),
 }
 
@@ -762,10 +808,12 @@ where
                 cursor: saved.cursor.clone(),
                 ..Report::default()
             },
-            resync: saved.cursor.is_none(),
+            saved_cursor: saved.cursor,
             ..Inner::default()
         }),
         outbox: Mutex::new(outbox),
+        outbox_gen: AtomicU64::new(0),
+        cursor_file: Mutex::new(()),
         events,
         global: Arc::default(),
     });
@@ -795,7 +843,9 @@ where
     }
 }
 
-/// Publish one batch; the records sent are taken off the outbox's front.
+/// Publish one record: appended to the stream, and the snapshot's field for its prefix
+/// updated (a ban that ends later, or never, is kept; an expired one or a tombstone is
+/// replaced; an `unban` leaves its tombstone).
 const PUBLISH_SCRIPT: &str = r#"
 local cur = redis.call('HGET', KEYS[2], ARGV[2])
 if ARGV[3] == 'ban' then
@@ -812,18 +862,98 @@ if ARGV[3] == 'ban' then
     redis.call('HSET', KEYS[2], ARGV[2], ARGV[4] .. '|' .. ARGV[5])
   end
 else
-  redis.call('HDEL', KEYS[2], ARGV[2])
+  redis.call('HSET', KEYS[2], ARGV[2], 't' .. ARGV[6] .. '|' .. ARGV[5])
 end
 return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'r', ARGV[5])
 "#;
 
-async fn publish_batch(conn: &mut Conn, batch: &[Record]) -> anyhow::Result<()> {
-    let mut pipe = redis::pipe();
-    for r in batch {
-        let json = serde_json::to_string(r)?;
-        pipe.cmd("EVAL")
-            .arg(PUBLISH_SCRIPT)
-            .arg(2)
+/// Remove a snapshot field if it still holds the value the sweep saw.
+const PRUNE_SCRIPT: &str = r#"
+if redis.call('HGET', KEYS[1], ARGV[1]) == ARGV[2] then
+  return redis.call('HDEL', KEYS[1], ARGV[1])
+end
+return 0
+"#;
+
+/// A Lua script run by its SHA1 (`EVALSHA`): loaded once (`SCRIPT LOAD`, on every master of
+/// a cluster), and again when the store answers that it does not know it (`NOSCRIPT`: a
+/// store restarted, or its scripts flushed).
+pub struct Lua {
+    code: &'static str,
+    sha: Option<String>,
+}
+
+impl Lua {
+    pub const fn new(code: &'static str) -> Self {
+        Self { code, sha: None }
+    }
+
+    /// Run the script once per item of `calls` in one pipeline (one round trip): `args`
+    /// adds the keys and arguments of one call after `EVALSHA <sha>`.
+    async fn run<T>(
+        &mut self,
+        conn: &mut Conn,
+        calls: &[T],
+        args: impl Fn(&mut redis::Cmd, &T) -> anyhow::Result<()>,
+    ) -> anyhow::Result<()> {
+        if calls.is_empty() {
+            return Ok(());
+        }
+        let mut retried = false;
+        loop {
+            let sha = match &self.sha {
+                Some(sha) => sha.clone(),
+                None => {
+                    let sha: String = redis::cmd("SCRIPT")
+                        .arg("LOAD")
+                        .arg(self.code)
+                        .query_async(conn)
+                        .await
+                        .context("loading a script into the store")?;
+                    self.sha = Some(sha.clone());
+                    sha
+                }
+            };
+            let mut pipe = redis::pipe();
+            for c in calls {
+                let mut cmd = redis::cmd("EVALSHA");
+                cmd.arg(&sha);
+                args(&mut cmd, c)?;
+                pipe.add_command(cmd);
+            }
+            let replies: Vec<redis::Value> = match pipe.query_async(conn).await {
+                Ok(v) => v,
+                Err(e) if e.code() == Some("NOSCRIPT") && !retried => {
+                    self.sha = None;
+                    retried = true;
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            };
+            let no_script = replies
+                .iter()
+                .any(|v| matches!(v, redis::Value::ServerError(e) if e.code() == "NOSCRIPT"));
+            if no_script && !retried {
+                // Replays are harmless: the calls that ran run again to the same effect.
+                self.sha = None;
+                retried = true;
+                continue;
+            }
+            if let Some(redis::Value::ServerError(e)) = replies
+                .iter()
+                .find(|v| matches!(v, redis::Value::ServerError(_)))
+            {
+                bail!("the store refused a script: {e:?}");
+            }
+            return Ok(());
+        }
+    }
+}
+
+/// Publish one batch, in one round trip.
+async fn publish_batch(conn: &mut Conn, lua: &mut Lua, batch: &[Record]) -> anyhow::Result<()> {
+    lua.run(conn, batch, |cmd, r| {
+        cmd.arg(2)
             .arg(STREAM_KEY)
             .arg(SNAP_KEY)
             .arg(STREAM_MAXLEN)
@@ -833,11 +963,11 @@ async fn publish_batch(conn: &mut Conn, batch: &[Record]) -> anyhow::Result<()> 
                 Op::Unban => "unban",
             })
             .arg(r.exp_ms)
-            .arg(json)
-            .ignore();
-    }
-    pipe.query_async::<()>(conn).await?;
-    Ok(())
+            .arg(serde_json::to_string(r)?)
+            .arg(r.at_ms);
+        Ok(())
+    })
+    .await
 }
 
 /// Write the outbox whole (or remove the file when it is empty).
@@ -862,8 +992,9 @@ async fn publisher(
 ) -> anyhow::Result<()> {
     let mut rx = rx.lock().await;
     let mut conn: Option<Conn> = None;
-    // The outbox as last written to disk (its length), to write only on change.
-    let mut on_disk = shared.outbox().len();
+    let mut lua = Lua::new(PUBLISH_SCRIPT);
+    // The outbox's generation as last written to disk (or read from it), to write on change.
+    let mut on_disk = shared.outbox_gen.load(Ordering::Relaxed);
     let mut retry = tokio::time::interval(PUBLISH_RETRY);
     retry.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut backoff = BACKOFF_FIRST;
@@ -876,12 +1007,13 @@ async fn publisher(
                 while let Ok(r) = rx.try_recv() {
                     fresh.push(r);
                 }
-                let mut ob = shared.outbox();
-                ob.extend(fresh);
-                let over = ob.len().saturating_sub(OUTBOX_MAX);
-                if over > 0 {
+                let over = shared.change_outbox(|ob| {
+                    ob.extend(fresh);
+                    let over = ob.len().saturating_sub(OUTBOX_MAX);
                     ob.drain(..over);
-                    drop(ob);
+                    over
+                });
+                if over > 0 {
                     shared.lock().report.outbox_dropped += over as u64;
                     warn!(dropped = over, "fleet outbox full: the oldest records were dropped");
                 }
@@ -895,7 +1027,7 @@ async fn publisher(
             persist(&settings, &shared, &mut on_disk).await;
             continue;
         }
-        let sent = send_outbox(&settings, &shared, &mut conn).await;
+        let sent = send_outbox(&settings, &shared, &mut conn, &mut lua).await;
         match sent {
             Ok(()) => backoff = BACKOFF_FIRST,
             Err(e) => {
@@ -914,6 +1046,7 @@ async fn send_outbox(
     settings: &Settings,
     shared: &Shared,
     conn: &mut Option<Conn>,
+    lua: &mut Lua,
 ) -> anyhow::Result<()> {
     loop {
         let batch: Vec<Record> = shared.outbox().iter().take(BATCH).cloned().collect();
@@ -925,7 +1058,7 @@ async fn send_outbox(
         }
         let c = conn.as_mut().expect("connected above");
         let t0 = Instant::now();
-        publish_batch(c, &batch)
+        publish_batch(c, lua, &batch)
             .await
             .with_context(|| format!("publishing to {}", settings.store))?;
         shared.rtt(t0);
@@ -933,50 +1066,122 @@ async fn send_outbox(
             Op::Ban => (b + 1, u),
             Op::Unban => (b, u + 1),
         });
-        {
-            let mut ob = shared.outbox();
+        shared.change_outbox(|ob| {
             let n = batch.len().min(ob.len());
             ob.drain(..n);
-        }
+        });
         let mut i = shared.lock();
         i.report.bans_published += bans;
         i.report.unbans_published += unbans;
     }
 }
 
-/// Write the outbox to disk if its length changed since it was last written.
-async fn persist(settings: &Arc<Settings>, shared: &Arc<Shared>, on_disk: &mut usize) {
-    let records: Vec<Record> = {
+/// Write the outbox to disk if it changed since it was last written (`on_disk`: its
+/// generation then).
+async fn persist(settings: &Arc<Settings>, shared: &Arc<Shared>, on_disk: &mut u64) {
+    let (records, generation): (Vec<Record>, u64) = {
         let ob = shared.outbox();
-        if ob.len() == *on_disk {
+        let generation = shared.outbox_gen.load(Ordering::Relaxed);
+        if generation == *on_disk {
             return;
         }
-        ob.iter().cloned().collect()
+        (ob.iter().cloned().collect(), generation)
     };
-    let n = records.len();
     let dir = settings.state_dir.clone();
     let saved = tokio::task::spawn_blocking(move || save_outbox(&dir, &records)).await;
     match saved {
-        Ok(Ok(())) => *on_disk = n,
+        Ok(Ok(())) => *on_disk = generation,
         Ok(Err(e)) => warn!("saving the fleet outbox: {e:#}"),
         Err(e) => warn!("saving the fleet outbox: {e}"),
     }
 }
 
 /// The heartbeat: every [`HEARTBEAT`], this host's [`Heartbeat`] into [`PEERS_KEY`], and the
-/// others' read back. A failure waits for the next beat (the reader reports the store's
+/// others' read back; then the next [`SWEEP_COUNT`] fields of the snapshot looked at, and
+/// the stale ones pruned. A failure waits for the next beat (the reader reports the store's
 /// health).
 async fn heartbeat(settings: Arc<Settings>, shared: Arc<Shared>) -> anyhow::Result<()> {
     let mut conn: Option<Conn> = None;
     let mut tick = tokio::time::interval(HEARTBEAT);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut prune = Lua::new(PRUNE_SCRIPT);
+    let mut scan: u64 = 0;
     loop {
         tick.tick().await;
-        if let Err(e) = beat(&settings, &shared, &mut conn).await {
+        let res = match beat(&settings, &shared, &mut conn).await {
+            Ok(()) => {
+                let c = conn.as_mut().expect("connected by the beat");
+                sweep_snapshot(c, &mut prune, &mut scan).await
+            }
+            Err(e) => Err(e),
+        };
+        if let Err(e) = res {
             conn = None;
             tracing::debug!("fleet heartbeat: {e:#}");
         }
     }
+}
+
+/// Whether a snapshot value is stale at `now_ms`: a ban that has ended, or a tombstone older
+/// than `first_ms`, the stream's first entry (`None`: the stream is empty; tombstones stay).
+fn stale_in_snapshot(value: &str, now_ms: u64, first_ms: Option<u64>) -> bool {
+    let Some((head, _)) = value.split_once('|') else {
+        return true;
+    };
+    match head.strip_prefix('t') {
+        Some(at) => match (at.parse::<u64>(), first_ms) {
+            (Ok(at), Some(first)) => at < first,
+            (Ok(_), None) => false,
+            (Err(_), _) => true,
+        },
+        None => match head.parse::<u64>() {
+            Ok(end) => end != 0 && end <= now_ms,
+            Err(_) => true,
+        },
+    }
+}
+
+/// One step of the snapshot's sweep: the next fields from `scan` (an `HSCAN` cursor, 0 = a
+/// new pass), and those stale removed unless they changed since.
+async fn sweep_snapshot(c: &mut Conn, prune: &mut Lua, scan: &mut u64) -> anyhow::Result<()> {
+    let (next, fields): (u64, Vec<(String, String)>) = redis::cmd("HSCAN")
+        .arg(SNAP_KEY)
+        .arg(*scan)
+        .arg("COUNT")
+        .arg(SWEEP_COUNT)
+        .query_async(c)
+        .await
+        .context("scanning the ban snapshot")?;
+    *scan = next;
+    let first: Vec<(String, Vec<(String, String)>)> =
+        if fields.iter().any(|(_, v)| v.starts_with('t')) {
+            redis::cmd("XRANGE")
+                .arg(STREAM_KEY)
+                .arg("-")
+                .arg("+")
+                .arg("COUNT")
+                .arg(1)
+                .query_async(c)
+                .await
+                .context("reading the ban stream's first entry")?
+        } else {
+            Vec::new()
+        };
+    let first_ms = first
+        .first()
+        .and_then(|(id, _)| id.split('-').next()?.parse::<u64>().ok());
+    let now_ms = unix_ms(SystemTime::now());
+    let stale: Vec<(String, String)> = fields
+        .into_iter()
+        .filter(|(_, v)| stale_in_snapshot(v, now_ms, first_ms))
+        .collect();
+    prune
+        .run(c, &stale, |cmd, (field, value)| {
+            cmd.arg(1).arg(SNAP_KEY).arg(field).arg(value);
+            Ok(())
+        })
+        .await
+        .context("pruning the ban snapshot")
 }
 
 async fn beat(settings: &Settings, shared: &Shared, conn: &mut Option<Conn>) -> anyhow::Result<()> {
@@ -1050,7 +1255,7 @@ where
 {
     let mut backoff = BACKOFF_FIRST;
     loop {
-        match follow(&settings, &shared, &apply).await {
+        match follow(&settings, &shared, &apply, &mut backoff).await {
             Ok(()) => backoff = BACKOFF_FIRST,
             Err(e) => {
                 shared.degraded(&format!("{e:#}"));
@@ -1061,7 +1266,14 @@ where
     }
 }
 
-async fn follow<A, Fut>(settings: &Settings, shared: &Shared, apply: &A) -> anyhow::Result<()>
+/// Follow the stream until an error; `backoff` (the wait before the next connection) starts
+/// over once a read succeeds.
+async fn follow<A, Fut>(
+    settings: &Settings,
+    shared: &Shared,
+    apply: &A,
+    backoff: &mut Duration,
+) -> anyhow::Result<()>
 where
     A: Fn(Received) -> Fut + Send + Sync + Clone + 'static,
     Fut: std::future::Future<Output = anyhow::Result<Applied>> + Send + 'static,
@@ -1069,7 +1281,8 @@ where
     let read_timeout = Duration::from_millis(READ_BLOCK_MS) + REQUEST_TIMEOUT;
     let mut conn = settings.connect(read_timeout).await?;
     let mut cursor = shared.lock().report.cursor.clone();
-    // A saved cursor that the stream no longer holds: records may have been trimmed away.
+    // A cursor that the stream no longer holds: records may have been trimmed away (or the
+    // store lost its data), so the snapshot is read; one it still holds is followed on.
     let mut cursor_found = false;
     if let Some(c) = &cursor {
         let t0 = Instant::now();
@@ -1082,20 +1295,15 @@ where
             .context("reading the ban stream")?;
         shared.rtt(t0);
         cursor_found = !found.is_empty();
-        if !cursor_found {
-            shared.lock().resync = true;
-        }
     }
-    if shared.lock().resync {
+    if !cursor_found {
         let last = resync(settings, shared, &mut conn, apply).await?;
-        // Still in the stream: follow it from there, so `unban`s since are applied too.
-        // Otherwise from the snapshot's point.
-        if !cursor_found {
-            save_cursor(settings, shared, &last).await;
-            cursor = Some(last);
-        }
+        save_cursor(settings, shared, &last).await;
+        cursor = Some(last);
     }
     shared.restored();
+    // When the cursor was last written to disk.
+    let mut saved_at = Instant::now();
     loop {
         let from = cursor.clone().unwrap_or_else(|| "0-0".into());
         let reply: StreamReply = redis::cmd("XREAD")
@@ -1109,8 +1317,14 @@ where
             .query_async(&mut conn)
             .await
             .context("reading the ban stream")?;
+        *backoff = BACKOFF_FIRST;
         // A blocked read's time is the wait for records, not the store's round trip.
-        let Some(streams) = reply else { continue };
+        let Some(streams) = reply else {
+            // Nothing new for a while: the cursor is written if it moved.
+            save_cursor_if_moved(settings, shared).await;
+            saved_at = Instant::now();
+            continue;
+        };
         for (_, entries) in streams {
             let (last, records) = parse_entries(entries);
             let received_at = unix_ms(SystemTime::now());
@@ -1133,9 +1347,13 @@ where
                 i.report.bans_skipped += applied.skipped;
             }
             if let Some(last) = last {
-                save_cursor(settings, shared, &last).await;
+                shared.lock().report.cursor = Some(last.clone());
                 cursor = Some(last);
             }
+        }
+        if saved_at.elapsed() >= CURSOR_SAVE {
+            save_cursor_if_moved(settings, shared).await;
+            saved_at = Instant::now();
         }
     }
 }
@@ -1174,17 +1392,18 @@ where
         .await
         .context("reading the ban snapshot")?;
     shared.rtt(t0);
+    // Bans that have ended are skipped by the owner; tombstones lift the fleet's bans held
+    // here (this host's own `unban`s too: a ban received before it may still be held).
     let records: Vec<Record> = snap
         .values()
         .filter_map(|v| v.split_once('|'))
         .filter_map(|(_, json)| serde_json::from_str::<Record>(json).ok())
-        .filter(|r| r.host != settings.host_id)
+        .filter(|r| r.op == Op::Unban || r.host != settings.host_id)
         .collect();
     let n = records.len();
     let applied = apply(Received::Snapshot(records)).await?;
     {
         let mut i = shared.lock();
-        i.resync = false;
         i.report.resyncs += 1;
         i.report.bans_received += applied.bans;
         i.report.bans_skipped += applied.skipped;
@@ -1198,21 +1417,39 @@ where
     Ok(last)
 }
 
-async fn save_cursor(settings: &Settings, shared: &Shared, cursor: &str) {
-    shared.lock().report.cursor = Some(cursor.to_string());
+/// Write the cursor to `state_dir` (a temporary file renamed over the old one, durably).
+fn write_cursor(settings: &Settings, shared: &Shared, cursor: &str) -> anyhow::Result<()> {
+    let _writing = shared.cursor_file.lock().unwrap_or_else(|e| e.into_inner());
     let saved = Saved {
         host_id: settings.host_id.clone(),
         cursor: Some(cursor.to_string()),
     };
-    let dir = settings.state_dir.clone();
-    let res = tokio::task::spawn_blocking(move || {
-        crate::durable::write_atomically(&dir, STATE_FILE, &serde_json::to_vec(&saved)?)
-    })
-    .await;
-    match res {
-        Ok(Ok(())) => {}
-        Ok(Err(e)) => warn!("saving the fleet cursor: {e:#}"),
-        Err(e) => warn!("saving the fleet cursor: {e}"),
+    crate::durable::write_atomically(
+        &settings.state_dir,
+        STATE_FILE,
+        &serde_json::to_vec(&saved)?,
+    )
+}
+
+/// Take `cursor` as the reader's, and write it to disk now.
+async fn save_cursor(settings: &Settings, shared: &Shared, cursor: &str) {
+    shared.lock().report.cursor = Some(cursor.to_string());
+    save_cursor_if_moved(settings, shared).await;
+}
+
+/// Write the reader's cursor to disk if it moved since it was last written.
+async fn save_cursor_if_moved(settings: &Settings, shared: &Shared) {
+    let cursor = {
+        let i = shared.lock();
+        if i.report.cursor == i.saved_cursor {
+            return;
+        }
+        i.report.cursor.clone()
+    };
+    let Some(cursor) = cursor else { return };
+    match tokio::task::block_in_place(|| write_cursor(settings, shared, &cursor)) {
+        Ok(()) => shared.lock().saved_cursor = Some(cursor),
+        Err(e) => warn!("saving the fleet cursor: {e:#}"),
     }
 }
 
@@ -1319,6 +1556,68 @@ mod tests {
         assert!(e.contains("missing") && e.contains("No such file"), "{e}");
         std::fs::write(&p, "\n").unwrap();
         assert!(read_password(&p).unwrap_err().to_string().contains("empty"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn stale_snapshot_entries_are_ended_bans_and_tombstones_before_the_stream() {
+        let now = 10_000;
+        // Bans: ended, not yet, until removed.
+        assert!(stale_in_snapshot("9999|{}", now, None));
+        assert!(stale_in_snapshot("10000|{}", now, Some(1)));
+        assert!(!stale_in_snapshot("10001|{}", now, None));
+        assert!(!stale_in_snapshot("0|{}", now, Some(20_000)));
+        // Tombstones: kept while the stream reaches back to them, or is empty.
+        assert!(stale_in_snapshot("t4999|{}", now, Some(5000)));
+        assert!(!stale_in_snapshot("t5000|{}", now, Some(5000)));
+        assert!(!stale_in_snapshot("t1|{}", now, None));
+        // What is not ours.
+        assert!(stale_in_snapshot("junk", now, None));
+        assert!(stale_in_snapshot("tx|{}", now, Some(1)));
+    }
+
+    #[tokio::test]
+    async fn the_outbox_is_written_whenever_it_changed_even_at_the_same_length() {
+        let dir = std::env::temp_dir().join(format!("rl-fleet-obgen-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let rec = |net: &str| Record {
+            op: Op::Ban,
+            net: net.into(),
+            exp_ms: 0,
+            at_ms: 1,
+            host: "a".into(),
+            rule: None,
+            reason: None,
+        };
+        let settings = Arc::new(Settings {
+            store: "redis://127.0.0.1:1".into(),
+            host_id: "a".into(),
+            share_bans: true,
+            state_dir: dir.clone(),
+            client: Client::Single(redis::Client::open("redis://127.0.0.1:1").unwrap()),
+        });
+        let shared = Arc::new(Shared {
+            inner: Mutex::new(Inner::default()),
+            outbox: Mutex::new(VecDeque::new()),
+            outbox_gen: AtomicU64::new(0),
+            cursor_file: Mutex::new(()),
+            events: events::Events::start(None, 1, vec![]).unwrap(),
+        });
+        let mut on_disk = shared.outbox_gen.load(Ordering::Relaxed);
+        shared.change_outbox(|ob| ob.push_back(rec("192.0.2.1/32")));
+        persist(&settings, &shared, &mut on_disk).await;
+        assert_eq!(load_outbox(&dir), VecDeque::from(vec![rec("192.0.2.1/32")]));
+        // One delivered and one added: the same length, other content.
+        shared.change_outbox(|ob| {
+            ob.pop_front();
+            ob.push_back(rec("192.0.2.2/32"));
+        });
+        persist(&settings, &shared, &mut on_disk).await;
+        assert_eq!(load_outbox(&dir), VecDeque::from(vec![rec("192.0.2.2/32")]));
+        // Unchanged: not written again.
+        std::fs::remove_file(dir.join(OUTBOX_FILE)).unwrap();
+        persist(&settings, &shared, &mut on_disk).await;
+        assert!(!dir.join(OUTBOX_FILE).exists());
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

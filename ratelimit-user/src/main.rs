@@ -298,6 +298,12 @@ fn print_human(answer: &Answer) -> anyhow::Result<()> {
             if !d.not_found.is_empty() {
                 println!("no ban at: {}", d.not_found.join(", "));
             }
+            if !d.published_only.is_empty() {
+                println!(
+                    "no ban here at: {}; the unban was published to the fleet",
+                    d.published_only.join(", ")
+                );
+            }
         }
         Answer::BanLift(l) => match &l.region {
             Some(cc) => println!("lifted the ban of rule {} in region {cc}", l.rule),

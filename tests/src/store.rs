@@ -134,6 +134,28 @@ impl Redis {
         self.port
     }
 
+    /// `redis-cli` against this server: its output (stdout and stderr), trimmed.
+    pub fn cli(&self, args: &[&str]) -> String {
+        let fd = self.ns_fd.try_clone().expect("dup netns fd");
+        let mut cmd = command_in_fd(fd, cli_binary());
+        cmd.arg("-h")
+            .arg(self.probe.ip().to_string())
+            .arg("-p")
+            .arg(self.port.to_string())
+            .args(args)
+            .stdin(Stdio::null());
+        let out = cmd
+            .output()
+            .unwrap_or_else(|e| panic!("running `{}`: {e}", describe(&cmd)));
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+        .trim()
+        .to_string()
+    }
+
     fn pid(&self) -> Option<i32> {
         self.child.as_ref().map(|c| c.id() as i32)
     }

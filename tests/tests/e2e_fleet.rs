@@ -754,3 +754,231 @@ fn bans_spread_over_a_redis_cluster_and_survive_the_loss_of_its_master() {
     );
     println!("whole test: {:.1} s", t_all.elapsed().as_secs_f64());
 }
+
+/// Freeze the store until host `i` notices, then thaw it and wait until every host is
+/// connected again.
+fn outage(f: &mut Fleet, i: usize) {
+    f.redis().freeze();
+    let noticed = wait_for(Duration::from_secs(10), || !f.fleet(i).connected);
+    f.redis().thaw();
+    assert!(
+        noticed,
+        "host {i} never noticed the frozen store: {:?}",
+        f.fleet(i)
+    );
+    assert!(
+        wait_for(Duration::from_secs(15), || (0..3)
+            .all(|h| f.fleet(h).connected)),
+        "no recovery after the outage: {:?}",
+        f.fleet(i)
+    );
+}
+
+#[test]
+fn a_reader_resumes_from_its_cursor_and_a_resync_keeps_local_lifts() {
+    kernel_test!();
+    let t_all = Instant::now();
+    let mut f = Fleet::new("rlfd");
+    let lifted = "203.0.113.10/32";
+    f.d(0).cli_ok(&["ban", "add", lifted, "--for", "1h"]);
+    assert!(
+        wait_for(Duration::from_secs(5), || f.holds(1, lifted).is_some()
+            && f.holds(2, lifted).is_some()),
+        "{lifted} did not reach hosts 1 and 2"
+    );
+    // Lifted on host 1 only.
+    f.d(1).cli_ok(&["ban", "del", lifted, "--local"]);
+    assert!(f.holds(1, lifted).is_none());
+    let resyncs = f.fleet(1).resyncs;
+
+    // An outage with the cursor still in the stream: no resync, the stream is followed on
+    // from the cursor (a ban issued meanwhile arrives), and the lifted ban stays lifted.
+    f.redis().freeze();
+    assert!(
+        wait_for(Duration::from_secs(10), || !f.fleet(1).connected),
+        "host 1 never noticed the frozen store: {:?}",
+        f.fleet(1)
+    );
+    f.d(0)
+        .cli_ok(&["ban", "add", "203.0.113.11", "--for", "1h"]);
+    f.redis().thaw();
+    assert!(
+        wait_for(Duration::from_secs(15), || f.fleet(1).connected
+            && f.holds(1, "203.0.113.11/32").is_some()),
+        "no recovery after the outage: {:?}",
+        f.fleet(1)
+    );
+    let st = f.fleet(1);
+    assert_eq!(
+        st.resyncs, resyncs,
+        "a resync with the cursor in the stream: {st:?}"
+    );
+    assert!(f.holds(1, lifted).is_none(), "the local lift was undone");
+
+    // The stream trimmed past every cursor: the next connection resyncs from the snapshot,
+    // which still holds the ban host 1 lifted, issued before the lift: it stays lifted.
+    assert_eq!(
+        f.redis().cli(&["XTRIM", fleet::STREAM_KEY, "MAXLEN", "0"]),
+        "2"
+    );
+    outage(&mut f, 1);
+    assert!(
+        wait_for(Duration::from_secs(5), || f.fleet(1).resyncs > resyncs),
+        "no resync with the cursor trimmed away: {:?}",
+        f.fleet(1)
+    );
+    assert!(
+        f.holds(1, lifted).is_none(),
+        "the resync installed a ban lifted here: {:?}",
+        f.holds(1, lifted)
+    );
+    assert!(f.holds(1, "203.0.113.11/32").is_some());
+    assert!(f.holds(2, lifted).is_some());
+    // A ban issued after the lift is installed.
+    f.d(0).cli_ok(&["ban", "add", lifted, "--for", "2h"]);
+    assert!(
+        wait_for(Duration::from_secs(5), || f.holds(1, lifted).is_some()),
+        "a ban issued after the lift did not arrive"
+    );
+    println!("whole test: {:.1} s", t_all.elapsed().as_secs_f64());
+}
+
+#[test]
+fn ban_del_lifts_a_fleet_ban_not_held_here_and_the_snapshot_is_pruned() {
+    kernel_test!();
+    let t_all = Instant::now();
+    let mut f = Fleet::new("rlfe");
+    let cidr = "203.0.113.20/32";
+    f.d(0).cli_ok(&["ban", "add", cidr, "--for", "1h"]);
+    assert!(
+        wait_for(Duration::from_secs(5), || f.holds(1, cidr).is_some()
+            && f.holds(2, cidr).is_some()),
+        "{cidr} did not reach hosts 1 and 2"
+    );
+    // Host 1 no longer holds it; `ban del` there still lifts it on the fleet, and says so.
+    f.d(1).cli_ok(&["ban", "del", cidr, "--local"]);
+    let out = f.d(1).cli_ok(&["ban", "del", cidr]);
+    assert!(out.contains("published to the fleet"), "{out}");
+    assert!(
+        wait_for(Duration::from_secs(5), || f.holds(0, cidr).is_none()
+            && f.holds(2, cidr).is_none()),
+        "the unban did not reach hosts 0 and 2"
+    );
+    assert_eq!(f.fleet(1).unbans_published, 1);
+    // `--local` with no ban here is still an error.
+    let out = f.d(1).cli(&["ban", "del", cidr, "--local"]);
+    assert!(!out.status.success(), "{out:?}");
+    // The snapshot keeps the unban's tombstone.
+    let snap = f.redis().cli(&["HGET", fleet::SNAP_KEY, cidr]);
+    assert!(snap.starts_with('t'), "{snap}");
+    // The publishing script runs by its SHA1, never sent whole.
+    let stats = f.redis().cli(&["INFO", "commandstats"]);
+    assert!(
+        stats.contains("cmdstat_evalsha:") && !stats.contains("cmdstat_eval:"),
+        "{stats}"
+    );
+
+    // A ban that ends is pruned from the snapshot by the hosts' sweep.
+    let short = "203.0.113.21/32";
+    f.d(0).cli_ok(&["ban", "add", short, "--for", "2s"]);
+    assert_eq!(f.redis().cli(&["HEXISTS", fleet::SNAP_KEY, short]), "1");
+    assert!(
+        wait_for(Duration::from_secs(10), || f.redis().cli(&[
+            "HEXISTS",
+            fleet::SNAP_KEY,
+            short
+        ]) == "0"),
+        "an ended ban stayed in the snapshot"
+    );
+    // A tombstone older than the stream's first entry is pruned too; a live ban stays.
+    f.redis().cli(&["XTRIM", fleet::STREAM_KEY, "MAXLEN", "0"]);
+    f.d(0)
+        .cli_ok(&["ban", "add", "203.0.113.22", "--for", "1h"]);
+    assert!(
+        wait_for(Duration::from_secs(10), || f.redis().cli(&[
+            "HEXISTS",
+            fleet::SNAP_KEY,
+            cidr
+        ]) == "0"),
+        "an old tombstone stayed in the snapshot"
+    );
+    assert_eq!(
+        f.redis()
+            .cli(&["HEXISTS", fleet::SNAP_KEY, "203.0.113.22/32"]),
+        "1"
+    );
+    println!("whole test: {:.1} s", t_all.elapsed().as_secs_f64());
+}
+
+#[test]
+fn the_outbox_on_disk_follows_its_content_across_restarts() {
+    kernel_test!();
+    let t_all = Instant::now();
+    let mut f = Fleet::new("rlfg");
+    let outbox = f.d(0).config_dir().join("state").join(fleet::OUTBOX_FILE);
+    let on_disk = |p: &Path| -> Vec<String> {
+        std::fs::read(p)
+            .ok()
+            .and_then(|b| serde_json::from_slice::<Vec<fleet::Record>>(&b).ok())
+            .map(|v| v.into_iter().map(|r| r.net).collect())
+            .unwrap_or_default()
+    };
+    // The store is gone: two bans wait in the outbox, on disk.
+    f.redis().kill();
+    assert!(
+        wait_for(Duration::from_secs(10), || !f.fleet(0).connected),
+        "{:?}",
+        f.fleet(0)
+    );
+    f.d(0)
+        .cli_ok(&["ban", "add", "203.0.113.30", "--for", "1h"]);
+    f.d(0)
+        .cli_ok(&["ban", "add", "203.0.113.31", "--for", "1h"]);
+    assert!(
+        wait_for(Duration::from_secs(5), || on_disk(&outbox).len() == 2),
+        "{:?}",
+        on_disk(&outbox)
+    );
+    // Host 0 restarts with the store still gone: the outbox is read back, and a ban added
+    // then joins it on disk.
+    f.hosts[0].daemon_mut().restart();
+    assert_eq!(f.fleet(0).outbox, 2, "{:?}", f.fleet(0));
+    f.d(0)
+        .cli_ok(&["ban", "add", "203.0.113.32", "--for", "1h"]);
+    assert!(
+        wait_for(Duration::from_secs(5), || on_disk(&outbox)
+            == ["203.0.113.30/32", "203.0.113.31/32", "203.0.113.32/32"]),
+        "{:?}",
+        on_disk(&outbox)
+    );
+    // The store returns: all three are delivered, once, and the file is removed.
+    f.redis().restart();
+    assert!(
+        wait_for(Duration::from_secs(15), || ["30", "31", "32"]
+            .iter()
+            .all(|n| f.holds(1, &format!("203.0.113.{n}/32")).is_some())),
+        "the outbox was not delivered: {:?}",
+        f.fleet(0)
+    );
+    assert!(
+        wait_for(Duration::from_secs(5), || !outbox.exists()),
+        "{:?}",
+        on_disk(&outbox)
+    );
+    // Restarted again, host 0 has nothing left to send.
+    f.hosts[0].daemon_mut().restart();
+    assert!(
+        wait_for(Duration::from_secs(10), || f.fleet(0).connected),
+        "{:?}",
+        f.fleet(0)
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    let st = f.fleet(0);
+    assert_eq!((st.outbox, st.bans_published), (0, 0), "{st:?}");
+    assert_eq!(
+        f.redis().cli(&["XLEN", fleet::STREAM_KEY]),
+        "3",
+        "each record reached the stream once"
+    );
+    println!("whole test: {:.1} s", t_all.elapsed().as_secs_f64());
+}
