@@ -1602,6 +1602,7 @@ mod tests {
             outbox_gen: AtomicU64::new(0),
             cursor_file: Mutex::new(()),
             events: events::Events::start(None, 1, vec![]).unwrap(),
+            global: Arc::default(),
         });
         let mut on_disk = shared.outbox_gen.load(Ordering::Relaxed);
         shared.change_outbox(|ob| ob.push_back(rec("192.0.2.1/32")));
