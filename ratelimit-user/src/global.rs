@@ -150,14 +150,14 @@ impl GlobalRule {
 }
 
 /// 32-bit FNV-1a.
-fn fnv32(b: &[u8]) -> u32 {
+pub fn fnv32(b: &[u8]) -> u32 {
     b.iter().fold(0x811c_9dc5u32, |h, &c| {
         (h ^ c as u32).wrapping_mul(0x0100_0193)
     })
 }
 
 /// The store's name of a client: its masked address and prefix length.
-fn key_name(addr: &[u8; 16], prefix_len: u32) -> String {
+pub fn key_name(addr: &[u8; 16], prefix_len: u32) -> String {
     let a = std::net::Ipv6Addr::from(*addr);
     match a.to_ipv4_mapped() {
         Some(v4) if prefix_len >= 96 => format!("{v4}/{}", prefix_len - 96),
@@ -165,9 +165,14 @@ fn key_name(addr: &[u8; 16], prefix_len: u32) -> String {
     }
 }
 
+/// The bucket of client `name` of rule `rid`.
+pub fn bucket_of(rid: &str, name: &str) -> u64 {
+    fnv32(format!("{rid}|{name}").as_bytes()) as u64 % BUCKETS
+}
+
 /// The hash of `rid`'s counts of `meter` in `bucket` and `window`. The tag `{g<bucket>}`
 /// keeps one call's keys in one Cluster slot.
-fn hash_name(rid: &str, meter: Meter, bucket: u64, window: u64) -> String {
+pub fn hash_name(rid: &str, meter: Meter, bucket: u64, window: u64) -> String {
     let m = match meter {
         Meter::Admitted => "a",
         Meter::Offered => "o",
@@ -390,7 +395,7 @@ fn scan(
             return;
         }
         let name = key_name(&slot.addr, key.prefix_len);
-        let bucket = fnv32(format!("{}|{name}", g.rid).as_bytes()) as u64 % BUCKETS;
+        let bucket = bucket_of(&g.rid, &name);
         known.insert((rule, slot.addr, tag), usize::MAX);
         fresh.push(Synced {
             rule,
