@@ -219,11 +219,13 @@ enum Client {
 /// to the master of its keys' slot; every key here carries the tag `{bans}`, so all of them,
 /// and the script that updates two at once, live in one slot). Every command's answer is
 /// awaited [`Conn::timeout`] at most, retries inside the cluster client included.
+#[derive(Clone)]
 pub struct Conn {
     inner: ConnKind,
     timeout: Duration,
 }
 
+#[derive(Clone)]
 enum ConnKind {
     Single(MultiplexedConnection),
     Cluster(redis::cluster_async::ClusterConnection),

@@ -188,7 +188,13 @@ struct Added {
     /// Added into `cur` in `window`, and into `prev` (window - 1).
     cur: u64,
     prev: u64,
+    /// Rounds since the meter moved to `window`: the previous window is shared for
+    /// [`PREV_ROUNDS`] of them (the other hosts' last counts of it come in late), then no more.
+    rounds: u32,
 }
+
+/// Rounds after a window ends during which its counts are still shared.
+const PREV_ROUNDS: u32 = 20;
 
 impl Added {
     /// The meter moved to `stamp`: what was added to the current window is now the previous
@@ -204,6 +210,7 @@ impl Added {
         };
         self.cur = 0;
         self.window = stamp;
+        self.rounds = 0;
     }
 }
 
@@ -332,13 +339,17 @@ pub async fn run<O: Owner>(
                 }
             }
         }
-        let c = conn.as_mut().expect("connected above");
+        let c = conn.as_ref().expect("connected above");
         match round(c, &script, &settings.host_id, &store, &rules, &mut synced).await {
-            Ok((calls, added)) => shared.update(|r| {
+            Ok(done) => shared.update(|r| {
                 r.rounds += 1;
-                r.store_calls += calls;
-                r.added_total += added;
+                r.store_calls += done.calls;
+                r.store_errors += done.failed;
+                r.added_total += done.added;
                 r.last_round_ms = Some(t0.elapsed().as_secs_f64() * 1e3);
+                if done.last_error.is_some() {
+                    r.last_error = done.last_error;
+                }
             }),
             Err(e) => {
                 conn = None;
@@ -438,15 +449,15 @@ fn stamp_of(st: &ClientState, m: Meter) -> u64 {
     }
 }
 
-/// One round: read, publish, add. Returns (store calls, counts added).
+/// One round: read, publish, add.
 async fn round(
-    conn: &mut Conn,
+    conn: &Conn,
     script: &redis::Script,
     host: &str,
     store: &ClientStore,
     rules: &[GlobalRule],
     synced: &mut [Synced],
-) -> anyhow::Result<(u64, u64)> {
+) -> anyhow::Result<Round> {
     // Group entries by the hash they go to.
     let mut groups: HashMap<String, (u64, Vec<Entry>)> = HashMap::new();
     for (si, s) in synced.iter_mut().enumerate() {
@@ -468,10 +479,15 @@ async fn round(
             if before.window != stamp || own_cur > 0 {
                 s.active = Instant::now();
             }
+            a.rounds = a.rounds.saturating_add(1);
+            let prev_too = a.rounds <= PREV_ROUNDS;
             for (to_prev, window, own) in [
                 (false, stamp, own_cur),
                 (true, stamp.wrapping_sub(1), own_prev),
             ] {
+                if to_prev && !prev_too {
+                    continue;
+                }
                 let h = hash_name(&g.rid, m, s.bucket, window);
                 // Expire two windows after this one ends, plus a minute of clock skew.
                 let expire_ms = ((window.saturating_add(2) as u128 * interval as u128) / 1_000_000)
@@ -487,42 +503,93 @@ async fn round(
             }
         }
     }
-    let (mut calls, mut added) = (0u64, 0u64);
+    // Every call of the round at once: one round trip for all (a multiplexed connection
+    // pipelines them; a Cluster's goes to each slot's master), and a call that fails (its
+    // master lost) costs only its own clients their sync.
+    let mut calls_in_flight = tokio::task::JoinSet::new();
+    let mut chunks: Vec<Vec<Entry>> = Vec::new();
     for (hash, (expire_ms, entries)) in groups {
-        for chunk in entries.chunks(CALL_KEYS) {
-            let mut inv = script.key(&hash);
-            inv.arg(host).arg(expire_ms);
-            for e in chunk {
-                inv.arg(&synced[e.synced].name).arg(e.own);
+        let mut entries = entries.into_iter().peekable();
+        while entries.peek().is_some() {
+            let chunk: Vec<Entry> = entries.by_ref().take(CALL_KEYS).collect();
+            let pairs: Vec<(String, u64)> = chunk
+                .iter()
+                .map(|e| (synced[e.synced].name.clone(), e.own))
+                .collect();
+            let (script, mut conn, hash, host, ix) = (
+                script.clone(),
+                conn.clone(),
+                hash.clone(),
+                host.to_string(),
+                chunks.len(),
+            );
+            calls_in_flight.spawn(async move {
+                let mut inv = script.key(&hash);
+                inv.arg(&host).arg(expire_ms);
+                for (name, own) in &pairs {
+                    inv.arg(name).arg(own);
+                }
+                (ix, inv.invoke_async::<Vec<u64>>(&mut conn).await)
+            });
+            chunks.push(chunk);
+        }
+    }
+    let (mut calls, mut failed, mut added) = (0u64, 0u64, 0u64);
+    let mut last_error = None;
+    while let Some(done) = calls_in_flight.join_next().await {
+        let (ix, totals) = done.map_err(|e| anyhow::anyhow!("a store call's task: {e}"))?;
+        calls += 1;
+        let totals = match totals {
+            Ok(t) => t,
+            Err(e) => {
+                failed += 1;
+                last_error = Some(e);
+                continue;
             }
-            let totals: Vec<u64> = inv.invoke_async(conn).await?;
-            calls += 1;
-            for (e, total) in chunk.iter().zip(totals) {
-                let s = &mut synced[e.synced];
-                let (m, _) = rules[s.rule]
-                    .meters()
-                    .nth(e.meter_ix)
-                    .expect("an entry of a meter of its rule");
-                let a = &mut s.added[e.meter_ix];
-                let others = total.saturating_sub(e.own);
-                let have = if e.to_prev { a.prev } else { a.cur };
-                if others <= have {
-                    continue;
+        };
+        for (e, total) in chunks[ix].iter().zip(totals) {
+            let s = &mut synced[e.synced];
+            let (m, _) = rules[s.rule]
+                .meters()
+                .nth(e.meter_ix)
+                .expect("an entry of a meter of its rule");
+            let a = &mut s.added[e.meter_ix];
+            let others = total.saturating_sub(e.own);
+            let have = if e.to_prev { a.prev } else { a.cur };
+            if others <= have {
+                continue;
+            }
+            let delta = others - have;
+            let window = a.window;
+            if store.add_in_window(&s.at, m, window, e.to_prev, delta) {
+                if e.to_prev {
+                    a.prev += delta;
+                } else {
+                    a.cur += delta;
                 }
-                let delta = others - have;
-                let window = a.window;
-                if store.add_in_window(&s.at, m, window, e.to_prev, delta) {
-                    if e.to_prev {
-                        a.prev += delta;
-                    } else {
-                        a.cur += delta;
-                    }
-                    added += delta;
-                }
+                added += delta;
             }
         }
     }
-    Ok((calls, added))
+    match last_error {
+        // Every call failed: the store is gone (the caller reconnects).
+        Some(e) if failed == calls => Err(e.into()),
+        _ => Ok(Round {
+            calls,
+            failed,
+            added,
+            last_error: last_error.map(|e| e.to_string()),
+        }),
+    }
+}
+
+/// What a round did.
+struct Round {
+    calls: u64,
+    /// Calls that failed (their clients were not synced this round).
+    failed: u64,
+    added: u64,
+    last_error: Option<String>,
 }
 
 #[cfg(test)]
@@ -535,12 +602,13 @@ mod tests {
             window: 7,
             cur: 30,
             prev: 5,
+            rounds: 3,
         };
         a.roll(7);
         assert_eq!((a.window, a.cur, a.prev), (7, 30, 5));
         // The next window: the program moved cur into prev, and so did what was added.
         a.roll(8);
-        assert_eq!((a.window, a.cur, a.prev), (8, 0, 30));
+        assert_eq!((a.window, a.cur, a.prev, a.rounds), (8, 0, 30, 0));
         // A window skipped: the program started clean.
         a.cur = 4;
         a.roll(10);

@@ -34,7 +34,9 @@ impl DelayProxy {
         let listener = ns
             .enter(|| TcpListener::bind(listen))
             .unwrap_or_else(|e| panic!("delay proxy: binding {listen}: {e}"));
-        listener.set_nonblocking(true).expect("nonblocking listener");
+        listener
+            .set_nonblocking(true)
+            .expect("nonblocking listener");
         let ns_fd: OwnedFd = ns.dup_fd();
         let delay_us = Arc::new(AtomicU64::new(0));
         let stop = Arc::new(AtomicBool::new(false));
@@ -75,8 +77,7 @@ impl DelayProxy {
 
     /// Every byte from now on waits `d` in each direction (a round trip of 2 x `d` more).
     pub fn set_delay(&self, d: Duration) {
-        self.delay_us
-            .store(d.as_micros() as u64, Ordering::Relaxed);
+        self.delay_us.store(d.as_micros() as u64, Ordering::Relaxed);
     }
 }
 

@@ -16,6 +16,7 @@
 pub mod bans;
 pub mod control_load;
 pub mod daemon;
+pub mod delay;
 pub mod env;
 pub mod fuzz;
 pub mod leftovers;

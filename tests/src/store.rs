@@ -248,6 +248,10 @@ impl Cluster {
                         "nodes.conf",
                         "--cluster-node-timeout",
                         "2000",
+                        // A master lost takes only its own slots out of service, as an
+                        // operator running a fleet's store sets it.
+                        "--cluster-require-full-coverage",
+                        "no",
                         "--cluster-announce-ip",
                         &ip,
                     ],

@@ -2,7 +2,10 @@
 //! own veth to a sender, share one client's counts through a real `redis-server` in a
 //! "store" namespace. One source sends at three times a global threshold, split evenly over
 //! the three hosts: the fleet admits the threshold (within 5%) in each window of the wall
-//! clock, where hosts counting alone admit three times it.
+//! clock, where hosts counting alone admit three times it. With the store killed, frozen or
+//! slowed mid-flood, the packet path goes on: each host holds the threshold on its own, a
+//! client under it keeps all its traffic, the control API answers, and the fleet is back
+//! within 5% in the first whole window after the store returns.
 
 use std::{
     net::{IpAddr, Ipv4Addr},
@@ -10,7 +13,11 @@ use std::{
 };
 
 use ratelimit_tests::{
-    NetNs, Scenario, VethPair, kernel_test, scenario::rule_counter, store::Redis,
+    NetNs, Scenario, VethPair,
+    delay::DelayProxy,
+    kernel_test,
+    scenario::rule_counter,
+    store::{Cluster, Redis},
 };
 use ratelimit_user::{
     control::{self, Answer, Request},
@@ -18,7 +25,26 @@ use ratelimit_user::{
 };
 
 const PORT: u16 = 9000;
+/// A client under the threshold (a rule of its own, the same threshold), on every host.
+const LIGHT_PORT: u16 = 9002;
+const LIGHT_PPS: u64 = 10;
 const REDIS_PORT: u16 = 6379;
+/// Each host's way to the store: a delaying proxy on the store's side of its own link.
+const PROXY_PORT: u16 = 16379;
+/// The cluster's nodes' ports, and the one address they announce (on the store namespace's
+/// loopback, routed to through each host's own link).
+const CLUSTER_PORTS: [u16; 3] = [7101, 7102, 7103];
+const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(100, 64, 251, 1);
+
+/// How the hosts reach their store.
+#[derive(Clone, Copy, PartialEq)]
+enum Store {
+    Direct,
+    /// Each through a delaying proxy of its own.
+    Proxied,
+    /// A Redis Cluster of three masters.
+    Cluster,
+}
 /// The threshold: `L` packets a window of `T_SECS`.
 const L: u64 = 300;
 const T_SECS: u64 = 3;
@@ -39,19 +65,34 @@ action = "throttle"
 threshold = {{ count = {L}, interval = "{T_SECS}s" }}
 algorithm = "sliding_window"
 scope = "{scope}"
+
+[[rule]]
+name = "udp-light"
+match = {{ protocol = "udp", dst_ports = ["{LIGHT_PORT}"] }}
+action = "throttle"
+threshold = {{ count = {L}, interval = "{T_SECS}s" }}
+algorithm = "sliding_window"
+scope = "{scope}"
 "#
     )
 }
 
 struct Fleet {
     hosts: Vec<Scenario>,
+    /// One per host, in front of the store (none when the hosts reach it directly).
+    proxies: Vec<DelayProxy>,
     _links: Vec<VethPair>,
-    _redis: Redis,
+    redis: Option<Redis>,
+    cluster: Option<Cluster>,
     _store: NetNs,
 }
 
 impl Fleet {
     fn new(tag: &str, scope: &str) -> Fleet {
+        Fleet::start(tag, scope, Store::Direct)
+    }
+
+    fn start(tag: &str, scope: &str, kind: Store) -> Fleet {
         let store = NetNs::new(&format!("{tag}-st"));
         let mut hosts: Vec<Scenario> = (0..3)
             .map(|i| Scenario::new(&format!("{tag}{i}")))
@@ -60,17 +101,60 @@ impl Fleet {
             .iter()
             .map(|h| VethPair::new(&store, &h.server))
             .collect();
-        let redis = Redis::start(&store, IpAddr::V4(links[0].a().ipv4), REDIS_PORT);
+        let at = |ip: Ipv4Addr, port| std::net::SocketAddr::new(IpAddr::V4(ip), port);
+        let (mut redis, mut cluster) = (None, None);
+        if kind == Store::Cluster {
+            store.ip(&["addr", "add", &format!("{CLUSTER_IP}/32"), "dev", "lo"]);
+            for (h, l) in hosts.iter().zip(&links) {
+                ratelimit_tests::link::add_route(
+                    &h.server,
+                    &format!("{CLUSTER_IP}/32"),
+                    &l.b().name,
+                    Some(&l.a().ipv4.to_string()),
+                );
+            }
+            cluster = Some(Cluster::start(&store, CLUSTER_IP, CLUSTER_PORTS));
+        } else {
+            redis = Some(Redis::start(
+                &store,
+                IpAddr::V4(links[0].a().ipv4),
+                REDIS_PORT,
+            ));
+        }
+        let proxies: Vec<DelayProxy> = if kind == Store::Proxied {
+            links
+                .iter()
+                .map(|l| {
+                    DelayProxy::start(
+                        &store,
+                        at(l.a().ipv4, PROXY_PORT),
+                        at(links[0].a().ipv4, REDIS_PORT),
+                    )
+                })
+                .collect()
+        } else {
+            Vec::new()
+        };
         for (i, h) in hosts.iter_mut().enumerate() {
-            let url = format!("redis://{}:{REDIS_PORT}", links[i].a().ipv4);
+            let url = match (&cluster, proxies.get(i)) {
+                (Some(c), _) => c.url(),
+                (None, Some(p)) => format!("redis://{}", p.addr()),
+                (None, None) => format!("redis://{}:{REDIS_PORT}", links[i].a().ipv4),
+            };
             h.start(&policy(&url, i, scope));
         }
         Fleet {
             hosts,
+            proxies,
             _links: links,
-            _redis: redis,
+            redis,
+            cluster,
             _store: store,
         }
+    }
+
+    fn redis(&mut self) -> &mut Redis {
+        self.redis.as_mut().expect("a single store")
     }
 
     fn fleet(&self, i: usize) -> fleet::Report {
@@ -80,16 +164,30 @@ impl Fleet {
         }
     }
 
-    /// Packets the rule let through on each host so far.
-    fn admitted(&self) -> Vec<u64> {
+    /// Packets `rule` let through on each host so far.
+    fn admitted_by(&self, rule: &str) -> Vec<u64> {
         self.hosts
             .iter()
             .map(|h| {
                 let st = h.stats();
-                rule_counter(&st, "udp-global", "matched")
-                    - rule_counter(&st, "udp-global", "dropped")
+                rule_counter(&st, rule, "matched") - rule_counter(&st, rule, "dropped")
             })
             .collect()
+    }
+
+    fn admitted(&self) -> Vec<u64> {
+        self.admitted_by("udp-global")
+    }
+
+    /// (matched, dropped) of `rule`, summed over the hosts.
+    fn judged(&self, rule: &str) -> (u64, u64) {
+        self.hosts.iter().fold((0, 0), |(m, d), h| {
+            let st = h.stats();
+            (
+                m + rule_counter(&st, rule, "matched"),
+                d + rule_counter(&st, rule, "dropped"),
+            )
+        })
     }
 }
 
@@ -180,4 +278,275 @@ fn a_local_threshold_is_held_per_host() {
     }
     let g = f.fleet(0).global;
     assert!(g.rules.is_empty() && g.synced_keys == 0, "{g:?}");
+}
+
+/// What is done to the store at a window boundary.
+#[derive(Clone, Copy, Debug)]
+enum Act {
+    Nothing,
+    Kill,
+    Restart,
+    Freeze,
+    Thaw,
+    /// Delay every byte between this host and the store by this much each way.
+    Slow(usize, Duration),
+}
+
+/// `status` on host `i`, 20 times: the slowest answer.
+fn status_max(f: &Fleet, i: usize) -> Duration {
+    (0..20)
+        .map(|_| {
+            let t0 = Instant::now();
+            control::call(f.hosts[i].daemon().socket_path(), &Request::Status)
+                .expect("status answers");
+            t0.elapsed()
+        })
+        .max()
+        .unwrap()
+}
+
+/// One window's figures: the heavy source's admitted count on each host, and the slowest
+/// `status` answer (any host) during it.
+struct Window {
+    act: Act,
+    per_host: Vec<u64>,
+    status_max: Duration,
+}
+
+/// The heavy source at 3L a window split evenly and the light one on every host, for
+/// `acts.len()` whole wall-clock windows; `acts[k]` is done at the start of window k.
+fn phased(f: &mut Fleet, acts: &[Act]) -> Vec<Window> {
+    let heavy = Ipv4Addr::new(198, 18, 7, 7);
+    let light = Ipv4Addr::new(198, 18, 8, 8);
+    let t = Duration::from_secs(T_SECS);
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+    // One window of warm-up, so the first window measured starts with a full previous one.
+    let start = Duration::from_secs((now.as_secs() / T_SECS + 1) * T_SECS);
+    sleep_until_wall(start);
+    let run = t * (acts.len() as u32 + 1) + Duration::from_millis(500);
+    let mut senders: Vec<_> = f
+        .hosts
+        .iter()
+        .map(|h| h.blast(h.udp4(heavy, PORT), L / T_SECS, run, None))
+        .collect();
+    senders.extend(
+        f.hosts
+            .iter()
+            .map(|h| h.blast(h.udp4(light, LIGHT_PORT), LIGHT_PPS, run, None)),
+    );
+    let mut out = Vec::new();
+    sleep_until_wall(start + t);
+    let mut mark = f.admitted();
+    for (k, &act) in acts.iter().enumerate() {
+        match act {
+            Act::Nothing => {}
+            Act::Kill => f.redis().kill(),
+            Act::Restart => f.redis().restart(),
+            Act::Freeze => f.redis().freeze(),
+            Act::Thaw => f.redis().thaw(),
+            Act::Slow(i, d) => f.proxies[i].set_delay(d),
+        }
+        let status_max = (0..3).map(|i| status_max(f, i)).max().unwrap();
+        sleep_until_wall(start + t * (k as u32 + 2));
+        let now = f.admitted();
+        out.push(Window {
+            act,
+            per_host: now.iter().zip(&mark).map(|(a, b)| a - b).collect(),
+            status_max,
+        });
+        mark = now;
+    }
+    for s in senders {
+        s.join().expect("sender");
+    }
+    out
+}
+
+#[test]
+fn without_the_store_every_host_holds_the_threshold_alone_and_the_fleet_recovers() {
+    kernel_test!();
+    let mut f = Fleet::start("rlgf", "global", Store::Proxied);
+    let acts = [
+        Act::Nothing,
+        Act::Nothing,
+        Act::Kill,
+        Act::Nothing,
+        Act::Restart,
+        Act::Nothing,
+        Act::Freeze,
+        Act::Thaw,
+        Act::Nothing,
+        Act::Slow(0, Duration::from_millis(100)),
+        Act::Nothing,
+    ];
+    let light_before = f.judged("udp-light");
+    let w = phased(&mut f, &acts);
+    let light_after = f.judged("udp-light");
+    for (k, x) in w.iter().enumerate() {
+        println!(
+            "window {k} ({:?}): {:?} = {} (L = {L}), status max {:.1} ms",
+            x.act,
+            x.per_host,
+            x.per_host.iter().sum::<u64>(),
+            x.status_max.as_secs_f64() * 1e3
+        );
+    }
+    for i in 0..3 {
+        println!("host {i}: {:?}", f.fleet(i).global);
+    }
+    let within = |k: usize, lo: f64, hi: f64| {
+        let n = w[k].per_host.iter().sum::<u64>() as f64 / L as f64;
+        assert!(
+            (lo..=hi).contains(&n),
+            "window {k} ({:?}): the fleet admitted {:.3} L, outside {lo}..={hi}",
+            w[k].act,
+            n
+        );
+    };
+    // The store there: the fleet holds L.
+    within(1, 0.95, 1.05);
+    // Killed, restarted, frozen, slowed: never more than L on any host (what each host holds
+    // alone), and the control API answers quickly throughout.
+    for x in &w {
+        for &n in &x.per_host {
+            assert!(
+                n <= L + L / 50,
+                "a host admitted {n} > L = {L} in {:?}",
+                x.act
+            );
+        }
+        assert!(
+            x.status_max < Duration::from_millis(100),
+            "status took {:?} in {:?}",
+            x.status_max,
+            x.act
+        );
+    }
+    // Back within 5% in the first whole window after the store returns (restarted empty:
+    // window 5; thawed: window 8), and with one host's link slowed to a 200 ms round trip.
+    within(5, 0.95, 1.05);
+    within(8, 0.95, 1.05);
+    within(10, 0.95, 1.10);
+    // The client under the threshold lost nothing, whatever the store did.
+    let (m, d) = (
+        light_after.0 - light_before.0,
+        light_after.1 - light_before.1,
+    );
+    assert!(m > 0 && d == 0, "the light client: {d} of {m} dropped");
+}
+
+/// Sources, each at 3L a window split evenly over the hosts, for the Cluster test.
+const MANY: u8 = 24;
+
+/// On a 3-master Redis Cluster: every source's counts shared (each script call stays in one
+/// slot: no CROSSSLOT), so each source is held to L across the fleet. With one master killed,
+/// the sources whose bucket lives on it go back to each host's own count (about 3L), and every
+/// other source stays global.
+#[test]
+fn on_a_cluster_each_key_is_global_and_a_lost_master_takes_only_its_own_keys_local() {
+    kernel_test!();
+    let mut f = Fleet::start("rlgc", "global", Store::Cluster);
+    let srcs: Vec<Ipv4Addr> = (1..=MANY).map(|n| Ipv4Addr::new(198, 18, 9, n)).collect();
+    let rid = |i: usize| f.fleet(i).global.rules.first().cloned().unwrap_or_default();
+    let give_up = Instant::now() + Duration::from_secs(10);
+    while (0..3).any(|i| rid(i) != "udp-global") {
+        assert!(Instant::now() < give_up, "the global rule is not synced");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    // Per source: admitted across the fleet over `windows` whole wall-clock windows.
+    let run = |f: &Fleet, windows: u64| -> Vec<u64> {
+        let t = Duration::from_secs(T_SECS);
+        let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+        let start = Duration::from_secs((now.as_secs() / T_SECS + 1) * T_SECS);
+        sleep_until_wall(start);
+        let sinks: Vec<_> = f.hosts.iter().map(|h| h.sink(PORT)).collect();
+        // Each host: every source at L/T a second (3L a window over the three hosts).
+        let senders: Vec<_> = f
+            .hosts
+            .iter()
+            .map(|h| {
+                let frames: Vec<Vec<u8>> = srcs.iter().map(|&s| h.udp4(s, PORT)).collect();
+                let mut tx = h.sender();
+                let pps = L / T_SECS * MANY as u64;
+                let dur = t * windows as u32;
+                std::thread::spawn(move || {
+                    tx.send_rate(|i| frames[i as usize % frames.len()].clone(), pps, dur)
+                })
+            })
+            .collect();
+        for s in senders {
+            s.join().expect("sender");
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        let counts: Vec<_> = sinks.into_iter().map(|s| s.stop()).collect();
+        srcs.iter()
+            .map(|&s| counts.iter().map(|c| c.from(IpAddr::V4(s))).sum())
+            .collect()
+    };
+    let windows = 3;
+    let before = run(&f, windows);
+    println!("cluster, all masters: admitted per source over {windows} windows: {before:?}");
+    for i in 0..3 {
+        let g = f.fleet(i).global;
+        assert_eq!(g.store_errors, 0, "host {i}: {g:?}");
+    }
+    // The first window starts with no previous one: up to 2L there, then L a window.
+    let global_max = (windows + 1) * L * 105 / 100;
+    for (s, &n) in srcs.iter().zip(&before) {
+        assert!(n <= global_max, "{s}: {n} admitted, over {global_max}");
+    }
+    // Which master holds each source's counts: the hashes of the rule's admitted counts on
+    // each node name their bucket (and the rule's id in the store).
+    let mut bucket_owner = std::collections::HashMap::new();
+    let mut rid = String::new();
+    for node in 0..3 {
+        let keys = f.cluster.as_ref().unwrap().cli(
+            node,
+            &["--scan", "--pattern", "ratelimit:{g*}:a:udp-global#*"],
+        );
+        for k in keys.lines().filter(|l| l.starts_with("ratelimit:{g")) {
+            let mut parts = k.splitn(5, ':');
+            let tag = parts.nth(1).unwrap_or_default();
+            let bucket: u64 = tag
+                .trim_matches(|c| c == '{' || c == '}' || c == 'g')
+                .parse()
+                .unwrap();
+            rid = parts.nth(1).unwrap_or_default().to_string();
+            bucket_owner.insert(bucket, node);
+        }
+    }
+    assert!(!rid.is_empty(), "no counts of udp-global on any node");
+    let owner_of = |s: &Ipv4Addr| {
+        let b = ratelimit_user::global::bucket_of(&rid, &format!("{s}/32"));
+        *bucket_owner
+            .get(&b)
+            .unwrap_or_else(|| panic!("no node holds bucket {b} of {s}: {bucket_owner:?}"))
+    };
+    // Kill the master of the first source's bucket (so at least one source is on it).
+    let owners: Vec<usize> = srcs.iter().map(owner_of).collect();
+    let dead = owners[0];
+    f.cluster.as_mut().unwrap().nodes[dead].kill();
+    std::thread::sleep(Duration::from_secs(3)); // the cluster's node timeout is 2 s
+    let after = run(&f, windows);
+    println!("cluster, master {dead} killed: admitted per source: {after:?} (owners {owners:?})");
+    let lost = owners.iter().filter(|&&o| o == dead).count();
+    println!(
+        "{} of {MANY} sources' buckets on the lost master; {:.0}% of the sources stay global",
+        lost,
+        100.0 * (MANY as usize - lost) as f64 / MANY as f64
+    );
+    for ((s, &n), &o) in srcs.iter().zip(&after).zip(&owners) {
+        if o == dead {
+            // Each host alone: about L each, 3L a window across the fleet.
+            assert!(
+                n > global_max,
+                "{s} (on the lost master): only {n} admitted"
+            );
+        } else {
+            assert!(
+                n <= global_max,
+                "{s} (on a live master): {n} admitted, over {global_max}"
+            );
+        }
+    }
 }
