@@ -17,6 +17,7 @@ pub mod bans;
 pub mod control_load;
 pub mod daemon;
 pub mod env;
+pub mod fleet_sim;
 pub mod fuzz;
 pub mod leftovers;
 pub mod link;
