@@ -25,7 +25,7 @@
 //! host has not heard of yet.
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeMap, HashMap},
     sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
@@ -139,6 +139,15 @@ impl GlobalRule {
         .filter(|&(_, t)| t > 0)
     }
 
+    /// Whether a client whose state is `st` is worth syncing: this host's own count in a
+    /// window of one of the rule's meters is worth sharing.
+    pub fn wants(&self, st: &ClientState) -> bool {
+        self.meters().any(|(m, _)| {
+            let (cur, prev) = own_counts(st, m);
+            self.worth(m, cur.max(prev))
+        })
+    }
+
     /// Whether `own` (this host's count in a window of `meter`) is worth sharing.
     fn worth(&self, meter: Meter, own: u64) -> bool {
         let l = match meter {
@@ -216,7 +225,7 @@ impl Added {
 
 /// A synced client.
 #[derive(Clone, Debug)]
-struct Synced {
+pub struct Synced {
     rule: usize,
     at: SlotRef,
     name: String,
@@ -224,6 +233,225 @@ struct Synced {
     added: [Added; 2],
     /// Last time it counted anything of its own here.
     active: Instant,
+}
+
+impl Synced {
+    /// Client `at` (its prefix `prefix_len` bits long) of `rules[rule]`, synced from now on.
+    pub fn new(rules: &[GlobalRule], rule: usize, at: SlotRef, prefix_len: u32) -> Synced {
+        let name = key_name(&at.addr, prefix_len);
+        let bucket = bucket_of(&rules[rule].rid, &name);
+        Synced {
+            rule,
+            at,
+            name,
+            bucket,
+            added: [Added::default(); 2],
+            active: Instant::now(),
+        }
+    }
+}
+
+/// The per-source states a round reads and adds into: the program's ([`ClientStore`]).
+pub trait SlotStates {
+    /// The state in `at`, if the slot still holds that client.
+    fn slot_state(&self, at: &SlotRef) -> Option<ClientState>;
+    /// Add `delta` into `cur` (or `prev`) of `meter` of `at` if the meter is still in
+    /// `window`, atomically; false if the slot or the window moved on.
+    fn add_in_window(
+        &self,
+        at: &SlotRef,
+        meter: Meter,
+        window: u64,
+        to_prev: bool,
+        delta: u64,
+    ) -> bool;
+}
+
+impl SlotStates for ClientStore {
+    fn slot_state(&self, at: &SlotRef) -> Option<ClientState> {
+        ClientStore::slot_state(self, at)
+    }
+
+    fn add_in_window(
+        &self,
+        at: &SlotRef,
+        meter: Meter,
+        window: u64,
+        to_prev: bool,
+        delta: u64,
+    ) -> bool {
+        ClientStore::add_in_window(self, at, meter, window, to_prev, delta)
+    }
+}
+
+/// The store's side of a round: [`SYNC_SCRIPT`] on one hash.
+pub trait CountStore {
+    /// Raise `host`'s count of each `(key, own)` of `hash` to `own`, have `hash` expire at
+    /// `expire_ms` (unix ms), and answer the keys' fleet totals in order.
+    fn sync(
+        &mut self,
+        hash: &str,
+        host: &str,
+        expire_ms: u64,
+        pairs: &[(&str, u64)],
+    ) -> impl std::future::Future<Output = anyhow::Result<Vec<u64>>> + Send;
+
+    /// Every call of a round: each call's own answer (one failing costs only its own keys).
+    /// One after another by default; a store that can runs them at once.
+    fn sync_all(
+        &mut self,
+        host: &str,
+        calls: &[Call],
+    ) -> impl std::future::Future<Output = Vec<anyhow::Result<Vec<u64>>>> {
+        async move {
+            let mut out = Vec::with_capacity(calls.len());
+            for c in calls {
+                let pairs: Vec<(&str, u64)> =
+                    c.pairs.iter().map(|(k, n)| (k.as_str(), *n)).collect();
+                out.push(self.sync(&c.hash, host, c.expire_ms, &pairs).await);
+            }
+            out
+        }
+    }
+}
+
+/// One script call of a round: a hash, its expiry, and its `(key, own count)` pairs.
+#[derive(Clone, Debug)]
+pub struct Call {
+    pub hash: String,
+    pub expire_ms: u64,
+    pub pairs: Vec<(String, u64)>,
+}
+
+/// [`CountStore`] on Redis: the script on a connection.
+pub struct RedisCounts<'a> {
+    pub conn: &'a mut Conn,
+    pub script: &'a redis::Script,
+}
+
+impl CountStore for RedisCounts<'_> {
+    fn sync(
+        &mut self,
+        hash: &str,
+        host: &str,
+        expire_ms: u64,
+        pairs: &[(&str, u64)],
+    ) -> impl std::future::Future<Output = anyhow::Result<Vec<u64>>> + Send {
+        let mut inv = self.script.key(hash);
+        inv.arg(host).arg(expire_ms);
+        for &(key, own) in pairs {
+            inv.arg(key).arg(own);
+        }
+        let conn = &mut *self.conn;
+        async move { Ok(inv.invoke_async(conn).await?) }
+    }
+
+    /// Every call at once: one round trip for all (a multiplexed connection pipelines them; a
+    /// Cluster's goes to each slot's master).
+    async fn sync_all(&mut self, host: &str, calls: &[Call]) -> Vec<anyhow::Result<Vec<u64>>> {
+        let mut set = tokio::task::JoinSet::new();
+        for (ix, c) in calls.iter().enumerate() {
+            let (script, mut conn, c, host) = (
+                self.script.clone(),
+                self.conn.clone(),
+                c.clone(),
+                host.to_string(),
+            );
+            set.spawn(async move {
+                let mut inv = script.key(&c.hash);
+                inv.arg(&host).arg(c.expire_ms);
+                for (name, own) in &c.pairs {
+                    inv.arg(name).arg(own);
+                }
+                (ix, inv.invoke_async::<Vec<u64>>(&mut conn).await)
+            });
+        }
+        let mut out: Vec<anyhow::Result<Vec<u64>>> = (0..calls.len())
+            .map(|_| Err(anyhow::anyhow!("the call's task ended")))
+            .collect();
+        while let Some(done) = set.join_next().await {
+            if let Ok((ix, r)) = done {
+                out[ix] = r.map_err(Into::into);
+            }
+        }
+        out
+    }
+}
+
+/// [`CountStore`] in memory, with [`SYNC_SCRIPT`]'s semantics (hashes of fields, expiry by
+/// the caller's clock `now_ms`, as Redis expires keys): for simulations and tests.
+#[derive(Debug, Default)]
+pub struct MemoryCounts {
+    /// The store's clock (unix ms).
+    pub now_ms: u64,
+    hashes: HashMap<String, (u64, HashMap<String, u64>)>,
+}
+
+impl MemoryCounts {
+    /// The script on `hash` at `now_ms`.
+    pub fn run(
+        &mut self,
+        hash: &str,
+        host: &str,
+        expire_ms: u64,
+        pairs: &[(&str, u64)],
+    ) -> Vec<u64> {
+        let now = self.now_ms;
+        if self.hashes.get(hash).is_some_and(|(at, _)| *at <= now) {
+            self.hashes.remove(hash);
+        }
+        let mut out = Vec::with_capacity(pairs.len());
+        for &(k, abs) in pairs {
+            let f = format!("{k}|{host}");
+            let fields = self.hashes.get(hash).map(|(_, f)| f);
+            let old = fields.and_then(|h| h.get(&f)).copied().unwrap_or(0);
+            let total = if abs > old {
+                let (_, h) = self
+                    .hashes
+                    .entry(hash.to_string())
+                    .or_insert((u64::MAX, HashMap::new()));
+                h.insert(f, abs);
+                let t = h.entry(k.to_string()).or_insert(0);
+                *t += abs - old;
+                *t
+            } else {
+                fields.and_then(|h| h.get(k)).copied().unwrap_or(0)
+            };
+            out.push(total);
+        }
+        // PEXPIREAT: a hash that does not exist stays so.
+        if let Some((at, _)) = self.hashes.get_mut(hash) {
+            *at = expire_ms;
+        }
+        out
+    }
+
+    /// Drop the hashes expired at `now_ms` (Redis's own expiry cycle).
+    pub fn expire(&mut self) {
+        let now = self.now_ms;
+        self.hashes.retain(|_, (at, _)| *at > now);
+    }
+
+    /// Hashes held.
+    pub fn len(&self) -> usize {
+        self.hashes.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.hashes.is_empty()
+    }
+}
+
+impl CountStore for MemoryCounts {
+    fn sync(
+        &mut self,
+        hash: &str,
+        host: &str,
+        expire_ms: u64,
+        pairs: &[(&str, u64)],
+    ) -> impl std::future::Future<Output = anyhow::Result<Vec<u64>>> + Send {
+        std::future::ready(Ok(self.run(hash, host, expire_ms, pairs)))
+    }
 }
 
 /// What `fleet status` shows of global thresholds.
@@ -339,8 +567,12 @@ pub async fn run<O: Owner>(
                 }
             }
         }
-        let c = conn.as_ref().expect("connected above");
-        match round(c, &script, &settings.host_id, &store, &rules, &mut synced).await {
+        let c = conn.as_mut().expect("connected above");
+        let mut counts = RedisCounts {
+            conn: c,
+            script: &script,
+        };
+        match round(&mut counts, &settings.host_id, &*store, &rules, &mut synced).await {
             Ok(done) => shared.update(|r| {
                 r.rounds += 1;
                 r.store_calls += done.calls;
@@ -392,34 +624,21 @@ fn scan(
             synced[ix].at.index = i;
             return;
         }
-        let g = &rules[rule];
-        let st = &slot.state;
-        let worth = g.meters().any(|(m, _)| {
-            let (cur, prev) = own_counts(st, m);
-            g.worth(m, cur.max(prev))
-        });
-        if !worth {
+        if !rules[rule].wants(&slot.state) {
             return;
         }
         if synced.len() + fresh.len() >= MAX_SYNCED_KEYS {
             capped += 1;
             return;
         }
-        let name = key_name(&slot.addr, key.prefix_len);
-        let bucket = bucket_of(&g.rid, &name);
+        let at = SlotRef {
+            index: i,
+            tag,
+            addr: slot.addr,
+        };
+        let s = Synced::new(rules, rule, at, key.prefix_len);
         known.insert((rule, slot.addr, tag), usize::MAX);
-        fresh.push(Synced {
-            rule,
-            at: SlotRef {
-                index: i,
-                tag,
-                addr: slot.addr,
-            },
-            name,
-            bucket,
-            added: [Added::default(); 2],
-            active: Instant::now(),
-        });
+        fresh.push(s);
     })?;
     // Drop those gone from their slots, and those idle here for two of their windows.
     let mut ix = 0;
@@ -449,17 +668,17 @@ fn stamp_of(st: &ClientState, m: Meter) -> u64 {
     }
 }
 
-/// One round: read, publish, add.
-async fn round(
-    conn: &Conn,
-    script: &redis::Script,
+/// One round: read, publish, add. Returns (store calls, counts added). The hashes are
+/// called in order of their names.
+pub async fn round<S: SlotStates + ?Sized, C: CountStore>(
+    counts: &mut C,
     host: &str,
-    store: &ClientStore,
+    store: &S,
     rules: &[GlobalRule],
     synced: &mut [Synced],
 ) -> anyhow::Result<Round> {
     // Group entries by the hash they go to.
-    let mut groups: HashMap<String, (u64, Vec<Entry>)> = HashMap::new();
+    let mut groups: BTreeMap<String, (u64, Vec<Entry>)> = BTreeMap::new();
     for (si, s) in synced.iter_mut().enumerate() {
         let Some(st) = store.slot_state(&s.at) else {
             continue;
@@ -503,42 +722,27 @@ async fn round(
             }
         }
     }
-    // Every call of the round at once: one round trip for all (a multiplexed connection
-    // pipelines them; a Cluster's goes to each slot's master), and a call that fails (its
-    // master lost) costs only its own clients their sync.
-    let mut calls_in_flight = tokio::task::JoinSet::new();
+    let mut calls = Vec::new();
     let mut chunks: Vec<Vec<Entry>> = Vec::new();
     for (hash, (expire_ms, entries)) in groups {
         let mut entries = entries.into_iter().peekable();
         while entries.peek().is_some() {
             let chunk: Vec<Entry> = entries.by_ref().take(CALL_KEYS).collect();
-            let pairs: Vec<(String, u64)> = chunk
-                .iter()
-                .map(|e| (synced[e.synced].name.clone(), e.own))
-                .collect();
-            let (script, mut conn, hash, host, ix) = (
-                script.clone(),
-                conn.clone(),
-                hash.clone(),
-                host.to_string(),
-                chunks.len(),
-            );
-            calls_in_flight.spawn(async move {
-                let mut inv = script.key(&hash);
-                inv.arg(&host).arg(expire_ms);
-                for (name, own) in &pairs {
-                    inv.arg(name).arg(own);
-                }
-                (ix, inv.invoke_async::<Vec<u64>>(&mut conn).await)
+            calls.push(Call {
+                hash: hash.clone(),
+                expire_ms,
+                pairs: chunk
+                    .iter()
+                    .map(|e| (synced[e.synced].name.clone(), e.own))
+                    .collect(),
             });
             chunks.push(chunk);
         }
     }
-    let (mut calls, mut failed, mut added) = (0u64, 0u64, 0u64);
+    let answers = counts.sync_all(host, &calls).await;
+    let (mut failed, mut added) = (0u64, 0u64);
     let mut last_error = None;
-    while let Some(done) = calls_in_flight.join_next().await {
-        let (ix, totals) = done.map_err(|e| anyhow::anyhow!("a store call's task: {e}"))?;
-        calls += 1;
+    for (chunk, totals) in chunks.iter().zip(answers) {
         let totals = match totals {
             Ok(t) => t,
             Err(e) => {
@@ -547,7 +751,7 @@ async fn round(
                 continue;
             }
         };
-        for (e, total) in chunks[ix].iter().zip(totals) {
+        for (e, total) in chunk.iter().zip(totals) {
             let s = &mut synced[e.synced];
             let (m, _) = rules[s.rule]
                 .meters()
@@ -571,25 +775,27 @@ async fn round(
             }
         }
     }
+    let calls = calls.len() as u64;
     match last_error {
         // Every call failed: the store is gone (the caller reconnects).
-        Some(e) if failed == calls => Err(e.into()),
+        Some(e) if failed == calls => Err(e),
         _ => Ok(Round {
             calls,
             failed,
             added,
-            last_error: last_error.map(|e| e.to_string()),
+            last_error: last_error.map(|e| format!("{e:#}")),
         }),
     }
 }
 
 /// What a round did.
-struct Round {
-    calls: u64,
+#[derive(Debug, Clone, Default)]
+pub struct Round {
+    pub calls: u64,
     /// Calls that failed (their clients were not synced this round).
-    failed: u64,
-    added: u64,
-    last_error: Option<String>,
+    pub failed: u64,
+    pub added: u64,
+    pub last_error: Option<String>,
 }
 
 #[cfg(test)]
@@ -630,6 +836,29 @@ mod tests {
         assert!(!g.worth(Meter::Admitted, 49));
         assert!(g.worth(Meter::Admitted, 50));
         assert_eq!(g.meters().count(), 1, "a throttle has no ban meter");
+    }
+
+    #[test]
+    fn the_memory_store_follows_the_script() {
+        let mut m = MemoryCounts {
+            now_ms: 1_000,
+            ..Default::default()
+        };
+        // Nothing of its own: no hash made, totals 0.
+        assert_eq!(m.run("h", "a", 5_000, &[("k", 0)]), vec![0]);
+        assert!(m.is_empty());
+        assert_eq!(m.run("h", "a", 5_000, &[("k", 10), ("j", 3)]), vec![10, 3]);
+        assert_eq!(m.run("h", "b", 5_000, &[("k", 4)]), vec![14]);
+        // Absolute counts: a replay or a lower count changes nothing, a higher one adds the rise.
+        assert_eq!(m.run("h", "a", 5_000, &[("k", 10)]), vec![14]);
+        assert_eq!(m.run("h", "a", 5_000, &[("k", 7)]), vec![14]);
+        assert_eq!(m.run("h", "a", 6_000, &[("k", 12)]), vec![16]);
+        // Expired at its time (the last PEXPIREAT's).
+        m.now_ms = 6_000;
+        assert_eq!(m.run("h", "b", 9_000, &[("k", 4)]), vec![4]);
+        m.now_ms = 9_000;
+        m.expire();
+        assert!(m.is_empty());
     }
 
     #[test]
