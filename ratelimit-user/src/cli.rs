@@ -225,6 +225,22 @@ pub enum FleetCommand {
     /// version, last seen, bans published and received, stream cursor; a host not seen for
     /// 10 s is shown as stale.
     Peers(JsonArg),
+    /// A client's counts under each global rule keyed `ip` (or the one named): ADDR masked to
+    /// the rule's prefix, this host's state for it, and the fleet's counts of its current and
+    /// previous window in the store (total and each host's own).
+    Key(FleetKeyArgs),
+}
+
+#[derive(Args, Debug)]
+pub struct FleetKeyArgs {
+    /// The client's address (IPv4 or IPv6).
+    pub addr: String,
+    /// Only this global rule.
+    #[arg(long, value_name = "NAME")]
+    pub rule: Option<String>,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 #[derive(Subcommand, Debug)]

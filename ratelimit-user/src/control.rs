@@ -91,6 +91,13 @@ pub enum Request {
     },
     /// Fleet mode: the store, the connection to it, the cursor, the outbox, the bans shared.
     Fleet,
+    /// Fleet mode: a client's counts under each global rule (or the one named), on this host
+    /// and in the fleet's store.
+    FleetKey {
+        addr: String,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        rule: Option<String>,
+    },
 }
 
 /// The order of `top`.
@@ -182,6 +189,7 @@ pub enum Answer {
     Pressure(Box<crate::pressure::Report>),
     PressureSet(Box<crate::pressure::Report>),
     Fleet(Box<crate::fleet::Report>),
+    FleetKey(Box<crate::fleet_key::KeyReport>),
 }
 
 impl Answer {
@@ -207,6 +215,7 @@ impl Answer {
             Request::Pressure => Answer::Pressure(read(data)?),
             Request::PressureSet { .. } => Answer::PressureSet(read(data)?),
             Request::Fleet => Answer::Fleet(read(data)?),
+            Request::FleetKey { .. } => Answer::FleetKey(read(data)?),
         })
     }
 
@@ -806,6 +815,13 @@ pub(crate) mod samples {
                     },
                 })),
             ),
+            (
+                Request::FleetKey {
+                    addr: "198.51.100.7".into(),
+                    rule: Some("udp-global".into()),
+                },
+                Answer::FleetKey(Box::new(crate::fleet_key::sample())),
+            ),
         ]
     }
 }
@@ -836,6 +852,7 @@ mod tests {
             Request::Pressure => "pressure",
             Request::PressureSet { .. } => "pressure_set",
             Request::Fleet => "fleet",
+            Request::FleetKey { .. } => "fleet_key",
         }
     }
 
@@ -847,7 +864,7 @@ mod tests {
         let mut kinds: Vec<&str> = exchanges.iter().map(|(r, _)| sampled(r)).collect();
         kinds.sort_unstable();
         kinds.dedup();
-        assert_eq!(kinds.len(), 18, "one exchange per request");
+        assert_eq!(kinds.len(), 19, "one exchange per request");
         for (req, answer) in exchanges {
             // The request, as the CLI sends it and the daemon reads it.
             let line = serde_json::to_string(&req).unwrap();

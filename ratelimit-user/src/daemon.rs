@@ -542,6 +542,10 @@ impl State {
             | Request::Bans { .. }
             | Request::Offenders { .. }
             | Request::Fleet => self.reports.answer(req),
+            // It waits for the store: never here.
+            Request::FleetKey { .. } => {
+                Response::err("fleet key is answered off the owner task (the reports' side)")
+            }
             Request::BanAdd { bans, local } => {
                 Response::ok(Answer::BanAdd(self.ban_add(&bans, local)?))
             }
@@ -1416,7 +1420,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             let h = h.clone();
             async move { h.with(move |s| s.apply_fleet(rx)).await? }
         });
-        reports.set_fleet(link.shared.clone());
+        reports.set_fleet(link.shared.clone(), link.settings.clone());
         // Global thresholds: one task, whatever `share_bans` says; it idles while no rule is
         // global.
         match dp.open_maps() {

@@ -84,7 +84,7 @@ pub const MAX_CONNECTION_AGE: Duration = Duration::from_secs(60);
 const ACCEPT_WARN_EVERY: Duration = Duration::from_secs(10);
 
 const ENDPOINTS: &str = "/metrics, /v1/status, /v1/stats, /v1/top?n=N&by=packets|bytes|drops, \
-     /v1/bans?limit=N, /v1/offenders?limit=N, /v1/pressure, /v1/fleet";
+     /v1/bans?limit=N, /v1/offenders?limit=N, /v1/pressure, /v1/fleet, /v1/fleet/key?addr=A&rule=R";
 
 /// Bind `daemon.http_listen`, with an error an operator can act on.
 pub async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
@@ -336,6 +336,7 @@ fn snapshot(s: &Reports) -> anyhow::Result<(Stats, Gauges)> {
                 peers: r.peers.iter().filter(|p| !p.stale).count() as u64,
                 peers_stale: r.peers.iter().filter(|p| p.stale).count() as u64,
                 latency: f.latency(),
+                global: r.global.clone(),
             }
         }),
     };
@@ -387,6 +388,8 @@ pub struct FleetGauges {
     pub peers: u64,
     pub peers_stale: u64,
     pub latency: crate::fleet::Latency,
+    /// Global thresholds' counts (`ratelimit_fleet_global_*`).
+    pub global: crate::global::GlobalReport,
 }
 
 #[derive(Debug)]
@@ -909,6 +912,58 @@ fn fleet_families(f: &FleetGauges) -> Vec<Family> {
             vec![],
             Value::Histogram(f.latency.sum, f.latency.count, f.latency.series()),
         ),
+        Family::new(
+            "ratelimit_fleet_global_rules",
+            Gauge,
+            "Global rules (scope = \"global\") whose counts this host shares",
+        )
+        .with(vec![], Value::Gauge(f.global.rules.len() as u64)),
+        Family::new(
+            "ratelimit_fleet_global_synced_keys",
+            Gauge,
+            "Clients of global rules whose counts are shared now",
+        )
+        .with(vec![], Value::Gauge(f.global.synced_keys as u64)),
+        Family::new(
+            "ratelimit_fleet_global_capped_keys",
+            Gauge,
+            "Clients of global rules left to this host's own count at the last walk: the most clients that are synced were",
+        )
+        .with(vec![], Value::Gauge(f.global.capped_keys)),
+        Family::new(
+            "ratelimit_fleet_global_rounds",
+            Counter,
+            "Sync rounds of global rules' counts done",
+        )
+        .with(vec![], Value::Counter(f.global.rounds)),
+        Family::new(
+            "ratelimit_fleet_global_store_calls",
+            Counter,
+            "Store calls (one script call each) made to sync global rules' counts",
+        )
+        .with(vec![], Value::Counter(f.global.store_calls)),
+        Family::new(
+            "ratelimit_fleet_global_store_errors",
+            Counter,
+            "Failed connections and calls to the store while syncing global rules' counts",
+        )
+        .with(vec![], Value::Counter(f.global.store_errors)),
+        Family::new(
+            "ratelimit_fleet_global_added",
+            Counter,
+            "Counts of other hosts added into this host's client states (admitted and offered)",
+        )
+        .with(vec![], Value::Counter(f.global.added_total)),
+        Family::new(
+            "ratelimit_fleet_global_round_seconds",
+            Gauge,
+            "Duration of the last sync round of global rules' counts",
+        )
+        .with_some(
+            f.global
+                .last_round_ms
+                .map(|ms| (vec![], Value::Float(ms / 1e3))),
+        ),
     ]
 }
 
@@ -939,6 +994,25 @@ fn parse_top(uri: &Uri) -> Result<Request, String> {
     Ok(Request::Top {
         n,
         by: q.by.unwrap_or_default(),
+    })
+}
+
+/// Query of `/v1/fleet/key`.
+#[derive(Deserialize, Debug, Default)]
+#[serde(deny_unknown_fields)]
+struct KeyQuery {
+    addr: String,
+    rule: Option<String>,
+}
+
+/// The control request for `/v1/fleet/key?addr=A&rule=R` (`rule` optional), or the message
+/// of a 400.
+fn parse_key(uri: &Uri) -> Result<Request, String> {
+    let Query(q) = Query::<KeyQuery>::try_from_uri(uri)
+        .map_err(|e| format!("{}; expected /v1/fleet/key?addr=A&rule=R", e.body_text()))?;
+    Ok(Request::FleetKey {
+        addr: q.addr,
+        rule: q.rule,
     })
 }
 
@@ -1053,6 +1127,13 @@ async fn offenders<B: Backend>(State(app): State<App<B>>, uri: Uri) -> Response 
     }
 }
 
+async fn fleet_key<B: Backend>(State(app): State<App<B>>, uri: Uri) -> Response {
+    match parse_key(&uri) {
+        Ok(req) => answer(&app.backend, req).await,
+        Err(msg) => error(StatusCode::BAD_REQUEST, msg),
+    }
+}
+
 async fn not_found(method: Method, uri: Uri) -> Response {
     error(
         StatusCode::NOT_FOUND,
@@ -1086,6 +1167,7 @@ fn router<B: Backend>(app: App<B>) -> Router {
         .route("/v1/offenders", get(offenders::<B>))
         .route("/v1/pressure", report(Request::Pressure))
         .route("/v1/fleet", report(Request::Fleet))
+        .route("/v1/fleet/key", get(fleet_key::<B>))
         .fallback(not_found)
         // After the routes: it applies to those registered before it.
         .method_not_allowed_fallback(method_not_allowed)
@@ -1205,6 +1287,17 @@ mod tests {
                 peers: 2,
                 peers_stale: 1,
                 latency,
+                global: crate::global::GlobalReport {
+                    rules: vec!["udp-global".into()],
+                    synced_keys: 4,
+                    capped_keys: 2,
+                    rounds: 90,
+                    store_calls: 180,
+                    store_errors: 1,
+                    added_total: 5000,
+                    last_round_ms: Some(2.5),
+                    last_error: None,
+                },
             }),
             ..GAUGES
         };
@@ -1229,8 +1322,54 @@ mod tests {
             "ratelimit_fleet_store_latency_seconds_bucket{le=\"0.005\"} 2",
             "ratelimit_fleet_store_latency_seconds_bucket{le=\"1.0\"} 2",
             "ratelimit_fleet_store_latency_seconds_bucket{le=\"+Inf\"} 3",
+            "# TYPE ratelimit_fleet_global_rules gauge",
+            "ratelimit_fleet_global_rules 1",
+            "ratelimit_fleet_global_synced_keys 4",
+            "ratelimit_fleet_global_capped_keys 2",
+            "# TYPE ratelimit_fleet_global_rounds counter",
+            "ratelimit_fleet_global_rounds_total 90",
+            "ratelimit_fleet_global_store_calls_total 180",
+            "ratelimit_fleet_global_store_errors_total 1",
+            "ratelimit_fleet_global_added_total 5000",
+            "# TYPE ratelimit_fleet_global_round_seconds gauge",
+            "ratelimit_fleet_global_round_seconds 0.0025",
         ] {
             assert!(l.contains(&want), "{want} missing from:\n{text}");
+        }
+        // Before the first round: no duration.
+        let mut idle = gauges.clone();
+        if let Some(f) = idle.fleet.as_mut() {
+            f.global = crate::global::GlobalReport::default();
+        }
+        let text = render_metrics(&synthetic(), &idle);
+        let l = lines(&text);
+        assert!(l.contains(&"ratelimit_fleet_global_rules 0"), "{text}");
+        assert!(
+            !l.iter()
+                .any(|l| l.starts_with("ratelimit_fleet_global_round_seconds")),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn http_fleet_key_query_parsing() {
+        let key = |q: &str| {
+            let uri: Uri = format!("/v1/fleet/key{q}").parse().unwrap();
+            parse_key(&uri).map(|r| serde_json::to_value(r).unwrap())
+        };
+        assert_eq!(
+            key("?addr=198.51.100.7"),
+            Ok(serde_json::json!({"cmd": "fleet_key", "addr": "198.51.100.7"}))
+        );
+        assert_eq!(
+            key("?addr=2001:db8::1&rule=udp-global"),
+            Ok(
+                serde_json::json!({"cmd": "fleet_key", "addr": "2001:db8::1", "rule": "udp-global"})
+            )
+        );
+        for bad in ["", "?rule=r", "?addr=1.2.3.4&n=3"] {
+            let e = key(bad).expect_err(bad);
+            assert!(e.contains("expected /v1/fleet/key?addr=A&rule=R"), "{e}");
         }
     }
 

@@ -13,6 +13,7 @@ pub mod datapath;
 pub mod durable;
 pub mod events;
 pub mod fleet;
+pub mod fleet_key;
 pub mod geoip;
 pub mod global;
 pub mod http;

@@ -198,6 +198,12 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Fleet {
             action: FleetCommand::Status(_) | FleetCommand::Peers(_),
         } => Request::Fleet,
+        Command::Fleet {
+            action: FleetCommand::Key(k),
+        } => Request::FleetKey {
+            addr: k.addr.clone(),
+            rule: k.rule.clone(),
+        },
         Command::Pressure(p) => match &p.action {
             None => Request::Pressure,
             Some(PressureCommand::Set { mode, .. }) => Request::PressureSet { mode: *mode },
@@ -215,6 +221,9 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         Command::Fleet {
             action: FleetCommand::Status(j) | FleetCommand::Peers(j),
         } => j.json,
+        Command::Fleet {
+            action: FleetCommand::Key(k),
+        } => k.json,
         Command::Pressure(p) => match &p.action {
             None => p.json,
             Some(PressureCommand::Set { json, .. }) => p.json || *json,
@@ -341,6 +350,7 @@ fn print_human(answer: &Answer) -> anyhow::Result<()> {
         },
         Answer::Pressure(p) | Answer::PressureSet(p) => print_pressure(p),
         Answer::Fleet(f) => print_fleet(f),
+        Answer::FleetKey(k) => print!("{}", ratelimit_user::fleet_key::render_key(k)),
         Answer::Reload(r) => {
             println!("reloaded {}: rules {}", r.reloaded, r.rules.join(", "));
             for d in &r.live_changes_dropped {
@@ -438,6 +448,7 @@ fn print_fleet(f: &ratelimit_user::fleet::Report) {
             f.peers.len()
         );
     }
+    print!("{}", ratelimit_user::fleet_key::render_global(&f.global));
 }
 
 fn print_pressure(p: &ratelimit_user::pressure::Report) {

@@ -114,6 +114,9 @@ pub struct Reports {
     /// Fleet mode's shared state (`fleet status`, `/v1/fleet`, `ratelimit_fleet_*`); unset
     /// without `[fleet]`.
     pub fleet: std::sync::OnceLock<Arc<crate::fleet::Shared>>,
+    /// Fleet mode's store settings (`fleet key` reads the store with them); unset without
+    /// `[fleet]`.
+    pub fleet_settings: std::sync::OnceLock<Arc<crate::fleet::Settings>>,
 }
 
 /// Map handles only read through: `Maps`' writing methods take `&mut`, which this never
@@ -147,12 +150,18 @@ impl Reports {
             tasks,
             known_status,
             fleet: std::sync::OnceLock::new(),
+            fleet_settings: std::sync::OnceLock::new(),
         }
     }
 
     /// Fleet mode is on: its state is reported from now on.
-    pub fn set_fleet(&self, shared: Arc<crate::fleet::Shared>) {
+    pub fn set_fleet(
+        &self,
+        shared: Arc<crate::fleet::Shared>,
+        settings: Arc<crate::fleet::Settings>,
+    ) {
         let _ = self.fleet.set(shared);
+        let _ = self.fleet_settings.set(settings);
     }
 
     /// The owner task's latest view.
@@ -185,11 +194,20 @@ impl Reports {
                 | Request::Offenders { .. }
                 | Request::Pressure
                 | Request::Fleet
+                | Request::FleetKey { .. }
         )
     }
 
     /// Answer a report on the blocking pool, once a turn is free.
     pub async fn run(self: &Arc<Self>, req: Request) -> Response {
+        // `fleet key` reads the store: it waits for it here (bounded), on no turn of the
+        // blocking pool.
+        if let Request::FleetKey { addr, rule } = &req {
+            return match crate::fleet_key::answer(self, addr, rule.as_deref()).await {
+                Ok(k) => Response::ok(Answer::FleetKey(Box::new(k))),
+                Err(e) => Response::err(format!("{e:#}")),
+            };
+        }
         // `status` reads no walk's worth unless its counts changed: it takes no turn, so it
         // answers while long reports run.
         let _permit = if matches!(req, Request::Status | Request::Pressure | Request::Fleet) {
