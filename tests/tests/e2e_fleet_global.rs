@@ -234,7 +234,7 @@ fn a_global_threshold_holds_across_three_hosts_within_5_percent() {
     let f = Fleet::new("rlgl", "global");
     // Every host is connected and syncs the global rule.
     let give_up = Instant::now() + Duration::from_secs(10);
-    while (0..3).any(|i| f.fleet(i).global.rules != ["udp-global"]) {
+    while (0..3).any(|i| f.fleet(i).global.rules != ["udp-global", "udp-light"]) {
         assert!(
             Instant::now() < give_up,
             "the global rule is not synced: {:?}",
