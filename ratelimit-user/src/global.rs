@@ -25,7 +25,7 @@
 //! host has not heard of yet.
 
 use std::{
-    collections::{BTreeMap, HashMap},
+    collections::{BTreeMap, HashMap, HashSet},
     sync::{Arc, Mutex},
     time::{Duration, Instant},
 };
@@ -47,6 +47,11 @@ pub const BUCKETS: u64 = 16;
 /// A client is synced once this host counted this share (per mille) of its threshold in a
 /// window: the many clients far below it cost the store nothing.
 pub const PUBLISH_ABOVE_PERMILLE: u64 = 50;
+/// A client whose fleet total reaches this share (per mille) of its threshold in a window is
+/// announced: every host that holds a state for it syncs it from its next walk of the store,
+/// however little of it that host sees (the hosts below [`PUBLISH_ABOVE_PERMILLE`] would
+/// otherwise each let it have their own threshold).
+pub const NEAR_LIMIT_PERMILLE: u64 = 500;
 /// At most this many clients are synced; the rest are held to the threshold per host.
 pub const MAX_SYNCED_KEYS: usize = 100_000;
 /// How often the store is walked for clients to sync.
@@ -148,13 +153,25 @@ impl GlobalRule {
         })
     }
 
-    /// Whether `own` (this host's count in a window of `meter`) is worth sharing.
-    fn worth(&self, meter: Meter, own: u64) -> bool {
-        let l = match meter {
+    /// The count `meter` is measured against: the threshold, or the ban threshold.
+    fn limit_of(&self, meter: Meter) -> u64 {
+        match meter {
             Meter::Admitted => self.threshold,
             Meter::Offered => self.ban_threshold,
-        };
+        }
+    }
+
+    /// Whether `own` (this host's count in a window of `meter`) is worth sharing.
+    fn worth(&self, meter: Meter, own: u64) -> bool {
+        let l = self.limit_of(meter);
         own > 0 && own.saturating_mul(1000) >= l.saturating_mul(PUBLISH_ABOVE_PERMILLE)
+    }
+
+    /// Whether a fleet total of `total` in a window of `meter` is near the limit.
+    fn near(&self, meter: Meter, total: u64) -> bool {
+        total > 0
+            && total.saturating_mul(1000)
+                >= self.limit_of(meter).saturating_mul(NEAR_LIMIT_PERMILLE)
     }
 }
 
@@ -200,6 +217,8 @@ struct Added {
     /// Rounds since the meter moved to `window`: the previous window is shared for
     /// [`PREV_ROUNDS`] of them (the other hosts' last counts of it come in late), then no more.
     rounds: u32,
+    /// This host announced the client near its limit in `window`.
+    announced: bool,
 }
 
 /// Rounds after a window ends during which its counts are still shared.
@@ -220,6 +239,7 @@ impl Added {
         self.cur = 0;
         self.window = stamp;
         self.rounds = 0;
+        self.announced = false;
     }
 }
 
@@ -315,6 +335,22 @@ pub trait CountStore {
     }
 }
 
+/// Announcing near-limit clients: a set per rule, meter, bucket and window
+/// ([`announce_set`]).
+pub trait Announce {
+    /// Add `keys` to `set`, which expires at `expire_ms` (unix ms).
+    fn announce(
+        &mut self,
+        set: &str,
+        expire_ms: u64,
+        keys: &[String],
+    ) -> impl std::future::Future<Output = anyhow::Result<()>>;
+
+    /// The members of each of `sets` (an empty list for a set that cannot be read).
+    fn announced(&mut self, sets: &[String])
+    -> impl std::future::Future<Output = Vec<Vec<String>>>;
+}
+
 /// One script call of a round: a hash, its expiry, and its `(key, own count)` pairs.
 #[derive(Clone, Debug)]
 pub struct Call {
@@ -378,6 +414,35 @@ impl CountStore for RedisCounts<'_> {
     }
 }
 
+impl Announce for RedisCounts<'_> {
+    async fn announce(&mut self, set: &str, expire_ms: u64, keys: &[String]) -> anyhow::Result<()> {
+        let mut p = redis::pipe();
+        p.cmd("SADD").arg(set).arg(keys).ignore();
+        p.cmd("PEXPIREAT").arg(set).arg(expire_ms).ignore();
+        let () = p.query_async(&mut *self.conn).await?;
+        Ok(())
+    }
+
+    async fn announced(&mut self, sets: &[String]) -> Vec<Vec<String>> {
+        let mut set = tokio::task::JoinSet::new();
+        for (ix, name) in sets.iter().enumerate() {
+            let (mut conn, name) = (self.conn.clone(), name.clone());
+            set.spawn(async move {
+                let r: redis::RedisResult<Vec<String>> = redis::cmd("SMEMBERS")
+                    .arg(&name)
+                    .query_async(&mut conn)
+                    .await;
+                (ix, r.unwrap_or_default())
+            });
+        }
+        let mut out = vec![Vec::new(); sets.len()];
+        while let Some(Ok((ix, m))) = set.join_next().await {
+            out[ix] = m;
+        }
+        out
+    }
+}
+
 /// [`CountStore`] in memory, with [`SYNC_SCRIPT`]'s semantics (hashes of fields, expiry by
 /// the caller's clock `now_ms`, as Redis expires keys): for simulations and tests.
 #[derive(Debug, Default)]
@@ -385,6 +450,8 @@ pub struct MemoryCounts {
     /// The store's clock (unix ms).
     pub now_ms: u64,
     hashes: HashMap<String, (u64, HashMap<String, u64>)>,
+    /// Announcement sets: expiry (unix ms) and members.
+    sets: HashMap<String, (u64, std::collections::BTreeSet<String>)>,
 }
 
 impl MemoryCounts {
@@ -430,6 +497,25 @@ impl MemoryCounts {
     pub fn expire(&mut self) {
         let now = self.now_ms;
         self.hashes.retain(|_, (at, _)| *at > now);
+        self.sets.retain(|_, (at, _)| *at > now);
+    }
+
+    /// SADD and PEXPIREAT.
+    pub fn add_to_set(&mut self, set: &str, expire_ms: u64, keys: &[String]) {
+        let e = self
+            .sets
+            .entry(set.to_string())
+            .or_insert((expire_ms, Default::default()));
+        e.0 = expire_ms;
+        e.1.extend(keys.iter().cloned());
+    }
+
+    /// SMEMBERS at `now_ms`.
+    pub fn members(&self, set: &str) -> Vec<String> {
+        match self.sets.get(set) {
+            Some((at, m)) if *at > self.now_ms => m.iter().cloned().collect(),
+            _ => Vec::new(),
+        }
     }
 
     /// Hashes held.
@@ -452,6 +538,42 @@ impl CountStore for MemoryCounts {
     ) -> impl std::future::Future<Output = anyhow::Result<Vec<u64>>> + Send {
         std::future::ready(Ok(self.run(hash, host, expire_ms, pairs)))
     }
+}
+
+impl Announce for MemoryCounts {
+    async fn announce(&mut self, set: &str, expire_ms: u64, keys: &[String]) -> anyhow::Result<()> {
+        self.add_to_set(set, expire_ms, keys);
+        Ok(())
+    }
+
+    async fn announced(&mut self, sets: &[String]) -> Vec<Vec<String>> {
+        sets.iter().map(|s| self.members(s)).collect()
+    }
+}
+
+/// The set announcing `rid`'s near-limit clients of `meter` in `bucket` and `window` (in
+/// the bucket's Cluster slot, as its counts).
+pub fn announce_set(rid: &str, meter: Meter, bucket: u64, window: u64) -> String {
+    let m = match meter {
+        Meter::Admitted => "a",
+        Meter::Offered => "o",
+    };
+    format!("ratelimit:{{g{bucket}}}:n:{m}:{rid}:{window}")
+}
+
+/// The announcement sets of every global rule's meters for the windows in force at wall
+/// time `unix_ns`: `(rule, set)`.
+pub fn announce_sets_now(rules: &[GlobalRule], unix_ns: u64) -> Vec<(usize, String)> {
+    let mut out = Vec::new();
+    for (ri, g) in rules.iter().enumerate() {
+        for (m, interval) in g.meters() {
+            let w = unix_ns / interval;
+            for b in 0..BUCKETS {
+                out.push((ri, announce_set(&g.rid, m, b, w)));
+            }
+        }
+    }
+    out
 }
 
 /// What `fleet status` shows of global thresholds.
@@ -545,7 +667,21 @@ pub async fn run<O: Owner>(
                 shared.update(|r| r.rules = rules.iter().map(|g| g.name.clone()).collect());
             }
             if !rules.is_empty() {
-                let capped = scan(&store, &rules, &mut synced)?;
+                // The clients other hosts announced near their limit in this window.
+                let mut hot = HashSet::new();
+                if let Some(c) = conn.as_mut() {
+                    let sets = announce_sets_now(&rules, wall_ns());
+                    let names: Vec<String> = sets.iter().map(|(_, s)| s.clone()).collect();
+                    let mut counts = RedisCounts {
+                        conn: c,
+                        script: &script,
+                    };
+                    let members = counts.announced(&names).await;
+                    for ((rule, _), keys) in sets.iter().zip(members) {
+                        hot.extend(keys.into_iter().map(|k| (*rule, k)));
+                    }
+                }
+                let capped = scan(&store, &rules, &hot, &mut synced)?;
                 shared.update(|r| {
                     r.synced_keys = synced.len();
                     r.capped_keys = capped;
@@ -599,6 +735,7 @@ pub async fn run<O: Owner>(
 fn scan(
     store: &ClientStore,
     rules: &[GlobalRule],
+    hot: &HashSet<(usize, String)>,
     synced: &mut Vec<Synced>,
 ) -> anyhow::Result<u64> {
     let by_index: HashMap<u8, usize> = rules
@@ -624,7 +761,9 @@ fn scan(
             synced[ix].at.index = i;
             return;
         }
-        if !rules[rule].wants(&slot.state) {
+        if !rules[rule].wants(&slot.state)
+            && (hot.is_empty() || !hot.contains(&(rule, key_name(&slot.addr, key.prefix_len))))
+        {
             return;
         }
         if synced.len() + fresh.len() >= MAX_SYNCED_KEYS {
@@ -652,6 +791,13 @@ fn scan(
     Ok(capped)
 }
 
+/// The wall clock (unix ns).
+fn wall_ns() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
 /// A meter's `(cur, prev)` (a ban held in the meter is no window: nothing).
 fn own_counts(st: &ClientState, m: Meter) -> (u64, u64) {
     match m {
@@ -670,7 +816,7 @@ fn stamp_of(st: &ClientState, m: Meter) -> u64 {
 
 /// One round: read, publish, add. Returns (store calls, counts added). The hashes are
 /// called in order of their names.
-pub async fn round<S: SlotStates + ?Sized, C: CountStore>(
+pub async fn round<S: SlotStates + ?Sized, C: CountStore + Announce>(
     counts: &mut C,
     host: &str,
     store: &S,
@@ -686,7 +832,8 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore>(
         let g = &rules[s.rule];
         for (mi, (m, interval)) in g.meters().enumerate() {
             let stamp = stamp_of(&st, m);
-            if m == Meter::Offered && stamp == BAN_HELD_MARK {
+            // A meter that never counted (no window yet), or a ban held in it: nothing to share.
+            if stamp == 0 || (m == Meter::Offered && stamp == BAN_HELD_MARK) {
                 continue;
             }
             let a = &mut s.added[mi];
@@ -709,9 +856,11 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore>(
                 }
                 let h = hash_name(&g.rid, m, s.bucket, window);
                 // Expire two windows after this one ends, plus a minute of clock skew.
-                let expire_ms = ((window.saturating_add(2) as u128 * interval as u128) / 1_000_000)
-                    as u64
-                    + 60_000;
+                let expire_ms = u64::try_from(
+                    (window.saturating_add(2) as u128 * interval as u128) / 1_000_000,
+                )
+                .unwrap_or(u64::MAX)
+                .saturating_add(60_000);
                 let e = groups.entry(h).or_insert((expire_ms, Vec::new()));
                 e.1.push(Entry {
                     synced: si,
@@ -742,7 +891,9 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore>(
     let answers = counts.sync_all(host, &calls).await;
     let (mut failed, mut added) = (0u64, 0u64);
     let mut last_error = None;
-    for (chunk, totals) in chunks.iter().zip(answers) {
+    // Near-limit clients to announce: set -> (expiry, keys).
+    let mut news: BTreeMap<String, (u64, Vec<String>)> = BTreeMap::new();
+    for ((chunk, call), totals) in chunks.iter().zip(&calls).zip(answers) {
         let totals = match totals {
             Ok(t) => t,
             Err(e) => {
@@ -758,6 +909,12 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore>(
                 .nth(e.meter_ix)
                 .expect("an entry of a meter of its rule");
             let a = &mut s.added[e.meter_ix];
+            if !e.to_prev && !a.announced && rules[s.rule].near(m, total) {
+                a.announced = true;
+                let set = announce_set(&rules[s.rule].rid, m, s.bucket, a.window);
+                let n = news.entry(set).or_insert((call.expire_ms, Vec::new()));
+                n.1.push(s.name.clone());
+            }
             let others = total.saturating_sub(e.own);
             let have = if e.to_prev { a.prev } else { a.cur };
             if others <= have {
@@ -773,6 +930,12 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore>(
                 }
                 added += delta;
             }
+        }
+    }
+    for (set, (expire_ms, keys)) in news {
+        if let Err(e) = counts.announce(&set, expire_ms, &keys).await {
+            failed += 1;
+            last_error = Some(e);
         }
     }
     let calls = calls.len() as u64;
@@ -809,6 +972,7 @@ mod tests {
             cur: 30,
             prev: 5,
             rounds: 3,
+            announced: true,
         };
         a.roll(7);
         assert_eq!((a.window, a.cur, a.prev), (7, 30, 5));

@@ -255,6 +255,24 @@ impl CountStore for Client<'_> {
     }
 }
 
+impl global::Announce for Client<'_> {
+    async fn announce(&mut self, set: &str, expire_ms: u64, keys: &[String]) -> anyhow::Result<()> {
+        if self.down {
+            anyhow::bail!("store unavailable");
+        }
+        self.store.borrow_mut().add_to_set(set, expire_ms, keys);
+        Ok(())
+    }
+
+    async fn announced(&mut self, sets: &[String]) -> Vec<Vec<String>> {
+        if self.down {
+            return vec![Vec::new(); sets.len()];
+        }
+        let s = self.store.borrow();
+        sets.iter().map(|n| s.members(n)).collect()
+    }
+}
+
 /// Run a future that never waits (the in-memory store answers at once).
 fn at_once<F: Future>(f: F) -> F::Output {
     let mut f = pin!(f);
@@ -407,8 +425,21 @@ pub fn run(sc: &Scenario) -> Outcome {
                 if host.last_scan.is_none_or(|s| t - s >= scan) {
                     host.last_scan = Some(t);
                     let live = *host.live.borrow();
+                    let store_up = !(down_from..down_to).contains(&t);
                     for (i, st) in live.iter().enumerate() {
-                        if !host.syncing[i] && rules[0].wants(st) {
+                        // As the daemon's walk: its own count worth sharing, or announced
+                        // near its limit by another host in this window.
+                        let announced = store_up && st.stamp != 0 && {
+                            let name = global::key_name(&host.addrs[i], 128);
+                            let set = global::announce_set(
+                                &rules[0].rid,
+                                Meter::Admitted,
+                                global::bucket_of(&rules[0].rid, &name),
+                                t / interval,
+                            );
+                            store.borrow().members(&set).contains(&name)
+                        };
+                        if !host.syncing[i] && (rules[0].wants(st) || announced) {
                             let at = SlotRef {
                                 index: i as u64,
                                 tag: 1,
