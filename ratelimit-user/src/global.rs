@@ -60,6 +60,9 @@ pub const SCAN_EVERY: Duration = Duration::from_secs(1);
 /// drift before it is rewritten.
 const CLOCK_CHECK_EVERY: Duration = Duration::from_secs(10);
 pub const CLOCK_TOLERANCE_NS: u64 = 1_000_000;
+/// The longest wait between two connection attempts to a store that failed: a store back
+/// is in use again within about this long.
+const RECONNECT_MAX: Duration = Duration::from_secs(1);
 /// How many clients one script call carries at most.
 const CALL_KEYS: usize = 500;
 
@@ -219,7 +222,23 @@ struct Added {
     rounds: u32,
     /// This host announced the client near its limit in `window`.
     announced: bool,
+    /// Found with counts this task may have added before it (re)started, which it cannot tell
+    /// from the host's own: nothing is published or added for it until its meter's next
+    /// window (publishing them as its own would count the other hosts' twice).
+    wait_window: bool,
+    /// The previous window's counts may hold what a previous run added: not shared.
+    prev_unknown: bool,
+    /// This window: this host's own count last published, the fleet total last answered,
+    /// and rounds since the last publish.
+    published: u64,
+    total: u64,
+    quiet_rounds: u32,
 }
+
+/// A client far from its limit (its fleet total under [`NEAR_LIMIT_PERMILLE`]) whose own
+/// count moved less than [`PUBLISH_ABOVE_PERMILLE`] of it is shared every this many rounds
+/// (about a second at the default interval), not every round.
+const WARM_ROUNDS: u32 = 10;
 
 /// Rounds after a window ends during which its counts are still shared.
 const PREV_ROUNDS: u32 = 20;
@@ -240,6 +259,11 @@ impl Added {
         self.window = stamp;
         self.rounds = 0;
         self.announced = false;
+        self.prev_unknown = self.wait_window;
+        self.wait_window = false;
+        self.published = 0;
+        self.total = 0;
+        self.quiet_rounds = 0;
     }
 }
 
@@ -268,6 +292,16 @@ impl Synced {
             added: [Added::default(); 2],
             active: Instant::now(),
         }
+    }
+
+    /// A client found at the first walk after this task (re)started: its state may hold
+    /// counts the previous run added, so its current windows are left alone.
+    fn cautious(mut self, st: &ClientState) -> Synced {
+        for (a, m) in self.added.iter_mut().zip([Meter::Admitted, Meter::Offered]) {
+            a.window = stamp_of(st, m);
+            a.wait_window = true;
+        }
+        self
     }
 }
 
@@ -643,6 +677,12 @@ pub async fn run<O: Owner>(
     let mut rules: Vec<GlobalRule> = Vec::new();
     let mut synced: Vec<Synced> = Vec::new();
     let mut last_scan: Option<Instant> = None;
+    // The first walk of this run done (clients found before it may hold counts a previous
+    // run added).
+    let mut walked = false;
+    // Reconnecting after the store failed: not before this, doubling up to RECONNECT_MAX.
+    let mut retry_at: Option<Instant> = None;
+    let mut backoff = Duration::from_millis(100);
     let mut last_clock = Instant::now();
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -661,8 +701,21 @@ pub async fn run<O: Owner>(
             last_scan = Some(Instant::now());
             let now_rules = owner.rules().await?;
             if now_rules != rules {
-                // Another rule set: what was synced belongs to rules that may be gone.
-                synced.clear();
+                // Another rule set (or a threshold in force changed with the pressure level):
+                // what was synced and added stays with its rule where the rule still counts
+                // the same way (its id), and goes where it does not.
+                let by_rid: HashMap<&str, usize> = now_rules
+                    .iter()
+                    .enumerate()
+                    .map(|(i, g)| (g.rid.as_str(), i))
+                    .collect();
+                synced.retain_mut(|s| match by_rid.get(rules[s.rule].rid.as_str()) {
+                    Some(&i) if now_rules[i].index == rules[s.rule].index => {
+                        s.rule = i;
+                        true
+                    }
+                    _ => false,
+                });
                 rules = now_rules;
                 shared.update(|r| r.rules = rules.iter().map(|g| g.name.clone()).collect());
             }
@@ -681,7 +734,17 @@ pub async fn run<O: Owner>(
                         hot.extend(keys.into_iter().map(|k| (*rule, k)));
                     }
                 }
-                let capped = scan(&store, &rules, &hot, &mut synced)?;
+                // The walk reads the whole store (tens of ms for a million sources): off the
+                // runtime's threads.
+                let (st, rs, first) = (store.clone(), rules.clone(), !walked);
+                let (capped, back) = tokio::task::spawn_blocking(move || {
+                    let mut synced = synced;
+                    scan(&st, &rs, &hot, &mut synced, first).map(|c| (c, synced))
+                })
+                .await
+                .map_err(|e| anyhow::anyhow!("the store walk: {e}"))??;
+                synced = back;
+                walked = true;
                 shared.update(|r| {
                     r.synced_keys = synced.len();
                     r.capped_keys = capped;
@@ -692,9 +755,14 @@ pub async fn run<O: Owner>(
             continue;
         }
         if conn.is_none() {
+            if retry_at.is_some_and(|t| Instant::now() < t) {
+                continue;
+            }
             match settings.connect_for_counts().await {
                 Ok(c) => conn = Some(c),
                 Err(e) => {
+                    retry_at = Some(Instant::now() + backoff);
+                    backoff = (backoff * 2).min(RECONNECT_MAX);
                     shared.update(|r| {
                         r.store_errors += 1;
                         r.last_error = Some(format!("{e:#}"));
@@ -710,6 +778,8 @@ pub async fn run<O: Owner>(
         };
         match round(&mut counts, &settings.host_id, &*store, &rules, &mut synced).await {
             Ok(done) => shared.update(|r| {
+                backoff = Duration::from_millis(100);
+                retry_at = None;
                 r.rounds += 1;
                 r.store_calls += done.calls;
                 r.store_errors += done.failed;
@@ -721,6 +791,8 @@ pub async fn run<O: Owner>(
             }),
             Err(e) => {
                 conn = None;
+                retry_at = Some(Instant::now() + backoff);
+                backoff = (backoff * 2).min(RECONNECT_MAX);
                 shared.update(|r| {
                     r.store_errors += 1;
                     r.last_error = Some(format!("{e:#}"));
@@ -737,6 +809,7 @@ fn scan(
     rules: &[GlobalRule],
     hot: &HashSet<(usize, String)>,
     synced: &mut Vec<Synced>,
+    first: bool,
 ) -> anyhow::Result<u64> {
     let by_index: HashMap<u8, usize> = rules
         .iter()
@@ -776,6 +849,7 @@ fn scan(
             addr: slot.addr,
         };
         let s = Synced::new(rules, rule, at, key.prefix_len);
+        let s = if first { s.cautious(&slot.state) } else { s };
         known.insert((rule, slot.addr, tag), usize::MAX);
         fresh.push(s);
     })?;
@@ -840,6 +914,22 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore + Announce>(
             let before = *a;
             a.roll(stamp);
             let (cur, prev) = own_counts(&st, m);
+            if a.wait_window {
+                continue;
+            }
+            // Counts only grow within a window: less than was added means the state was
+            // made anew (the client evicted and back), so nothing of it is the others';
+            // a previous window below what was added means the program is rotating it now
+            // (or the read was torn): next round.
+            if cur < a.cur {
+                *a = Added {
+                    window: stamp,
+                    ..Added::default()
+                };
+            }
+            if prev < a.prev {
+                continue;
+            }
             let own_cur = cur.saturating_sub(a.cur);
             let own_prev = prev.saturating_sub(a.prev);
             if before.window != stamp || own_cur > 0 {
@@ -851,8 +941,19 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore + Announce>(
                 (false, stamp, own_cur),
                 (true, stamp.wrapping_sub(1), own_prev),
             ] {
-                if to_prev && !prev_too {
+                if to_prev && (!prev_too || a.prev_unknown) {
                     continue;
+                }
+                // A warm client (far from its limit, its own count barely moved) only now
+                // and then: near ones, and every window's first round, always.
+                if !to_prev {
+                    let moved = g.worth(m, own.saturating_sub(a.published));
+                    if a.rounds > 1 && !g.near(m, a.total) && !moved && a.quiet_rounds < WARM_ROUNDS
+                    {
+                        a.quiet_rounds += 1;
+                        continue;
+                    }
+                    a.quiet_rounds = 0;
                 }
                 let h = hash_name(&g.rid, m, s.bucket, window);
                 // Expire two windows after this one ends, plus a minute of clock skew.
@@ -891,8 +992,9 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore + Announce>(
     let answers = counts.sync_all(host, &calls).await;
     let (mut failed, mut added) = (0u64, 0u64);
     let mut last_error = None;
-    // Near-limit clients to announce: set -> (expiry, keys).
-    let mut news: BTreeMap<String, (u64, Vec<String>)> = BTreeMap::new();
+    // Near-limit clients to announce: set -> (expiry, (synced, meter, key)).
+    type News = Vec<(usize, usize, String)>;
+    let mut news: BTreeMap<String, (u64, News)> = BTreeMap::new();
     for ((chunk, call), totals) in chunks.iter().zip(&calls).zip(answers) {
         let totals = match totals {
             Ok(t) => t,
@@ -909,14 +1011,25 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore + Announce>(
                 .nth(e.meter_ix)
                 .expect("an entry of a meter of its rule");
             let a = &mut s.added[e.meter_ix];
+            if !e.to_prev {
+                a.published = e.own;
+                a.total = total;
+            }
             if !e.to_prev && !a.announced && rules[s.rule].near(m, total) {
-                a.announced = true;
                 let set = announce_set(&rules[s.rule].rid, m, s.bucket, a.window);
                 let n = news.entry(set).or_insert((call.expire_ms, Vec::new()));
-                n.1.push(s.name.clone());
+                n.1.push((e.synced, e.meter_ix, s.name.clone()));
             }
-            let others = total.saturating_sub(e.own);
+            // The other hosts' counts, never more than the meter's limit: the store is shared,
+            // and what any writer puts there must not shut a client out for longer than its
+            // own excess would, nor wrap its counters.
+            let others = total.saturating_sub(e.own).min(rules[s.rule].limit_of(m));
             let have = if e.to_prev { a.prev } else { a.cur };
+            // The ban meter's previous window holds a ban's end while the program makes the
+            // ban held: nothing is added there.
+            if e.to_prev && m == Meter::Offered {
+                continue;
+            }
             if others <= have {
                 continue;
             }
@@ -932,15 +1045,25 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore + Announce>(
             }
         }
     }
-    for (set, (expire_ms, keys)) in news {
-        if let Err(e) = counts.announce(&set, expire_ms, &keys).await {
-            failed += 1;
-            last_error = Some(e);
+    let mut announce_failed = None;
+    for (set, (expire_ms, who)) in news {
+        let keys: Vec<String> = who.iter().map(|(_, _, k)| k.clone()).collect();
+        match counts.announce(&set, expire_ms, &keys).await {
+            // Announced once a window; a failed announcement is tried again next round.
+            Ok(()) => {
+                for &(si, mi, _) in &who {
+                    synced[si].added[mi].announced = true;
+                }
+            }
+            Err(e) => announce_failed = Some(e),
         }
     }
     let calls = calls.len() as u64;
+    if last_error.is_none() {
+        last_error = announce_failed;
+    }
     match last_error {
-        // Every call failed: the store is gone (the caller reconnects).
+        // Every sync call failed: the store is gone (the caller reconnects).
         Some(e) if failed == calls => Err(e),
         _ => Ok(Round {
             calls,
@@ -973,6 +1096,7 @@ mod tests {
             prev: 5,
             rounds: 3,
             announced: true,
+            ..Added::default()
         };
         a.roll(7);
         assert_eq!((a.window, a.cur, a.prev), (7, 30, 5));
@@ -1000,6 +1124,157 @@ mod tests {
         assert!(!g.worth(Meter::Admitted, 49));
         assert!(g.worth(Meter::Admitted, 50));
         assert_eq!(g.meters().count(), 1, "a throttle has no ban meter");
+    }
+
+    /// One client's state, as the program would hold it.
+    struct OneSlot(std::cell::RefCell<ClientState>);
+
+    impl SlotStates for OneSlot {
+        fn slot_state(&self, _: &SlotRef) -> Option<ClientState> {
+            Some(*self.0.borrow())
+        }
+
+        fn add_in_window(
+            &self,
+            _: &SlotRef,
+            meter: Meter,
+            window: u64,
+            to_prev: bool,
+            delta: u64,
+        ) -> bool {
+            let mut st = self.0.borrow_mut();
+            if meter != Meter::Admitted || st.stamp != window {
+                return false;
+            }
+            if to_prev {
+                st.prev += delta;
+            } else {
+                st.cur += delta;
+            }
+            true
+        }
+    }
+
+    fn rule() -> Vec<GlobalRule> {
+        vec![GlobalRule {
+            index: 0,
+            name: "r".into(),
+            rid: "r#1".into(),
+            interval_ns: 1_000_000_000,
+            threshold: 1000,
+            ban_interval_ns: 0,
+            ban_threshold: 0,
+        }]
+    }
+
+    fn one_client(rules: &[GlobalRule]) -> Vec<Synced> {
+        let at = SlotRef {
+            index: 0,
+            tag: 1,
+            addr: std::net::Ipv6Addr::from([0, 0, 0, 0, 0, 0xffff, 0xc000, 0x0201]).octets(),
+        };
+        vec![Synced::new(rules, 0, at, 128)]
+    }
+
+    fn now_round(
+        m: &mut MemoryCounts,
+        slots: &OneSlot,
+        rules: &[GlobalRule],
+        synced: &mut [Synced],
+    ) -> Round {
+        let f = round(m, "a", slots, rules, synced);
+        let mut f = std::pin::pin!(f);
+        match f
+            .as_mut()
+            .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()))
+        {
+            std::task::Poll::Ready(r) => r.unwrap(),
+            std::task::Poll::Pending => unreachable!("the memory store answers at once"),
+        }
+    }
+
+    #[test]
+    fn what_another_writer_puts_in_the_store_adds_at_most_the_limit() {
+        let rules = rule();
+        let mut synced = one_client(&rules);
+        let slots = OneSlot(std::cell::RefCell::new(ClientState {
+            stamp: 7,
+            cur: 100,
+            ..Default::default()
+        }));
+        let mut m = MemoryCounts::default();
+        let name = synced[0].name.clone();
+        let h = hash_name("r#1", Meter::Admitted, synced[0].bucket, 7);
+        // Someone writes an absurd count for the client.
+        m.run(&h, "evil", u64::MAX, &[(&name, 1 << 62)]);
+        let r = now_round(&mut m, &slots, &rules, &mut synced);
+        assert_eq!(r.added, 1000, "capped at the threshold");
+        assert_eq!(slots.0.borrow().cur, 1100);
+        // And published only its own 100.
+        assert_eq!(
+            m.run(&h, "a", u64::MAX, &[(&name, 0)]),
+            vec![(1u64 << 62) + 100]
+        );
+    }
+
+    #[test]
+    fn a_state_made_anew_is_all_its_own_and_a_restart_waits_a_window() {
+        let rules = rule();
+        let mut synced = one_client(&rules);
+        let slots = OneSlot(std::cell::RefCell::new(ClientState {
+            stamp: 7,
+            cur: 50,
+            ..Default::default()
+        }));
+        let mut m = MemoryCounts::default();
+        let name = synced[0].name.clone();
+        let h = hash_name("r#1", Meter::Admitted, synced[0].bucket, 7);
+        m.run(&h, "b", u64::MAX, &[(&name, 300)]);
+        now_round(&mut m, &slots, &rules, &mut synced);
+        assert_eq!(slots.0.borrow().cur, 350, "b's 300 added");
+        // Evicted and back in the same window: its state holds 20 of its own only.
+        slots.0.borrow_mut().cur = 20;
+        now_round(&mut m, &slots, &rules, &mut synced);
+        // The store keeps this host's 50 (a count never goes down), so the new state gets the
+        // fleet's 350 less its own 20: b's 300 and the 30 the old state had counted.
+        assert_eq!(
+            slots.0.borrow().cur,
+            350,
+            "the fleet's count, into the new state"
+        );
+        assert_eq!(
+            m.run(&h, "x", u64::MAX, &[(&name, 0)]),
+            vec![350],
+            "a's 50 kept"
+        );
+
+        // A task restarted finds a state holding b's 300 and its own 50: it publishes nothing
+        // as its own and adds nothing in that window.
+        let st = ClientState {
+            stamp: 7,
+            cur: 350,
+            ..Default::default()
+        };
+        slots.0.replace(st);
+        let mut synced: Vec<Synced> = one_client(&rules)
+            .into_iter()
+            .map(|s| s.cautious(&st))
+            .collect();
+        let r = now_round(&mut m, &slots, &rules, &mut synced);
+        assert_eq!((r.calls, r.added), (0, 0));
+        assert_eq!(slots.0.borrow().cur, 350);
+        // Next window: shared again, and the previous one (which may hold what the last run
+        // added) is not.
+        slots.0.replace(ClientState {
+            stamp: 8,
+            cur: 10,
+            prev: 350,
+            ..Default::default()
+        });
+        let r = now_round(&mut m, &slots, &rules, &mut synced);
+        assert_eq!(r.calls, 1, "window 8 only");
+        let h8 = hash_name("r#1", Meter::Admitted, synced[0].bucket, 8);
+        assert_eq!(m.run(&h8, "x", u64::MAX, &[(&name, 0)]), vec![10]);
     }
 
     #[test]

@@ -177,6 +177,23 @@ pub fn check(spec: &OverrideSpec, rule: &Rule) -> Result<Override, String> {
         }
         Some(t) => Some(parse_threshold("--ban-threshold", t, unit)?),
     };
+    // A global rule's clients are counted by the fleet in the rule's windows.
+    if rule.scope == config::Scope::Global
+        && (threshold.interval != rule.threshold.interval
+            || ban_threshold.is_some_and(|b| b.interval != rule.ban_threshold.interval))
+    {
+        return Err(format!(
+            "rule {:?} is global (scope = \"global\"): an override keeps its intervals ({:?}{}); \
+             the fleet counts its clients in the rule's windows",
+            rule.name,
+            rule.threshold.interval,
+            if rule.action == Action::RateBasedBan {
+                format!(", ban {:?}", rule.ban_threshold.interval)
+            } else {
+                String::new()
+            }
+        ));
+    }
     let own_elastic = match &spec.elastic {
         None => None,
         Some(e) => Some(

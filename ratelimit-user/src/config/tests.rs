@@ -1859,6 +1859,21 @@ fn rule_scope_global_needs_a_fleet_a_per_source_key_and_windows() {
         e.contains("not supported with algorithm = \"token_bucket\""),
         "{e}"
     );
+    // An override may change a client's counts, not the windows the fleet counts it in.
+    let over = |interval: &str| {
+        format!(
+            "{fleet}{rule}scope = \"global\"\n[[rule.override]]\ncidr = \"10.0.0.0/8\"\n\
+             threshold = {{ count = 50, interval = \"{interval}\" }}\n"
+        )
+    };
+    assert_eq!(ok(&over("1s")).rules[0].overrides.len(), 1);
+    let e = error(&over("1m"));
+    assert!(
+        e.contains(
+            "rule \"r\": scope: \"global\" needs every override to keep the rule's intervals"
+        ),
+        "{e}"
+    );
     let e = error(&format!("{fleet}{rule}scope = \"split\"\n"));
     assert!(e.contains("\"split\" is not yet supported"), "{e}");
     let e = error(&format!("{rule}scope = \"fleet\"\n"));

@@ -587,6 +587,7 @@ fn rule(
         .unwrap_or(ExceedAction::Drop);
     let preview = t.get("preview").and_then(|f| f.bool(ck)).unwrap_or(false);
     let mut scope = Scope::Local;
+    let mut scope_at = None;
     if let Some(f) = t.get("scope")
         && let Some(s) = f.str(ck)
     {
@@ -606,7 +607,10 @@ fn rule(
                 "\"global\" is not supported with algorithm = \"token_bucket\": use \
                  \"sliding_window\" or \"fixed_window\", whose windows the fleet counts in",
             ),
-            "global" => scope = Scope::Global,
+            "global" => {
+                scope = Scope::Global;
+                scope_at = Some(f.at());
+            }
             "split" => f.invalid(
                 ck,
                 "\"split\" is not yet supported (use \"global\", or a threshold per host)",
@@ -663,7 +667,26 @@ fn rule(
             }
         }
     }
+    let pre = t.pre.clone();
     t.finish(ck);
+    // A global rule's clients are counted by the fleet in the rule's windows: an override may
+    // change a client's counts, not the windows they are counted in.
+    if let (Some(at), Some(th)) = (scope_at, threshold) {
+        let ban_interval = ban_threshold.map(|b| b.interval);
+        if overrides.iter().any(|o: &Override| {
+            o.threshold.interval != th.interval
+                || o.ban_threshold
+                    .is_some_and(|b| Some(b.interval) != ban_interval.or(Some(th.interval)))
+        }) {
+            ck.error(
+                at,
+                format!(
+                    "{pre}scope: \"global\" needs every override to keep the rule's intervals \
+                     (the fleet counts the rule's clients in the rule's windows)"
+                ),
+            );
+        }
+    }
 
     // Placeholder where the threshold is missing or bad: an error is recorded, so this rule is
     // never used.
