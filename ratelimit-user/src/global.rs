@@ -202,11 +202,18 @@ pub fn bucket_of(rid: &str, name: &str) -> u64 {
 /// The hash of `rid`'s counts of `meter` in `bucket` and `window`. The tag `{g<bucket>}`
 /// keeps one call's keys in one Cluster slot.
 pub fn hash_name(rid: &str, meter: Meter, bucket: u64, window: u64) -> String {
-    let m = match meter {
+    format!(
+        "ratelimit:{{g{bucket}}}:{}:{rid}:{window}",
+        meter_tag(meter)
+    )
+}
+
+/// A meter's letter in the store's names.
+fn meter_tag(meter: Meter) -> &'static str {
+    match meter {
         Meter::Admitted => "a",
         Meter::Offered => "o",
-    };
-    format!("ratelimit:{{g{bucket}}}:{m}:{rid}:{window}")
+    }
 }
 
 /// What this host added into one meter of one client, and what it published of its own.
@@ -428,12 +435,13 @@ impl CountStore for RedisCounts<'_> {
                 host.to_string(),
             );
             set.spawn(async move {
-                let mut inv = script.key(&c.hash);
-                inv.arg(&host).arg(c.expire_ms);
-                for (name, own) in &c.pairs {
-                    inv.arg(name).arg(own);
-                }
-                (ix, inv.invoke_async::<Vec<u64>>(&mut conn).await)
+                let pairs: Vec<(&str, u64)> =
+                    c.pairs.iter().map(|(k, n)| (k.as_str(), *n)).collect();
+                let mut one = RedisCounts {
+                    conn: &mut conn,
+                    script: &script,
+                };
+                (ix, one.sync(&c.hash, &host, c.expire_ms, &pairs).await)
             });
         }
         let mut out: Vec<anyhow::Result<Vec<u64>>> = (0..calls.len())
@@ -441,7 +449,7 @@ impl CountStore for RedisCounts<'_> {
             .collect();
         while let Some(done) = set.join_next().await {
             if let Ok((ix, r)) = done {
-                out[ix] = r.map_err(Into::into);
+                out[ix] = r;
             }
         }
         out
@@ -588,11 +596,10 @@ impl Announce for MemoryCounts {
 /// The set announcing `rid`'s near-limit clients of `meter` in `bucket` and `window` (in
 /// the bucket's Cluster slot, as its counts).
 pub fn announce_set(rid: &str, meter: Meter, bucket: u64, window: u64) -> String {
-    let m = match meter {
-        Meter::Admitted => "a",
-        Meter::Offered => "o",
-    };
-    format!("ratelimit:{{g{bucket}}}:n:{m}:{rid}:{window}")
+    format!(
+        "ratelimit:{{g{bucket}}}:n:{}:{rid}:{window}",
+        meter_tag(meter)
+    )
 }
 
 /// The announcement sets of every global rule's meters for the windows in force at wall
