@@ -231,6 +231,9 @@ pub const GLOBAL_HAS_DENY: u32 = 1 << 1;
 /// (its burst refills in under [`COARSE_MIN_BURST_NS`]); otherwise on the coarse clock, like
 /// a token bucket rule. See [`admission_needs_fine_clock`].
 pub const GLOBAL_ADMISSION_FINE_CLOCK: u32 = 1 << 2;
+/// `GlobalConfig::flags`: `tracking.syn_cookies`: TCP SYNs from sources refused state are
+/// answered with SYN cookies from XDP, and a valid cookie's ACK proves its source.
+pub const GLOBAL_SYN_COOKIES: u32 = 1 << 3;
 
 /// The admission budget's GCRA constants for `rate` new states per second, `burst` at once:
 /// (`admission_inc_ns`, `admission_burst_ns`), (0, 0) for no budget.

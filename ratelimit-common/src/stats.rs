@@ -82,7 +82,23 @@ pub mod global {
     /// A new source got no state because every state in its two sets was protected from
     /// eviction (throttled or metered toward a ban, and recent); limited in aggregate.
     pub const STATE_PROTECTED: u32 = 28;
-    pub const COUNT: u32 = 29;
+    /// A TCP SYN from a source refused state, to a listener whose SYN queue is full, answered
+    /// from XDP with a SYN cookie of that listener (its verdict stays `DROP_RULE`: the stack
+    /// never saw it).
+    pub const SYN_COOKIES_SENT: u32 = 29;
+    /// A TCP SYN from a source refused state, handed to its listener, whose SYN queue had room
+    /// (verdict `PASS`).
+    pub const SYN_TO_LISTENER: u32 = 30;
+    /// A source proven by the ACK of a valid cookie or by a packet of an established
+    /// connection (that packet's verdict is `PASS`; its rule counted it as dropped, before the
+    /// check).
+    pub const SOURCES_PROVEN: u32 = 31;
+    /// A new state given to a proven source without the admission budget.
+    pub const PROVEN_ADMITTED: u32 = 32;
+    /// A TCP packet from a source refused state, of a connection the kernel holds (half-open
+    /// or established), passed (verdict `PASS`).
+    pub const CONNECTION_PASSED: u32 = 33;
+    pub const COUNT: u32 = 34;
 
     /// Names used in reports and metric labels, by index.
     pub const NAMES: [&str; COUNT as usize] = [
@@ -115,6 +131,11 @@ pub mod global {
         "state_evicted",
         "ban_held_in_state",
         "state_protected",
+        "syn_cookies_sent",
+        "syn_to_listener",
+        "sources_proven",
+        "proven_admitted",
+        "connection_passed",
     ];
 }
 

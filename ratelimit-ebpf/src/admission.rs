@@ -4,11 +4,11 @@
 //! `rules.rs`.
 
 use aya_ebpf::{helpers::bpf_ktime_get_ns, macros::map, maps::Array};
-use ratelimit_common::{limiter, maps::*, stats::global};
+use ratelimit_common::{addr::IpKey, limiter, maps::*, stats::global};
 
 use crate::{
     atomic::{self, CAS_RETRIES},
-    fast, known, rare,
+    cookies, fast, known, rare,
     scratch::{Env, TickInserts},
     state::{StateFor, overflow, refused, shared_state},
     stats,
@@ -77,6 +77,8 @@ pub extern "C" fn rl_admit(now: u64, inc: u64, burst_ns: u64, fine: u64) -> u64 
 
 /// The state for `key`, creating it if the admission budget allows; otherwise (or if the
 /// store refuses) the rule's aggregate overflow state, and `key` is rewritten to say so.
+/// `proven`: the packet's source if it may have proven itself by a handshake (a TCP packet,
+/// SYN cookies on), else null; a proven source skips the budget (`cookies.rs`).
 #[inline(always)]
 pub fn state_for(
     env: &Env,
@@ -85,6 +87,7 @@ pub fn state_for(
     tick: u64,
     inserts: &mut TickInserts,
     scan: *mut store::Scan,
+    proven: *const IpKey,
 ) -> StateFor {
     if key.kind != KEY_IP {
         return shared_state(env, key);
@@ -97,23 +100,28 @@ pub fn state_for(
     } else if let Some(p) = store::lookup(key, tag, sets) {
         return StateFor::State(p);
     }
-    if fast::overflow_closed(key.rule as u32, env, tick) {
-        stats::add(env.slot, global::ADMISSION_REFUSED, env.len);
-        overflow(key);
-        return StateFor::Closed;
+    // SAFETY: `proven` is null or points at the packet's source in the scratch record.
+    if !proven.is_null() && cookies::is_proven(unsafe { &*proven }, coarse_now) {
+        stats::add(env.slot, global::PROVEN_ADMITTED, env.len);
+    } else {
+        if fast::overflow_closed(key.rule as u32, env, tick) {
+            stats::add(env.slot, global::ADMISSION_REFUSED, env.len);
+            overflow(key);
+            return StateFor::Closed;
+        }
+        if env.admission_tick_cap != 0 && inserts.tick != tick {
+            inserts.tick = tick;
+            inserts.count = 0;
+        }
+        // This CPU's share of the tick is spent (a burst spread over ticks), or the budget is.
+        if (env.admission_tick_cap != 0 && inserts.count >= env.admission_tick_cap as u64)
+            || !admit_new_source(env, coarse_now)
+        {
+            stats::add(env.slot, global::ADMISSION_REFUSED, env.len);
+            return refused(key);
+        }
+        inserts.count += 1;
     }
-    if env.admission_tick_cap != 0 && inserts.tick != tick {
-        inserts.tick = tick;
-        inserts.count = 0;
-    }
-    // This CPU's share of the tick is spent (a burst spread over ticks), or the budget is.
-    if (env.admission_tick_cap != 0 && inserts.count >= env.admission_tick_cap as u64)
-        || !admit_new_source(env, coarse_now)
-    {
-        stats::add(env.slot, global::ADMISSION_REFUSED, env.len);
-        return refused(key);
-    }
-    inserts.count += 1;
     // Before the insert, so no CPU can find the state while the filter denies it.
     known::note(hash);
     let i = if env.store_sets == 0 {

@@ -33,6 +33,8 @@ mod bans;
 #[cfg(target_arch = "bpf")]
 pub mod clock;
 #[cfg(target_arch = "bpf")]
+mod cookies;
+#[cfg(target_arch = "bpf")]
 mod events;
 #[cfg(target_arch = "bpf")]
 mod fast;

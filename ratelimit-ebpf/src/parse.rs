@@ -72,20 +72,39 @@ fn hdr(ctx: &XdpContext, off: usize, len: usize, reason: Reason) -> Result<Hdr, 
     Ok(Hdr((start + off) as *const u8))
 }
 
+/// A header of `len` bytes at `off`, if the frame holds it (for code after the parser that
+/// reads or rewrites headers again).
+#[inline(always)]
+pub fn header(ctx: &XdpContext, off: usize, len: usize) -> Option<Hdr> {
+    hdr(ctx, off, len, 0).ok()
+}
+
+/// Where an Ethernet frame's IP header starts (after its VLAN tags), if it can be read.
+#[inline(always)]
+pub fn l3_offset(ctx: &XdpContext) -> Option<usize> {
+    parse_l2(ctx).ok().map(|(_, off, _)| off)
+}
+
 #[derive(Clone, Copy)]
-struct Hdr(*const u8);
+pub struct Hdr(*const u8);
 
 impl Hdr {
+    /// The header's first byte.
+    #[inline(always)]
+    pub fn ptr(self) -> *const u8 {
+        self.0
+    }
+
     /// A `T` at byte `at` of a header whose length `hdr` checked to cover it.
     #[inline(always)]
-    fn field<T: Copy>(self, at: usize) -> T {
+    pub fn field<T: Copy>(self, at: usize) -> T {
         // SAFETY: callers only read inside the length `hdr` checked; unaligned because headers
         // sit at any offset.
         unsafe { core::ptr::read_unaligned(self.0.add(at) as *const T) }
     }
 
     #[inline(always)]
-    fn field16(self, at: usize) -> u16 {
+    pub fn field16(self, at: usize) -> u16 {
         u16::from_be_bytes(self.field::<[u8; 2]>(at))
     }
 }

@@ -4,13 +4,14 @@
 use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
 use ratelimit_common::{
     maps::{
-        BAN_EXCEED_PASS, BAN_PREVIEW, GLOBAL_HAS_ALLOW, GLOBAL_HAS_DENY, LIST_ALLOW, LIST_DENY,
+        BAN_EXCEED_PASS, BAN_PREVIEW, GLOBAL_HAS_ALLOW, GLOBAL_HAS_DENY, GLOBAL_SYN_COOKIES,
+        LIST_ALLOW, LIST_DENY,
     },
     stats::global,
 };
 
 use crate::{
-    bans, clock, fast,
+    bans, clock, cookies, fast,
     parse::{self, Frame, Parsed},
     policy, rare,
     rules::{self, RuleVerdict},
@@ -30,7 +31,7 @@ pub fn ratelimit(ctx: XdpContext) -> u32 {
 pub fn ethernet(ctx: &XdpContext) -> u32 {
     let (slot, len) = (stats::slot(ctx.ingress_ifindex() as u32), frame_len(ctx));
     match parse::parse(ctx) {
-        Frame::Ip(pkt) => judge(slot, pkt, len),
+        Frame::Ip(pkt) => judge(Some(ctx), slot, pkt, len),
         Frame::NonIp => finish(slot, global::PASS_NON_IP, len),
         Frame::Bogon => finish(slot, global::DROP_BOGON, len),
         Frame::Unreadable(reason) => malformed(slot, reason, len),
@@ -46,7 +47,7 @@ pub fn ethernet(ctx: &XdpContext) -> u32 {
 pub fn ratelimit_l3(ctx: XdpContext) -> u32 {
     let (slot, len) = (stats::slot(ctx.ingress_ifindex() as u32), frame_len(&ctx));
     match parse::parse_l3(&ctx) {
-        Frame::Ip(pkt) => judge(slot, pkt, len),
+        Frame::Ip(pkt) => judge(None, slot, pkt, len),
         Frame::NonIp => finish(slot, global::PASS_NON_IP, len),
         Frame::Bogon => finish(slot, global::DROP_BOGON, len),
         Frame::Unreadable(reason) => malformed(slot, reason, len),
@@ -64,20 +65,21 @@ fn malformed(slot: Slot, reason: u32, len: u64) -> u32 {
     finish(slot, global::PASS_MALFORMED, len)
 }
 
-/// Count what the parser noted, then [`decide`].
+/// Count what the parser noted, then [`decide`]. `ctx`: an Ethernet frame's, which may be
+/// answered with a SYN cookie (`cookies.rs`); `None` for frames without a link-layer header.
 #[inline(always)]
-fn judge(slot: Slot, pkt: Parsed, len: u64) -> u32 {
+fn judge(ctx: Option<&XdpContext>, slot: Slot, pkt: Parsed, len: u64) -> u32 {
     if pkt.note != 0 {
         stats::add(slot, pkt.note, len);
     }
     if pkt.fragment {
         stats::add(slot, global::FRAGMENTS, len);
     }
-    decide(slot, pkt, len)
+    decide(ctx, slot, pkt, len)
 }
 
 #[inline(always)]
-fn decide(slot: Slot, pkt: Parsed, len: u64) -> u32 {
+fn decide(ctx: Option<&XdpContext>, slot: Slot, pkt: Parsed, len: u64) -> u32 {
     let global_cfg = policy::global();
     // The coarse clock (the last timer tick): a fraction of the cost of reading the clock
     // source. Rules that need precision read the precise one (`RULE_FINE_CLOCK`).
@@ -152,10 +154,22 @@ fn decide(slot: Slot, pkt: Parsed, len: u64) -> u32 {
     // The rare conditions the rules met (full tables, lost events) reach the log here,
     // after the verdict, at most once a second each (`rare.rs`).
     rare::flush(now);
-    match verdict {
-        RuleVerdict::Pass => finish(slot, global::PASS, len),
-        _ => finish(slot, global::DROP_RULE, len),
+    if matches!(verdict, RuleVerdict::Pass) {
+        return finish(slot, global::PASS, len);
     }
+    // Dropped because its source was refused state: a SYN may be answered with a cookie,
+    // and the ACK of a valid one passed (`cookies.rs`).
+    if let Some(ctx) = ctx
+        && global_cfg.flags & GLOBAL_SYN_COOKIES != 0
+        // SAFETY: this CPU's scratch record, written by the rules for this packet.
+        && unsafe { (*rl).cookie } != 0
+        // SAFETY: as above.
+        && let action = cookies::answer(ctx.ctx, unsafe { &raw const (*rl).pkt }, slot, len, now)
+        && action != cookies::NO_ANSWER
+    {
+        return action;
+    }
+    finish(slot, global::DROP_RULE, len)
 }
 
 /// Record the verdict and return the XDP action it implies.

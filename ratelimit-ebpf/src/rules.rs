@@ -100,6 +100,8 @@ pub fn evaluate_rules(
         (*rl).fine_now = 0;
         (*rl).tick = tick;
         (*rl).ban_epoch = ban_epoch;
+        (*rl).cookie = 0;
+        (*rl).cookies_on = (g.flags & GLOBAL_SYN_COOKIES != 0) as u32;
     }
     // Whether an earlier rule matched: a refusal is remembered for the tick only when its rule
     // was the first to match (a later like packet then meets no other rule first either).
@@ -291,23 +293,38 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
     let exceed_pass = rule.flags & RULE_EXCEED_PASS != 0;
     let mut until = &raw mut rl.no_ban;
     let scan = &raw mut rl.scan;
-    let (st, refused_admission) =
-        match state_for(env, key, rl.coarse_now, rl.tick, &mut rl.inserts, scan) {
-            StateFor::State(p) => (p, false),
-            StateFor::Shared(p) => {
-                // SAFETY: addresses of fields of a live map value (no read).
-                until = unsafe { &raw mut (*p).banned_until_ns };
-                // SAFETY: as above.
-                (unsafe { &raw mut (*p).state }, false)
-            }
-            StateFor::Refused(p) => (p, true),
-            StateFor::Closed => return exceeded(env, i, preview, exceed_pass, rc::DROPPED),
-            StateFor::Nothing => {
-                // The map refused even the aggregate state: fail open, counted (here only).
-                stats::add(env.slot, global::STATE_INSERT_FAILED, env.len);
-                return RuleVerdict::Pass;
-            }
-        };
+    // A TCP packet may have a proven source (`cookies.rs`), looked up only if it is refused.
+    let proven = if rl.cookies_on != 0 && pkt.proto == PROTO_TCP {
+        &raw const pkt.src
+    } else {
+        core::ptr::null()
+    };
+    let (st, refused_admission) = match state_for(
+        env,
+        key,
+        rl.coarse_now,
+        rl.tick,
+        &mut rl.inserts,
+        scan,
+        proven,
+    ) {
+        StateFor::State(p) => (p, false),
+        StateFor::Shared(p) => {
+            // SAFETY: addresses of fields of a live map value (no read).
+            until = unsafe { &raw mut (*p).banned_until_ns };
+            // SAFETY: as above.
+            (unsafe { &raw mut (*p).state }, false)
+        }
+        StateFor::Refused(p) => (p, true),
+        StateFor::Closed => {
+            return refused_drop(rl, exceeded(env, i, preview, exceed_pass, rc::DROPPED));
+        }
+        StateFor::Nothing => {
+            // The map refused even the aggregate state: fail open, counted (here only).
+            stats::add(env.slot, global::STATE_INSERT_FAILED, env.len);
+            return RuleVerdict::Pass;
+        }
+    };
     let j = &mut rl.judge;
     j.now = env.now;
     j.wnow = if rule.flags & RULE_GLOBAL != 0 {
@@ -386,8 +403,19 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
         && rl.judge.contended == 0;
     match exceeded(env, i, preview, exceed_pass, rc::DROPPED) {
         RuleVerdict::Drop if for_tick => RuleVerdict::DropForTick,
+        v if refused_admission => refused_drop(rl, v),
         v => v,
     }
+}
+
+/// `v`, a verdict on a packet judged in its rule's overflow state; a drop is marked for the
+/// SYN-cookie answer (`RuleLoop::cookie`).
+#[inline(always)]
+fn refused_drop(rl: &mut RuleLoop, v: RuleVerdict) -> RuleVerdict {
+    if matches!(v, RuleVerdict::Drop) {
+        rl.cookie = 1;
+    }
+    v
 }
 
 /// Verdict for a packet over its limit (or banned by its rule), after preview and

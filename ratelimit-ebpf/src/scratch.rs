@@ -75,6 +75,13 @@ pub struct RuleLoop {
     /// The source's full-length key in the list and ban tries, built once per packet for
     /// both lookups: here and not on the entry's stack, which the call chain below it fills.
     pub src_key: SrcTrieKey,
+    /// Non-zero if the rule that dropped this packet judged it in its overflow state (its
+    /// source was refused state): a TCP SYN or ACK may then be answered with a SYN cookie
+    /// (`cookies.rs`). Reset per packet.
+    pub cookie: u32,
+    /// `GlobalConfig::flags` has `GLOBAL_SYN_COOKIES`: proven sources skip the admission
+    /// budget (`admission::state_for`).
+    pub cookies_on: u32,
 }
 
 /// A full-length key of the list and ban tries (`Key<LpmAddr>`: the prefix length, the

@@ -233,6 +233,10 @@ pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
             GLOBAL_ADMISSION_FINE_CLOCK
         } else {
             0
+        } | if cfg.tracking.syn_cookies {
+            GLOBAL_SYN_COOKIES
+        } else {
+            0
         },
         generation: 0,
         admission_tick_cap: ratelimit_common::maps::admission_tick_cap(

@@ -256,6 +256,10 @@ pub struct Tracking {
     pub new_sources_auto: bool,
     /// Defaults to `max(new_sources_per_sec, 1)`; may only be set with a budget (not 0).
     pub new_sources_burst: u64,
+    /// `syn_cookies` (default true): a TCP SYN from a source refused state is answered from
+    /// XDP with a SYN cookie of its listener, and the source that completes the handshake gets
+    /// state without the budget.
+    pub syn_cookies: bool,
 }
 
 /// How long a random-source flood takes, at the least, to turn the whole store over under
@@ -279,6 +283,7 @@ impl Tracking {
             new_sources_per_sec: rate,
             new_sources_auto: true,
             new_sources_burst: rate,
+            syn_cookies: true,
         }
     }
 }

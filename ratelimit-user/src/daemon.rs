@@ -1285,6 +1285,24 @@ impl State {
     }
 }
 
+/// `tracking.syn_cookies` answers with the kernel's own cookies, which the kernel makes only
+/// with `net.ipv4.tcp_syncookies` on: without them a listener's full SYN queue drops the SYNs
+/// the program hands it, as with nothing attached.
+fn warn_if_kernel_cookies_off(cfg: &Config) {
+    if !cfg.tracking.syn_cookies {
+        return;
+    }
+    if let Ok(v) = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_syncookies")
+        && v.trim() == "0"
+    {
+        warn!(
+            "net.ipv4.tcp_syncookies is 0: tracking.syn_cookies cannot answer SYNs with cookies \
+             (sources refused state are handed to listeners with room, and dropped otherwise); \
+             set it to 1"
+        );
+    }
+}
+
 pub async fn run(opts: Options) -> anyhow::Result<()> {
     let cfg = load_config(opts.config_path.as_ref())?;
     // First of all: a daemon already running on these directories keeps them, untouched.
@@ -1340,6 +1358,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     // Policy first, then attach: the program never runs against empty policy maps.
     let plan = apply::plan(&cfg, opts.preview);
     apply::apply(&mut maps, &plan)?;
+    warn_if_kernel_cookies_off(&cfg);
     // The pressure level, from the operator's saved mode (the signals have no reading yet):
     // in the data plane before the program is attached, and right again after a restart.
     let pressure_marks = pressure::Marks::of(&cfg.pressure);

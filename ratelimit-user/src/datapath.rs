@@ -270,7 +270,7 @@ pub fn ifindex(iface: &str) -> anyhow::Result<u32> {
 /// (the per-source store's hash, `known_hash`) or what a value means (an elastic limit without
 /// `elastic` is the limit itself, no longer all zero; global rules' windows on the wall clock);
 /// the sizes follow as a check.
-const LAYOUT_VERSION: u32 = 11;
+const LAYOUT_VERSION: u32 = 12;
 
 /// File in `daemon.state_dir` recording the layout of the maps pinned in `daemon.bpffs_dir`.
 pub const LAYOUT_FILE: &str = "pinned-layout";

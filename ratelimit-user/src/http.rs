@@ -487,7 +487,7 @@ fn encode_value(metric: MetricEncoder, value: &Value) -> Result<(), std::fmt::Er
 /// series of `ratelimit_reason_packets_total{reason}`. The others count something else (bans,
 /// states, events) and have families of their own ([`NON_PACKET_REASONS`]).
 /// `http_metrics_export_every_counter_once` checks that every counter is in one list.
-const PACKET_REASONS: [u32; 14] = [
+const PACKET_REASONS: [u32; 19] = [
     global::PREVIEW_WOULD_DROP,
     global::EXCEED_PASS,
     global::BAN_PASS,
@@ -502,6 +502,11 @@ const PACKET_REASONS: [u32; 14] = [
     global::STATE_PROTECTED,
     global::STATE_INSERT_FAILED,
     global::CONTENDED,
+    global::SYN_COOKIES_SENT,
+    global::SYN_TO_LISTENER,
+    global::SOURCES_PROVEN,
+    global::PROVEN_ADMITTED,
+    global::CONNECTION_PASSED,
 ];
 
 /// The detail counters that count no packets, each a family of its own: (counter, family

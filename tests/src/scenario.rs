@@ -157,6 +157,21 @@ impl Scenario {
         self.daemon()
     }
 
+    /// A second daemon, without rules, attached to the client end. A reply the program sends
+    /// back out of the protected end (`XDP_TX`: a SYN cookie) reaches the client only with an
+    /// XDP program on the client's veth too (the kernel wakes a veth's reader for XDP frames
+    /// only then). Drop it (it detaches) before the scenario.
+    pub fn peer_program(&self) -> Daemon {
+        let name = self.pair.a().name.clone();
+        let bpffs = format!("{}-peer", self.bpffs.display());
+        Daemon::start_in(&self.client, |dir| {
+            format!(
+                "[daemon]\ninterfaces = [\"{name}\"]\ncontrol_socket = \"ctl.sock\"\nstate_dir = \"{}/state\"\nbpffs_dir = \"{bpffs}\"\nhttp_listen = \"off\"\n",
+                dir.display()
+            )
+        })
+    }
+
     /// Delete the veth pair and create it again under the same names (new ifindexes and
     /// MACs), rp_filter off again on the protected end: an interface that came and went.
     pub fn recreate_link(&mut self) {

@@ -161,7 +161,8 @@ fn spec_example_parses() {
             max_sources: 1_000_000,
             new_sources_per_sec: 16_667,
             new_sources_auto: true,
-            new_sources_burst: 16_667
+            new_sources_burst: 16_667,
+            syn_cookies: true,
         }
     );
     assert_eq!(c.lists.allow, [net("10.0.0.0/8"), net("2001:db8:1::/48")]);
@@ -1048,6 +1049,7 @@ fn admission_is_automatic_by_default() {
                 new_sources_per_sec: 16_667,
                 new_sources_auto: true,
                 new_sources_burst: 16_667,
+                syn_cookies: true,
             },
             "{text:?}"
         );

@@ -263,6 +263,9 @@ fn tracking(mut t: Table, ck: &mut Checker) -> Tracking {
             );
         }
     }
+    if let Some(b) = t.get("syn_cookies").and_then(|f| f.bool(ck)) {
+        tr.syn_cookies = b;
+    }
     t.finish(ck);
     tr
 }

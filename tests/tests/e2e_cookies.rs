@@ -1,0 +1,417 @@
+//! Handshake-proven admission (`tracking.syn_cookies`, README "Handshake-proven admission"):
+//! while a random-source flood spends the admission budget and empties its rule's overflow
+//! state, a new legitimate TCP client still connects in a round trip, and gets state of its
+//! own once its handshake proves its address.
+//!
+//! * The flood goes to a closed port of the rule: the listener's SYN queue has room, so the
+//!   new clients' SYNs are handed to it, and their established connections prove them.
+//! * The flood goes to the listening port and fills its SYN queue: the new clients' SYNs are
+//!   answered from XDP with cookies of the listener, and the kernel makes the connections
+//!   from their ACKs.
+//! * With `syn_cookies = false` a new client's SYN is dropped in the overflow state, and it
+//!   waits for a retransmission.
+
+use std::io::{Read as _, Write as _};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpListener, TcpStream};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
+use std::time::{Duration, Instant};
+
+use ratelimit_user::report::Stats;
+
+use ratelimit_tests::{
+    Daemon, kernel_test,
+    link::{add_address, add_route},
+    netns::NetNs,
+    packet::tcp_flags,
+    scenario::{Scenario, reason, rule_counter},
+};
+
+const OPEN: u16 = 8080;
+const CLOSED: u16 = 8081;
+const RULE: &str = "tcp-per-client";
+/// The spoofed flood's rate and its longest run.
+const FLOOD_PPS: u64 = 1000;
+const FLOOD_MAX: Duration = Duration::from_secs(60);
+/// The listener's backlog: the flood fills its SYN queue at once.
+const BACKLOG: i32 = 1;
+/// A SYN answered at once connects in a round trip; a dropped one waits for the client's
+/// first retransmission, 1 s later. Half of that separates the two on a busy machine.
+const FAST: Duration = Duration::from_millis(500);
+
+/// A budget of one new source a second and a rule of 200 packets a minute: the flood spends
+/// the budget as soon as it refills and the overflow state within its first quarter second.
+fn policy(cookies: bool) -> String {
+    format!(
+        r#"
+[tracking]
+new_sources_per_sec = 1
+syn_cookies = {cookies}
+
+[[rule]]
+name = "{RULE}"
+match = {{ protocol = "tcp", dst_ports = [{OPEN}, {CLOSED}] }}
+key = "ip"
+action = "throttle"
+threshold = {{ count = 200, interval = "60s" }}
+"#
+    )
+}
+
+/// An echo server on `addr` in `ns` with a short SYN queue: each connection gets its first
+/// line back.
+fn echo_server(ns: &NetNs, addr: SocketAddr) {
+    use socket2::{Domain, Socket, Type};
+    let l: TcpListener = ns.enter(|| {
+        let domain = if addr.is_ipv4() {
+            Domain::IPV4
+        } else {
+            Domain::IPV6
+        };
+        let s = Socket::new(domain, Type::STREAM, None).unwrap();
+        s.set_reuse_address(true).unwrap();
+        s.bind(&addr.into()).unwrap();
+        s.listen(BACKLOG).unwrap();
+        s.into()
+    });
+    std::thread::spawn(move || {
+        for c in l.incoming() {
+            let Ok(mut c) = c else { continue };
+            std::thread::spawn(move || {
+                let _ = c.set_read_timeout(Some(Duration::from_secs(5)));
+                let mut buf = [0u8; 256];
+                let mut got = Vec::new();
+                while !got.contains(&b'\n') {
+                    match c.read(&mut buf) {
+                        Ok(0) | Err(_) => return,
+                        Ok(n) => got.extend_from_slice(&buf[..n]),
+                    }
+                }
+                let _ = c.write_all(&got);
+            });
+        }
+    });
+}
+
+/// Connect from `src` to `server` (within `timeout`), send a line and read it back: the
+/// connect's time, or why it failed.
+fn exchange(src: IpAddr, server: SocketAddr, timeout: Duration) -> Result<Duration, String> {
+    use socket2::{Domain, Socket, Type};
+    let domain = if src.is_ipv4() {
+        Domain::IPV4
+    } else {
+        Domain::IPV6
+    };
+    let sock = Socket::new(domain, Type::STREAM, None).map_err(|e| format!("socket: {e}"))?;
+    sock.bind(&SocketAddr::new(src, 0).into())
+        .map_err(|e| format!("bind {src}: {e}"))?;
+    let t0 = Instant::now();
+    sock.connect_timeout(&server.into(), timeout)
+        .map_err(|e| format!("connect: {:?}", e.kind()))?;
+    let took = t0.elapsed();
+    let mut c: TcpStream = sock.into();
+    c.set_read_timeout(Some(Duration::from_secs(3)))
+        .map_err(|e| e.to_string())?;
+    let line = format!("hello from {src}\n");
+    c.write_all(line.as_bytes())
+        .map_err(|e| format!("send: {e}"))?;
+    let mut back = vec![0u8; line.len()];
+    c.read_exact(&mut back)
+        .map_err(|e| format!("read: {:?}", e.kind()))?;
+    if back != line.as_bytes() {
+        return Err(format!("echo: {:?}", String::from_utf8_lossy(&back)));
+    }
+    Ok(took)
+}
+
+/// The namespace's TcpExt counter `name`.
+fn tcp_ext(ns: &NetNs, name: &str) -> i64 {
+    let text = ns.enter(|| std::fs::read_to_string("/proc/thread-self/net/netstat").unwrap());
+    let lines: Vec<&str> = text.lines().collect();
+    for pair in lines.chunks(2) {
+        let [head, vals] = pair else { continue };
+        if let Some((_, v)) = head
+            .split_whitespace()
+            .zip(vals.split_whitespace())
+            .find(|(k, _)| *k == name)
+        {
+            return v.parse().unwrap();
+        }
+    }
+    panic!("no TcpExt {name}");
+}
+
+/// Spoofed SYNs from random sources (10.0.0.0/8 and /64s of 2001:db8:ff00::/40, in turn) to port
+/// `port` (which may change) until `stop`, or for `FLOOD_MAX` at most: what was sent.
+fn flood(
+    s: &Scenario,
+    port: Arc<AtomicU16>,
+    stop: Arc<AtomicBool>,
+) -> std::thread::JoinHandle<u64> {
+    let mut tx = s.sender();
+    let (b4, b6, builder) = (s.pair.b().ipv4, s.pair.b().ipv6, s.builder());
+    std::thread::spawn(move || {
+        let t0 = Instant::now();
+        let mut sent = 0;
+        let mut n: u32 = 0x9e37_79b9;
+        while !stop.load(Ordering::Relaxed) && t0.elapsed() < FLOOD_MAX {
+            let dport = port.load(Ordering::Relaxed);
+            let st = tx.send_rate(
+                |i| {
+                    n = n.wrapping_mul(1_664_525).wrapping_add(1_013_904_223);
+                    let f = if i % 2 == 0 {
+                        builder
+                            .clone()
+                            .ipv4(Ipv4Addr::from(0x0a00_0000 | (n >> 8)), b4)
+                    } else {
+                        // A /64 of its own each time (the rule keys IPv6 by /64).
+                        let src = Ipv6Addr::from(
+                            (0x20_010d_b8ffu128 << 88) | (((n >> 8) as u128) << 64) | 1,
+                        );
+                        builder.clone().ipv6(src, b6)
+                    };
+                    f.tcp(40000 + (n & 0x3ff) as u16, dport, tcp_flags::SYN)
+                        .build()
+                },
+                FLOOD_PPS,
+                Duration::from_millis(200),
+            );
+            sent += st.sent;
+        }
+        sent
+    })
+}
+
+/// The lab: clients' addresses on the client end, echo servers (both families) on the server
+/// end, the daemon attached with `policy(true)`.
+struct Lab {
+    /// Dropped (detached) before the scenario.
+    _peer: Daemon,
+    s: Scenario,
+    v4: Vec<IpAddr>,
+    v6: Vec<IpAddr>,
+    server4: SocketAddr,
+    server6: SocketAddr,
+}
+
+impl Lab {
+    fn new() -> Lab {
+        let mut s = Scenario::new("rlck");
+        let (a, b) = (s.pair.a().clone(), s.pair.b().clone());
+        let net = s.pair.index();
+        let v4: Vec<IpAddr> = (0..12)
+            .map(|i| IpAddr::V4(Ipv4Addr::new(198, 18, net, 101 + i)))
+            .collect();
+        // Each IPv6 client in a /64 of its own (the rule keys IPv6 sources by /64), routed
+        // on-link from the server.
+        let v6: Vec<IpAddr> = (0..12)
+            .map(|i| {
+                IpAddr::V6(Ipv6Addr::new(
+                    0x2001,
+                    0xdb8,
+                    net as u16,
+                    0x100 + i,
+                    0,
+                    0,
+                    0,
+                    1,
+                ))
+            })
+            .collect();
+        for ip in v4.iter().chain(&v6) {
+            let len = if ip.is_ipv4() { 24 } else { 64 };
+            add_address(&s.client, &a.name, &format!("{ip}/{len}"));
+        }
+        add_route(&s.server, &format!("2001:db8:{net:x}::/48"), &b.name, None);
+        // Answers to the flood's sources leave by a default route, as on a host on the
+        // Internet: without one the kernel keeps no half-open connection for them.
+        add_route(&s.server, "default", &b.name, Some(&a.ipv4.to_string()));
+        add_route(&s.server, "default", &b.name, Some(&a.ipv6.to_string()));
+        let server4 = SocketAddr::new(IpAddr::V4(b.ipv4), OPEN);
+        let server6 = SocketAddr::new(IpAddr::V6(b.ipv6), OPEN);
+        echo_server(&s.server, server4);
+        echo_server(&s.server, server6);
+        s.start(&policy(true));
+        let peer = s.peer_program();
+        Lab {
+            _peer: peer,
+            s,
+            v4,
+            v6,
+            server4,
+            server6,
+        }
+    }
+
+    /// One exchange from each of `srcs`, one after another: the connect times, or a panic
+    /// that says what the program counted.
+    fn clients(&self, srcs: &[IpAddr], what: &str) -> Vec<Duration> {
+        let mut took = Vec::new();
+        for src in srcs {
+            let server = if src.is_ipv4() {
+                self.server4
+            } else {
+                self.server6
+            };
+            let r = self
+                .s
+                .client
+                .enter(|| exchange(*src, server, Duration::from_secs(3)));
+            let t = r.unwrap_or_else(|e| {
+                panic!(
+                    "{what}: {src}: {e}; {}; server veth {:?}; client veth {:?}",
+                    self.counters(),
+                    self.s.pair.b().ethtool_stats(),
+                    self.s.pair.a().ethtool_stats()
+                )
+            });
+            took.push(t);
+        }
+        let ms: Vec<String> = took
+            .iter()
+            .map(|t| format!("{:.1}", t.as_secs_f64() * 1e3))
+            .collect();
+        println!("{what}: connect times (ms): {}", ms.join(", "));
+        took
+    }
+
+    fn counters(&self) -> String {
+        let st = self.s.stats();
+        let names = [
+            "state_created",
+            "admission_refused",
+            "syn_cookies_sent",
+            "syn_to_listener",
+            "sources_proven",
+            "proven_admitted",
+            "connection_passed",
+        ];
+        let ours: Vec<String> = names
+            .iter()
+            .map(|n| format!("{n} {}", reason(&st, n)))
+            .collect();
+        format!(
+            "{}; kernel SyncookiesSent {} SyncookiesRecv {} SyncookiesFailed {}",
+            ours.join(", "),
+            tcp_ext(&self.s.server, "SyncookiesSent"),
+            tcp_ext(&self.s.server, "SyncookiesRecv"),
+            tcp_ext(&self.s.server, "SyncookiesFailed"),
+        )
+    }
+}
+
+#[test]
+fn new_tcp_clients_connect_at_once_while_a_flood_spends_the_admission_budget() {
+    kernel_test!();
+    let mut lab = Lab::new();
+    let port = Arc::new(AtomicU16::new(CLOSED));
+    let stop = Arc::new(AtomicBool::new(false));
+    let flooding = flood(&lab.s, port.clone(), stop.clone());
+    // The flood under way: the budget spent, the overflow state empty.
+    std::thread::sleep(Duration::from_millis(1500));
+    let st0 = lab.s.stats();
+    assert!(
+        reason(&st0, "admission_refused") > 500,
+        "the flood did not spend the budget: {}",
+        lab.counters()
+    );
+    assert_eq!(
+        reason(&st0, "syn_cookies_sent") + reason(&st0, "syn_to_listener"),
+        0,
+        "a SYN to a closed port was answered or passed"
+    );
+
+    // (a) The listener has room: five new clients of each family are handed to it, connect
+    // in a round trip, and their line comes back (the data needs the state the established
+    // connection earned).
+    let first: Vec<IpAddr> = lab.v4[..5].iter().chain(&lab.v6[..5]).copied().collect();
+    let took = lab.clients(&first, "listener with room");
+    let st1 = lab.s.stats();
+    let d = |a: &Stats, b: &Stats, n: &str| reason(b, n) - reason(a, n);
+    println!("{}", lab.counters());
+    // A client's SYN may find the budget just refilled (the flood takes it within about a
+    // millisecond of each refill): it then gets state at once and needs no proof. At most two
+    // of ten are allowed that luck.
+    let handed = d(&st0, &st1, "syn_to_listener");
+    assert!(
+        (8..=10).contains(&handed),
+        "SYNs handed to the listener: {handed}"
+    );
+    assert_eq!(d(&st0, &st1, "sources_proven"), handed);
+    assert_eq!(d(&st0, &st1, "proven_admitted"), handed);
+    assert_eq!(d(&st0, &st1, "syn_cookies_sent"), 0);
+    for (src, t) in first.iter().zip(&took) {
+        assert!(*t < FAST, "{src} connected after {t:?}");
+    }
+    // Each now has state of its own: its next connection is judged there.
+    let again = lab.clients(&[first[0], first[5]], "again, with state");
+    assert!(again.iter().all(|t| *t < FAST));
+    let st2 = lab.s.stats();
+    assert_eq!(d(&st1, &st2, "syn_to_listener"), 0);
+    assert!(
+        rule_counter(&st2, RULE, "admitted") >= 12,
+        "{}",
+        lab.counters()
+    );
+
+    // (b) The flood moves to the listening port and fills its SYN queue: the new clients'
+    // SYNs are answered with cookies from XDP, the kernel makes the connections from their
+    // ACKs.
+    port.store(OPEN, Ordering::Relaxed);
+    std::thread::sleep(Duration::from_millis(1500));
+    let st3 = lab.s.stats();
+    let recv0 = tcp_ext(&lab.s.server, "SyncookiesRecv");
+    let failed0 = tcp_ext(&lab.s.server, "SyncookiesFailed");
+    assert!(
+        d(&st2, &st3, "syn_cookies_sent") > 500,
+        "the flood's SYNs were not answered with cookies: {}",
+        lab.counters()
+    );
+    let second: Vec<IpAddr> = lab.v4[5..10]
+        .iter()
+        .chain(&lab.v6[5..10])
+        .copied()
+        .collect();
+    let took = lab.clients(&second, "listener's SYN queue full");
+    let st4 = lab.s.stats();
+    println!("{}", lab.counters());
+    let recv = tcp_ext(&lab.s.server, "SyncookiesRecv") - recv0;
+    for (src, t) in second.iter().zip(&took) {
+        assert!(*t < FAST, "{src} connected after {t:?}");
+    }
+    // As above, at most two may have found the budget refilled, or the queue with room.
+    assert!(
+        (8..=10).contains(&recv),
+        "connections made from cookies: {recv}"
+    );
+    assert_eq!(tcp_ext(&lab.s.server, "SyncookiesFailed") - failed0, 0);
+    assert!(d(&st3, &st4, "sources_proven") >= recv as u64);
+
+    // (c) Cookies off (a reload): a new client's SYN is dropped in the overflow state, and it
+    // is not connected within the time an answer takes.
+    let cfg = std::fs::read_to_string(lab.s.daemon().config_path()).unwrap();
+    let off = cfg.replace("syn_cookies = true", "syn_cookies = false");
+    assert_ne!(cfg, off);
+    lab.s.daemon_mut().write_config(&off);
+    lab.s.daemon().cli_ok(&["reload"]);
+    let st5 = lab.s.stats();
+    for src in [lab.v4[10], lab.v6[10]] {
+        let server = if src.is_ipv4() {
+            lab.server4
+        } else {
+            lab.server6
+        };
+        let r = lab.s.client.enter(|| exchange(src, server, FAST));
+        println!("cookies off, new client {src}: {r:?}");
+        assert!(
+            r.is_err(),
+            "{src} connected without an answer from XDP: {r:?}"
+        );
+    }
+    let st6 = lab.s.stats();
+    assert_eq!(d(&st5, &st6, "syn_cookies_sent"), 0);
+    assert_eq!(d(&st5, &st6, "syn_to_listener"), 0);
+    stop.store(true, Ordering::Relaxed);
+    let n = flooding.join().unwrap();
+    println!("flood: {n} spoofed SYNs");
+}
