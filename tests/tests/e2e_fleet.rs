@@ -3,7 +3,8 @@
 //! from each daemon's namespace to it). A ban issued on one host (`ban add`, or a rule) is
 //! enforced on the others, `ban del` lifts it everywhere, a host that was down catches up on
 //! restart, and a store that is killed or frozen leaves every host enforcing and answering
-//! (fail-static), with the bans issued meanwhile delivered when it returns.
+//! (fail-static), with the bans issued meanwhile delivered when it returns. A host whose link
+//! to the store is 100 ms slower a round trip still holds each ban within 250 ms.
 
 use std::{
     net::Ipv4Addr,
@@ -16,7 +17,10 @@ use ratelimit_tests::{
     kernel_test,
     scenario::metric_sum,
 };
-use ratelimit_user::{control::Request, fleet};
+use ratelimit_user::{
+    control::{Answer, BanSpec, Request},
+    fleet,
+};
 
 const PORT: u16 = 9000;
 /// No rule matches this port: only a ban drops what is sent to it.
@@ -647,6 +651,103 @@ fn bans_spread_over_a_redis_cluster_and_survive_the_loss_of_its_master() {
         1.0,
         "{text}"
     );
+    println!("whole test: {:.1} s", t_all.elapsed().as_secs_f64());
+}
+
+/// Bans issued on host 0 by the slow-link test, one at a time.
+const SLOW_LINK_BANS: u64 = 30;
+
+#[test]
+fn a_ban_reaches_a_host_with_a_slow_link_to_the_store_within_250_ms() {
+    kernel_test!();
+    let t_all = Instant::now();
+    let f = start_fleet("rlfs", Store::Proxied);
+    // Host 2's link to the store: 50 ms more each way (a round trip 100 ms longer); hosts 0
+    // and 1 go through their proxies with no delay.
+    let added = Duration::from_millis(50);
+    f.proxies[2].set_delay(added);
+    std::thread::sleep(Duration::from_millis(200));
+
+    // Each ban asked of host 0 over its control socket (the clock starts before the request;
+    // the answer comes once host 0 holds it), then hosts 1 and 2 read until both hold it.
+    // The gap before the next ban varies (0 to 148 ms), so the bans arrive at every point of
+    // host 2's read cycle (a read's answer on its way back, the next read on its way out).
+    let (mut near, mut far) = (Vec::new(), Vec::new());
+    for n in 0..SLOW_LINK_BANS {
+        let cidr = format!("203.0.113.{}/32", 100 + n);
+        let t0 = Instant::now();
+        let req = Request::BanAdd {
+            bans: vec![BanSpec {
+                cidr: cidr.clone(),
+                duration_ms: Some(3_600_000),
+                reason: None,
+            }],
+            local: false,
+        };
+        match call(f.d(0).socket_path(), &req) {
+            Answer::BanAdd(a) => assert_eq!(a.added, 1),
+            other => panic!("ban add answered {other:?}"),
+        }
+        let (mut at1, mut at2) = (None, None);
+        let arrived = wait_for(Duration::from_secs(5), || {
+            if at1.is_none() && f.holds(1, &cidr).is_some() {
+                at1 = Some(t0.elapsed());
+            }
+            if at2.is_none() && f.holds(2, &cidr).is_some() {
+                at2 = Some(t0.elapsed());
+            }
+            at1.is_some() && at2.is_some()
+        });
+        assert!(
+            arrived,
+            "{cidr} did not reach hosts 1 and 2 ({at1:?}, {at2:?}): {:?} {:?}",
+            f.fleet(1),
+            f.fleet(2)
+        );
+        near.push(at1.unwrap());
+        far.push(at2.unwrap());
+        std::thread::sleep(Duration::from_millis(n * 37 % 149));
+    }
+    near.sort();
+    far.sort();
+    let ms = |d: Duration| d.as_secs_f64() * 1e3;
+    let figures = |v: &[Duration]| {
+        (
+            percentile(v, 0.5),
+            percentile(v, 0.99),
+            *v.first().unwrap(),
+            *v.last().unwrap(),
+        )
+    };
+    let (p50_1, p99_1, min_1, max_1) = figures(&near);
+    let (p50_2, p99_2, min_2, max_2) = figures(&far);
+    println!(
+        "ban propagation over {SLOW_LINK_BANS} bans: host 1 (no delay added) p50 {:.1} ms, p99 {:.1} \
+         ms (min {:.1}, max {:.1}); host 2 (store round trip +{} ms) p50 {:.1} ms, p99 {:.1} ms \
+         (min {:.1}, max {:.1})",
+        ms(p50_1),
+        ms(p99_1),
+        ms(min_1),
+        ms(max_1),
+        (2 * added).as_millis(),
+        ms(p50_2),
+        ms(p99_2),
+        ms(min_2),
+        ms(max_2)
+    );
+    // The targets: p50 <= 20 ms and p99 <= 250 ms, on either link.
+    assert!(p50_1 <= Duration::from_millis(20), "host 1 p50 {p50_1:?}");
+    assert!(p99_1 <= Duration::from_millis(250), "host 1 p99 {p99_1:?}");
+    assert!(p99_2 <= Duration::from_millis(250), "host 2 p99 {p99_2:?}");
+    // Every record host 2 reads comes back to it through the delay: the slow link was there.
+    assert!(min_2 >= added, "host 2 min {min_2:?}");
+    // Host 1 is not held back by host 2's link.
+    assert!(p50_1 < min_2, "host 1 p50 {p50_1:?}, host 2 min {min_2:?}");
+    for i in 1..3 {
+        let st = f.fleet(i);
+        assert!(st.connected && st.bans_received >= SLOW_LINK_BANS, "{st:?}");
+    }
+    assert_eq!(f.fleet(0).bans_published, SLOW_LINK_BANS);
     println!("whole test: {:.1} s", t_all.elapsed().as_secs_f64());
 }
 
