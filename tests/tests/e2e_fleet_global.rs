@@ -13,38 +13,22 @@ use std::{
 };
 
 use ratelimit_tests::{
-    NetNs, Scenario, VethPair,
-    delay::DelayProxy,
+    fleet_lab::{FleetLab, Setup, Store},
     kernel_test,
-    scenario::rule_counter,
-    store::{Cluster, Redis},
 };
-use ratelimit_user::{
-    control::{self, Answer, Request},
-    fleet,
-};
+use ratelimit_user::control::{self, Request};
 
 const PORT: u16 = 9000;
 /// A client under the threshold (a rule of its own, the same threshold), on every host.
 const LIGHT_PORT: u16 = 9002;
 const LIGHT_PPS: u64 = 10;
-const REDIS_PORT: u16 = 6379;
-/// Each host's way to the store: a delaying proxy on the store's side of its own link.
-const PROXY_PORT: u16 = 16379;
 /// The cluster's nodes' ports, and the one address they announce (on the store namespace's
 /// loopback, routed to through each host's own link).
-const CLUSTER_PORTS: [u16; 3] = [7101, 7102, 7103];
-const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(100, 64, 251, 1);
+const CLUSTER: Store = Store::Cluster {
+    ip: Ipv4Addr::new(100, 64, 251, 1),
+    ports: [7101, 7102, 7103],
+};
 
-/// How the hosts reach their store.
-#[derive(Clone, Copy, PartialEq)]
-enum Store {
-    Direct,
-    /// Each through a delaying proxy of its own.
-    Proxied,
-    /// A Redis Cluster of three masters.
-    Cluster,
-}
 /// The threshold: `L` packets a window of `T_SECS`.
 const L: u64 = 300;
 const T_SECS: u64 = 6;
@@ -77,118 +61,18 @@ scope = "{scope}"
     )
 }
 
-struct Fleet {
-    hosts: Vec<Scenario>,
-    /// One per host, in front of the store (none when the hosts reach it directly).
-    proxies: Vec<DelayProxy>,
-    _links: Vec<VethPair>,
-    redis: Option<Redis>,
-    cluster: Option<Cluster>,
-    _store: NetNs,
+type Fleet = FleetLab;
+
+/// Three hosts on `store`, each with [`policy`] in `scope`.
+fn start_fleet(tag: &str, scope: &str, store: Store) -> Fleet {
+    Setup::new(tag)
+        .store(store)
+        .start(|i, url| policy(url, i, scope))
 }
 
-impl Fleet {
-    fn new(tag: &str, scope: &str) -> Fleet {
-        Fleet::start(tag, scope, Store::Direct)
-    }
-
-    fn start(tag: &str, scope: &str, kind: Store) -> Fleet {
-        let store = NetNs::new(&format!("{tag}-st"));
-        let mut hosts: Vec<Scenario> = (0..3)
-            .map(|i| Scenario::new(&format!("{tag}{i}")))
-            .collect();
-        let links: Vec<VethPair> = hosts
-            .iter()
-            .map(|h| VethPair::new(&store, &h.server))
-            .collect();
-        let at = |ip: Ipv4Addr, port| std::net::SocketAddr::new(IpAddr::V4(ip), port);
-        let (mut redis, mut cluster) = (None, None);
-        if kind == Store::Cluster {
-            store.ip(&["addr", "add", &format!("{CLUSTER_IP}/32"), "dev", "lo"]);
-            for (h, l) in hosts.iter().zip(&links) {
-                ratelimit_tests::link::add_route(
-                    &h.server,
-                    &format!("{CLUSTER_IP}/32"),
-                    &l.b().name,
-                    Some(&l.a().ipv4.to_string()),
-                );
-            }
-            cluster = Some(Cluster::start(&store, CLUSTER_IP, CLUSTER_PORTS));
-        } else {
-            redis = Some(Redis::start(
-                &store,
-                IpAddr::V4(links[0].a().ipv4),
-                REDIS_PORT,
-            ));
-        }
-        let proxies: Vec<DelayProxy> = if kind == Store::Proxied {
-            links
-                .iter()
-                .map(|l| {
-                    DelayProxy::start(
-                        &store,
-                        at(l.a().ipv4, PROXY_PORT),
-                        at(links[0].a().ipv4, REDIS_PORT),
-                    )
-                })
-                .collect()
-        } else {
-            Vec::new()
-        };
-        for (i, h) in hosts.iter_mut().enumerate() {
-            let url = match (&cluster, proxies.get(i)) {
-                (Some(c), _) => c.url(),
-                (None, Some(p)) => format!("redis://{}", p.addr()),
-                (None, None) => format!("redis://{}:{REDIS_PORT}", links[i].a().ipv4),
-            };
-            h.start(&policy(&url, i, scope));
-        }
-        Fleet {
-            hosts,
-            proxies,
-            _links: links,
-            redis,
-            cluster,
-            _store: store,
-        }
-    }
-
-    fn redis(&mut self) -> &mut Redis {
-        self.redis.as_mut().expect("a single store")
-    }
-
-    fn fleet(&self, i: usize) -> fleet::Report {
-        match control::call(self.hosts[i].daemon().socket_path(), &Request::Fleet) {
-            Ok(Answer::Fleet(r)) => *r,
-            other => panic!("fleet status answered {other:?}"),
-        }
-    }
-
-    /// Packets `rule` let through on each host so far.
-    fn admitted_by(&self, rule: &str) -> Vec<u64> {
-        self.hosts
-            .iter()
-            .map(|h| {
-                let st = h.stats();
-                rule_counter(&st, rule, "matched") - rule_counter(&st, rule, "dropped")
-            })
-            .collect()
-    }
-
-    fn admitted(&self) -> Vec<u64> {
-        self.admitted_by("udp-global")
-    }
-
-    /// (matched, dropped) of `rule`, summed over the hosts.
-    fn judged(&self, rule: &str) -> (u64, u64) {
-        self.hosts.iter().fold((0, 0), |(m, d), h| {
-            let st = h.stats();
-            (
-                m + rule_counter(&st, rule, "matched"),
-                d + rule_counter(&st, rule, "dropped"),
-            )
-        })
-    }
+/// Packets the heavy source's rule let through on each host so far.
+fn admitted(f: &Fleet) -> Vec<u64> {
+    f.admitted_by("udp-global")
 }
 
 /// Sleep until `at` (a wall-clock time).
@@ -219,7 +103,7 @@ fn measure(f: &Fleet) -> Vec<u64> {
     let mut marks = Vec::new();
     for w in 1..=WINDOWS + 1 {
         sleep_until_wall(first + t * w as u32);
-        marks.push(f.admitted().iter().sum::<u64>());
+        marks.push(admitted(f).iter().sum::<u64>());
     }
     for s in senders {
         s.join().expect("sender");
@@ -231,7 +115,7 @@ fn measure(f: &Fleet) -> Vec<u64> {
 fn a_global_threshold_holds_across_three_hosts_within_5_percent() {
     kernel_test!();
     let t0 = Instant::now();
-    let f = Fleet::new("rlgl", "global");
+    let f = start_fleet("rlgl", "global", Store::Direct);
     // Every host is connected and syncs the global rule.
     let give_up = Instant::now() + Duration::from_secs(10);
     while (0..3).any(|i| f.fleet(i).global.rules != ["udp-global", "udp-light"]) {
@@ -266,7 +150,7 @@ fn a_global_threshold_holds_across_three_hosts_within_5_percent() {
 #[test]
 fn a_local_threshold_is_held_per_host() {
     kernel_test!();
-    let f = Fleet::new("rllo", "local");
+    let f = start_fleet("rllo", "local", Store::Direct);
     let per_window = measure(&f);
     println!("local: admitted per {T_SECS}s window across 3 hosts (L = {L}): {per_window:?}");
     for (w, &n) in per_window.iter().enumerate() {
@@ -339,7 +223,7 @@ fn phased(f: &mut Fleet, acts: &[Act]) -> Vec<Window> {
     );
     let mut out = Vec::new();
     sleep_until_wall(start + t);
-    let mut mark = f.admitted();
+    let mut mark = admitted(f);
     for (k, &act) in acts.iter().enumerate() {
         match act {
             Act::Nothing => {}
@@ -352,7 +236,7 @@ fn phased(f: &mut Fleet, acts: &[Act]) -> Vec<Window> {
         let times = status_times(f);
         let status_p99 = times[(times.len() * 99).div_ceil(100) - 1];
         sleep_until_wall(start + t * (k as u32 + 2));
-        let now = f.admitted();
+        let now = admitted(f);
         out.push(Window {
             act,
             per_host: now.iter().zip(&mark).map(|(a, b)| a - b).collect(),
@@ -369,7 +253,7 @@ fn phased(f: &mut Fleet, acts: &[Act]) -> Vec<Window> {
 #[test]
 fn without_the_store_every_host_holds_the_threshold_alone_and_the_fleet_recovers() {
     kernel_test!();
-    let mut f = Fleet::start("rlgf", "global", Store::Proxied);
+    let mut f = start_fleet("rlgf", "global", Store::Proxied);
     let acts = [
         Act::Nothing,
         Act::Nothing,
@@ -451,7 +335,7 @@ const MANY: u8 = 24;
 #[test]
 fn on_a_cluster_each_key_is_global_and_a_lost_master_takes_only_its_own_keys_local() {
     kernel_test!();
-    let mut f = Fleet::start("rlgc", "global", Store::Cluster);
+    let mut f = start_fleet("rlgc", "global", CLUSTER);
     let srcs: Vec<Ipv4Addr> = (1..=MANY).map(|n| Ipv4Addr::new(198, 18, 9, n)).collect();
     let rid = |i: usize| f.fleet(i).global.rules.first().cloned().unwrap_or_default();
     let give_up = Instant::now() + Duration::from_secs(10);

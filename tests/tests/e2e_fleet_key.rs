@@ -6,23 +6,18 @@
 //! status. With the store gone, it still shows this host's part, with a note.
 
 use std::{
-    net::{IpAddr, Ipv4Addr},
+    net::Ipv4Addr,
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
 use ratelimit_tests::{
-    NetNs, Scenario, VethPair, kernel_test,
+    fleet_lab::{FleetLab, Setup},
+    kernel_test,
     scenario::{metric_sum, rule_counter},
-    store::Redis,
 };
-use ratelimit_user::{
-    control::{self, Answer, Request},
-    fleet,
-    fleet_key::KeyReport,
-};
+use ratelimit_user::fleet_key::KeyReport;
 
 const PORT: u16 = 9000;
-const REDIS_PORT: u16 = 6379;
 const HTTP_PORT: u16 = 19478;
 /// The threshold: `L` packets a window of `T_SECS` (nothing sent here reaches it).
 const L: u64 = 300;
@@ -54,50 +49,21 @@ threshold = {{ count = 10, interval = "1s" }}
     )
 }
 
-/// Fields drop in order: the daemons (and their namespaces), the links, the store, its
-/// namespace.
-struct Fleet {
-    hosts: Vec<Scenario>,
-    _links: Vec<VethPair>,
-    redis: Redis,
-    _store: NetNs,
+type Fleet = FleetLab;
+
+/// Two hosts, each with [`policy`], on one store.
+fn start_fleet(tag: &str) -> Fleet {
+    Setup::new(tag)
+        .hosts(2)
+        .http(HTTP_PORT)
+        .start(|i, url| policy(url, i))
 }
 
-impl Fleet {
-    fn new(tag: &str) -> Fleet {
-        let store = NetNs::new(&format!("{tag}-st"));
-        let mut hosts: Vec<Scenario> = (0..2)
-            .map(|i| Scenario::new(&format!("{tag}{i}")).with_http(HTTP_PORT))
-            .collect();
-        let links: Vec<VethPair> = hosts
-            .iter()
-            .map(|h| VethPair::new(&store, &h.server))
-            .collect();
-        let redis = Redis::start(&store, IpAddr::V4(links[0].a().ipv4), REDIS_PORT);
-        for (i, h) in hosts.iter_mut().enumerate() {
-            let url = format!("redis://{}:{REDIS_PORT}", links[i].a().ipv4);
-            h.start(&policy(&url, i));
-        }
-        Fleet {
-            hosts,
-            _links: links,
-            redis,
-            _store: store,
-        }
-    }
-
-    fn fleet(&self, i: usize) -> fleet::Report {
-        match control::call(self.hosts[i].daemon().socket_path(), &Request::Fleet) {
-            Ok(Answer::Fleet(r)) => *r,
-            other => panic!("fleet status answered {other:?}"),
-        }
-    }
-
-    fn key(&self, i: usize) -> KeyReport {
-        self.hosts[i]
-            .daemon()
-            .cli_as(&["fleet", "key", &SRC.to_string()])
-    }
+/// `fleet key` of [`SRC`] on host `i`.
+fn key(f: &Fleet, i: usize) -> KeyReport {
+    f.hosts[i]
+        .daemon()
+        .cli_as(&["fleet", "key", &SRC.to_string()])
 }
 
 /// The fleet's counts of the key's current and previous window, summed: (total, h0, h1).
@@ -124,7 +90,7 @@ fn local_count(k: &KeyReport) -> u64 {
 #[test]
 fn fleet_key_shows_the_fleet_s_counts_of_a_client() {
     kernel_test!();
-    let mut f = Fleet::new("rlfk");
+    let mut f = start_fleet("rlfk");
     let give_up = Instant::now() + Duration::from_secs(10);
     while (0..2).any(|i| f.fleet(i).global.rules != ["udp-global"]) {
         assert!(
@@ -168,7 +134,7 @@ fn fleet_key_shows_the_fleet_s_counts_of_a_client() {
     let want = (SENT[0] + SENT[1], SENT[0], SENT[1]);
     let give_up = Instant::now() + Duration::from_secs(3);
     let k = loop {
-        let k = f.key(0);
+        let k = key(&f, 0);
         if (fleet_counts(&k) == Some(want) && local_count(&k) == want.0) || Instant::now() > give_up
         {
             break k;
@@ -195,7 +161,7 @@ fn fleet_key_shows_the_fleet_s_counts_of_a_client() {
     );
     assert!(r.note.is_none(), "{k:?}");
     // Host 1 reads the same counts from the store.
-    assert_eq!(fleet_counts(&f.key(1)), Some(want));
+    assert_eq!(fleet_counts(&key(&f, 1)), Some(want));
 
     // The text, and the same answer over HTTP.
     let d = f.hosts[0].daemon();
@@ -262,9 +228,9 @@ fn fleet_key_shows_the_fleet_s_counts_of_a_client() {
     );
 
     // Without the store: this host's part, and why the rest is missing.
-    f.redis.kill();
+    f.redis.as_mut().expect("a single store").kill();
     let t0 = Instant::now();
-    let k = f.key(0);
+    let k = key(&f, 0);
     assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());
     let r = &k.rules[0];
     assert!(r.fleet.is_none(), "{k:?}");
