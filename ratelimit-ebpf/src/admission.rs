@@ -100,27 +100,30 @@ pub fn state_for(
     } else if let Some(p) = store::lookup(key, tag, sets) {
         return StateFor::State(p);
     }
+    // A proven source skips the budget (and the overflow state's closing, which follows from
+    // it), not this CPU's share of the tick, which keeps the receive ring from stalling on
+    // inserts whoever asks.
     // SAFETY: `proven` is null or points at the packet's source in the scratch record.
-    if !proven.is_null() && cookies::is_proven(unsafe { &*proven }, coarse_now) {
+    let proven = !proven.is_null() && cookies::is_proven(unsafe { &*proven }, coarse_now);
+    if !proven && fast::overflow_closed(key.rule as u32, env, tick) {
+        stats::add(env.slot, global::ADMISSION_REFUSED, env.len);
+        overflow(key);
+        return StateFor::Closed;
+    }
+    if env.admission_tick_cap != 0 && inserts.tick != tick {
+        inserts.tick = tick;
+        inserts.count = 0;
+    }
+    // This CPU's share of the tick is spent (a burst spread over ticks), or the budget is.
+    if (env.admission_tick_cap != 0 && inserts.count >= env.admission_tick_cap as u64)
+        || (!proven && !admit_new_source(env, coarse_now))
+    {
+        stats::add(env.slot, global::ADMISSION_REFUSED, env.len);
+        return refused(key);
+    }
+    inserts.count += 1;
+    if proven {
         stats::add(env.slot, global::PROVEN_ADMITTED, env.len);
-    } else {
-        if fast::overflow_closed(key.rule as u32, env, tick) {
-            stats::add(env.slot, global::ADMISSION_REFUSED, env.len);
-            overflow(key);
-            return StateFor::Closed;
-        }
-        if env.admission_tick_cap != 0 && inserts.tick != tick {
-            inserts.tick = tick;
-            inserts.count = 0;
-        }
-        // This CPU's share of the tick is spent (a burst spread over ticks), or the budget is.
-        if (env.admission_tick_cap != 0 && inserts.count >= env.admission_tick_cap as u64)
-            || !admit_new_source(env, coarse_now)
-        {
-            stats::add(env.slot, global::ADMISSION_REFUSED, env.len);
-            return refused(key);
-        }
-        inserts.count += 1;
     }
     // Before the insert, so no CPU can find the state while the filter denies it.
     known::note(hash);

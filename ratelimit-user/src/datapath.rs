@@ -437,6 +437,24 @@ impl Datapath {
         Ok((r.return_value, r.duration))
     }
 
+    /// [`Datapath::test_run`] once, with the frame as the program left it (a reply it sends
+    /// back out with `XDP_TX`, say).
+    pub fn test_run_out(&self, frame: &[u8]) -> anyhow::Result<(u32, Vec<u8>)> {
+        use aya::programs::{TestRun as _, TestRunOptions};
+        let prog: &Xdp = self
+            .ebpf
+            .program(PROGRAM_NAME)
+            .expect("loaded")
+            .try_into()?;
+        let mut out = vec![0u8; frame.len().max(256)];
+        let mut opts = TestRunOptions::new();
+        opts.data_in = Some(frame);
+        opts.data_out = Some(&mut out);
+        let r = prog.test_run(opts).context("BPF_PROG_TEST_RUN")?;
+        out.truncate(r.data_size_out as usize);
+        Ok((r.return_value, out))
+    }
+
     /// BPF_PROG_TEST_RUN of any program in the object, by name (loading it on first use):
     /// `ratelimit_l3`, say, which [`Datapath::test_run`] does not run.
     pub fn test_run_program(

@@ -23,6 +23,7 @@ use ratelimit_user::{
 
 const XDP_DROP: u32 = 1;
 const XDP_PASS: u32 = 2;
+const XDP_TX: u32 = 3;
 
 const CLIENT_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 1];
 const SERVER_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 2];
@@ -2861,4 +2862,271 @@ algorithm = "fixed_window"
     );
     assert!(got.last().unwrap().1.contains("rule 0;"), "{got:?}");
     println!("{got:#?}");
+}
+
+/// A TCP segment in an Ethernet frame, by hand (seq, ack and options are the point here):
+/// from `src` to `dst`, IPv4 or IPv6 by the addresses' family, checksums computed.
+fn tcp_segment(
+    src: std::net::IpAddr,
+    dst: std::net::IpAddr,
+    (sport, dport): (u16, u16),
+    flags: u8,
+    (seq, ack): (u32, u32),
+    options: &[u8],
+) -> Vec<u8> {
+    use std::net::IpAddr;
+    assert_eq!(options.len() % 4, 0);
+    let mut tcp = Vec::new();
+    tcp.extend_from_slice(&sport.to_be_bytes());
+    tcp.extend_from_slice(&dport.to_be_bytes());
+    tcp.extend_from_slice(&seq.to_be_bytes());
+    tcp.extend_from_slice(&ack.to_be_bytes());
+    tcp.push(((20 + options.len()) as u8 / 4) << 4);
+    tcp.push(flags);
+    tcp.extend_from_slice(&[0xff, 0xff, 0, 0, 0, 0]);
+    tcp.extend_from_slice(options);
+    let mut f = Vec::new();
+    f.extend_from_slice(&SERVER_MAC);
+    f.extend_from_slice(&CLIENT_MAC);
+    let mut pseudo = Vec::new();
+    match (src, dst) {
+        (IpAddr::V4(s), IpAddr::V4(d)) => {
+            f.extend_from_slice(&[0x08, 0x00]);
+            let mut ip = vec![0x45, 0];
+            ip.extend_from_slice(&((20 + tcp.len()) as u16).to_be_bytes());
+            ip.extend_from_slice(&[0, 0, 0x40, 0, 64, 6, 0, 0]);
+            ip.extend_from_slice(&s.octets());
+            ip.extend_from_slice(&d.octets());
+            let c = ratelimit_tests::packet::checksum(&ip);
+            ip[10..12].copy_from_slice(&c.to_be_bytes());
+            f.extend_from_slice(&ip);
+            pseudo.extend_from_slice(&s.octets());
+            pseudo.extend_from_slice(&d.octets());
+            pseudo.extend_from_slice(&[0, 6]);
+            pseudo.extend_from_slice(&(tcp.len() as u16).to_be_bytes());
+        }
+        (IpAddr::V6(s), IpAddr::V6(d)) => {
+            f.extend_from_slice(&[0x86, 0xdd]);
+            f.extend_from_slice(&[0x60, 0, 0, 0]);
+            f.extend_from_slice(&(tcp.len() as u16).to_be_bytes());
+            f.extend_from_slice(&[6, 64]);
+            f.extend_from_slice(&s.octets());
+            f.extend_from_slice(&d.octets());
+            pseudo.extend_from_slice(&s.octets());
+            pseudo.extend_from_slice(&d.octets());
+            pseudo.extend_from_slice(&(tcp.len() as u32).to_be_bytes());
+            pseudo.extend_from_slice(&[0, 0, 0, 6]);
+        }
+        _ => panic!("mixed families"),
+    }
+    pseudo.extend_from_slice(&tcp);
+    let c = ratelimit_tests::packet::checksum(&pseudo);
+    tcp[16..18].copy_from_slice(&c.to_be_bytes());
+    f.extend_from_slice(&tcp);
+    f
+}
+
+/// A frame's IP addresses, TCP header and whether both checksums hold (the IPv4 header's and
+/// the segment's over its pseudo-header).
+struct Segment {
+    src: std::net::IpAddr,
+    dst: std::net::IpAddr,
+    sport: u16,
+    dport: u16,
+    seq: u32,
+    ack: u32,
+    flags: u8,
+    options: Vec<u8>,
+    checksums_hold: bool,
+}
+
+fn segment(f: &[u8]) -> Segment {
+    use std::net::IpAddr;
+    let (src, dst, l4, mut ok, pseudo_head): (IpAddr, IpAddr, usize, bool, Vec<u8>) =
+        match u16::from_be_bytes([f[12], f[13]]) {
+            0x0800 => {
+                let s: [u8; 4] = f[26..30].try_into().unwrap();
+                let d: [u8; 4] = f[30..34].try_into().unwrap();
+                let len = u16::from_be_bytes([f[16], f[17]]) as usize - 20;
+                let mut p = [&s[..], &d[..], &[0, 6]].concat();
+                p.extend_from_slice(&(len as u16).to_be_bytes());
+                (
+                    s.into(),
+                    d.into(),
+                    34,
+                    ratelimit_tests::packet::checksum(&f[14..34]) == 0,
+                    p,
+                )
+            }
+            0x86dd => {
+                let s: [u8; 16] = f[22..38].try_into().unwrap();
+                let d: [u8; 16] = f[38..54].try_into().unwrap();
+                let len = u16::from_be_bytes([f[18], f[19]]) as u32;
+                let mut p = [&s[..], &d[..]].concat();
+                p.extend_from_slice(&len.to_be_bytes());
+                p.extend_from_slice(&[0, 0, 0, 6]);
+                (s.into(), d.into(), 54, true, p)
+            }
+            t => panic!("ethertype {t:#x}"),
+        };
+    let t = &f[l4..];
+    let doff = (t[12] >> 4) as usize * 4;
+    ok &= ratelimit_tests::packet::checksum(&[&pseudo_head[..], t].concat()) == 0;
+    Segment {
+        src,
+        dst,
+        sport: u16::from_be_bytes([t[0], t[1]]),
+        dport: u16::from_be_bytes([t[2], t[3]]),
+        seq: u32::from_be_bytes(t[4..8].try_into().unwrap()),
+        ack: u32::from_be_bytes(t[8..12].try_into().unwrap()),
+        flags: t[13],
+        options: t[20..doff].to_vec(),
+        checksums_hold: ok,
+    }
+}
+
+/// Handshake-proven admission through BPF_PROG_TEST_RUN, in a network namespace of its own with
+/// `tcp_syncookies = 2` (the kernel makes cookies for a listener whatever its queue): a SYN
+/// from a source refused state is answered with a SYN-ACK whose cookie is the listener's, the
+/// ACK carrying it proves the source (a wrong one is dropped), and the proven source's next
+/// packet gets state without the admission budget; a SYN to a closed port is dropped.
+#[test]
+fn syn_cookies_from_xdp_are_the_listeners_own() {
+    if skip_unless_kernel() {
+        return;
+    }
+    use std::net::{IpAddr, SocketAddr};
+    const OPEN: u16 = 8443;
+    const CLOSED: u16 = 8444;
+    const COOKIE_CONFIG: &str = r#"
+[tracking]
+new_sources_per_sec = 1
+new_sources_burst = 1
+
+[[rule]]
+name = "tcp"
+match = { protocol = "tcp", dst_ports = ["8443-8444"] }
+threshold = { count = 1, interval = "1h" }
+algorithm = "fixed_window"
+"#;
+    std::thread::spawn(|| {
+        // SAFETY: unshare(2) of this thread's network namespace; no pointer involved.
+        assert_eq!(unsafe { libc::unshare(libc::CLONE_NEWNET) }, 0, "unshare");
+        std::fs::write("/proc/sys/net/ipv4/tcp_syncookies", "2").expect("tcp_syncookies");
+        let listen = |addr: SocketAddr| {
+            let s = socket2::Socket::new(
+                socket2::Domain::for_address(addr),
+                socket2::Type::STREAM,
+                None,
+            )
+            .unwrap();
+            if addr.is_ipv6() {
+                s.set_only_v6(true).unwrap();
+            }
+            s.bind(&addr.into()).unwrap();
+            s.listen(8).unwrap();
+            s
+        };
+        let _l4 = listen(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), OPEN));
+        let _l6 = listen(SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), OPEN));
+        let pins = Pins::new("fixtures-cookies");
+        let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
+        let mut maps = dp.take_maps().expect("maps");
+        let cfg = config::parse("cookies.toml", COOKIE_CONFIG).expect("config");
+        apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
+        let rules = vec!["tcp".to_string()];
+        let mss = [2, 4, 0x05, 0xb4]; // 1460
+        let server = |v6: bool| -> IpAddr { if v6 { SERVER6.into() } else { SERVER4.into() } };
+        let syn = |src: IpAddr, dport: u16| {
+            tcp_segment(
+                src,
+                server(src.is_ipv6()),
+                (40000, dport),
+                tcp_flags::SYN,
+                (1000, 0),
+                &mss,
+            )
+        };
+        let run = |f: &[u8]| dp.test_run_out(f).unwrap();
+        // The first source takes the budget's one state, the second the overflow state's one
+        // packet; from the third on, sources are refused and the overflow state is spent.
+        let before = counters(&maps, &rules);
+        assert_eq!(
+            run(&syn(Ipv4Addr::new(198, 18, 30, 1).into(), OPEN)).0,
+            XDP_PASS
+        );
+        assert_eq!(
+            run(&syn(Ipv4Addr::new(198, 18, 30, 2).into(), OPEN)).0,
+            XDP_PASS
+        );
+        // A closed port: dropped, not answered.
+        assert_eq!(
+            run(&syn(Ipv4Addr::new(198, 18, 30, 3).into(), CLOSED)).0,
+            XDP_DROP
+        );
+        let d = delta(&before, &counters(&maps, &rules));
+        assert_eq!(d.get("syn_cookies_sent"), None, "{d:?}");
+        for (i, client) in [
+            IpAddr::from(Ipv4Addr::new(198, 18, 30, 4)),
+            "2001:db8:30::4".parse().unwrap(),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let before = counters(&maps, &rules);
+            let frame = syn(client, OPEN);
+            let (action, out) = run(&frame);
+            assert_eq!(action, XDP_TX, "{client}");
+            let r = segment(&out);
+            assert!(r.checksums_hold, "{client}: {out:02x?}");
+            assert_eq!(out[..6], CLIENT_MAC, "back to the sender");
+            assert_eq!(out[6..12], SERVER_MAC);
+            assert_eq!((r.src, r.dst), (server(client.is_ipv6()), client));
+            assert_eq!((r.sport, r.dport), (OPEN, 40000));
+            assert_eq!(r.flags, tcp_flags::SYN | tcp_flags::ACK);
+            assert_eq!(r.ack, 1001);
+            // The MSS the cookie encodes: the kernel's table holds 1460 for IPv4 and 1440
+            // for IPv6 as the largest at or under the client's 1460.
+            let want = if client.is_ipv6() { 1440u16 } else { 1460 };
+            assert_eq!(
+                r.options,
+                [&[2, 4][..], &want.to_be_bytes()].concat(),
+                "{client}"
+            );
+            let cookie = r.seq;
+            // A wrong cookie proves nothing and is dropped; the right one passes.
+            let ack = |c: u32| {
+                tcp_segment(
+                    client,
+                    server(client.is_ipv6()),
+                    (40000, OPEN),
+                    tcp_flags::ACK,
+                    (1001, c.wrapping_add(1)),
+                    &[],
+                )
+            };
+            assert_eq!(run(&ack(cookie ^ 0x0100_0000)).0, XDP_DROP, "{client}");
+            assert_eq!(run(&ack(cookie)).0, XDP_PASS, "{client}");
+            // The proven source's next packet gets state without the budget.
+            let data = tcp_segment(
+                client,
+                server(client.is_ipv6()),
+                (40000, OPEN),
+                tcp_flags::ACK | tcp_flags::PSH,
+                (1001, cookie.wrapping_add(1)),
+                &[],
+            );
+            assert_eq!(run(&data).0, XDP_PASS, "{client}");
+            let d = delta(&before, &counters(&maps, &rules));
+            assert_eq!(d.get("syn_cookies_sent"), Some(&1), "{i}: {d:?}");
+            assert_eq!(d.get("sources_proven"), Some(&1), "{i}: {d:?}");
+            assert_eq!(d.get("proven_admitted"), Some(&1), "{i}: {d:?}");
+            assert_eq!(d.get("state_created"), Some(&1), "{i}: {d:?}");
+            // SYN, the wrong ACK, the right ACK; the data packet was judged in its own state.
+            assert_eq!(d.get("admission_refused"), Some(&3), "{i}: {d:?}");
+            assert_eq!(d.get("tcp/admitted"), Some(&1), "{i}: {d:?}");
+        }
+    })
+    .join()
+    .unwrap();
 }
