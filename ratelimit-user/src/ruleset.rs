@@ -141,6 +141,21 @@ pub fn apply_changes(rule: &mut Rule, set: &RuleChanges) -> anyhow::Result<()> {
                 rule.threshold.unit
             );
         }
+        // A global rule's clients are counted by the fleet in the rule's windows: its
+        // overrides keep them (as the config requires), so a new interval must fit them.
+        if rule.scope == crate::config::Scope::Global
+            && (o.threshold.interval != rule.threshold.interval
+                || o.ban_threshold
+                    .is_some_and(|b| b.interval != rule.ban_threshold.interval))
+        {
+            bail!(
+                "rule {:?} is global (scope = \"global\"): override {} keeps intervals of its \
+                 own, which the new ones would not match (the fleet counts the rule's clients in \
+                 the rule's windows); change the override first",
+                rule.name,
+                o.target
+            );
+        }
     }
     if let Some(a) = &set.exceed_action {
         rule.exceed_action = match a.as_str() {
@@ -307,6 +322,37 @@ mod tests {
         );
         assert_eq!(set(Some(2.0), None).describe(), "--elastic 2");
     }
+    /// A global rule's new interval must be its overrides' too (the fleet counts its clients
+    /// in the rule's windows, which the config makes its overrides keep).
+    #[test]
+    fn a_global_rules_interval_change_must_fit_its_overrides() {
+        let cfg = crate::config::parse(
+            "t.toml",
+            "[fleet]\nredis = \"redis://127.0.0.1:6379\"\n\
+             [[rule]]\nname = \"g\"\nscope = \"global\"\nalgorithm = \"sliding_window\"\n\
+             threshold = { count = 10, interval = \"10s\" }\n\
+             [[rule.override]]\ncidr = \"192.0.2.0/24\"\n\
+             threshold = { count = 50, interval = \"10s\" }\n",
+        )
+        .unwrap();
+        let rule = &cfg.rules[0];
+        let set = |t: &str| RuleChanges {
+            threshold: Some(t.into()),
+            ..Default::default()
+        };
+        let e = apply_changes(&mut rule.clone(), &set("10/20s"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("override cidr 192.0.2.0/24 keeps intervals of its own"),
+            "{e}"
+        );
+        // The same interval with another count is fine.
+        let mut r = rule.clone();
+        apply_changes(&mut r, &set("20/10s")).unwrap();
+        assert_eq!(r.threshold.amount, 20);
+    }
+
     /// A rule's overrides are checked against the rule as it stands after the change: a new
     /// factor (which they inherit), a new ban threshold (which they may inherit) or
     /// exceed_action = "pass" can make one of them refused, and then so is the change.
