@@ -112,6 +112,40 @@ pub struct State {
 /// How many `ban del` times the daemon keeps for the fleet's records (see
 /// [`State::fleet_lifts`]).
 pub const FLEET_LIFTS_MAX: usize = 100_000;
+/// [`State::fleet_lifts`] in `state_dir`, written at every `ban del` in fleet mode: a restart
+/// that resyncs from the store's snapshot does not bring back a ban lifted here.
+pub const FLEET_LIFTS_FILE: &str = "fleet-lifts.json";
+
+/// The saved [`State::fleet_lifts`]: none if there is no file. A file that cannot be read is
+/// moved aside, as for the other saved state.
+fn load_fleet_lifts(dir: &std::path::Path) -> BTreeMap<String, u64> {
+    let path = dir.join(FLEET_LIFTS_FILE);
+    let text = match std::fs::read(&path) {
+        Ok(t) => t,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return BTreeMap::new(),
+        Err(e) => {
+            error!(
+                "reading {}: {e}; bans lifted here before may return",
+                path.display()
+            );
+            return BTreeMap::new();
+        }
+    };
+    match serde_json::from_slice::<BTreeMap<String, u64>>(&text) {
+        Ok(lifts) => lifts,
+        Err(e) => {
+            let aside = crate::durable::set_aside(&path, "bad")
+                .map(|p| format!("moved to {}", p.display()))
+                .unwrap_or_else(|e| format!("could not be moved aside: {e:#}"));
+            error!(
+                "{} is not a list of lifted bans ({e}); it was {aside}; bans lifted here before \
+                 may return",
+                path.display()
+            );
+            BTreeMap::new()
+        }
+    }
+}
 
 /// How often the daemon checks whether the known-sources filter needs a rebuild (a rebuild
 /// that took `t` is followed by the next check `10 t` later at the earliest).
@@ -759,6 +793,20 @@ impl State {
                 times.select_nth_unstable_by(cut, |a, b| b.cmp(a));
                 let keep_from = times[cut];
                 self.fleet_lifts.retain(|_, at| *at > keep_from);
+            }
+            match serde_json::to_vec(&self.fleet_lifts) {
+                Ok(bytes) => {
+                    if let Err(e) = crate::durable::write_atomically(
+                        &self.cfg.daemon.state_dir,
+                        FLEET_LIFTS_FILE,
+                        &bytes,
+                    ) {
+                        warn!(
+                            "saving {FLEET_LIFTS_FILE}: {e:#}; a restart may bring back a ban lifted now"
+                        );
+                    }
+                }
+                Err(e) => warn!("encoding {FLEET_LIFTS_FILE}: {e}"),
             }
             // An `unban` for the fleet: lifts the ban on every host (whichever issued it),
             // also where this host holds none (ended here, or never installed).
@@ -1474,6 +1522,11 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         link
     });
     let share_bans = fleet.as_ref().is_some_and(|f| f.settings.share_bans);
+    let fleet_lifts = if fleet.is_some() {
+        load_fleet_lifts(&cfg.daemon.state_dir)
+    } else {
+        BTreeMap::new()
+    };
     let mut state = State {
         cfg,
         opts_ifaces: opts.ifaces,
@@ -1495,7 +1548,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         level_sync: pressure::LevelSync::default(),
         fleet,
         ban_origins: Arc::new(restored.origins),
-        fleet_lifts: BTreeMap::new(),
+        fleet_lifts,
     };
     state.write_dropped(&dropped);
     reports.publish(state.view());

@@ -37,7 +37,8 @@
 //! The cursor is written to `state_dir/fleet.json` at most every [`CURSOR_SAVE`] (and at
 //! shutdown): after a crash a few records are read again, and applying them again changes
 //! nothing. A ban lifted on this host (`ban del`, `--local` or not) is not installed again by
-//! a record issued before the lift (last writer wins, by time).
+//! a record issued before the lift (last writer wins, by time), also after a restart (the
+//! lifts are saved: `daemon::FLEET_LIFTS_FILE`).
 //!
 //! Bans received from the fleet are marked [`BAN_REMOTE`] (and their origin host kept): they
 //! are never published again, so no ban echoes between hosts.

@@ -830,6 +830,24 @@ fn a_reader_resumes_from_its_cursor_and_a_resync_keeps_local_lifts() {
     );
     assert!(f.holds(1, "203.0.113.11/32").is_some());
     assert!(f.holds(2, lifted).is_some());
+    // Nor does a restart bring it back: the lift is saved in the state directory, so the
+    // resync at start (the stream trimmed past the cursor again) leaves it lifted.
+    f.redis().cli(&["XTRIM", fleet::STREAM_KEY, "MAXLEN", "0"]);
+    f.hosts[1].daemon_mut().restart();
+    assert!(
+        wait_for(Duration::from_secs(10), || {
+            let st = f.fleet(1);
+            st.connected && st.resyncs >= 1
+        }),
+        "no resync after the restart: {:?}",
+        f.fleet(1)
+    );
+    assert!(f.holds(1, "203.0.113.11/32").is_some());
+    assert!(
+        f.holds(1, lifted).is_none(),
+        "the restart brought back a ban lifted here: {:?}",
+        f.holds(1, lifted)
+    );
     // A ban issued after the lift is installed.
     f.d(0).cli_ok(&["ban", "add", lifted, "--for", "2h"]);
     assert!(
