@@ -191,7 +191,10 @@ pub struct GlobalConfig {
     /// every limit as configured. The daemon writes it alone, one write of this entry, when
     /// the level changes.
     pub relaxed: u32,
-    pub _pad: u32,
+    /// With [`GLOBAL_SYN_COOKIES`]: how many TCP packets of sources refused state one CPU looks
+    /// at again in one timer tick (answers with a cookie, hands to a listener, passes to a
+    /// connection): [`syn_answer_tick_cap`].
+    pub syn_answer_tick_cap: u32,
     /// CLOCK_REALTIME - CLOCK_MONOTONIC in ns, written by the daemon: rules with
     /// [`RULE_GLOBAL`] meter in windows of `now + wall_offset_ns` (the wall clock's), which
     /// every host of a fleet shares.
@@ -207,6 +210,19 @@ impl RuleConfig {
     pub const fn limit_now(&self, relaxed: bool) -> &Limit {
         if relaxed { &self.elastic } else { &self.limit }
     }
+}
+
+/// How many TCP packets of sources refused state one CPU answers or hands on a second, at
+/// most ([`GlobalConfig::syn_answer_tick_cap`]): about what one CPU of the kernel's stack
+/// answers with SYN cookies, so a flood gets no more replies than it would with nothing
+/// attached, and no more than one (no larger) per SYN.
+pub const SYN_ANSWERS_PER_SEC: u64 = 200_000;
+
+/// [`SYN_ANSWERS_PER_SEC`] as a cap a tick, on a kernel whose timer tick is `tick_ns`; at
+/// least 16.
+pub fn syn_answer_tick_cap(tick_ns: u64) -> u32 {
+    ((SYN_ANSWERS_PER_SEC as u128 * tick_ns as u128) / 1_000_000_000).clamp(16, u32::MAX as u128)
+        as u32
 }
 
 /// The per-CPU, per-tick cap on new states for a budget of `rate` per second, on a kernel

@@ -122,9 +122,6 @@ pub fn state_for(
         return refused(key);
     }
     inserts.count += 1;
-    if proven {
-        stats::add(env.slot, global::PROVEN_ADMITTED, env.len);
-    }
     // Before the insert, so no CPU can find the state while the filter denies it.
     known::note(hash);
     let i = if env.store_sets == 0 {
@@ -133,7 +130,12 @@ pub fn state_for(
         store::insert(key, tag, sets, env.slot, env.now, scan)
     };
     match store::state(i) {
-        Some(p) => StateFor::State(p),
+        Some(p) => {
+            if proven {
+                stats::add(env.slot, global::PROVEN_ADMITTED, env.len);
+            }
+            StateFor::State(p)
+        }
         _ => {
             // All its candidates protected: counted by the store (`STATE_PROTECTED`).
             if i != store::PROTECTED {

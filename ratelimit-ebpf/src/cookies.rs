@@ -15,24 +15,35 @@
 //!   the kernel accepts the handshake's ACK), sent back out of the device it came in on
 //!   (`XDP_TX`), without a socket buffer. A SYN to a port nothing listens on is dropped.
 //! * **An ACK carrying a valid cookie** of the listener (`bpf_tcp_check_syncookie`, the kernel's
-//!   own test, tried only while this host sends cookies: [`COOKIE_ACTIVE_NS`]) is passed, and
-//!   the kernel makes the connection from it. Its source is proven.
+//!   own test) is passed, and the kernel makes the connection from it. Its source is proven.
 //! * **A packet of a connection the kernel holds** (half-open or established: the kernel checks
 //!   its sequence numbers) is passed; one of an established connection proves its source.
 //!
-//! A proven source (`RL_PROVEN`) gets state of its own without the admission budget
-//! (`admission::state_for`), for [`PROVEN_TTL_NS`].
+//! A packet passed this way has met every rule: only those that refused its source state
+//! dropped it (`rules::evaluate_rules` goes on past them for such a packet). Only what is addressed to this host is looked at (a unicast
+//! frame to a local destination, from a source that is not an IPv4 martian), and at most
+//! `GlobalConfig::syn_answer_tick_cap` packets a tick on each CPU: the rest are dropped as the
+//! rules said. That bounds the SYN-ACKs a flood gets back (never more than one, no larger, per
+//! SYN), what reaches the stack, and the socket lookups it costs.
 //!
-//! A cookie SYN-ACK carries one option, the MSS the cookie encodes. So a connection made from
+//! A proven source (`RL_PROVEN`, an IPv6 one by its /64) gets state of its own without the
+//! admission budget (`admission::state_for`; this CPU's share of the tick still applies), for
+//! [`PROVEN_TTL_NS`].
+//!
+//! A cookie SYN-ACK carries one option, the MSS the cookie encodes (at most what the device's
+//! MTU carries). So a connection made from
 //! a cookie here has no window scaling, SACK or timestamps, like the kernel's own cookie
 //! connections without timestamps; a proven source's later connections go through the
 //! kernel's handshake with every option.
 
 use aya_ebpf::{
-    bindings::{bpf_sock, bpf_sock_tuple, tcphdr, xdp_action, xdp_md},
+    bindings::{
+        BPF_FIB_LKUP_RET_FWD_DISABLED, BPF_FIB_LKUP_RET_NOT_FWDED, bpf_fib_lookup as FibLookup,
+        bpf_sock, bpf_sock_tuple, tcphdr, xdp_md,
+    },
     helpers::{
-        bpf_sk_release, bpf_skc_lookup_tcp, bpf_tcp_check_syncookie, bpf_tcp_gen_syncookie,
-        bpf_xdp_adjust_tail,
+        bpf_check_mtu, bpf_fib_lookup, bpf_sk_release, bpf_skc_lookup_tcp, bpf_tcp_check_syncookie,
+        bpf_tcp_gen_syncookie, bpf_xdp_adjust_tail, bpf_xdp_load_bytes,
     },
     macros::map,
     maps::{Array, LruHashMap, PerCpuArray},
@@ -43,38 +54,44 @@ use ratelimit_common::{addr::IpKey, caps::MAX_PROVEN_SOURCES, proto::*, stats::g
 use crate::{
     atomic,
     parse::{self, Parsed},
-    stats::{self, Slot},
+    scratch::RuleLoop,
 };
 
 /// Proven sources (a cookie's ACK, or an established connection) and when they were proven
-/// (ns, coarse clock).
+/// (ns, coarse clock), by address (an IPv6 source by its /64, the most any one holder of a
+/// prefix is taken to be: proving many addresses of one /64 fills one entry, not the map).
 #[map(name = "RL_PROVEN")]
 static PROVEN: LruHashMap<[u8; 16], u64> = LruHashMap::with_max_entries(MAX_PROVEN_SOURCES, 0);
 
-/// `[0]`: when this host last sent a cookie, `[1]`: when it last proved a source (coarse ns);
-/// each written at most once a second.
+/// `[0]`: when some source was last proven (coarse ns), written at most once a second.
 #[map(name = "RL_COOKIE_TIME")]
-static TIMES: Array<u64> = Array::with_max_entries(2, 0);
-const SENT: u32 = 0;
-const PROVED: u32 = 1;
+static TIMES: Array<u64> = Array::with_max_entries(1, 0);
+const PROVED: u32 = 0;
 
-/// Per CPU: the socket lookup's tuple and the SYN's TCP header as the cookie helper reads it.
+/// Per CPU: the socket lookup's tuple, the SYN's TCP header as the cookie helper reads it,
+/// the route lookup's parameters, and this CPU's answers in its current tick.
 #[map(name = "RL_COOKIE_BUF")]
 static BUF: PerCpuArray<CookieBuf> = PerCpuArray::with_max_entries(1, 0);
 
 #[repr(C)]
-struct CookieBuf {
+pub struct CookieBuf {
     tuple: bpf_sock_tuple,
     _pad: u32,
     /// A TCP header with one option, the SYN's MSS (`doff` = 6).
     th: [u8; 24],
+    fib: FibLookup,
+    /// The tick of `answers`, and how many packets this CPU looked at in it.
+    tick: u64,
+    answers: u64,
+    /// The SYN's TCP options (at most 40 bytes), copied for [`rl_syn_mss`]; 64 so that any
+    /// index masked with 63 is inside it.
+    opts: [u8; 64],
 }
 
-/// How long after the last cookie sent an ACK may still carry a valid one (the kernel accepts
-/// a cookie for about two minutes).
-pub const COOKIE_ACTIVE_NS: u64 = 150_000_000_000;
 /// How long a proven source skips the admission budget.
 pub const PROVEN_TTL_NS: u64 = 600_000_000_000;
+/// A proven source's entry is renewed (an LRU update) at most this often.
+const PROVEN_RENEW_NS: u64 = 60_000_000_000;
 
 const TCP_FIN: u8 = 0x01;
 const TCP_SYN: u8 = 0x02;
@@ -83,8 +100,13 @@ const TCP_ACK: u8 = 0x10;
 
 /// Socket states (`include/net/tcp_states.h`).
 const TCP_ESTABLISHED: u32 = 1;
+const TCP_TIME_WAIT: u32 = 6;
 const TCP_LISTEN: u32 = 10;
 const TCP_NEW_SYN_RECV: u32 = 12;
+
+/// `ENOENT`: `bpf_tcp_gen_syncookie` makes no cookie because the listener's SYN queue has room
+/// (or its accept queue is full, where the kernel drops the SYN itself).
+const ENOENT: i64 = 2;
 
 /// The reply's TCP header: 20 bytes and the MSS option.
 const REPLY_TCP_LEN: usize = 24;
@@ -115,6 +137,29 @@ fn stamp(i: u32, now: u64) {
     }
 }
 
+/// The key of `src` in [`PROVEN`]: an IPv6 address cut to its /64.
+#[inline(always)]
+fn proven_key(src: &IpKey) -> [u8; 16] {
+    let mut k = src.addr;
+    if !is_v4(src) {
+        let p = &mut k as *mut [u8; 16] as *mut u64;
+        // SAFETY: the second 8-byte half of a 16-byte array.
+        unsafe { core::ptr::write_unaligned(p.add(1), 0) };
+    }
+    k
+}
+
+#[inline(always)]
+fn is_v4(src: &IpKey) -> bool {
+    let p = &src.addr as *const [u8; 16] as *const u32;
+    // SAFETY: 4-byte loads inside a 16-byte array (an IPv4 source is `::ffff:a.b.c.d`).
+    unsafe {
+        core::ptr::read_unaligned(p) == 0
+            && core::ptr::read_unaligned(p.add(1)) == 0
+            && core::ptr::read_unaligned(p.add(2)) == u32::from_be(0xffff)
+    }
+}
+
 /// Whether `src` was proven within [`PROVEN_TTL_NS`] (looked up only if some source was).
 #[inline(always)]
 pub fn is_proven(src: &IpKey, now: u64) -> bool {
@@ -122,53 +167,108 @@ pub fn is_proven(src: &IpKey, now: u64) -> bool {
         return false;
     }
     // SAFETY: a lookup; the value is copied out.
-    match unsafe { PROVEN.get(src.addr) } {
+    match unsafe { PROVEN.get(proven_key(src)) } {
         Some(&t) => now.wrapping_sub(t) < PROVEN_TTL_NS,
         None => false,
     }
 }
 
+/// Record `src` as proven; true if it was not already (within [`PROVEN_RENEW_NS`]).
 #[inline(always)]
-fn prove(src: &IpKey, slot: Slot, len: u64, now: u64) {
+fn prove(src: &IpKey, now: u64) -> bool {
+    let key = proven_key(src);
+    // SAFETY: a lookup; the value is copied out.
+    if let Some(&t) = unsafe { PROVEN.get(key) }
+        && now.wrapping_sub(t) < PROVEN_RENEW_NS
+    {
+        return false;
+    }
     // A full map evicts its least recently used source.
-    let _ = PROVEN.insert(src.addr, now, 0);
+    let _ = PROVEN.insert(key, now, 0);
     stamp(PROVED, now);
-    stats::add(slot, global::SOURCES_PROVEN, len);
+    true
 }
 
-/// [`answer`]'s result when the caller is to drop the packet.
-pub const NO_ANSWER: u32 = u32::MAX;
-
-/// The answer to a TCP packet the rules dropped because its source was refused state (see the
-/// module's documentation): `XDP_TX` for a SYN answered with a cookie, `XDP_PASS` for one
-/// passed, each with its verdict counted; [`NO_ANSWER`] for the caller's drop. A function of
-/// its own (not inlined): its stack is not added to the entry's, which the rules' call chain
-/// needs.
-#[inline(never)]
-pub fn answer(ctx: *mut xdp_md, pkt: *const Parsed, slot: Slot, len: u64, now: u64) -> u32 {
-    let ctx = XdpContext::new(ctx);
-    // SAFETY: the packet's facts in this CPU's scratch record.
-    let pkt = unsafe { &*pkt };
-    if pkt.proto != IPPROTO_TCP || !pkt.l4 || pkt.fragment {
-        return NO_ANSWER;
-    }
-    let Some((l3, ip_len)) = headers(&ctx, pkt.v4) else {
-        return NO_ANSWER;
-    };
-    let Some(b) = BUF.get_ptr_mut(0) else {
-        return NO_ANSWER;
-    };
+/// Whether [`answer`] may answer or pass `pkt`: a TCP SYN (no other of SYN, ACK, RST, FIN),
+/// or a TCP segment with ACK and without SYN, whose header was read.
+#[inline(always)]
+pub fn may_answer(pkt: &Parsed) -> bool {
     let f = pkt.tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST | TCP_FIN);
-    let syn = f == TCP_SYN;
-    if !syn && (f & TCP_SYN != 0 || f & TCP_ACK == 0) {
-        return NO_ANSWER;
+    pkt.proto == IPPROTO_TCP
+        && pkt.l4
+        && !pkt.fragment
+        && (f == TCP_SYN || (f & TCP_SYN == 0 && f & TCP_ACK != 0))
+}
+
+/// [`answer`]: drop the packet (as the rules said).
+pub const ANSWER_NONE: u64 = 0;
+/// [`answer`]: the frame is now a SYN-ACK with a cookie; send it back out (`XDP_TX`).
+pub const ANSWER_TX: u64 = 1;
+/// [`answer`]: pass the packet (every rule but those that refused its source state passed
+/// it); the reason to count (a `stats::global` index, 0 for none) is in the bits above 8, and
+/// [`ANSWER_PROVEN`] if the packet proved its source.
+pub const ANSWER_PASS: u64 = 2;
+pub const ANSWER_PROVEN: u64 = 1 << 40;
+
+/// A second look at a TCP packet the rules dropped because its source was refused state (see
+/// the module's documentation): [`ANSWER_NONE`], [`ANSWER_TX`] or [`ANSWER_PASS`]. Counts
+/// nothing itself. At most `GlobalConfig::syn_answer_tick_cap` packets a tick on each CPU
+/// are looked at (the rest are dropped as the rules said): that bounds the replies a flood
+/// gets, the packets handed to the stack, and the socket lookups it costs.
+///
+/// A static function (not inlined, and not a global BPF function: it resizes the frame,
+/// which the verifier tracks through global functions only from 6.13): its stack is not added
+/// to the entry's, which the rules' call chain needs.
+#[inline(never)]
+pub fn answer(ctx: *mut xdp_md, rl: *const RuleLoop, cap: u64) -> u64 {
+    let ctx = XdpContext::new(ctx);
+    // SAFETY: this CPU's scratch record, written by the rules for this packet.
+    let rl = unsafe { &*rl };
+    if !may_answer(&rl.pkt) {
+        return ANSWER_NONE;
     }
-    if syn && !syn_header(&ctx, b, l3 + ip_len, pkt.v4) {
-        return NO_ANSWER;
+    // One copy per family: the verifier walks each without the other's branches (a family
+    // flag tested at every step, and reloaded from the stack between, doubles its paths at
+    // each test).
+    if rl.pkt.v4 {
+        answer_af::<true>(&ctx, rl, cap)
+    } else {
+        answer_af::<false>(&ctx, rl, cap)
     }
-    let sk = lookup(&ctx, b, l3, pkt.v4);
+}
+
+#[inline(always)]
+fn answer_af<const V4: bool>(ctx: &XdpContext, rl: &RuleLoop, cap: u64) -> u64 {
+    let pkt = &rl.pkt;
+    let syn = pkt.tcp_flags & (TCP_SYN | TCP_ACK | TCP_RST | TCP_FIN) == TCP_SYN;
+    let Some(b) = BUF.get_ptr_mut(0) else {
+        return ANSWER_NONE;
+    };
+    // SAFETY: this CPU's buffer; an XDP program runs to completion on its CPU.
+    unsafe {
+        if (*b).tick != rl.tick {
+            (*b).tick = rl.tick;
+            (*b).answers = 0;
+        }
+        if (*b).answers >= cap {
+            return ANSWER_NONE;
+        }
+        (*b).answers += 1;
+    }
+    let Some((l3, ip_len)) = headers::<V4>(ctx) else {
+        return ANSWER_NONE;
+    };
+    if syn && !syn_header::<V4>(ctx, b, l3 + ip_len) {
+        return ANSWER_NONE;
+    }
+    // Only what is addressed to this host: a unicast frame, to an address the host's routes
+    // call local (or on a host that forwards nothing, any address it was sent to).
+    if !for_this_host::<V4>(ctx, b, l3) {
+        return ANSWER_NONE;
+    }
+    let sk = lookup::<V4>(ctx, b, l3);
     if sk.is_null() {
-        return NO_ANSWER;
+        return ANSWER_NONE;
     }
     // SAFETY: a socket the lookup returned; `state` is a field its type allows reading.
     let state = unsafe { core::ptr::read_volatile(&raw const (*(sk as *const bpf_sock)).state) };
@@ -176,8 +276,8 @@ pub fn answer(ctx: *mut xdp_md, pkt: *const Parsed, slot: Slot, len: u64, now: u
     let mut valid_ack = false;
     if state == TCP_LISTEN
         && let (Some(ip), Some(th)) = (
-            parse::header(&ctx, l3, if pkt.v4 { 20 } else { 40 }),
-            parse::header(&ctx, l3 + ip_len, 20),
+            parse::header(ctx, l3, if V4 { 20 } else { 40 }),
+            parse::header(ctx, l3 + ip_len, 20),
         )
     {
         let (iph, iph_len) = (ip.ptr() as *mut core::ffi::c_void, ip_len as u32);
@@ -187,7 +287,9 @@ pub fn answer(ctx: *mut xdp_md, pkt: *const Parsed, slot: Slot, len: u64, now: u
             cookie = unsafe {
                 bpf_tcp_gen_syncookie(sk, iph, iph_len, &raw mut (*b).th as *mut tcphdr, 24)
             };
-        } else if recent(SENT, now, COOKIE_ACTIVE_NS) {
+        } else {
+            // The kernel's own test: the listener sent cookies lately (ours or its own) and
+            // this one is valid.
             // SAFETY: as above; the helper reads the checked headers.
             valid_ack =
                 unsafe { bpf_tcp_check_syncookie(sk, iph, iph_len, th.ptr() as *mut tcphdr, 20) }
@@ -197,69 +299,117 @@ pub fn answer(ctx: *mut xdp_md, pkt: *const Parsed, slot: Slot, len: u64, now: u
     // SAFETY: the reference the lookup returned, released once.
     unsafe { bpf_sk_release(sk) };
     if syn {
-        if state != TCP_LISTEN {
-            // A retransmitted SYN of a handshake the kernel holds: it answers it again.
-            return pass(
-                slot,
-                len,
-                if state == TCP_NEW_SYN_RECV {
-                    0
+        return match state {
+            TCP_LISTEN if cookie >= 0 => {
+                let mss = clamp_mss::<V4>(ctx, (cookie >> 32) as u16);
+                if write_reply::<V4>(ctx, l3, cookie as u32, mss) {
+                    ANSWER_TX
                 } else {
-                    NOT_PASSED
-                },
-            );
-        }
-        if cookie < 0 {
-            // The listener's SYN queue has room (the kernel sends no cookie): its turn.
-            return pass(slot, len, global::SYN_TO_LISTENER);
-        }
-        if !write_reply(&ctx, l3, pkt.v4, cookie as u32, (cookie >> 32) as u16) {
-            return NO_ANSWER;
-        }
-        stamp(SENT, now);
-        stats::add(slot, global::SYN_COOKIES_SENT, len);
-        stats::add(slot, global::DROP_RULE, len);
-        return xdp_action::XDP_TX;
+                    ANSWER_NONE
+                }
+            }
+            // The listener's SYN queue has room (the kernel makes no cookie): its turn. Any
+            // other failure (syncookies off, no IPv6 in this kernel's cookies): dropped.
+            TCP_LISTEN if cookie == -ENOENT => pass(global::SYN_TO_LISTENER, false),
+            // A retransmitted SYN of a handshake the kernel holds, or a new one on a tuple in
+            // TIME_WAIT: the kernel answers it.
+            TCP_NEW_SYN_RECV | TCP_TIME_WAIT => pass(global::CONNECTION_PASSED, false),
+            _ => ANSWER_NONE,
+        };
     }
     if state == TCP_LISTEN {
         if !valid_ack {
-            return NO_ANSWER;
+            return ANSWER_NONE;
         }
-        prove(&pkt.src, slot, len, now);
-        return pass(slot, len, 0);
+        return pass(0, prove(&pkt.src, rl.coarse_now));
     }
-    if state == TCP_ESTABLISHED {
-        prove(&pkt.src, slot, len, now);
-    }
-    pass(slot, len, global::CONNECTION_PASSED)
+    // A packet of a connection the kernel holds, which checks its sequence numbers (an
+    // established connection proves its source).
+    let proved = state == TCP_ESTABLISHED && prove(&pkt.src, rl.coarse_now);
+    pass(global::CONNECTION_PASSED, proved)
 }
 
-/// [`pass`] with this: the caller drops the packet.
-const NOT_PASSED: u32 = u32::MAX;
-
-/// Count a pass (and `reason`, if not 0) and return `XDP_PASS`; [`NO_ANSWER`] for
-/// [`NOT_PASSED`].
 #[inline(always)]
-fn pass(slot: Slot, len: u64, reason: u32) -> u32 {
-    if reason == NOT_PASSED {
-        return NO_ANSWER;
+fn pass(reason: u32, proved: bool) -> u64 {
+    ANSWER_PASS | (reason as u64) << 8 | if proved { ANSWER_PROVEN } else { 0 }
+}
+
+/// Whether the packet at `l3` is addressed to this host: a unicast destination MAC, and a
+/// destination the routing table calls local (`BPF_FIB_LKUP_RET_NOT_FWDED`), or any
+/// destination on a device that forwards nothing (`BPF_FIB_LKUP_RET_FWD_DISABLED`: what is
+/// not local is dropped by the stack anyway, and the listener lookup finds only local ones).
+/// An IPv4 source the stack would discard as a martian (0/8, 127/8, multicast, reserved,
+/// broadcast) is not answered either.
+#[inline(always)]
+fn for_this_host<const V4: bool>(ctx: &XdpContext, b: *mut CookieBuf, l3: usize) -> bool {
+    let Some(eth) = parse::header(ctx, 0, 6) else {
+        return false;
+    };
+    if eth.field::<u8>(0) & 1 != 0 {
+        return false;
     }
-    if reason != 0 {
-        stats::add(slot, reason, len);
+    // SAFETY: this CPU's buffer; plain data for the helper. Each family checks its own header
+    // length in its own branch (a length chosen by a flag reloaded from the stack is one the
+    // verifier cannot follow).
+    unsafe {
+        let p = &raw mut (*b).fib;
+        core::ptr::write_bytes(p as *mut u8, 0, core::mem::size_of::<FibLookup>());
+        (*p).ifindex = ctx.ingress_ifindex() as u32;
+        (*p).l4_protocol = IPPROTO_TCP;
+        if V4 {
+            let Some(ip) = parse::header(ctx, l3, 20) else {
+                return false;
+            };
+            let a: u8 = ip.field(12);
+            if a == 0 || a == 127 || a >= 224 {
+                return false;
+            }
+            (*p).family = 2; // AF_INET
+            (*p).__bindgen_anon_3.ipv4_src = ip.field(12);
+            (*p).__bindgen_anon_4.ipv4_dst = ip.field(16);
+        } else {
+            let Some(ip) = parse::header(ctx, l3, 40) else {
+                return false;
+            };
+            (*p).family = 10; // AF_INET6
+            (*p).__bindgen_anon_3.ipv6_src = ip.field(8);
+            (*p).__bindgen_anon_4.ipv6_dst = ip.field(24);
+        }
+        let rc = bpf_fib_lookup(
+            ctx.ctx as *mut _,
+            p,
+            core::mem::size_of::<FibLookup>() as i32,
+            0,
+        );
+        rc == BPF_FIB_LKUP_RET_NOT_FWDED as i64 || rc == BPF_FIB_LKUP_RET_FWD_DISABLED as i64
     }
-    stats::add(slot, global::PASS, len);
-    xdp_action::XDP_PASS
+}
+
+/// The MSS the SYN-ACK offers: the cookie's (what the client can take), at most what the
+/// ingress device's MTU carries (what the kernel would offer: MTU - 40, or - 60 for IPv6).
+#[inline(always)]
+fn clamp_mss<const V4: bool>(ctx: &XdpContext, mss: u16) -> u16 {
+    let mut mtu: u32 = 0;
+    // SAFETY: the helper writes the device's MTU into `mtu`.
+    let rc = unsafe { bpf_check_mtu(ctx.ctx as *mut _, 0, &mut mtu, 0, 0) };
+    let hdrs = if V4 { 40 } else { 60 };
+    if rc < 0 || mtu <= hdrs {
+        return mss;
+    }
+    mss.min((mtu - hdrs).min(u16::MAX as u32) as u16)
 }
 
 /// Where the IP header starts and its length, for a packet whose TCP header follows a fixed
 /// IP header directly (no IPv4 options, no IPv6 extension header): anything else is not
 /// answered.
 #[inline(always)]
-fn headers(ctx: &XdpContext, v4: bool) -> Option<(usize, usize)> {
+fn headers<const V4: bool>(ctx: &XdpContext) -> Option<(usize, usize)> {
     let l3 = parse::l3_offset(ctx)?;
-    if v4 {
+    if V4 {
         let h = parse::header(ctx, l3, 20)?;
-        if h.field::<u8>(0) != 0x45 || h.field::<u8>(9) != IPPROTO_TCP {
+        // No options, TCP, and not a fragment (neither more fragments nor an offset).
+        if h.field::<u8>(0) != 0x45 || h.field::<u8>(9) != IPPROTO_TCP || h.field16(6) & 0x3fff != 0
+        {
             return None;
         }
         Some((l3, 20))
@@ -276,17 +426,21 @@ fn headers(ctx: &XdpContext, v4: bool) -> Option<(usize, usize)> {
 /// listener), looked up with the tuple in `b`; null if none. Its reference is the caller's to
 /// release.
 #[inline(always)]
-fn lookup(ctx: &XdpContext, b: *mut CookieBuf, l3: usize, v4: bool) -> *mut core::ffi::c_void {
-    let Some(ip) = parse::header(ctx, l3, if v4 { 20 } else { 40 }) else {
+fn lookup<const V4: bool>(
+    ctx: &XdpContext,
+    b: *mut CookieBuf,
+    l3: usize,
+) -> *mut core::ffi::c_void {
+    let Some(ip) = parse::header(ctx, l3, if V4 { 20 } else { 40 }) else {
         return core::ptr::null_mut();
     };
-    let Some(th) = parse::header(ctx, l3 + if v4 { 20 } else { 40 }, 20) else {
+    let Some(th) = parse::header(ctx, l3 + if V4 { 20 } else { 40 }, 20) else {
         return core::ptr::null_mut();
     };
     // SAFETY: `b` is this CPU's buffer; the union's fields are plain bytes.
     let size = unsafe {
         let t = &raw mut (*b).tuple.__bindgen_anon_1;
-        if v4 {
+        if V4 {
             (*t).ipv4.saddr = ip.field(12);
             (*t).ipv4.daddr = ip.field(16);
             (*t).ipv4.sport = th.field(0);
@@ -315,14 +469,17 @@ fn lookup(ctx: &XdpContext, b: *mut CookieBuf, l3: usize, v4: bool) -> *mut core
 
 /// The SYN's TCP header at `l4` as the cookie helper reads it, in `b`: its 20 bytes, with its
 /// MSS (or what the kernel assumes without one) as the one option (the helper takes the
-/// header's whole length from `doff`).
+/// header's whole length from `doff`). False for a SYN signed with TCP-MD5 or TCP-AO, which a
+/// reply without the signature would not serve.
 #[inline(always)]
-fn syn_header(ctx: &XdpContext, b: *mut CookieBuf, l4: usize, v4: bool) -> bool {
+fn syn_header<const V4: bool>(ctx: &XdpContext, b: *mut CookieBuf, l4: usize) -> bool {
     let Some(th) = parse::header(ctx, l4, 20) else {
         return false;
     };
     let doff = ((th.field::<u8>(12) >> 4) as usize) * 4;
-    let mss = syn_mss(ctx, l4, doff, if v4 { 536 } else { 1220 });
+    let Some(mss) = syn_mss(ctx, b, l4, doff, if V4 { 536 } else { 1220 }) else {
+        return false;
+    };
     let Some(th) = parse::header(ctx, l4, 20) else {
         return false;
     };
@@ -340,19 +497,73 @@ fn syn_header(ctx: &XdpContext, b: *mut CookieBuf, l4: usize, v4: bool) -> bool 
     true
 }
 
-/// The MSS option of the SYN whose TCP header is at `l4`, or `default`. The first few options
-/// are looked at, as a listener would find them.
+/// The MSS option of the SYN whose TCP header is at `l4`, or `default`; `None` if it carries
+/// a TCP-MD5 (19) or TCP-AO (29) option. The options are copied into `b` and walked there by
+/// [`rl_syn_mss`], a global BPF function, which the verifier walks once instead of on every
+/// path into it.
 #[inline(always)]
-fn syn_mss(ctx: &XdpContext, l4: usize, doff: usize, default: u16) -> u16 {
-    let mut o = 20usize;
+fn syn_mss(
+    ctx: &XdpContext,
+    b: *mut CookieBuf,
+    l4: usize,
+    doff: usize,
+    default: u16,
+) -> Option<u16> {
+    if doff <= 20 {
+        return Some(default);
+    }
+    // Masked: a length the verifier can bound (1 to 40) for the copy.
+    let len = (doff - 20) & 0x3f;
+    if len == 0 || len > 40 {
+        return None;
+    }
+    // SAFETY: the helper copies `len` (1 to 40) bytes of the frame into this CPU's buffer.
+    let rc = unsafe {
+        bpf_xdp_load_bytes(
+            ctx.ctx,
+            (l4 + 20) as u32,
+            &raw mut (*b).opts as *mut core::ffi::c_void,
+            len as u32,
+        )
+    };
+    if rc != 0 {
+        return None;
+    }
+    match rl_syn_mss(b, len as u64) {
+        SIGNED => None,
+        0 => Some(default),
+        mss => Some(mss as u16),
+    }
+}
+
+/// [`rl_syn_mss`]: the SYN carries TCP-MD5 or TCP-AO.
+const SIGNED: u64 = u64::MAX;
+
+/// The MSS in the first `len` bytes of TCP options at `b.opts` (0 for none), or [`SIGNED`].
+/// Eight options at most are looked at.
+#[unsafe(no_mangle)]
+#[inline(never)]
+pub extern "C" fn rl_syn_mss(b: *mut CookieBuf, len: u64) -> u64 {
+    if b.is_null() {
+        return 0;
+    }
+    // SAFETY: this CPU's buffer; every index is masked into the array (a bound the verifier
+    // follows, where a comparison made on a copy of the index is lost to it).
+    let opts = unsafe { &(*b).opts };
+    // The index read back through a volatile load, so that the compiler keeps the mask (it
+    // would drop it as implied by the loop's comparisons, which the verifier sees on a copy).
+    let at = |i: usize| {
+        // SAFETY: a volatile read of a local.
+        opts[unsafe { core::ptr::read_volatile(&i) } & 63]
+    };
+    let len = (len as usize).min(40);
+    let mut mss = 0u64;
+    let mut o = 0usize;
     for _ in 0..8 {
-        if o + 4 > doff || o > 56 {
+        if o >= len {
             break;
         }
-        let Some(p) = parse::header(ctx, l4 + o, 4) else {
-            break;
-        };
-        let kind: u8 = p.field(0);
+        let kind = at(o);
         if kind == 0 {
             break;
         }
@@ -360,23 +571,29 @@ fn syn_mss(ctx: &XdpContext, l4: usize, doff: usize, default: u16) -> u16 {
             o += 1;
             continue;
         }
-        let l = p.field::<u8>(1) as usize;
-        if kind == 2 && l == 4 {
-            return p.field16(2);
+        if kind == 19 || kind == 29 {
+            return SIGNED;
+        }
+        if o + 1 >= len {
+            break;
+        }
+        let l = at(o + 1) as usize;
+        if kind == 2 && l == 4 && o + 3 < len {
+            mss = u16::from_be_bytes([at(o + 2), at(o + 3)]) as u64;
         }
         if l < 2 {
             break;
         }
         o += l;
     }
-    default
+    mss
 }
 
 /// Turn the SYN at `l3` into its SYN-ACK: addresses and ports swapped, sequence number
 /// `cookie`, the MSS option, checksums; the frame cut (or grown) to fit.
 #[inline(always)]
-fn write_reply(ctx: &XdpContext, l3: usize, v4: bool, cookie: u32, mss: u16) -> bool {
-    let ip_len = if v4 { 20 } else { 40 };
+fn write_reply<const V4: bool>(ctx: &XdpContext, l3: usize, cookie: u32, mss: u16) -> bool {
+    let ip_len = if V4 { 20 } else { 40 };
     let want = l3 + ip_len + REPLY_TCP_LEN;
     let have = ctx.data_end() - ctx.data();
     if have != want {
@@ -414,7 +631,7 @@ fn write_reply(ctx: &XdpContext, l3: usize, v4: bool, cookie: u32, mss: u16) -> 
         put(t.add(20), &[2, 4]);
         put(t.add(22), &mss.to_be_bytes());
         let mut sum: u64 = IPPROTO_TCP as u64 + REPLY_TCP_LEN as u64;
-        if v4 {
+        if V4 {
             swap::<4>(i.add(12), i.add(16));
             put(
                 i,

@@ -53,7 +53,7 @@ const EMPTY: GlobalConfig = GlobalConfig {
     admission_tick_cap: 0,
     store_sets: 0,
     relaxed: 0,
-    _pad: 0,
+    syn_answer_tick_cap: 0,
     wall_offset_ns: 0,
 };
 

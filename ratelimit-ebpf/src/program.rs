@@ -4,8 +4,7 @@
 use aya_ebpf::{bindings::xdp_action, macros::xdp, programs::XdpContext};
 use ratelimit_common::{
     maps::{
-        BAN_EXCEED_PASS, BAN_PREVIEW, GLOBAL_HAS_ALLOW, GLOBAL_HAS_DENY, GLOBAL_SYN_COOKIES,
-        LIST_ALLOW, LIST_DENY,
+        BAN_EXCEED_PASS, BAN_PREVIEW, GLOBAL_HAS_ALLOW, GLOBAL_HAS_DENY, LIST_ALLOW, LIST_DENY,
     },
     stats::global,
 };
@@ -154,20 +153,31 @@ fn decide(ctx: Option<&XdpContext>, slot: Slot, pkt: Parsed, len: u64) -> u32 {
     // The rare conditions the rules met (full tables, lost events) reach the log here,
     // after the verdict, at most once a second each (`rare.rs`).
     rare::flush(now);
-    if matches!(verdict, RuleVerdict::Pass) {
-        return finish(slot, global::PASS, len);
-    }
-    // Dropped because its source was refused state: a SYN may be answered with a cookie,
-    // and the ACK of a valid one passed (`cookies.rs`).
-    if let Some(ctx) = ctx
-        && global_cfg.flags & GLOBAL_SYN_COOKIES != 0
-        // SAFETY: this CPU's scratch record, written by the rules for this packet.
-        && unsafe { (*rl).cookie } != 0
-        // SAFETY: as above.
-        && let action = cookies::answer(ctx.ctx, unsafe { &raw const (*rl).pkt }, slot, len, now)
-        && action != cookies::NO_ANSWER
-    {
-        return action;
+    match verdict {
+        RuleVerdict::Pass => return finish(slot, global::PASS, len),
+        // Dropped only because its source was refused state: a second look against the
+        // kernel's sockets (`cookies.rs`).
+        RuleVerdict::Refused => {
+            if let Some(ctx) = ctx {
+                let a = cookies::answer(ctx.ctx, rl, global_cfg.syn_answer_tick_cap as u64);
+                if a == cookies::ANSWER_TX {
+                    stats::add(slot, global::SYN_COOKIES_SENT, len);
+                    stats::add(slot, global::DROP_RULE, len);
+                    return xdp_action::XDP_TX;
+                }
+                if a & 0xff == cookies::ANSWER_PASS {
+                    if a & cookies::ANSWER_PROVEN != 0 {
+                        stats::add(slot, global::SOURCES_PROVEN, len);
+                    }
+                    let reason = ((a >> 8) & 0xffff) as u32;
+                    if reason != 0 {
+                        stats::add(slot, reason, len);
+                    }
+                    return finish(slot, global::PASS, len);
+                }
+            }
+        }
+        _ => {}
     }
     finish(slot, global::DROP_RULE, len)
 }

@@ -37,7 +37,7 @@ use crate::{
     admission::state_for,
     atomic,
     bans::{AGGREGATE_BANNED, BAN_NOT_RECORDED, rl_aggregate_ban, rl_ban},
-    fast,
+    cookies, fast,
     meters::{ABOVE_BAN_THRESHOLD, ADMITTED, BAN_HELD, rl_after, rl_ban_meter, rl_limit},
     parse::Parsed,
     policy,
@@ -49,6 +49,9 @@ use crate::{
 pub enum RuleVerdict {
     Pass,
     Drop,
+    /// Dropped only because its source was refused state (by one rule or more; every other
+    /// rule passed it): a TCP packet for the second look (`cookies.rs`).
+    Refused,
     /// Dropped, and any like packet would be for the rest of this tick (see `fast.rs`).
     DropForTick,
 }
@@ -106,6 +109,12 @@ pub fn evaluate_rules(
     // Whether an earlier rule matched: a refusal is remembered for the tick only when its rule
     // was the first to match (a later like packet then meets no other rule first either).
     let mut matched = false;
+    // A TCP packet a second look may answer (`cookies.rs`): a drop only because its source
+    // was refused state does not end the loop; the rules after it judge it too, and any
+    // other drop of theirs is final.
+    // SAFETY: this CPU's scratch record.
+    let second_look = unsafe { (*rl).cookies_on != 0 && cookies::may_answer(&(*rl).pkt) };
+    let mut refused = false;
     for i in 0..MAX_RULES {
         if i >= n {
             break;
@@ -113,6 +122,12 @@ pub fn evaluate_rules(
         match rl_rule(i as u64, rl) {
             RULE_NO_MATCH => {}
             RULE_PASS => matched = true,
+            // SAFETY: as above; `cookie` is the position + 1 of the last rule that dropped the
+            // packet in its overflow state.
+            RULE_DROP if second_look && unsafe { (*rl).cookie } == i + 1 => {
+                refused = true;
+                matched = true;
+            }
             RULE_DROP_FOR_TICK if !matched && !ban_matched => {
                 fast::rl_fast_fill(rl, i as u64);
                 return RuleVerdict::Drop;
@@ -120,7 +135,11 @@ pub fn evaluate_rules(
             _ => return RuleVerdict::Drop,
         }
     }
-    RuleVerdict::Pass
+    if refused {
+        RuleVerdict::Refused
+    } else {
+        RuleVerdict::Pass
+    }
 }
 
 /// One rule for one packet (a global BPF function): [`RULE_NO_MATCH`], [`RULE_PASS`],
@@ -160,7 +179,8 @@ pub extern "C" fn rl_rule(index: u64, rl: *mut RuleLoop) -> u64 {
         rl.coarse_now
     };
     match apply(rl, i, rule) {
-        RuleVerdict::Drop => RULE_DROP,
+        // (`apply` marks a refusal in `RuleLoop::cookie` and says Drop.)
+        RuleVerdict::Drop | RuleVerdict::Refused => RULE_DROP,
         RuleVerdict::DropForTick => RULE_DROP_FOR_TICK,
         RuleVerdict::Pass => RULE_PASS,
     }
@@ -317,7 +337,7 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
         }
         StateFor::Refused(p) => (p, true),
         StateFor::Closed => {
-            return refused_drop(rl, exceeded(env, i, preview, exceed_pass, rc::DROPPED));
+            return refused_drop(rl, i, exceeded(env, i, preview, exceed_pass, rc::DROPPED));
         }
         StateFor::Nothing => {
             // The map refused even the aggregate state: fail open, counted (here only).
@@ -403,17 +423,17 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
         && rl.judge.contended == 0;
     match exceeded(env, i, preview, exceed_pass, rc::DROPPED) {
         RuleVerdict::Drop if for_tick => RuleVerdict::DropForTick,
-        v if refused_admission => refused_drop(rl, v),
+        v if refused_admission => refused_drop(rl, i, v),
         v => v,
     }
 }
 
-/// `v`, a verdict on a packet judged in its rule's overflow state; a drop is marked for the
-/// SYN-cookie answer (`RuleLoop::cookie`).
+/// `v`, rule `i`'s verdict on a packet judged in its overflow state; a drop is marked for
+/// the second look at TCP (`RuleLoop::cookie`: the rule's position + 1).
 #[inline(always)]
-fn refused_drop(rl: &mut RuleLoop, v: RuleVerdict) -> RuleVerdict {
+fn refused_drop(rl: &mut RuleLoop, i: u32, v: RuleVerdict) -> RuleVerdict {
     if matches!(v, RuleVerdict::Drop) {
-        rl.cookie = 1;
+        rl.cookie = i + 1;
     }
     v
 }

@@ -76,8 +76,8 @@ pub struct RuleLoop {
     /// both lookups: here and not on the entry's stack, which the call chain below it fills.
     pub src_key: SrcTrieKey,
     /// Non-zero if the rule that dropped this packet judged it in its overflow state (its
-    /// source was refused state): a TCP SYN or ACK may then be answered with a SYN cookie
-    /// (`cookies.rs`). Reset per packet.
+    /// source was refused state): that rule's position + 1. A TCP packet then gets a second
+    /// look (`cookies.rs`). Reset per packet.
     pub cookie: u32,
     /// `GlobalConfig::flags` has `GLOBAL_SYN_COOKIES`: proven sources skip the admission
     /// budget (`admission::state_for`).

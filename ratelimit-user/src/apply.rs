@@ -207,6 +207,13 @@ pub fn rule_config(r: &Rule) -> RuleConfig {
     }
 }
 
+/// Whether the kernel makes SYN cookies (`net.ipv4.tcp_syncookies` not 0, in the daemon's
+/// network namespace): without them `tracking.syn_cookies` is off, since the program cannot
+/// tell a listener with room from one that drops (`cookies.rs`). True if it cannot be read.
+fn kernel_syncookies_on() -> bool {
+    std::fs::read_to_string("/proc/sys/net/ipv4/tcp_syncookies").map_or(true, |v| v.trim() != "0")
+}
+
 pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
     let rules: Vec<RuleConfig> = cfg.rules.iter().map(rule_config).collect();
     let admission = admission_gcra(
@@ -233,7 +240,7 @@ pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
             GLOBAL_ADMISSION_FINE_CLOCK
         } else {
             0
-        } | if cfg.tracking.syn_cookies {
+        } | if cfg.tracking.syn_cookies && kernel_syncookies_on() {
             GLOBAL_SYN_COOKIES
         } else {
             0
@@ -245,7 +252,7 @@ pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
         ),
         store_sets: 0,
         relaxed: 0,
-        _pad: 0,
+        syn_answer_tick_cap: ratelimit_common::maps::syn_answer_tick_cap(timer_tick_ns()),
         wall_offset_ns: 0,
     };
     let mut own: Vec<(Prefix, ListValue)> = Vec::new();

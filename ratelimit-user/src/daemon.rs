@@ -1344,9 +1344,8 @@ fn warn_if_kernel_cookies_off(cfg: &Config) {
         && v.trim() == "0"
     {
         warn!(
-            "net.ipv4.tcp_syncookies is 0: tracking.syn_cookies cannot answer SYNs with cookies \
-             (sources refused state are handed to listeners with room, and dropped otherwise); \
-             set it to 1"
+            "net.ipv4.tcp_syncookies is 0: tracking.syn_cookies is off (TCP sources refused \
+             state are judged in their rule's aggregate bucket); set it to 1"
         );
     }
 }

@@ -3126,6 +3126,65 @@ algorithm = "fixed_window"
             assert_eq!(d.get("admission_refused"), Some(&3), "{i}: {d:?}");
             assert_eq!(d.get("tcp/admitted"), Some(&1), "{i}: {d:?}");
         }
+        // A SYN with the options Linux sends (MSS, SACK permitted, timestamps, window scale):
+        // the reply is cut to its 20 bytes and the MSS, and carries what the kernel's own
+        // replies do in their fixed fields.
+        let linux_opts = [
+            2, 4, 0x05, 0xb4, 4, 2, 8, 10, 0, 0, 0, 1, 0, 0, 0, 0, 1, 3, 3, 7,
+        ];
+        let client: IpAddr = Ipv4Addr::new(198, 18, 30, 5).into();
+        let frame = tcp_segment(
+            client,
+            SERVER4.into(),
+            (40001, OPEN),
+            tcp_flags::SYN,
+            (7, 0),
+            &linux_opts,
+        );
+        let (action, out) = run(&frame);
+        assert_eq!(action, XDP_TX);
+        assert_eq!((frame.len(), out.len()), (74, 58), "{out:02x?}");
+        let r = segment(&out);
+        assert!(r.checksums_hold);
+        assert_eq!((r.flags, r.ack, r.options.as_slice()), (0x12, 8, &mss[..]));
+        assert_eq!(out[22], 64, "TTL");
+        assert_eq!(out[20] & 0x40, 0x40, "DF");
+        assert_eq!(
+            u16::from_be_bytes([out[48], out[49]]),
+            14600,
+            "window: ten segments"
+        );
+        assert_eq!(u16::from_be_bytes([out[52], out[53]]), 0, "urgent pointer");
+        // Not answered, and dropped as the rule said: a first fragment (more fragments set),
+        // a SYN signed with TCP-MD5, one to a broadcast MAC, one from a martian source.
+        let before = counters(&maps, &rules);
+        let mut first_fragment = syn(Ipv4Addr::new(198, 18, 30, 6).into(), OPEN);
+        first_fragment[20] |= 0x20;
+        first_fragment[24..26].copy_from_slice(&[0, 0]);
+        let c = ratelimit_tests::packet::checksum(&first_fragment[14..34]);
+        first_fragment[24..26].copy_from_slice(&c.to_be_bytes());
+        let md5 = tcp_segment(
+            Ipv4Addr::new(198, 18, 30, 7).into(),
+            SERVER4.into(),
+            (40000, OPEN),
+            tcp_flags::SYN,
+            (1, 0),
+            &[&mss[..], &[19, 18], &[0; 16], &[1, 1]].concat(),
+        );
+        let mut broadcast = syn(Ipv4Addr::new(198, 18, 30, 8).into(), OPEN);
+        broadcast[..6].copy_from_slice(&[0xff; 6]);
+        let martian = syn(Ipv4Addr::new(127, 0, 0, 9).into(), OPEN);
+        for (what, f) in [
+            ("first fragment", &first_fragment),
+            ("TCP-MD5", &md5),
+            ("broadcast", &broadcast),
+            ("martian", &martian),
+        ] {
+            assert_eq!(run(f).0, XDP_DROP, "{what}");
+        }
+        let d = delta(&before, &counters(&maps, &rules));
+        assert_eq!(d.get("syn_cookies_sent"), None, "{d:?}");
+        assert_eq!(d.get("drop_rule"), Some(&4), "{d:?}");
     })
     .join()
     .unwrap();
