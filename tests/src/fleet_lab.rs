@@ -2,7 +2,7 @@
 //! [`Scenario`]), and one store they share in a "store" namespace, reached through a veth
 //! from each host's namespace to it. The store is one `redis-server`, the same reached
 //! through a delaying TCP proxy per host ([`DelayProxy`], a slow link made on demand), or a
-//! Redis Cluster of three masters.
+//! Redis Cluster of three masters, or one `redis-server` speaking only TLS.
 //!
 //! Each host's config is the caller's, made from the host's index and the store's URL as that
 //! host reaches it. Everything is a guard: the daemons, the proxies, the links, the store and
@@ -24,7 +24,7 @@ use crate::{
     Daemon, NetNs, Scenario, VethPair,
     delay::DelayProxy,
     scenario::rule_counter,
-    store::{Cluster, Redis},
+    store::{Cluster, Redis, TlsServer},
 };
 
 /// The `redis-server`'s port (a single store).
@@ -43,6 +43,10 @@ pub enum Store {
     /// A Redis Cluster of three masters on `ports`, all announcing `ip`: an address on the
     /// store namespace's loopback, routed to through each host's own link.
     Cluster { ip: Ipv4Addr, ports: [u16; 3] },
+    /// One `redis-server` speaking only TLS on `port` at `ip` (an address on the store
+    /// namespace's loopback, routed to through each host's own link), with the certificates
+    /// given to [`Setup::tls`]; the hosts reach it as `rediss://IP:PORT`.
+    Tls { ip: Ipv4Addr, port: u16 },
 }
 
 /// What a lab is made of; [`Setup::start`] makes it.
@@ -52,6 +56,7 @@ pub struct Setup {
     hosts: usize,
     store: Store,
     http_port: Option<u16>,
+    tls: Option<TlsServer>,
 }
 
 impl Setup {
@@ -63,7 +68,14 @@ impl Setup {
             hosts: 3,
             store: Store::Direct,
             http_port: None,
+            tls: None,
         }
+    }
+
+    /// The server's certificates for a [`Store::Tls`] store.
+    pub fn tls(mut self, tls: TlsServer) -> Setup {
+        self.tls = Some(tls);
+        self
     }
 
     pub fn hosts(mut self, n: usize) -> Setup {
@@ -101,17 +113,27 @@ impl Setup {
             .collect();
         let at = |ip: Ipv4Addr, port| SocketAddr::new(IpAddr::V4(ip), port);
         let (mut redis, mut cluster, mut proxies) = (None, None, Vec::new());
+        // An address on the store's loopback, routed to from every host through its link.
+        let loopback_addr = |ip: Ipv4Addr| {
+            store.ip(&["addr", "add", &format!("{ip}/32"), "dev", "lo"]);
+            for (h, l) in hosts.iter().zip(&links) {
+                crate::link::add_route(
+                    &h.server,
+                    &format!("{ip}/32"),
+                    &l.b().name,
+                    Some(&l.a().ipv4.to_string()),
+                );
+            }
+        };
         let urls: Vec<String> = match self.store {
+            Store::Tls { ip, port } => {
+                loopback_addr(ip);
+                let tls = self.tls.as_ref().expect("Setup::tls for a TLS store");
+                redis = Some(Redis::start_tls(&store, IpAddr::V4(ip), port, tls));
+                vec![format!("rediss://{ip}:{port}"); self.hosts]
+            }
             Store::Cluster { ip, ports } => {
-                store.ip(&["addr", "add", &format!("{ip}/32"), "dev", "lo"]);
-                for (h, l) in hosts.iter().zip(&links) {
-                    crate::link::add_route(
-                        &h.server,
-                        &format!("{ip}/32"),
-                        &l.b().name,
-                        Some(&l.a().ipv4.to_string()),
-                    );
-                }
+                loopback_addr(ip);
                 let c = Cluster::start(&store, ip, ports);
                 let url = c.url();
                 cluster = Some(c);

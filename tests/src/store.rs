@@ -9,6 +9,10 @@
 //! [`Cluster`] runs three such servers as a Redis Cluster of three masters and no replicas
 //! (`--cluster-enabled yes`, then `redis-cli --cluster create`), each with its own port and
 //! directory (its `nodes.conf` survives a kill, so a restarted master rejoins with its slots).
+//!
+//! [`TlsFiles`] makes a throwaway CA, a server certificate for given addresses and a client
+//! certificate (with `openssl`), and a second CA that signed neither; [`Redis::start_tls`]
+//! runs a server that speaks only TLS with them.
 
 use std::io::{Read as _, Write as _};
 use std::net::{SocketAddr, TcpStream};
@@ -42,6 +46,20 @@ pub struct Redis {
     stopped: bool,
     /// More `redis-server` arguments (the cluster's).
     extra: Vec<String>,
+    /// TLS only, with these files: the server's, and the client's for `redis-cli`.
+    tls: Option<TlsServer>,
+}
+
+/// What a TLS server is started with (paths into a [`TlsFiles`]' directory).
+#[derive(Clone, Debug)]
+pub struct TlsServer {
+    pub ca: PathBuf,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub client_cert: PathBuf,
+    pub client_key: PathBuf,
+    /// `--tls-auth-clients yes`: a client without a certificate of the CA is refused.
+    pub auth_clients: bool,
 }
 
 impl Redis {
@@ -53,6 +71,22 @@ impl Redis {
 
     /// [`Redis::start`] with more `redis-server` arguments.
     pub fn start_with(ns: &NetNs, probe: std::net::IpAddr, port: u16, extra: &[&str]) -> Redis {
+        Redis::start_inner(ns, probe, port, extra, None)
+    }
+
+    /// [`Redis::start`] speaking only TLS on `port` (`--port 0 --tls-port PORT`), with the
+    /// certificates of `tls`.
+    pub fn start_tls(ns: &NetNs, probe: std::net::IpAddr, port: u16, tls: &TlsServer) -> Redis {
+        Redis::start_inner(ns, probe, port, &[], Some(tls.clone()))
+    }
+
+    fn start_inner(
+        ns: &NetNs,
+        probe: std::net::IpAddr,
+        port: u16,
+        extra: &[&str],
+        tls: Option<TlsServer>,
+    ) -> Redis {
         let mut r = Redis {
             child: None,
             dir: crate::daemon::make_temp_dir(),
@@ -61,6 +95,7 @@ impl Redis {
             probe: SocketAddr::new(probe, port),
             stopped: false,
             extra: extra.iter().map(|a| a.to_string()).collect(),
+            tls,
         };
         r.launch();
         r
@@ -70,8 +105,25 @@ impl Redis {
         assert!(self.child.is_none(), "redis-server already running");
         let log = self.dir.join("redis.log");
         let mut cmd = command_in_fd(self.ns_fd.try_clone().expect("dup netns fd"), binary());
-        cmd.args(["--port", &self.port.to_string()])
-            .args(["--bind", "0.0.0.0", "::"])
+        match &self.tls {
+            None => {
+                cmd.args(["--port", &self.port.to_string()]);
+            }
+            Some(t) => {
+                cmd.args(["--port", "0", "--tls-port", &self.port.to_string()])
+                    .arg("--tls-cert-file")
+                    .arg(&t.cert)
+                    .arg("--tls-key-file")
+                    .arg(&t.key)
+                    .arg("--tls-ca-cert-file")
+                    .arg(&t.ca)
+                    .args([
+                        "--tls-auth-clients",
+                        if t.auth_clients { "yes" } else { "no" },
+                    ]);
+            }
+        }
+        cmd.args(["--bind", "0.0.0.0", "::"])
             .args(["--protected-mode", "no"])
             .args(["--save", ""])
             .args(["--appendonly", "no"])
@@ -111,6 +163,9 @@ impl Redis {
 
     /// Whether the server answers `PING` within a second.
     pub fn ping(&self) -> bool {
+        if self.tls.is_some() {
+            return self.cli(&["PING"]) == "PONG";
+        }
         let addr = self.probe;
         in_netns(self.ns_fd_borrow(), move || {
             let Ok(mut c) = TcpStream::connect_timeout(&addr, Duration::from_secs(1)) else {
@@ -141,9 +196,17 @@ impl Redis {
         cmd.arg("-h")
             .arg(self.probe.ip().to_string())
             .arg("-p")
-            .arg(self.port.to_string())
-            .args(args)
-            .stdin(Stdio::null());
+            .arg(self.port.to_string());
+        if let Some(t) = &self.tls {
+            cmd.arg("--tls")
+                .arg("--cacert")
+                .arg(&t.ca)
+                .arg("--cert")
+                .arg(&t.client_cert)
+                .arg("--key")
+                .arg(&t.client_key);
+        }
+        cmd.args(args).stdin(Stdio::null());
         let out = cmd
             .output()
             .unwrap_or_else(|e| panic!("running `{}`: {e}", describe(&cmd)));
@@ -350,5 +413,141 @@ impl Cluster {
             .trim_start_matches("(integer) ")
             .parse()
             .unwrap_or(0)
+    }
+}
+
+/// A throwaway PKI in a private temp dir (removed on drop): a CA, a server certificate for
+/// the given addresses (its subject alternative names) and a client certificate, both signed
+/// by the CA, and another CA that signed neither. Keys are P-256, PKCS#8, mode 0600.
+pub struct TlsFiles {
+    dir: PathBuf,
+}
+
+impl TlsFiles {
+    /// Makes every file with `openssl` (panics, saying what failed, if it cannot).
+    pub fn generate(server_ips: &[std::net::IpAddr]) -> TlsFiles {
+        let files = TlsFiles {
+            dir: crate::daemon::make_temp_dir(),
+        };
+        let d = &files.dir;
+        let openssl = |args: &[&str]| {
+            let mut cmd =
+                std::process::Command::new(crate::tool::find_binary("openssl", "openssl"));
+            cmd.current_dir(d).args(args).stdin(Stdio::null());
+            let out = cmd
+                .output()
+                .unwrap_or_else(|e| panic!("running `{}`: {e}", describe(&cmd)));
+            assert!(
+                out.status.success(),
+                "`{}` failed: {}",
+                describe(&cmd),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        let key = [
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+        ];
+        for ca in ["ca", "other-ca"] {
+            let mut args = vec!["req", "-x509"];
+            args.extend(key);
+            let (k, c, subj) = (
+                format!("{ca}.key"),
+                format!("{ca}.crt"),
+                format!("/CN=ratelimit test {ca}"),
+            );
+            args.extend(["-keyout", &k, "-out", &c, "-days", "2", "-subj", &subj]);
+            openssl(&args);
+        }
+        let san: Vec<String> = server_ips.iter().map(|ip| format!("IP:{ip}")).collect();
+        for (name, usage, san) in [
+            ("server", "serverAuth", san.join(",")),
+            ("client", "clientAuth", String::new()),
+        ] {
+            let (k, csr, c, ext) = (
+                format!("{name}.key"),
+                format!("{name}.csr"),
+                format!("{name}.crt"),
+                format!("{name}.ext"),
+            );
+            let mut args = vec!["req"];
+            args.extend(key);
+            let subj = format!("/CN=ratelimit test {name}");
+            args.extend(["-keyout", &k, "-out", &csr, "-subj", &subj]);
+            openssl(&args);
+            let mut text = format!(
+                "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature\nextendedKeyUsage={usage}\n"
+            );
+            if !san.is_empty() {
+                text.push_str(&format!("subjectAltName={san}\n"));
+            }
+            std::fs::write(d.join(&ext), text).expect("writing the extensions");
+            openssl(&[
+                "x509",
+                "-req",
+                "-in",
+                &csr,
+                "-CA",
+                "ca.crt",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-out",
+                &c,
+                "-days",
+                "2",
+                "-extfile",
+                &ext,
+            ]);
+        }
+        for k in ["ca.key", "other-ca.key", "server.key", "client.key"] {
+            use std::os::unix::fs::PermissionsExt as _;
+            std::fs::set_permissions(d.join(k), std::fs::Permissions::from_mode(0o600))
+                .expect("chmod 600");
+        }
+        files
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    /// The CA that signed the server's and the client's certificates.
+    pub fn ca(&self) -> PathBuf {
+        self.path("ca.crt")
+    }
+
+    /// A CA that signed neither.
+    pub fn other_ca(&self) -> PathBuf {
+        self.path("other-ca.crt")
+    }
+
+    pub fn client_cert(&self) -> PathBuf {
+        self.path("client.crt")
+    }
+
+    pub fn client_key(&self) -> PathBuf {
+        self.path("client.key")
+    }
+
+    /// A server's settings with these files.
+    pub fn server(&self, auth_clients: bool) -> TlsServer {
+        TlsServer {
+            ca: self.ca(),
+            cert: self.path("server.crt"),
+            key: self.path("server.key"),
+            client_cert: self.client_cert(),
+            client_key: self.client_key(),
+            auth_clients,
+        }
+    }
+}
+
+impl Drop for TlsFiles {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
     }
 }
