@@ -159,6 +159,42 @@ pub fn cluster_nodes(url: &str) -> Option<Result<Vec<String>, String>> {
     Some(Ok(nodes))
 }
 
+/// The sentinels and the master's name of a `redis+sentinel://HOST:PORT,HOST:PORT,.../NAME`
+/// address (the sentinels each as a `redis://` address); `None` if `url` is not a sentinel
+/// address.
+pub fn sentinel_nodes(url: &str) -> Option<Result<(Vec<String>, String), String>> {
+    let rest = url.strip_prefix("redis+sentinel://")?;
+    let shown = crate::fleet::redacted(url);
+    let expected = "expected redis+sentinel://HOST:PORT,HOST:PORT,.../MASTER_NAME";
+    let Some((hosts, name)) = rest.split_once('/') else {
+        return Some(Err(format!("{shown:?} names no master ({expected})")));
+    };
+    if name.is_empty() || name.contains(['/', '@', ',']) {
+        return Some(Err(format!(
+            "{shown:?}: {name:?} is not a master name ({expected})"
+        )));
+    }
+    if hosts.contains('@') {
+        return Some(Err(format!(
+            "{:?}: the sentinels are reached without credentials (fleet.password_file is the \
+             master's)",
+            crate::fleet::redacted(url)
+        )));
+    }
+    let mut nodes = Vec::new();
+    for h in hosts.split(',') {
+        let h = h.trim();
+        let node = format!("redis://{h}");
+        if h.is_empty() || redis::IntoConnectionInfo::into_connection_info(node.as_str()).is_err() {
+            return Some(Err(format!(
+                "{shown:?}: {h:?} is not a sentinel ({expected})"
+            )));
+        }
+        nodes.push(node);
+    }
+    Some(Ok((nodes, name.to_string())))
+}
+
 /// Whether `url` (a checked `fleet.redis`) reaches the store over TLS.
 pub fn is_tls_url(url: &str) -> bool {
     url.starts_with("rediss://") || url.starts_with("rediss+cluster://")
@@ -172,11 +208,15 @@ pub fn check_redis_url(url: &str) -> Result<(), String> {
         Some("redis+cluster" | "rediss+cluster") => {
             return cluster_nodes(url).expect("a cluster address").map(drop);
         }
+        Some("redis+sentinel") => {
+            return sentinel_nodes(url).expect("a sentinel address").map(drop);
+        }
         _ => {
             return Err(format!(
                 "{url:?} is not a store address (expected redis://HOST:PORT, \
                  rediss://HOST:PORT (TLS), redis+cluster://HOST:PORT,HOST:PORT,..., \
-                 rediss+cluster://... or unix:///PATH)"
+                 rediss+cluster://..., redis+sentinel://HOST:PORT,.../MASTER_NAME \
+                 or unix:///PATH)"
             ));
         }
     }

@@ -285,12 +285,22 @@ pub struct Settings {
     client: Client,
 }
 
-/// How the store is reached: one server, or the nodes a Redis Cluster is discovered from.
+/// How the store is reached: one server, the nodes a Redis Cluster is discovered from, or the
+/// sentinels that name the master.
 #[derive(Debug, Clone)]
 enum Client {
     Single(redis::Client),
     /// The nodes, and the TLS material for a `rediss+cluster://` store.
     Cluster(Vec<redis::ConnectionInfo>, Option<redis::TlsCertificates>),
+    /// Redis Sentinel: the sentinels, the master's name, and how its master is reached (the
+    /// password). Each connection asks the sentinels for the master in office (and checks
+    /// that it says it is one), so a connection lost to a failover is made again to the
+    /// promoted replica.
+    Sentinel {
+        sentinels: Vec<redis::ConnectionInfo>,
+        master: String,
+        node: redis::sentinel::SentinelNodeConnectionInfo,
+    },
 }
 
 /// A connection to the store: one server's, or a Redis Cluster's (which routes each command
@@ -398,6 +408,29 @@ impl Settings {
             info
         };
         let client = match config::cluster_nodes(&f.redis) {
+            None if f.redis.starts_with("redis+sentinel://") => {
+                let (nodes, master) = config::sentinel_nodes(&f.redis)
+                    .expect("a sentinel address")
+                    .map_err(|e| anyhow::anyhow!("fleet.redis {e}"))?;
+                let sentinels = nodes
+                    .iter()
+                    .map(|n| {
+                        redis::IntoConnectionInfo::into_connection_info(n.as_str())
+                            .map_err(|e| anyhow::anyhow!("fleet.redis {n:?}: {e}"))
+                    })
+                    .collect::<anyhow::Result<Vec<_>>>()?;
+                let mut node = redis::sentinel::SentinelNodeConnectionInfo::default();
+                if let Some(pw) = &password {
+                    node = node.set_redis_connection_info(
+                        redis::RedisConnectionInfo::default().set_password(pw.clone()),
+                    );
+                }
+                Client::Sentinel {
+                    sentinels,
+                    master,
+                    node,
+                }
+            }
             Some(nodes) => {
                 let nodes = nodes.map_err(|e| anyhow::anyhow!("fleet.redis {e}"))?;
                 let infos = nodes
@@ -452,6 +485,38 @@ impl Settings {
                 match tokio::time::timeout(
                     CONNECT_TIMEOUT * 2,
                     client.get_multiplexed_async_connection_with_config(&cfg),
+                )
+                .await
+                {
+                    Ok(Ok(c)) => ConnKind::Single(c),
+                    Ok(Err(e)) => bail!("connecting to {}: {e}", self.store),
+                    Err(_) => bail!(
+                        "connecting to {}: no answer within {:?}",
+                        self.store,
+                        CONNECT_TIMEOUT * 2
+                    ),
+                }
+            }
+            Client::Sentinel {
+                sentinels,
+                master,
+                node,
+            } => {
+                let cfg = redis::AsyncConnectionConfig::new()
+                    .set_connection_timeout(Some(CONNECT_TIMEOUT))
+                    .set_response_timeout(Some(response));
+                let mut client = redis::sentinel::SentinelClient::build(
+                    sentinels.clone(),
+                    master,
+                    Some(node.clone()),
+                    redis::sentinel::SentinelServerType::Master,
+                )
+                .with_context(|| format!("fleet.redis {}", self.store))?;
+                // The sentinels asked (a few at once), the master's role checked, the
+                // connection made: one bound over all of it.
+                match tokio::time::timeout(
+                    CONNECT_TIMEOUT * 2,
+                    client.get_async_connection_with_config(&cfg),
                 )
                 .await
                 {
@@ -1741,6 +1806,21 @@ BAMCA0kAMEYCIQDAkUz8uowjYDKf94dOXCRkO6eM1rvc03v7OXDTUs6XoAIhAILu
         assert!(!s.cluster());
         f.redis = "rediss+cluster://127.0.0.1:7001,127.0.0.1:7002".into();
         assert!(Settings::resolve(&f, &dir).unwrap().cluster());
+        // Through sentinels (no TLS there).
+        f.redis = "redis+sentinel://127.0.0.1:26379,127.0.0.1:26380/fleet".into();
+        (f.tls_ca_file, f.tls_cert_file, f.tls_key_file) = (None, None, None);
+        let s = Settings::resolve(&f, &dir).unwrap();
+        assert!(!s.cluster());
+        match &s.client {
+            Client::Sentinel {
+                sentinels, master, ..
+            } => assert_eq!((sentinels.len(), master.as_str()), (2, "fleet")),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(
+            s.store,
+            "redis+sentinel://127.0.0.1:26379,127.0.0.1:26380/fleet"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

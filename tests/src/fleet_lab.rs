@@ -24,7 +24,7 @@ use crate::{
     Daemon, NetNs, Scenario, VethPair,
     delay::DelayProxy,
     scenario::rule_counter,
-    store::{Cluster, Redis, TlsServer},
+    store::{Cluster, Redis, Sentinels, TlsServer},
 };
 
 /// The `redis-server`'s port (a single store).
@@ -47,6 +47,10 @@ pub enum Store {
     /// namespace's loopback, routed to through each host's own link), with the certificates
     /// given to [`Setup::tls`]; the hosts reach it as `rediss://IP:PORT`.
     Tls { ip: Ipv4Addr, port: u16 },
+    /// A master, its replica and three sentinels ([`Sentinels`]) on `ip` (on the store
+    /// namespace's loopback, routed to as for a cluster), at `ports`: the master's, the
+    /// replica's, the sentinels'. The hosts reach it as `redis+sentinel://...`.
+    Sentinel { ip: Ipv4Addr, ports: [u16; 5] },
 }
 
 /// What a lab is made of; [`Setup::start`] makes it.
@@ -112,7 +116,7 @@ impl Setup {
             .map(|h| VethPair::new(&store, &h.server))
             .collect();
         let at = |ip: Ipv4Addr, port| SocketAddr::new(IpAddr::V4(ip), port);
-        let (mut redis, mut cluster, mut proxies) = (None, None, Vec::new());
+        let (mut redis, mut cluster, mut proxies, mut sentinels) = (None, None, Vec::new(), None);
         // An address on the store's loopback, routed to from every host through its link.
         let loopback_addr = |ip: Ipv4Addr| {
             store.ip(&["addr", "add", &format!("{ip}/32"), "dev", "lo"]);
@@ -126,6 +130,13 @@ impl Setup {
             }
         };
         let urls: Vec<String> = match self.store {
+            Store::Sentinel { ip, ports } => {
+                loopback_addr(ip);
+                let s = Sentinels::start(&store, ip, ports);
+                let url = s.url();
+                sentinels = Some(s);
+                vec![url; self.hosts]
+            }
             Store::Tls { ip, port } => {
                 loopback_addr(ip);
                 let tls = self.tls.as_ref().expect("Setup::tls for a TLS store");
@@ -178,6 +189,7 @@ impl Setup {
             _links: links,
             redis,
             cluster,
+            sentinels,
             _store: store,
         }
     }
@@ -192,6 +204,7 @@ pub struct FleetLab {
     _links: Vec<VethPair>,
     pub redis: Option<Redis>,
     pub cluster: Option<Cluster>,
+    pub sentinels: Option<Sentinels>,
     _store: NetNs,
 }
 
@@ -202,6 +215,10 @@ impl FleetLab {
 
     pub fn cluster(&mut self) -> &mut Cluster {
         self.cluster.as_mut().expect("a cluster store")
+    }
+
+    pub fn sentinels(&mut self) -> &mut Sentinels {
+        self.sentinels.as_mut().expect("a sentinel store")
     }
 
     pub fn d(&self, i: usize) -> &Daemon {

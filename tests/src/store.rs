@@ -10,6 +10,9 @@
 //! (`--cluster-enabled yes`, then `redis-cli --cluster create`), each with its own port and
 //! directory (its `nodes.conf` survives a kill, so a restarted master rejoins with its slots).
 //!
+//! [`Sentinels`] runs a master, its replica and three Redis Sentinels watching them, which
+//! promote the replica when the master is lost.
+//!
 //! [`TlsFiles`] makes a throwaway CA, a server certificate for given addresses and a client
 //! certificate (with `openssl`), and a second CA that signed neither; [`Redis::start_tls`]
 //! runs a server that speaks only TLS with them.
@@ -48,6 +51,8 @@ pub struct Redis {
     extra: Vec<String>,
     /// TLS only, with these files: the server's, and the client's for `redis-cli`.
     tls: Option<TlsServer>,
+    /// A config file given first (a sentinel's: `redis-server FILE --sentinel`).
+    sentinel_conf: Option<PathBuf>,
 }
 
 /// What a TLS server is started with (paths into a [`TlsFiles`]' directory).
@@ -96,6 +101,28 @@ impl Redis {
             stopped: false,
             extra: extra.iter().map(|a| a.to_string()).collect(),
             tls,
+            sentinel_conf: None,
+        };
+        r.launch();
+        r
+    }
+
+    /// A Redis Sentinel (`redis-server FILE --sentinel`) on `port`, its config file (which
+    /// it rewrites) in its directory holding `conf`.
+    pub fn start_sentinel(ns: &NetNs, probe: std::net::IpAddr, port: u16, conf: &str) -> Redis {
+        let dir = crate::daemon::make_temp_dir();
+        let file = dir.join("sentinel.conf");
+        std::fs::write(&file, conf).expect("writing sentinel.conf");
+        let mut r = Redis {
+            child: None,
+            dir,
+            ns_fd: ns.dup_fd(),
+            port,
+            probe: SocketAddr::new(probe, port),
+            stopped: false,
+            extra: Vec::new(),
+            tls: None,
+            sentinel_conf: Some(file),
         };
         r.launch();
         r
@@ -105,6 +132,9 @@ impl Redis {
         assert!(self.child.is_none(), "redis-server already running");
         let log = self.dir.join("redis.log");
         let mut cmd = command_in_fd(self.ns_fd.try_clone().expect("dup netns fd"), binary());
+        if let Some(conf) = &self.sentinel_conf {
+            cmd.arg(conf).arg("--sentinel");
+        }
         match &self.tls {
             None => {
                 cmd.args(["--port", &self.port.to_string()]);
@@ -550,4 +580,113 @@ impl Drop for TlsFiles {
     fn drop(&mut self) {
         let _ = std::fs::remove_dir_all(&self.dir);
     }
+}
+
+/// The master's name the sentinels watch.
+pub const SENTINEL_MASTER: &str = "fleet";
+
+/// A master, one replica of it and three sentinels (quorum 2) in a lab namespace, every one
+/// on the address `ip` (on the namespace's loopback, put there by the caller) at its own
+/// port. The sentinels judge the master down after 500 ms without an answer
+/// (`down-after-milliseconds`) and give a failover 3 s (`failover-timeout`). Dropping it
+/// kills every process.
+pub struct Sentinels {
+    pub sentinels: Vec<Redis>,
+    pub master: Redis,
+    pub replica: Redis,
+    ip: std::net::Ipv4Addr,
+}
+
+impl Sentinels {
+    /// `ports`: the master's, the replica's, then the three sentinels'. Waits until the
+    /// replica is in sync and every sentinel knows the replica and the two other sentinels.
+    pub fn start(ns: &NetNs, ip: std::net::Ipv4Addr, ports: [u16; 5]) -> Sentinels {
+        let at = std::net::IpAddr::V4(ip);
+        let ips = ip.to_string();
+        let master = Redis::start_with(ns, at, ports[0], &["--replica-announce-ip", &ips]);
+        let replica = Redis::start_with(
+            ns,
+            at,
+            ports[1],
+            &[
+                "--replicaof",
+                &ips,
+                &ports[0].to_string(),
+                "--replica-announce-ip",
+                &ips,
+            ],
+        );
+        let give_up = Instant::now() + READY_TIMEOUT;
+        while !replica
+            .cli(&["info", "replication"])
+            .contains("master_link_status:up")
+        {
+            assert!(
+                Instant::now() < give_up,
+                "the replica never synced: {}\n{}",
+                replica.cli(&["info", "replication"]),
+                replica.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let conf = format!(
+            "sentinel monitor {SENTINEL_MASTER} {ip} {} 2\n\
+             sentinel down-after-milliseconds {SENTINEL_MASTER} 500\n\
+             sentinel failover-timeout {SENTINEL_MASTER} 3000\n\
+             sentinel parallel-syncs {SENTINEL_MASTER} 1\n\
+             sentinel announce-ip {ip}\n",
+            ports[0]
+        );
+        let sentinels: Vec<Redis> = ports[2..]
+            .iter()
+            .map(|&p| Redis::start_sentinel(ns, at, p, &conf))
+            .collect();
+        let s = Sentinels {
+            sentinels,
+            master,
+            replica,
+            ip,
+        };
+        // Sentinels find each other through the master every 2 s (hello messages).
+        for (i, sn) in s.sentinels.iter().enumerate() {
+            loop {
+                let out = sn.cli(&["sentinel", "master", SENTINEL_MASTER]);
+                if field(&out, "num-slaves") == Some(1)
+                    && field(&out, "num-other-sentinels") == Some(2)
+                {
+                    break;
+                }
+                assert!(
+                    Instant::now() < give_up,
+                    "sentinel {i} does not see the replica and the other sentinels: {out}\n{}",
+                    sn.log()
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        s
+    }
+
+    /// `redis+sentinel://IP:PORT,IP:PORT,IP:PORT/NAME`.
+    pub fn url(&self) -> String {
+        let nodes: Vec<String> = self
+            .sentinels
+            .iter()
+            .map(|s| format!("{}:{}", self.ip, s.port()))
+            .collect();
+        format!("redis+sentinel://{}/{SENTINEL_MASTER}", nodes.join(","))
+    }
+
+    /// The master's port as sentinel `i` names it.
+    pub fn master_port(&self, i: usize) -> Option<u16> {
+        let out = self.sentinels[i].cli(&["sentinel", "get-master-addr-by-name", SENTINEL_MASTER]);
+        out.lines().nth(1)?.trim().parse().ok()
+    }
+}
+
+/// The value after the line `name` in `redis-cli`'s output of a flat array (a number).
+fn field(out: &str, name: &str) -> Option<u64> {
+    let mut lines = out.lines();
+    lines.find(|l| l.trim() == name)?;
+    lines.next()?.trim().parse().ok()
 }

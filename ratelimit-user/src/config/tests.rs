@@ -1806,6 +1806,46 @@ fn fleet_tls_takes_its_files() {
 }
 
 #[test]
+fn fleet_through_sentinels() {
+    let f = ok("[fleet]\nredis = \"redis+sentinel://10.1.0.5:26379,10.1.0.6:26379/fleet\"\n")
+        .fleet
+        .unwrap();
+    assert_eq!(
+        f.redis,
+        "redis+sentinel://10.1.0.5:26379,10.1.0.6:26379/fleet"
+    );
+    assert_eq!(
+        super::sentinel_nodes(&f.redis).unwrap(),
+        Ok((
+            vec![
+                "redis://10.1.0.5:26379".to_string(),
+                "redis://10.1.0.6:26379".to_string()
+            ],
+            "fleet".to_string()
+        ))
+    );
+    assert_eq!(super::sentinel_nodes("redis://a:1"), None);
+    for (url, what) in [
+        ("redis+sentinel://a:1,b:2", "names no master"),
+        ("redis+sentinel://a:1/", "is not a master name"),
+        ("redis+sentinel://a:1,,b:2/m", "\"\" is not a sentinel"),
+        ("redis+sentinel://u:pw@a:1/m", "without credentials"),
+    ] {
+        let e = error(&format!("[fleet]\nredis = \"{url}\"\n"));
+        assert!(
+            e.starts_with("t.toml:2:9: fleet.redis: ") && e.contains(what),
+            "{e}"
+        );
+        assert!(!e.contains("pw@"), "{e}");
+    }
+    let e = error("[fleet]\nredis = \"redis+sentinel://a:1/m\"\ntls_ca_file = \"/ca.pem\"\n");
+    assert!(
+        e.contains("fleet.tls_ca_file needs a TLS store address"),
+        "{e}"
+    );
+}
+
+#[test]
 fn fleet_tls_errors() {
     assert_eq!(
         error("[fleet]\nredis = \"redis://a:6379\"\ntls_ca_file = \"/ca.pem\"\n"),
@@ -1843,7 +1883,7 @@ fn fleet_errors() {
         error("[fleet]\nredis = \"http://10.1.0.5\"\n"),
         "t.toml:2:9: fleet.redis: \"http://10.1.0.5\" is not a store address (expected \
          redis://HOST:PORT, rediss://HOST:PORT (TLS), redis+cluster://HOST:PORT,HOST:PORT,..., \
-         rediss+cluster://... or unix:///PATH)"
+         rediss+cluster://..., redis+sentinel://HOST:PORT,.../MASTER_NAME or unix:///PATH)"
     );
     let c = ok("[fleet]\nredis = \"redis+cluster://a:6379,b:6379,c:6379\"\n");
     assert_eq!(
