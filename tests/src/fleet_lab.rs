@@ -47,6 +47,10 @@ pub enum Store {
     /// namespace's loopback, routed to through each host's own link), with the certificates
     /// given to [`Setup::tls`]; the hosts reach it as `rediss://IP:PORT`.
     Tls { ip: Ipv4Addr, port: u16 },
+    /// A Redis Cluster of three masters as [`Store::Cluster`], speaking only TLS (between its
+    /// nodes too), with the certificates given to [`Setup::tls`]; reached as
+    /// `rediss+cluster://`.
+    TlsCluster { ip: Ipv4Addr, ports: [u16; 3] },
     /// A master, its replica and three sentinels ([`Sentinels`]) on `ip` (on the store
     /// namespace's loopback, routed to as for a cluster), at `ports`: the master's, the
     /// replica's, the sentinels'. The hosts reach it as `redis+sentinel://...`.
@@ -143,9 +147,17 @@ impl Setup {
                 redis = Some(Redis::start_tls(&store, IpAddr::V4(ip), port, tls));
                 vec![format!("rediss://{ip}:{port}"); self.hosts]
             }
-            Store::Cluster { ip, ports } => {
+            Store::Cluster { ip, ports } | Store::TlsCluster { ip, ports } => {
                 loopback_addr(ip);
-                let c = Cluster::start(&store, ip, ports);
+                let c = match self.store {
+                    Store::TlsCluster { .. } => Cluster::start_tls(
+                        &store,
+                        ip,
+                        ports,
+                        self.tls.as_ref().expect("Setup::tls for a TLS store"),
+                    ),
+                    _ => Cluster::start(&store, ip, ports),
+                };
                 let url = c.url();
                 cluster = Some(c);
                 vec![url; self.hosts]

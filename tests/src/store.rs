@@ -320,21 +320,44 @@ pub struct Cluster {
     pub nodes: Vec<Redis>,
     ns_fd: OwnedFd,
     announce: std::net::Ipv4Addr,
+    tls: Option<TlsServer>,
 }
 
 impl Cluster {
     /// Starts three nodes on `ports` and joins them into one cluster (`redis-cli --cluster
     /// create`, every slot assigned), waiting until each says `cluster_state:ok`.
     pub fn start(ns: &NetNs, announce: std::net::Ipv4Addr, ports: [u16; 3]) -> Cluster {
+        Cluster::start_inner(ns, announce, ports, None)
+    }
+
+    /// [`Cluster::start`] speaking only TLS, to clients and between nodes (`--tls-cluster
+    /// yes`), with the certificates of `tls` (the server's for the address `announce`).
+    pub fn start_tls(
+        ns: &NetNs,
+        announce: std::net::Ipv4Addr,
+        ports: [u16; 3],
+        tls: &TlsServer,
+    ) -> Cluster {
+        Cluster::start_inner(ns, announce, ports, Some(tls))
+    }
+
+    fn start_inner(
+        ns: &NetNs,
+        announce: std::net::Ipv4Addr,
+        ports: [u16; 3],
+        tls: Option<&TlsServer>,
+    ) -> Cluster {
         let ip = announce.to_string();
         let nodes: Vec<Redis> = ports
             .iter()
             .map(|&port| {
-                Redis::start_with(
+                Redis::start_inner(
                     ns,
                     std::net::IpAddr::V4(announce),
                     port,
                     &[
+                        "--tls-cluster",
+                        if tls.is_some() { "yes" } else { "no" },
                         "--cluster-enabled",
                         "yes",
                         "--cluster-config-file",
@@ -348,6 +371,7 @@ impl Cluster {
                         "--cluster-announce-ip",
                         &ip,
                     ],
+                    tls.cloned(),
                 )
             })
             .collect();
@@ -355,6 +379,7 @@ impl Cluster {
             nodes,
             ns_fd: ns.dup_fd(),
             announce,
+            tls: tls.cloned(),
         };
         let mut args: Vec<String> = vec!["--cluster".into(), "create".into()];
         args.extend(ports.iter().map(|p| format!("{ip}:{p}")));
@@ -377,8 +402,24 @@ impl Cluster {
         c
     }
 
+    /// `redis-cli ARGS`, killed after [`READY_TIMEOUT`] (`--cluster create` waits for the
+    /// nodes to agree, which nodes that cannot talk to each other never do).
     fn cli_raw(&self, args: &[String]) -> std::process::Output {
-        let mut cmd = command_in_fd(self.ns_fd.try_clone().expect("dup netns fd"), cli_binary());
+        let mut cmd = command_in_fd(
+            self.ns_fd.try_clone().expect("dup netns fd"),
+            crate::tool::find_binary("timeout", "coreutils"),
+        );
+        cmd.args(["-s", "KILL", &READY_TIMEOUT.as_secs().to_string()])
+            .arg(cli_binary());
+        if let Some(t) = &self.tls {
+            cmd.arg("--tls")
+                .arg("--cacert")
+                .arg(&t.ca)
+                .arg("--cert")
+                .arg(&t.client_cert)
+                .arg("--key")
+                .arg(&t.client_key);
+        }
         cmd.args(args).stdin(Stdio::null());
         cmd.output()
             .unwrap_or_else(|e| panic!("running `{}`: {e}", describe(&cmd)))
@@ -433,7 +474,12 @@ impl Cluster {
             .iter()
             .map(|n| format!("{}:{}", self.announce, n.port()))
             .collect();
-        format!("redis+cluster://{}", nodes.join(","))
+        let scheme = if self.tls.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
+        format!("{scheme}+cluster://{}", nodes.join(","))
     }
 
     /// The keys node `i` holds.
@@ -447,8 +493,9 @@ impl Cluster {
 }
 
 /// A throwaway PKI in a private temp dir (removed on drop): a CA, a server certificate for
-/// the given addresses (its subject alternative names) and a client certificate, both signed
-/// by the CA, and another CA that signed neither. Keys are P-256, PKCS#8, mode 0600.
+/// the given addresses (its subject alternative names; usable as a client's too, as the nodes
+/// of a TLS cluster are each other's clients) and a client certificate, both signed by the
+/// CA, and another CA that signed neither. Keys are P-256, PKCS#8, mode 0600.
 pub struct TlsFiles {
     dir: PathBuf,
 }
@@ -494,7 +541,7 @@ impl TlsFiles {
         }
         let san: Vec<String> = server_ips.iter().map(|ip| format!("IP:{ip}")).collect();
         for (name, usage, san) in [
-            ("server", "serverAuth", san.join(",")),
+            ("server", "serverAuth,clientAuth", san.join(",")),
             ("client", "clientAuth", String::new()),
         ] {
             let (k, csr, c, ext) = (

@@ -5,7 +5,8 @@
 //! either reaches the other. Host 2 is given another CA: it cannot verify the server, so its
 //! `fleet status` says degraded with the certificate error, answers fast, and the host still
 //! enforces its own bans (which wait in its outbox). Host 3 trusts the right CA but has no
-//! client certificate: the server refuses it.
+//! client certificate: the server refuses it. A Redis Cluster of three masters speaking only
+//! TLS (`rediss+cluster://`, `--tls-cluster yes`) carries bans between two hosts.
 //!
 //! `ratelimit check-config` reads the TLS files too (no kernel needed): a private key readable
 //! by every user, a missing file, a CA file that holds no certificate are refused, naming the
@@ -31,6 +32,9 @@ const OTHER_PORT: u16 = 9001;
 /// own link, and its TLS port.
 const STORE_IP: Ipv4Addr = Ipv4Addr::new(100, 64, 251, 1);
 const STORE_PORT: u16 = 6380;
+/// The TLS cluster's nodes: one address, three ports.
+const CLUSTER_IP: Ipv4Addr = Ipv4Addr::new(100, 64, 251, 2);
+const CLUSTER_PORTS: [u16; 3] = [7101, 7102, 7103];
 
 const RULES: &str = r#"
 [[rule]]
@@ -212,6 +216,56 @@ fn bans_spread_over_tls_and_a_host_with_the_wrong_ca_enforces_alone() {
     assert!(!st.connected && st.degraded_since.is_some(), "{st:?}");
     assert!(f.holds(3, "203.0.113.4/32").is_none());
     println!("total {:.1} s", t_all.elapsed().as_secs_f64());
+}
+
+#[test]
+fn bans_spread_over_a_tls_cluster() {
+    kernel_test!();
+    let pki = TlsFiles::generate(&[IpAddr::V4(CLUSTER_IP)]);
+    let (ca, cert, key) = (pki.ca(), pki.client_cert(), pki.client_key());
+    let mut f: FleetLab = Setup::new("rltc")
+        .hosts(2)
+        .store(Store::TlsCluster {
+            ip: CLUSTER_IP,
+            ports: CLUSTER_PORTS,
+        })
+        .tls(pki.server(true))
+        .start(|i, url| {
+            assert!(url.starts_with("rediss+cluster://"), "{url}");
+            format!(
+                "[fleet]\nredis = \"{url}\"\nhost_id = \"h{i}\"\ntls_ca_file = \"{}\"\n\
+                 tls_cert_file = \"{}\"\ntls_key_file = \"{}\"\n{RULES}",
+                ca.display(),
+                cert.display(),
+                key.display()
+            )
+        });
+    f.wait_connected(Duration::from_secs(15));
+    let mut delays = Vec::new();
+    for n in 0..20u8 {
+        let cidr = format!("203.0.113.{n}/32");
+        f.d(0).cli_ok(&["ban", "add", &cidr, "--for", "1h"]);
+        let t0 = Instant::now();
+        assert!(
+            wait_for(Duration::from_secs(5), || f.holds(1, &cidr).is_some()),
+            "{cidr} did not reach host 1: {:?}",
+            f.fleet(1)
+        );
+        delays.push(t0.elapsed());
+    }
+    delays.sort();
+    println!(
+        "ban propagation over a TLS cluster, 20 bans: p50 {:.1} ms, p99 {:.1} ms",
+        percentile(&delays, 0.5).as_secs_f64() * 1e3,
+        percentile(&delays, 0.99).as_secs_f64() * 1e3
+    );
+    assert_eq!(
+        f.reaching(1, Ipv4Addr::new(203, 0, 113, 4), OTHER_PORT, 10),
+        0
+    );
+    // The bans live on the master of `{bans}`'s slot (read over TLS).
+    let owner = f.cluster().owner_of("ratelimit:{bans}:stream");
+    assert!(f.cluster().dbsize(owner) >= 2, "{owner}");
 }
 
 /// `ratelimit check-config FILE`: (success, stdout and stderr).
