@@ -73,12 +73,20 @@ pub struct Config {
 /// `[fleet]`: hosts that share their bans through one Redis store.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Fleet {
-    /// `redis://host:port[/db]`, `unix:///path` (or `redis+unix://`), as written.
+    /// `redis://host:port[/db]`, `rediss://` (TLS), `unix:///path` (or `redis+unix://`),
+    /// `redis+cluster://` or `rediss+cluster://` (a Redis Cluster's nodes), as written.
     pub redis: String,
     /// This host's name in the fleet; `None` = the hostname, taken at start.
     pub host_id: Option<String>,
     /// A file holding the store's password, read at start (not by the parser).
     pub password_file: Option<PathBuf>,
+    /// TLS (`rediss://` only): the CA certificates (PEM) the store's certificate is verified
+    /// against; `None` = the system's roots. Read at start.
+    pub tls_ca_file: Option<PathBuf>,
+    /// TLS: this host's certificate (PEM, chain) and private key, for a store that
+    /// authenticates its clients (`tls-auth-clients yes`); both or neither. Read at start.
+    pub tls_cert_file: Option<PathBuf>,
+    pub tls_key_file: Option<PathBuf>,
     /// How often near-limit keys of global rules are shared (kept for them; bans are pushed).
     pub sync_interval: Duration,
     /// Publish this host's bans to the fleet and apply the fleet's.
@@ -111,10 +119,14 @@ pub fn check_host_id(id: &str) -> Result<(), String> {
 }
 
 /// The nodes of a `redis+cluster://[USER:PASSWORD@]HOST:PORT,HOST:PORT,...` address, each as
-/// a `redis://` address (the credentials, if any, on each); `None` if `url` is not a
-/// cluster address.
+/// a `redis://` address (the credentials, if any, on each), or of a `rediss+cluster://` one,
+/// each as a `rediss://` address (TLS); `None` if `url` is not a cluster address.
 pub fn cluster_nodes(url: &str) -> Option<Result<Vec<String>, String>> {
-    let rest = url.strip_prefix("redis+cluster://")?;
+    let (scheme, rest) = if let Some(rest) = url.strip_prefix("redis+cluster://") {
+        ("redis", rest)
+    } else {
+        ("rediss", url.strip_prefix("rediss+cluster://")?)
+    };
     let (userinfo, hosts) = match rest.rfind('@') {
         Some(at) => (&rest[..=at], &rest[at + 1..]),
         None => ("", rest),
@@ -122,7 +134,7 @@ pub fn cluster_nodes(url: &str) -> Option<Result<Vec<String>, String>> {
     let hosts = hosts.trim_end_matches('/');
     if hosts.is_empty() {
         return Some(Err(format!(
-            "{:?} names no node (expected redis+cluster://HOST:PORT,HOST:PORT,...)",
+            "{:?} names no node (expected {scheme}+cluster://HOST:PORT,HOST:PORT,...)",
             crate::fleet::redacted(url)
         )));
     }
@@ -131,11 +143,11 @@ pub fn cluster_nodes(url: &str) -> Option<Result<Vec<String>, String>> {
         let h = h.trim();
         if h.is_empty() || h.contains('/') {
             return Some(Err(format!(
-                "{:?}: {h:?} is not a node (expected redis+cluster://HOST:PORT,HOST:PORT,...)",
+                "{:?}: {h:?} is not a node (expected {scheme}+cluster://HOST:PORT,HOST:PORT,...)",
                 crate::fleet::redacted(url)
             )));
         }
-        let node = format!("redis://{userinfo}{h}");
+        let node = format!("{scheme}://{userinfo}{h}");
         if let Err(e) = redis::IntoConnectionInfo::into_connection_info(node.as_str()) {
             return Some(Err(format!(
                 "{:?}: {h:?} is not a node: {e}",
@@ -147,24 +159,64 @@ pub fn cluster_nodes(url: &str) -> Option<Result<Vec<String>, String>> {
     Some(Ok(nodes))
 }
 
+/// The sentinels and the master's name of a `redis+sentinel://HOST:PORT,HOST:PORT,.../NAME`
+/// address (the sentinels each as a `redis://` address); `None` if `url` is not a sentinel
+/// address.
+pub fn sentinel_nodes(url: &str) -> Option<Result<(Vec<String>, String), String>> {
+    let rest = url.strip_prefix("redis+sentinel://")?;
+    let shown = crate::fleet::redacted(url);
+    let expected = "expected redis+sentinel://HOST:PORT,HOST:PORT,.../MASTER_NAME";
+    let Some((hosts, name)) = rest.split_once('/') else {
+        return Some(Err(format!("{shown:?} names no master ({expected})")));
+    };
+    if name.is_empty() || name.contains(['/', '@', ',']) {
+        return Some(Err(format!(
+            "{shown:?}: {name:?} is not a master name ({expected})"
+        )));
+    }
+    if hosts.contains('@') {
+        return Some(Err(format!(
+            "{:?}: the sentinels are reached without credentials (fleet.password_file is the \
+             master's)",
+            crate::fleet::redacted(url)
+        )));
+    }
+    let mut nodes = Vec::new();
+    for h in hosts.split(',') {
+        let h = h.trim();
+        let node = format!("redis://{h}");
+        if h.is_empty() || redis::IntoConnectionInfo::into_connection_info(node.as_str()).is_err() {
+            return Some(Err(format!(
+                "{shown:?}: {h:?} is not a sentinel ({expected})"
+            )));
+        }
+        nodes.push(node);
+    }
+    Some(Ok((nodes, name.to_string())))
+}
+
+/// Whether `url` (a checked `fleet.redis`) reaches the store over TLS.
+pub fn is_tls_url(url: &str) -> bool {
+    url.starts_with("rediss://") || url.starts_with("rediss+cluster://")
+}
+
 /// Check a `fleet.redis` address: the schemes the client speaks, refused clearly otherwise.
 pub fn check_redis_url(url: &str) -> Result<(), String> {
     let scheme = url.split_once("://").map(|(s, _)| s);
     match scheme {
-        Some("redis" | "unix" | "redis+unix") => {}
-        Some("redis+cluster") => {
+        Some("redis" | "rediss" | "unix" | "redis+unix") => {}
+        Some("redis+cluster" | "rediss+cluster") => {
             return cluster_nodes(url).expect("a cluster address").map(drop);
         }
-        Some("rediss" | "rediss+cluster") => {
-            return Err(format!(
-                "{url:?}: TLS (rediss://) is not yet supported; reach the store over a private \
-                 network, a tunnel or a unix socket"
-            ));
+        Some("redis+sentinel") => {
+            return sentinel_nodes(url).expect("a sentinel address").map(drop);
         }
         _ => {
             return Err(format!(
                 "{url:?} is not a store address (expected redis://HOST:PORT, \
-                 redis+cluster://HOST:PORT,HOST:PORT,... or unix:///PATH)"
+                 rediss://HOST:PORT (TLS), redis+cluster://HOST:PORT,HOST:PORT,..., \
+                 rediss+cluster://..., redis+sentinel://HOST:PORT,.../MASTER_NAME \
+                 or unix:///PATH)"
             ));
         }
     }

@@ -176,26 +176,103 @@ pub fn hostname() -> anyhow::Result<String> {
 /// The store's password from `path` (one line): refused if the file is missing, empty, or
 /// readable by every user (mode `o+r`).
 pub fn read_password(path: &Path) -> anyhow::Result<String> {
-    use std::os::unix::fs::PermissionsExt as _;
-    let meta = std::fs::metadata(path)
-        .with_context(|| format!("fleet.password_file {}", path.display()))?;
-    let mode = meta.permissions().mode();
-    if mode & 0o004 != 0 {
-        bail!(
-            "fleet.password_file {} is readable by every user (mode {:04o}); make it private \
-             first, e.g. `chmod 600 {}`",
-            path.display(),
-            mode & 0o7777,
-            path.display()
-        );
-    }
-    let text = std::fs::read_to_string(path)
-        .with_context(|| format!("reading fleet.password_file {}", path.display()))?;
+    let text = read_private(path, "fleet.password_file")?;
     let pw = text.trim_end_matches(['\n', '\r']).to_string();
     if pw.is_empty() {
         bail!("fleet.password_file {} is empty", path.display());
     }
     Ok(pw)
+}
+
+/// The text of a file holding a secret (the key `field` names it): refused if missing or
+/// readable by every user (mode `o+r`).
+fn read_private(path: &Path, field: &str) -> anyhow::Result<String> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let meta = std::fs::metadata(path).with_context(|| format!("{field} {}", path.display()))?;
+    let mode = meta.permissions().mode();
+    if mode & 0o004 != 0 {
+        bail!(
+            "{field} {} is readable by every user (mode {:04o}); make it private first, e.g. \
+             `chmod 600 {}`",
+            path.display(),
+            mode & 0o7777,
+            path.display()
+        );
+    }
+    std::fs::read_to_string(path).with_context(|| format!("reading {field} {}", path.display()))
+}
+
+/// The TLS material of `[fleet]` (`tls_ca_file`, `tls_cert_file`, `tls_key_file`), read and
+/// checked: each file must hold what its key names (PEM), and the private key must not be
+/// readable by every user. `None` without any of them.
+pub fn read_tls(f: &config::Fleet) -> anyhow::Result<Option<redis::TlsCertificates>> {
+    use rustls::pki_types::{CertificateDer, PrivateKeyDer, pem::PemObject as _};
+    if f.tls_ca_file.is_none() && f.tls_cert_file.is_none() && f.tls_key_file.is_none() {
+        return Ok(None);
+    }
+    let certs = |path: &Path, field: &str| -> anyhow::Result<Vec<u8>> {
+        let pem =
+            std::fs::read(path).with_context(|| format!("reading {field} {}", path.display()))?;
+        let n = CertificateDer::pem_slice_iter(&pem)
+            .collect::<Result<Vec<_>, _>>()
+            .map_err(|e| anyhow::anyhow!("{field} {}: not PEM certificates: {e}", path.display()))?
+            .len();
+        if n == 0 {
+            bail!(
+                "{field} {} holds no certificate (expected PEM, -----BEGIN CERTIFICATE-----)",
+                path.display()
+            );
+        }
+        Ok(pem)
+    };
+    let root_cert = match f.tls_ca_file.as_deref() {
+        Some(path) => {
+            let pem = certs(path, "fleet.tls_ca_file")?;
+            let mut roots = rustls::RootCertStore::empty();
+            for cert in CertificateDer::pem_slice_iter(&pem) {
+                let cert = cert.expect("parsed above");
+                roots.add(cert).map_err(|e| {
+                    anyhow::anyhow!(
+                        "fleet.tls_ca_file {}: not a usable CA certificate: {e}",
+                        path.display()
+                    )
+                })?;
+            }
+            Some(pem)
+        }
+        None => None,
+    };
+    let client_tls = match (&f.tls_cert_file, &f.tls_key_file) {
+        (Some(cert), Some(key)) => {
+            let client_cert = certs(cert, "fleet.tls_cert_file")?;
+            let client_key = read_private(key, "fleet.tls_key_file")?.into_bytes();
+            PrivateKeyDer::from_pem_slice(&client_key).map_err(|e| {
+                anyhow::anyhow!(
+                    "fleet.tls_key_file {}: no private key (expected PEM, e.g. -----BEGIN \
+                     PRIVATE KEY-----): {e}",
+                    key.display()
+                )
+            })?;
+            Some(redis::ClientTlsConfig {
+                client_cert,
+                client_key,
+            })
+        }
+        (None, None) => None,
+        _ => bail!("fleet.tls_cert_file and fleet.tls_key_file go together"),
+    };
+    Ok(Some(redis::TlsCertificates {
+        client_tls,
+        root_cert,
+    }))
+}
+
+/// What `ratelimit check-config` checks of `[fleet]` beyond the file itself: the password
+/// file and the TLS material can be read and hold what they should.
+pub fn check_files(f: &config::Fleet) -> anyhow::Result<()> {
+    f.password_file.as_deref().map(read_password).transpose()?;
+    read_tls(f)?;
+    Ok(())
 }
 
 /// The fleet settings in force, resolved at start.
@@ -209,11 +286,22 @@ pub struct Settings {
     client: Client,
 }
 
-/// How the store is reached: one server, or the nodes a Redis Cluster is discovered from.
+/// How the store is reached: one server, the nodes a Redis Cluster is discovered from, or the
+/// sentinels that name the master.
 #[derive(Debug, Clone)]
 enum Client {
     Single(redis::Client),
-    Cluster(Vec<redis::ConnectionInfo>),
+    /// The nodes, and the TLS material for a `rediss+cluster://` store.
+    Cluster(Vec<redis::ConnectionInfo>, Option<redis::TlsCertificates>),
+    /// Redis Sentinel: the sentinels, the master's name, and how its master is reached (the
+    /// password). Each connection asks the sentinels for the master in office (and checks
+    /// that it says it is one), so a connection lost to a failover is made again to the
+    /// promoted replica.
+    Sentinel {
+        sentinels: Vec<redis::ConnectionInfo>,
+        master: String,
+        node: redis::sentinel::SentinelNodeConnectionInfo,
+    },
 }
 
 /// A connection to the store: one server's, or a Redis Cluster's (which routes each command
@@ -307,6 +395,12 @@ impl Settings {
             }
         };
         let password = f.password_file.as_deref().map(read_password).transpose()?;
+        let tls = read_tls(f)?;
+        if config::is_tls_url(&f.redis) {
+            // The one TLS implementation built in; installed once per process (a second call
+            // finds it there).
+            let _ = rustls::crypto::ring::default_provider().install_default();
+        }
         let with_password = |mut info: redis::ConnectionInfo| {
             if let Some(pw) = &password {
                 let settings = info.redis_settings().clone().set_password(pw.clone());
@@ -315,6 +409,29 @@ impl Settings {
             info
         };
         let client = match config::cluster_nodes(&f.redis) {
+            None if f.redis.starts_with("redis+sentinel://") => {
+                let (nodes, master) = config::sentinel_nodes(&f.redis)
+                    .expect("a sentinel address")
+                    .map_err(|e| anyhow::anyhow!("fleet.redis {e}"))?;
+                let sentinels = nodes
+                    .iter()
+                    .map(|n| {
+                        redis::IntoConnectionInfo::into_connection_info(n.as_str())
+                            .map_err(|e| anyhow::anyhow!("fleet.redis {n:?}: {e}"))
+                    })
+                    .collect::<anyhow::Result<Vec<_>>>()?;
+                let mut node = redis::sentinel::SentinelNodeConnectionInfo::default();
+                if let Some(pw) = &password {
+                    node = node.set_redis_connection_info(
+                        redis::RedisConnectionInfo::default().set_password(pw.clone()),
+                    );
+                }
+                Client::Sentinel {
+                    sentinels,
+                    master,
+                    node,
+                }
+            }
             Some(nodes) => {
                 let nodes = nodes.map_err(|e| anyhow::anyhow!("fleet.redis {e}"))?;
                 let infos = nodes
@@ -325,12 +442,18 @@ impl Settings {
                             .map_err(|e| anyhow::anyhow!("fleet.redis {:?}: {e}", redacted(n)))
                     })
                     .collect::<anyhow::Result<Vec<_>>>()?;
-                Client::Cluster(infos)
+                Client::Cluster(infos, tls)
             }
             None => {
                 let info = redis::IntoConnectionInfo::into_connection_info(f.redis.as_str())
                     .map_err(|e| anyhow::anyhow!("fleet.redis {:?}: {e}", redacted(&f.redis)))?;
-                Client::Single(redis::Client::open(with_password(info)).context("fleet.redis")?)
+                let info = with_password(info);
+                let client = match tls {
+                    Some(certs) => redis::Client::build_with_tls(info, certs)
+                        .context("fleet.redis with its TLS files")?,
+                    None => redis::Client::open(info).context("fleet.redis")?,
+                };
+                Client::Single(client)
             }
         };
         Ok(Self {
@@ -344,7 +467,7 @@ impl Settings {
 
     /// Whether the store is a Redis Cluster.
     pub fn cluster(&self) -> bool {
-        matches!(self.client, Client::Cluster(_))
+        matches!(self.client, Client::Cluster(..))
     }
 
     /// A connection for global thresholds' counts.
@@ -375,15 +498,51 @@ impl Settings {
                     ),
                 }
             }
-            Client::Cluster(nodes) => {
+            Client::Sentinel {
+                sentinels,
+                master,
+                node,
+            } => {
+                let cfg = redis::AsyncConnectionConfig::new()
+                    .set_connection_timeout(Some(CONNECT_TIMEOUT))
+                    .set_response_timeout(Some(response));
+                let mut client = redis::sentinel::SentinelClient::build(
+                    sentinels.clone(),
+                    master,
+                    Some(node.clone()),
+                    redis::sentinel::SentinelServerType::Master,
+                )
+                .with_context(|| format!("fleet.redis {}", self.store))?;
+                // The sentinels asked (a few at once), the master's role checked, the
+                // connection made: one bound over all of it.
+                match tokio::time::timeout(
+                    CONNECT_TIMEOUT * 2,
+                    client.get_async_connection_with_config(&cfg),
+                )
+                .await
+                {
+                    Ok(Ok(c)) => ConnKind::Single(c),
+                    Ok(Err(e)) => bail!("connecting to {}: {e}", self.store),
+                    Err(_) => bail!(
+                        "connecting to {}: no answer within {:?}",
+                        self.store,
+                        CONNECT_TIMEOUT * 2
+                    ),
+                }
+            }
+            Client::Cluster(nodes, tls) => {
                 // Few retries inside the client: a slot whose master is gone fails fast, and
                 // the tasks' own backoff takes over.
-                let client = redis::cluster::ClusterClientBuilder::new(nodes.clone())
+                let mut builder = redis::cluster::ClusterClientBuilder::new(nodes.clone())
                     .connection_timeout(CONNECT_TIMEOUT)
                     .response_timeout(response)
                     .retries(2)
                     .min_retry_wait(50)
-                    .max_retry_wait(200)
+                    .max_retry_wait(200);
+                if let Some(certs) = tls {
+                    builder = builder.certs(certs.clone());
+                }
+                let client = builder
                     .build()
                     .with_context(|| format!("fleet.redis {}", self.store))?;
                 match tokio::time::timeout(CONNECT_TIMEOUT * 2, client.get_async_connection()).await
@@ -1559,6 +1718,110 @@ mod tests {
         assert!(e.contains("missing") && e.contains("No such file"), "{e}");
         std::fs::write(&p, "\n").unwrap();
         assert!(read_password(&p).unwrap_err().to_string().contains("empty"));
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// A self-signed CA certificate (P-256), for the TLS files' checks.
+    const TEST_CA: &str = "-----BEGIN CERTIFICATE-----
+MIIBmjCCAT+gAwIBAgIUTUa0JDpbynNnxzgZwOEl9QApyGQwCgYIKoZIzj0EAwIw
+ITEfMB0GA1UEAwwWcmF0ZWxpbWl0IHVuaXQgdGVzdCBDQTAgFw0yNjExMjQxNTQ4
+MjJaGA8yMTI2MTAzMTE1NDgyMlowITEfMB0GA1UEAwwWcmF0ZWxpbWl0IHVuaXQg
+dGVzdCBDQTBZMBMGByqGSM49AgEGCCqGSM49AwEHA0IABO4zfaLm6TVspYCQvkoD
+ESDUjjspKYfw/6rg8ZLxlCsncipCHutjGAuKrguKBvpLvjQnprnIPEwbOr0y+BAM
+rSWjUzBRMB0GA1UdDgQWBBS88xSkcnXztM+zPMsf7kKuKAIMKDAfBgNVHSMEGDAW
+gBS88xSkcnXztM+zPMsf7kKuKAIMKDAPBgNVHRMBAf8EBTADAQH/MAoGCCqGSM49
+BAMCA0kAMEYCIQDAkUz8uowjYDKf94dOXCRkO6eM1rvc03v7OXDTUs6XoAIhAILu
+11Q9gQv/WjNJLfhoDhY++j/GdLYGjgl1Dd1SR5qA
+-----END CERTIFICATE-----
+";
+
+    #[test]
+    fn tls_files_are_read_and_checked() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = std::env::temp_dir().join(format!("rl-fleet-tls-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        // Parsed as PEM, not as certificates (but for the CA, which must be one).
+        let pem = |tag: &str| format!("-----BEGIN {tag}-----\nAAECAwQF\n-----END {tag}-----\n");
+        let (ca, cert, key) = (dir.join("ca.pem"), dir.join("c.pem"), dir.join("k.pem"));
+        std::fs::write(&ca, TEST_CA).unwrap();
+        std::fs::write(&cert, pem("CERTIFICATE")).unwrap();
+        std::fs::write(&key, pem("PRIVATE KEY")).unwrap();
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let mut f = config::Fleet {
+            redis: "rediss://127.0.0.1:6380".into(),
+            host_id: Some("h".into()),
+            password_file: None,
+            tls_ca_file: None,
+            tls_cert_file: None,
+            tls_key_file: None,
+            sync_interval: config::DEFAULT_SYNC_INTERVAL,
+            share_bans: true,
+        };
+        assert!(read_tls(&f).unwrap().is_none());
+        f.tls_ca_file = Some(ca.clone());
+        let t = read_tls(&f).unwrap().unwrap();
+        assert!(t.root_cert.is_some() && t.client_tls.is_none());
+        f.tls_cert_file = Some(cert.clone());
+        f.tls_key_file = Some(key.clone());
+        let t = read_tls(&f).unwrap().unwrap();
+        assert!(t.client_tls.is_some());
+        check_files(&f).unwrap();
+        // A key readable by everyone is refused; a certificate may be.
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let e = format!("{:#}", read_tls(&f).unwrap_err());
+        assert!(
+            e.contains("fleet.tls_key_file") && e.contains("readable by every user (mode 0644)"),
+            "{e}"
+        );
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+        // Each file must hold what its key names.
+        std::fs::write(&ca, "not a certificate\n").unwrap();
+        let e = format!("{:#}", read_tls(&f).unwrap_err());
+        assert!(
+            e.contains("fleet.tls_ca_file") && e.contains("holds no certificate"),
+            "{e}"
+        );
+        std::fs::write(&ca, pem("CERTIFICATE")).unwrap();
+        let e = format!("{:#}", read_tls(&f).unwrap_err());
+        assert!(
+            e.contains("fleet.tls_ca_file") && e.contains("not a usable CA"),
+            "{e}"
+        );
+        std::fs::write(&ca, TEST_CA).unwrap();
+        std::fs::write(&key, pem("CERTIFICATE")).unwrap();
+        let e = format!("{:#}", read_tls(&f).unwrap_err());
+        assert!(
+            e.contains("fleet.tls_key_file") && e.contains("no private key"),
+            "{e}"
+        );
+        f.tls_cert_file = Some(dir.join("missing.pem"));
+        let e = format!("{:#}", check_files(&f).unwrap_err());
+        assert!(
+            e.contains("fleet.tls_cert_file") && e.contains("No such file"),
+            "{e}"
+        );
+        // Resolving builds a TLS client with them.
+        std::fs::write(&key, pem("PRIVATE KEY")).unwrap();
+        f.tls_cert_file = Some(cert);
+        let s = Settings::resolve(&f, &dir).unwrap();
+        assert!(!s.cluster());
+        f.redis = "rediss+cluster://127.0.0.1:7001,127.0.0.1:7002".into();
+        assert!(Settings::resolve(&f, &dir).unwrap().cluster());
+        // Through sentinels (no TLS there).
+        f.redis = "redis+sentinel://127.0.0.1:26379,127.0.0.1:26380/fleet".into();
+        (f.tls_ca_file, f.tls_cert_file, f.tls_key_file) = (None, None, None);
+        let s = Settings::resolve(&f, &dir).unwrap();
+        assert!(!s.cluster());
+        match &s.client {
+            Client::Sentinel {
+                sentinels, master, ..
+            } => assert_eq!((sentinels.len(), master.as_str()), (2, "fleet")),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(
+            s.store,
+            "redis+sentinel://127.0.0.1:26379,127.0.0.1:26380/fleet"
+        );
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

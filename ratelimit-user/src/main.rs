@@ -79,10 +79,21 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         }
         Command::CheckConfig { file } => {
             return Ok(match config::load(file) {
-                Ok(cfg) => {
-                    println!("{}: ok ({} rules)", file.display(), cfg.rules.len());
-                    ExitCode::SUCCESS
-                }
+                Ok(cfg) => match cfg
+                    .fleet
+                    .as_ref()
+                    .map(ratelimit_user::fleet::check_files)
+                    .transpose()
+                {
+                    Ok(_) => {
+                        println!("{}: ok ({} rules)", file.display(), cfg.rules.len());
+                        ExitCode::SUCCESS
+                    }
+                    Err(e) => {
+                        eprintln!("{}: {e:#}", file.display());
+                        ExitCode::FAILURE
+                    }
+                },
                 Err(e) => {
                     eprintln!("{e}");
                     ExitCode::FAILURE

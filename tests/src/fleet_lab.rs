@@ -2,7 +2,7 @@
 //! [`Scenario`]), and one store they share in a "store" namespace, reached through a veth
 //! from each host's namespace to it. The store is one `redis-server`, the same reached
 //! through a delaying TCP proxy per host ([`DelayProxy`], a slow link made on demand), or a
-//! Redis Cluster of three masters.
+//! Redis Cluster of three masters, or one `redis-server` speaking only TLS.
 //!
 //! Each host's config is the caller's, made from the host's index and the store's URL as that
 //! host reaches it. Everything is a guard: the daemons, the proxies, the links, the store and
@@ -24,7 +24,7 @@ use crate::{
     Daemon, NetNs, Scenario, VethPair,
     delay::DelayProxy,
     scenario::rule_counter,
-    store::{Cluster, Redis},
+    store::{Cluster, Redis, Sentinels, TlsServer},
 };
 
 /// The `redis-server`'s port (a single store).
@@ -43,6 +43,18 @@ pub enum Store {
     /// A Redis Cluster of three masters on `ports`, all announcing `ip`: an address on the
     /// store namespace's loopback, routed to through each host's own link.
     Cluster { ip: Ipv4Addr, ports: [u16; 3] },
+    /// One `redis-server` speaking only TLS on `port` at `ip` (an address on the store
+    /// namespace's loopback, routed to through each host's own link), with the certificates
+    /// given to [`Setup::tls`]; the hosts reach it as `rediss://IP:PORT`.
+    Tls { ip: Ipv4Addr, port: u16 },
+    /// A Redis Cluster of three masters as [`Store::Cluster`], speaking only TLS (between its
+    /// nodes too), with the certificates given to [`Setup::tls`]; reached as
+    /// `rediss+cluster://`.
+    TlsCluster { ip: Ipv4Addr, ports: [u16; 3] },
+    /// A master, its replica and three sentinels ([`Sentinels`]) on `ip` (on the store
+    /// namespace's loopback, routed to as for a cluster), at `ports`: the master's, the
+    /// replica's, the sentinels'. The hosts reach it as `redis+sentinel://...`.
+    Sentinel { ip: Ipv4Addr, ports: [u16; 5] },
 }
 
 /// What a lab is made of; [`Setup::start`] makes it.
@@ -52,6 +64,7 @@ pub struct Setup {
     hosts: usize,
     store: Store,
     http_port: Option<u16>,
+    tls: Option<TlsServer>,
 }
 
 impl Setup {
@@ -63,7 +76,14 @@ impl Setup {
             hosts: 3,
             store: Store::Direct,
             http_port: None,
+            tls: None,
         }
+    }
+
+    /// The server's certificates for a [`Store::Tls`] store.
+    pub fn tls(mut self, tls: TlsServer) -> Setup {
+        self.tls = Some(tls);
+        self
     }
 
     pub fn hosts(mut self, n: usize) -> Setup {
@@ -100,19 +120,44 @@ impl Setup {
             .map(|h| VethPair::new(&store, &h.server))
             .collect();
         let at = |ip: Ipv4Addr, port| SocketAddr::new(IpAddr::V4(ip), port);
-        let (mut redis, mut cluster, mut proxies) = (None, None, Vec::new());
+        let (mut redis, mut cluster, mut proxies, mut sentinels) = (None, None, Vec::new(), None);
+        // An address on the store's loopback, routed to from every host through its link.
+        let loopback_addr = |ip: Ipv4Addr| {
+            store.ip(&["addr", "add", &format!("{ip}/32"), "dev", "lo"]);
+            for (h, l) in hosts.iter().zip(&links) {
+                crate::link::add_route(
+                    &h.server,
+                    &format!("{ip}/32"),
+                    &l.b().name,
+                    Some(&l.a().ipv4.to_string()),
+                );
+            }
+        };
         let urls: Vec<String> = match self.store {
-            Store::Cluster { ip, ports } => {
-                store.ip(&["addr", "add", &format!("{ip}/32"), "dev", "lo"]);
-                for (h, l) in hosts.iter().zip(&links) {
-                    crate::link::add_route(
-                        &h.server,
-                        &format!("{ip}/32"),
-                        &l.b().name,
-                        Some(&l.a().ipv4.to_string()),
-                    );
-                }
-                let c = Cluster::start(&store, ip, ports);
+            Store::Sentinel { ip, ports } => {
+                loopback_addr(ip);
+                let s = Sentinels::start(&store, ip, ports);
+                let url = s.url();
+                sentinels = Some(s);
+                vec![url; self.hosts]
+            }
+            Store::Tls { ip, port } => {
+                loopback_addr(ip);
+                let tls = self.tls.as_ref().expect("Setup::tls for a TLS store");
+                redis = Some(Redis::start_tls(&store, IpAddr::V4(ip), port, tls));
+                vec![format!("rediss://{ip}:{port}"); self.hosts]
+            }
+            Store::Cluster { ip, ports } | Store::TlsCluster { ip, ports } => {
+                loopback_addr(ip);
+                let c = match self.store {
+                    Store::TlsCluster { .. } => Cluster::start_tls(
+                        &store,
+                        ip,
+                        ports,
+                        self.tls.as_ref().expect("Setup::tls for a TLS store"),
+                    ),
+                    _ => Cluster::start(&store, ip, ports),
+                };
                 let url = c.url();
                 cluster = Some(c);
                 vec![url; self.hosts]
@@ -156,6 +201,7 @@ impl Setup {
             _links: links,
             redis,
             cluster,
+            sentinels,
             _store: store,
         }
     }
@@ -170,6 +216,7 @@ pub struct FleetLab {
     _links: Vec<VethPair>,
     pub redis: Option<Redis>,
     pub cluster: Option<Cluster>,
+    pub sentinels: Option<Sentinels>,
     _store: NetNs,
 }
 
@@ -180,6 +227,10 @@ impl FleetLab {
 
     pub fn cluster(&mut self) -> &mut Cluster {
         self.cluster.as_mut().expect("a cluster store")
+    }
+
+    pub fn sentinels(&mut self) -> &mut Sentinels {
+        self.sentinels.as_mut().expect("a sentinel store")
     }
 
     pub fn d(&self, i: usize) -> &Daemon {

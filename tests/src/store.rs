@@ -9,6 +9,13 @@
 //! [`Cluster`] runs three such servers as a Redis Cluster of three masters and no replicas
 //! (`--cluster-enabled yes`, then `redis-cli --cluster create`), each with its own port and
 //! directory (its `nodes.conf` survives a kill, so a restarted master rejoins with its slots).
+//!
+//! [`Sentinels`] runs a master, its replica and three Redis Sentinels watching them, which
+//! promote the replica when the master is lost.
+//!
+//! [`TlsFiles`] makes a throwaway CA, a server certificate for given addresses and a client
+//! certificate (with `openssl`), and a second CA that signed neither; [`Redis::start_tls`]
+//! runs a server that speaks only TLS with them.
 
 use std::io::{Read as _, Write as _};
 use std::net::{SocketAddr, TcpStream};
@@ -42,6 +49,22 @@ pub struct Redis {
     stopped: bool,
     /// More `redis-server` arguments (the cluster's).
     extra: Vec<String>,
+    /// TLS only, with these files: the server's, and the client's for `redis-cli`.
+    tls: Option<TlsServer>,
+    /// A config file given first (a sentinel's: `redis-server FILE --sentinel`).
+    sentinel_conf: Option<PathBuf>,
+}
+
+/// What a TLS server is started with (paths into a [`TlsFiles`]' directory).
+#[derive(Clone, Debug)]
+pub struct TlsServer {
+    pub ca: PathBuf,
+    pub cert: PathBuf,
+    pub key: PathBuf,
+    pub client_cert: PathBuf,
+    pub client_key: PathBuf,
+    /// `--tls-auth-clients yes`: a client without a certificate of the CA is refused.
+    pub auth_clients: bool,
 }
 
 impl Redis {
@@ -53,6 +76,22 @@ impl Redis {
 
     /// [`Redis::start`] with more `redis-server` arguments.
     pub fn start_with(ns: &NetNs, probe: std::net::IpAddr, port: u16, extra: &[&str]) -> Redis {
+        Redis::start_inner(ns, probe, port, extra, None)
+    }
+
+    /// [`Redis::start`] speaking only TLS on `port` (`--port 0 --tls-port PORT`), with the
+    /// certificates of `tls`.
+    pub fn start_tls(ns: &NetNs, probe: std::net::IpAddr, port: u16, tls: &TlsServer) -> Redis {
+        Redis::start_inner(ns, probe, port, &[], Some(tls.clone()))
+    }
+
+    fn start_inner(
+        ns: &NetNs,
+        probe: std::net::IpAddr,
+        port: u16,
+        extra: &[&str],
+        tls: Option<TlsServer>,
+    ) -> Redis {
         let mut r = Redis {
             child: None,
             dir: crate::daemon::make_temp_dir(),
@@ -61,6 +100,29 @@ impl Redis {
             probe: SocketAddr::new(probe, port),
             stopped: false,
             extra: extra.iter().map(|a| a.to_string()).collect(),
+            tls,
+            sentinel_conf: None,
+        };
+        r.launch();
+        r
+    }
+
+    /// A Redis Sentinel (`redis-server FILE --sentinel`) on `port`, its config file (which
+    /// it rewrites) in its directory holding `conf`.
+    pub fn start_sentinel(ns: &NetNs, probe: std::net::IpAddr, port: u16, conf: &str) -> Redis {
+        let dir = crate::daemon::make_temp_dir();
+        let file = dir.join("sentinel.conf");
+        std::fs::write(&file, conf).expect("writing sentinel.conf");
+        let mut r = Redis {
+            child: None,
+            dir,
+            ns_fd: ns.dup_fd(),
+            port,
+            probe: SocketAddr::new(probe, port),
+            stopped: false,
+            extra: Vec::new(),
+            tls: None,
+            sentinel_conf: Some(file),
         };
         r.launch();
         r
@@ -70,8 +132,28 @@ impl Redis {
         assert!(self.child.is_none(), "redis-server already running");
         let log = self.dir.join("redis.log");
         let mut cmd = command_in_fd(self.ns_fd.try_clone().expect("dup netns fd"), binary());
-        cmd.args(["--port", &self.port.to_string()])
-            .args(["--bind", "0.0.0.0", "::"])
+        if let Some(conf) = &self.sentinel_conf {
+            cmd.arg(conf).arg("--sentinel");
+        }
+        match &self.tls {
+            None => {
+                cmd.args(["--port", &self.port.to_string()]);
+            }
+            Some(t) => {
+                cmd.args(["--port", "0", "--tls-port", &self.port.to_string()])
+                    .arg("--tls-cert-file")
+                    .arg(&t.cert)
+                    .arg("--tls-key-file")
+                    .arg(&t.key)
+                    .arg("--tls-ca-cert-file")
+                    .arg(&t.ca)
+                    .args([
+                        "--tls-auth-clients",
+                        if t.auth_clients { "yes" } else { "no" },
+                    ]);
+            }
+        }
+        cmd.args(["--bind", "0.0.0.0", "::"])
             .args(["--protected-mode", "no"])
             .args(["--save", ""])
             .args(["--appendonly", "no"])
@@ -111,6 +193,9 @@ impl Redis {
 
     /// Whether the server answers `PING` within a second.
     pub fn ping(&self) -> bool {
+        if self.tls.is_some() {
+            return self.cli(&["PING"]) == "PONG";
+        }
         let addr = self.probe;
         in_netns(self.ns_fd_borrow(), move || {
             let Ok(mut c) = TcpStream::connect_timeout(&addr, Duration::from_secs(1)) else {
@@ -141,9 +226,17 @@ impl Redis {
         cmd.arg("-h")
             .arg(self.probe.ip().to_string())
             .arg("-p")
-            .arg(self.port.to_string())
-            .args(args)
-            .stdin(Stdio::null());
+            .arg(self.port.to_string());
+        if let Some(t) = &self.tls {
+            cmd.arg("--tls")
+                .arg("--cacert")
+                .arg(&t.ca)
+                .arg("--cert")
+                .arg(&t.client_cert)
+                .arg("--key")
+                .arg(&t.client_key);
+        }
+        cmd.args(args).stdin(Stdio::null());
         let out = cmd
             .output()
             .unwrap_or_else(|e| panic!("running `{}`: {e}", describe(&cmd)));
@@ -227,21 +320,44 @@ pub struct Cluster {
     pub nodes: Vec<Redis>,
     ns_fd: OwnedFd,
     announce: std::net::Ipv4Addr,
+    tls: Option<TlsServer>,
 }
 
 impl Cluster {
     /// Starts three nodes on `ports` and joins them into one cluster (`redis-cli --cluster
     /// create`, every slot assigned), waiting until each says `cluster_state:ok`.
     pub fn start(ns: &NetNs, announce: std::net::Ipv4Addr, ports: [u16; 3]) -> Cluster {
+        Cluster::start_inner(ns, announce, ports, None)
+    }
+
+    /// [`Cluster::start`] speaking only TLS, to clients and between nodes (`--tls-cluster
+    /// yes`), with the certificates of `tls` (the server's for the address `announce`).
+    pub fn start_tls(
+        ns: &NetNs,
+        announce: std::net::Ipv4Addr,
+        ports: [u16; 3],
+        tls: &TlsServer,
+    ) -> Cluster {
+        Cluster::start_inner(ns, announce, ports, Some(tls))
+    }
+
+    fn start_inner(
+        ns: &NetNs,
+        announce: std::net::Ipv4Addr,
+        ports: [u16; 3],
+        tls: Option<&TlsServer>,
+    ) -> Cluster {
         let ip = announce.to_string();
         let nodes: Vec<Redis> = ports
             .iter()
             .map(|&port| {
-                Redis::start_with(
+                Redis::start_inner(
                     ns,
                     std::net::IpAddr::V4(announce),
                     port,
                     &[
+                        "--tls-cluster",
+                        if tls.is_some() { "yes" } else { "no" },
                         "--cluster-enabled",
                         "yes",
                         "--cluster-config-file",
@@ -255,6 +371,7 @@ impl Cluster {
                         "--cluster-announce-ip",
                         &ip,
                     ],
+                    tls.cloned(),
                 )
             })
             .collect();
@@ -262,6 +379,7 @@ impl Cluster {
             nodes,
             ns_fd: ns.dup_fd(),
             announce,
+            tls: tls.cloned(),
         };
         let mut args: Vec<String> = vec!["--cluster".into(), "create".into()];
         args.extend(ports.iter().map(|p| format!("{ip}:{p}")));
@@ -284,8 +402,24 @@ impl Cluster {
         c
     }
 
+    /// `redis-cli ARGS`, killed after [`READY_TIMEOUT`] (`--cluster create` waits for the
+    /// nodes to agree, which nodes that cannot talk to each other never do).
     fn cli_raw(&self, args: &[String]) -> std::process::Output {
-        let mut cmd = command_in_fd(self.ns_fd.try_clone().expect("dup netns fd"), cli_binary());
+        let mut cmd = command_in_fd(
+            self.ns_fd.try_clone().expect("dup netns fd"),
+            crate::tool::find_binary("timeout", "coreutils"),
+        );
+        cmd.args(["-s", "KILL", &READY_TIMEOUT.as_secs().to_string()])
+            .arg(cli_binary());
+        if let Some(t) = &self.tls {
+            cmd.arg("--tls")
+                .arg("--cacert")
+                .arg(&t.ca)
+                .arg("--cert")
+                .arg(&t.client_cert)
+                .arg("--key")
+                .arg(&t.client_key);
+        }
         cmd.args(args).stdin(Stdio::null());
         cmd.output()
             .unwrap_or_else(|e| panic!("running `{}`: {e}", describe(&cmd)))
@@ -340,7 +474,12 @@ impl Cluster {
             .iter()
             .map(|n| format!("{}:{}", self.announce, n.port()))
             .collect();
-        format!("redis+cluster://{}", nodes.join(","))
+        let scheme = if self.tls.is_some() {
+            "rediss"
+        } else {
+            "redis"
+        };
+        format!("{scheme}+cluster://{}", nodes.join(","))
     }
 
     /// The keys node `i` holds.
@@ -351,4 +490,250 @@ impl Cluster {
             .parse()
             .unwrap_or(0)
     }
+}
+
+/// A throwaway PKI in a private temp dir (removed on drop): a CA, a server certificate for
+/// the given addresses (its subject alternative names; usable as a client's too, as the nodes
+/// of a TLS cluster are each other's clients) and a client certificate, both signed by the
+/// CA, and another CA that signed neither. Keys are P-256, PKCS#8, mode 0600.
+pub struct TlsFiles {
+    dir: PathBuf,
+}
+
+impl TlsFiles {
+    /// Makes every file with `openssl` (panics, saying what failed, if it cannot).
+    pub fn generate(server_ips: &[std::net::IpAddr]) -> TlsFiles {
+        let files = TlsFiles {
+            dir: crate::daemon::make_temp_dir(),
+        };
+        let d = &files.dir;
+        let openssl = |args: &[&str]| {
+            let mut cmd =
+                std::process::Command::new(crate::tool::find_binary("openssl", "openssl"));
+            cmd.current_dir(d).args(args).stdin(Stdio::null());
+            let out = cmd
+                .output()
+                .unwrap_or_else(|e| panic!("running `{}`: {e}", describe(&cmd)));
+            assert!(
+                out.status.success(),
+                "`{}` failed: {}",
+                describe(&cmd),
+                String::from_utf8_lossy(&out.stderr)
+            );
+        };
+        let key = [
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+            "-nodes",
+        ];
+        for ca in ["ca", "other-ca"] {
+            let mut args = vec!["req", "-x509"];
+            args.extend(key);
+            let (k, c, subj) = (
+                format!("{ca}.key"),
+                format!("{ca}.crt"),
+                format!("/CN=ratelimit test {ca}"),
+            );
+            args.extend(["-keyout", &k, "-out", &c, "-days", "2", "-subj", &subj]);
+            openssl(&args);
+        }
+        let san: Vec<String> = server_ips.iter().map(|ip| format!("IP:{ip}")).collect();
+        for (name, usage, san) in [
+            ("server", "serverAuth,clientAuth", san.join(",")),
+            ("client", "clientAuth", String::new()),
+        ] {
+            let (k, csr, c, ext) = (
+                format!("{name}.key"),
+                format!("{name}.csr"),
+                format!("{name}.crt"),
+                format!("{name}.ext"),
+            );
+            let mut args = vec!["req"];
+            args.extend(key);
+            let subj = format!("/CN=ratelimit test {name}");
+            args.extend(["-keyout", &k, "-out", &csr, "-subj", &subj]);
+            openssl(&args);
+            let mut text = format!(
+                "basicConstraints=CA:FALSE\nkeyUsage=digitalSignature\nextendedKeyUsage={usage}\n"
+            );
+            if !san.is_empty() {
+                text.push_str(&format!("subjectAltName={san}\n"));
+            }
+            std::fs::write(d.join(&ext), text).expect("writing the extensions");
+            openssl(&[
+                "x509",
+                "-req",
+                "-in",
+                &csr,
+                "-CA",
+                "ca.crt",
+                "-CAkey",
+                "ca.key",
+                "-CAcreateserial",
+                "-out",
+                &c,
+                "-days",
+                "2",
+                "-extfile",
+                &ext,
+            ]);
+        }
+        for k in ["ca.key", "other-ca.key", "server.key", "client.key"] {
+            use std::os::unix::fs::PermissionsExt as _;
+            std::fs::set_permissions(d.join(k), std::fs::Permissions::from_mode(0o600))
+                .expect("chmod 600");
+        }
+        files
+    }
+
+    pub fn path(&self, name: &str) -> PathBuf {
+        self.dir.join(name)
+    }
+
+    /// The CA that signed the server's and the client's certificates.
+    pub fn ca(&self) -> PathBuf {
+        self.path("ca.crt")
+    }
+
+    /// A CA that signed neither.
+    pub fn other_ca(&self) -> PathBuf {
+        self.path("other-ca.crt")
+    }
+
+    pub fn client_cert(&self) -> PathBuf {
+        self.path("client.crt")
+    }
+
+    pub fn client_key(&self) -> PathBuf {
+        self.path("client.key")
+    }
+
+    /// A server's settings with these files.
+    pub fn server(&self, auth_clients: bool) -> TlsServer {
+        TlsServer {
+            ca: self.ca(),
+            cert: self.path("server.crt"),
+            key: self.path("server.key"),
+            client_cert: self.client_cert(),
+            client_key: self.client_key(),
+            auth_clients,
+        }
+    }
+}
+
+impl Drop for TlsFiles {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// The master's name the sentinels watch.
+pub const SENTINEL_MASTER: &str = "fleet";
+
+/// A master, one replica of it and three sentinels (quorum 2) in a lab namespace, every one
+/// on the address `ip` (on the namespace's loopback, put there by the caller) at its own
+/// port. The sentinels judge the master down after 500 ms without an answer
+/// (`down-after-milliseconds`) and give a failover 3 s (`failover-timeout`). Dropping it
+/// kills every process.
+pub struct Sentinels {
+    pub sentinels: Vec<Redis>,
+    pub master: Redis,
+    pub replica: Redis,
+    ip: std::net::Ipv4Addr,
+}
+
+impl Sentinels {
+    /// `ports`: the master's, the replica's, then the three sentinels'. Waits until the
+    /// replica is in sync and every sentinel knows the replica and the two other sentinels.
+    pub fn start(ns: &NetNs, ip: std::net::Ipv4Addr, ports: [u16; 5]) -> Sentinels {
+        let at = std::net::IpAddr::V4(ip);
+        let ips = ip.to_string();
+        let master = Redis::start_with(ns, at, ports[0], &["--replica-announce-ip", &ips]);
+        let replica = Redis::start_with(
+            ns,
+            at,
+            ports[1],
+            &[
+                "--replicaof",
+                &ips,
+                &ports[0].to_string(),
+                "--replica-announce-ip",
+                &ips,
+            ],
+        );
+        let give_up = Instant::now() + READY_TIMEOUT;
+        while !replica
+            .cli(&["info", "replication"])
+            .contains("master_link_status:up")
+        {
+            assert!(
+                Instant::now() < give_up,
+                "the replica never synced: {}\n{}",
+                replica.cli(&["info", "replication"]),
+                replica.log()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let conf = format!(
+            "sentinel monitor {SENTINEL_MASTER} {ip} {} 2\n\
+             sentinel down-after-milliseconds {SENTINEL_MASTER} 500\n\
+             sentinel failover-timeout {SENTINEL_MASTER} 3000\n\
+             sentinel parallel-syncs {SENTINEL_MASTER} 1\n\
+             sentinel announce-ip {ip}\n",
+            ports[0]
+        );
+        let sentinels: Vec<Redis> = ports[2..]
+            .iter()
+            .map(|&p| Redis::start_sentinel(ns, at, p, &conf))
+            .collect();
+        let s = Sentinels {
+            sentinels,
+            master,
+            replica,
+            ip,
+        };
+        // Sentinels find each other through the master every 2 s (hello messages).
+        for (i, sn) in s.sentinels.iter().enumerate() {
+            loop {
+                let out = sn.cli(&["sentinel", "master", SENTINEL_MASTER]);
+                if field(&out, "num-slaves") == Some(1)
+                    && field(&out, "num-other-sentinels") == Some(2)
+                {
+                    break;
+                }
+                assert!(
+                    Instant::now() < give_up,
+                    "sentinel {i} does not see the replica and the other sentinels: {out}\n{}",
+                    sn.log()
+                );
+                std::thread::sleep(Duration::from_millis(100));
+            }
+        }
+        s
+    }
+
+    /// `redis+sentinel://IP:PORT,IP:PORT,IP:PORT/NAME`.
+    pub fn url(&self) -> String {
+        let nodes: Vec<String> = self
+            .sentinels
+            .iter()
+            .map(|s| format!("{}:{}", self.ip, s.port()))
+            .collect();
+        format!("redis+sentinel://{}/{SENTINEL_MASTER}", nodes.join(","))
+    }
+
+    /// The master's port as sentinel `i` names it.
+    pub fn master_port(&self, i: usize) -> Option<u16> {
+        let out = self.sentinels[i].cli(&["sentinel", "get-master-addr-by-name", SENTINEL_MASTER]);
+        out.lines().nth(1)?.trim().parse().ok()
+    }
+}
+
+/// The value after the line `name` in `redis-cli`'s output of a flat array (a number).
+fn field(out: &str, name: &str) -> Option<u64> {
+    let mut lines = out.lines();
+    lines.find(|l| l.trim() == name)?;
+    lines.next()?.trim().parse().ok()
 }

@@ -614,6 +614,17 @@ fn bans_spread_over_a_redis_cluster_and_survive_the_loss_of_its_master() {
         assert!(!logs.contains("CROSSSLOT"), "host {i}:\n{logs}");
     }
 
+    // The restarted master came back empty: host 2's heartbeat is written there again (the
+    // others read it) before it stops, or it would be absent from the peers, not stale.
+    assert!(
+        wait_for(Duration::from_secs(10), || (0..2).all(|i| f
+            .fleet(i)
+            .peers
+            .iter()
+            .any(|p| p.host_id == "h2" && p.age_ms < 2000))),
+        "{:?}",
+        f.fleet(0).peers
+    );
     // Host 2 stops: the others show it stale once its heartbeat is 10 s old.
     f.hosts[2].daemon_mut().stop();
     let t0 = Instant::now();

@@ -1772,6 +1772,108 @@ fn fleet_takes_its_values_and_defaults() {
 }
 
 #[test]
+fn fleet_tls_takes_its_files() {
+    let f = ok("[fleet]\nredis = \"rediss://10.1.0.5:6380\"\n")
+        .fleet
+        .unwrap();
+    assert_eq!(f.redis, "rediss://10.1.0.5:6380");
+    assert_eq!(
+        (f.tls_ca_file, f.tls_cert_file, f.tls_key_file),
+        (None, None, None)
+    );
+    let f = ok("[fleet]\nredis = \"rediss://10.1.0.5:6380\"\ntls_ca_file = \"/etc/ratelimit/ca.pem\"\n\
+                tls_cert_file = \"/etc/ratelimit/host.pem\"\ntls_key_file = \"/etc/ratelimit/host.key\"\n")
+    .fleet
+    .unwrap();
+    let p = |s: &str| Some(std::path::PathBuf::from(s));
+    assert_eq!(f.tls_ca_file, p("/etc/ratelimit/ca.pem"));
+    assert_eq!(f.tls_cert_file, p("/etc/ratelimit/host.pem"));
+    assert_eq!(f.tls_key_file, p("/etc/ratelimit/host.key"));
+    // A cluster over TLS: every node is a rediss:// node.
+    let f = ok("[fleet]\nredis = \"rediss+cluster://a:7001,b:7002\"\ntls_ca_file = \"/ca.pem\"\n")
+        .fleet
+        .unwrap();
+    assert_eq!(f.tls_ca_file, p("/ca.pem"));
+    assert_eq!(
+        super::cluster_nodes("rediss+cluster://u:pw@a:1,b:2").unwrap(),
+        Ok(vec![
+            "rediss://u:pw@a:1".to_string(),
+            "rediss://u:pw@b:2".to_string()
+        ])
+    );
+    assert!(super::is_tls_url("rediss://a:1") && super::is_tls_url("rediss+cluster://a:1"));
+    assert!(!super::is_tls_url("redis://a:1") && !super::is_tls_url("unix:///r.sock"));
+}
+
+#[test]
+fn fleet_through_sentinels() {
+    let f = ok("[fleet]\nredis = \"redis+sentinel://10.1.0.5:26379,10.1.0.6:26379/fleet\"\n")
+        .fleet
+        .unwrap();
+    assert_eq!(
+        f.redis,
+        "redis+sentinel://10.1.0.5:26379,10.1.0.6:26379/fleet"
+    );
+    assert_eq!(
+        super::sentinel_nodes(&f.redis).unwrap(),
+        Ok((
+            vec![
+                "redis://10.1.0.5:26379".to_string(),
+                "redis://10.1.0.6:26379".to_string()
+            ],
+            "fleet".to_string()
+        ))
+    );
+    assert_eq!(super::sentinel_nodes("redis://a:1"), None);
+    for (url, what) in [
+        ("redis+sentinel://a:1,b:2", "names no master"),
+        ("redis+sentinel://a:1/", "is not a master name"),
+        ("redis+sentinel://a:1,,b:2/m", "\"\" is not a sentinel"),
+        ("redis+sentinel://u:pw@a:1/m", "without credentials"),
+    ] {
+        let e = error(&format!("[fleet]\nredis = \"{url}\"\n"));
+        assert!(
+            e.starts_with("t.toml:2:9: fleet.redis: ") && e.contains(what),
+            "{e}"
+        );
+        assert!(!e.contains("pw@"), "{e}");
+    }
+    let e = error("[fleet]\nredis = \"redis+sentinel://a:1/m\"\ntls_ca_file = \"/ca.pem\"\n");
+    assert!(
+        e.contains("fleet.tls_ca_file needs a TLS store address"),
+        "{e}"
+    );
+}
+
+#[test]
+fn fleet_tls_errors() {
+    assert_eq!(
+        error("[fleet]\nredis = \"redis://a:6379\"\ntls_ca_file = \"/ca.pem\"\n"),
+        "t.toml:3:15: fleet.tls_ca_file needs a TLS store address (fleet.redis = \
+         \"rediss://HOST:PORT\" or \"rediss+cluster://...\")"
+    );
+    let e = error("[fleet]\nredis = \"unix:///r.sock\"\ntls_key_file = \"/k\"\n");
+    assert!(
+        e.starts_with("t.toml:3:16: fleet.tls_key_file needs a TLS store address"),
+        "{e}"
+    );
+    assert_eq!(
+        error("[fleet]\nredis = \"rediss://a:6379\"\ntls_cert_file = \"/c.pem\"\n"),
+        "t.toml:3:17: fleet.tls_cert_file needs fleet.tls_key_file (the certificate's private key)"
+    );
+    assert_eq!(
+        error("[fleet]\nredis = \"rediss://a:6379\"\ntls_key_file = \"/k.pem\"\n"),
+        "t.toml:3:16: fleet.tls_key_file needs fleet.tls_cert_file (the key's certificate)"
+    );
+    assert_eq!(
+        error("[fleet]\nredis = \"rediss://a:6379\"\ntls_ca_file = \"\"\n"),
+        "t.toml:3:15: fleet.tls_ca_file must not be empty"
+    );
+    let e = error("[fleet]\nredis = \"rediss+cluster://a:6379,,b:1\"\n");
+    assert!(e.contains("expected rediss+cluster://HOST:PORT"), "{e}");
+}
+
+#[test]
 fn fleet_errors() {
     assert_eq!(
         error("[fleet]\nhost_id = \"a\"\n"),
@@ -1780,7 +1882,8 @@ fn fleet_errors() {
     assert_eq!(
         error("[fleet]\nredis = \"http://10.1.0.5\"\n"),
         "t.toml:2:9: fleet.redis: \"http://10.1.0.5\" is not a store address (expected \
-         redis://HOST:PORT, redis+cluster://HOST:PORT,HOST:PORT,... or unix:///PATH)"
+         redis://HOST:PORT, rediss://HOST:PORT (TLS), redis+cluster://HOST:PORT,HOST:PORT,..., \
+         rediss+cluster://..., redis+sentinel://HOST:PORT,.../MASTER_NAME or unix:///PATH)"
     );
     let c = ok("[fleet]\nredis = \"redis+cluster://a:6379,b:6379,c:6379\"\n");
     assert_eq!(
@@ -1807,10 +1910,6 @@ fn fleet_errors() {
             && !e.contains("secret"),
         "{e}"
     );
-    let e = error("[fleet]\nredis = \"rediss+cluster://a:6379\"\n");
-    assert!(e.contains("TLS (rediss://) is not yet supported"), "{e}");
-    let e = error("[fleet]\nredis = \"rediss://a:6379\"\n");
-    assert!(e.contains("TLS (rediss://) is not yet supported"), "{e}");
     assert_eq!(
         error("[fleet]\nredis = \"redis://a:6379\"\nhost_id = \"edge 1\"\n"),
         "t.toml:3:11: fleet.host_id: \"edge 1\": ' ' is not allowed (letters, digits, '.', '-' \

@@ -409,6 +409,39 @@ fn fleet(mut t: Table, ck: &mut Checker) -> Option<Fleet> {
             .map(|()| s.to_owned())
     });
     let password_file = t.get("password_file").and_then(|f| path(&f, ck));
+    // TLS material: only with a TLS address; a client certificate goes with its key.
+    let tls = redis.as_deref().map(super::is_tls_url);
+    let mut tls_path = |key: &'static str| {
+        let f = t.get(key)?;
+        let p = path(&f, ck)?;
+        if tls == Some(false) {
+            f.error(
+                ck,
+                "needs a TLS store address (fleet.redis = \"rediss://HOST:PORT\" or \
+                 \"rediss+cluster://...\")",
+            );
+            return None;
+        }
+        Some((p, f))
+    };
+    let tls_ca_file = tls_path("tls_ca_file").map(|(p, _)| p);
+    let cert = tls_path("tls_cert_file");
+    let key = tls_path("tls_key_file");
+    let (tls_cert_file, tls_key_file) = match (cert, key) {
+        (Some((c, _)), Some((k, _))) => (Some(c), Some(k)),
+        (Some((_, f)), None) if tls != Some(false) => {
+            f.error(
+                ck,
+                "needs fleet.tls_key_file (the certificate's private key)",
+            );
+            (None, None)
+        }
+        (None, Some((_, f))) if tls != Some(false) => {
+            f.error(ck, "needs fleet.tls_cert_file (the key's certificate)");
+            (None, None)
+        }
+        _ => (None, None),
+    };
     let mut sync_interval = super::DEFAULT_SYNC_INTERVAL;
     if let Some(f) = t.get("sync_interval")
         && let Some(d) = duration(&f, ck)
@@ -425,6 +458,9 @@ fn fleet(mut t: Table, ck: &mut Checker) -> Option<Fleet> {
         redis: redis?,
         host_id,
         password_file,
+        tls_ca_file,
+        tls_cert_file,
+        tls_key_file,
         sync_interval,
         share_bans,
     })
