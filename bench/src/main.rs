@@ -15,6 +15,7 @@
 //! runs and returns the right verdict.
 
 mod control;
+mod fleet;
 mod flood;
 mod object;
 mod part;
@@ -283,7 +284,8 @@ fn main() {
         let section = match only.as_str() {
             "flood" => flood::run(&ctx),
             "control" => control::run(&ctx),
-            other => panic!("RATELIMIT_BENCH_ONLY={other}: flood, control, cost or program"),
+            "fleet" => fleet::run(&ctx),
+            other => panic!("RATELIMIT_BENCH_ONLY={other}: flood, control, fleet, cost or program"),
         };
         if let Some(s) = section {
             println!("{}", serde_json::to_string_pretty(&s.json).unwrap());
@@ -674,7 +676,11 @@ fn main() {
     let parts: &[(&str, Part)] = if cost_only {
         &[]
     } else {
-        &[("flood", flood::run), ("control", control::run)]
+        &[
+            ("flood", flood::run),
+            ("control", control::run),
+            ("fleet", fleet::run),
+        ]
     };
     for (name, part) in parts {
         println!("bench: {name}");

@@ -630,6 +630,10 @@ pub struct GlobalReport {
     pub rounds: u64,
     pub store_calls: u64,
     pub store_errors: u64,
+    /// Client counts the calls carried (one key of a hash each, read and, when it grew,
+    /// written).
+    #[serde(default)]
+    pub keys_published: u64,
     /// Counts of other hosts added into this host's states, in all (admitted and offered).
     pub added_total: u64,
     /// The last round's duration (ms), and when it ran (ms ago at the time of the report).
@@ -789,6 +793,7 @@ pub async fn run<O: Owner>(
                 retry_at = None;
                 r.rounds += 1;
                 r.store_calls += done.calls;
+                r.keys_published += done.keys;
                 r.store_errors += done.failed;
                 r.added_total += done.added;
                 r.last_round_ms = Some(t0.elapsed().as_secs_f64() * 1e3);
@@ -1065,6 +1070,7 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore + Announce>(
             Err(e) => announce_failed = Some(e),
         }
     }
+    let keys = calls.iter().map(|c| c.pairs.len() as u64).sum();
     let calls = calls.len() as u64;
     if last_error.is_none() {
         last_error = announce_failed;
@@ -1074,6 +1080,7 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore + Announce>(
         Some(e) if failed == calls => Err(e),
         _ => Ok(Round {
             calls,
+            keys,
             failed,
             added,
             last_error: last_error.map(|e| format!("{e:#}")),
@@ -1085,6 +1092,8 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore + Announce>(
 #[derive(Debug, Clone, Default)]
 pub struct Round {
     pub calls: u64,
+    /// Client counts the calls carried.
+    pub keys: u64,
     /// Calls that failed (their clients were not synced this round).
     pub failed: u64,
     pub added: u64,
