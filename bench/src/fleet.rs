@@ -66,8 +66,11 @@ pub struct Cost {
     pub synced_keys: usize,
     /// The `redis-server` process's CPU over the span, in cores.
     pub redis_cores: f64,
-    /// The server's own time in commands (`usec` of commandstats), in cores.
-    pub redis_command_cores: f64,
+    /// The server's time in commands (`usec` of commandstats: wall time, which a busy
+    /// machine's preemption adds to), in cores.
+    pub redis_command_wall_cores: f64,
+    /// Sync rounds the daemon ran a second.
+    pub rounds_per_s: f64,
     /// The daemon's CPU over the span, in cores.
     pub daemon_cores: f64,
     /// The sender kept to its schedule (ticks sent late, of all).
@@ -105,6 +108,18 @@ pub fn run(ctx: &Ctx) -> Option<Section> {
     } else {
         &[(100_000, 20), (1_000_000, 40)]
     };
+    // RATELIMIT_BENCH_FLEET_SIZES="200000:20,1000000:40": other sizes (sources:window).
+    let asked: Option<Vec<(u64, u64)>> = std::env::var("RATELIMIT_BENCH_FLEET_SIZES")
+        .ok()
+        .map(|v| {
+            v.split(',')
+                .filter_map(|p| {
+                    let (n, t) = p.split_once(':')?;
+                    Some((n.trim().parse().ok()?, t.trim().parse().ok()?))
+                })
+                .collect()
+        });
+    let sizes = asked.as_deref().unwrap_or(sizes);
     let costs: Vec<Cost> = sizes.iter().map(|&(n, t)| cost(n, t)).collect();
     for c in &costs {
         println!("  store cost: {c:?}");
@@ -399,7 +414,8 @@ scope = "global"
         daemon_calls_per_s: per_s(f1.store_calls - f0.store_calls),
         synced_keys: f1.synced_keys,
         redis_cores: (c1 - c0) / secs,
-        redis_command_cores: usec as f64 / 1e6 / secs,
+        redis_command_wall_cores: usec as f64 / 1e6 / secs,
+        rounds_per_s: per_s(f1.rounds - f0.rounds),
         daemon_cores: (d1 - d0) / secs,
         late_ticks: late,
         ticks,
@@ -429,22 +445,22 @@ fn section(
         acc.max_off * 100.0
     ));
     md.push_str(&format!(
-        "**Store cost of one host** (one daemon, XDP on a veth in its namespace, the same store; real frames from an AF_PACKET socket; a `sliding_window` global rule of {COST_L} a window, sync every 100 ms; one source in {NEAR_ONE_IN} sends 60-100% of the threshold a window, spread evenly over it, and every other one packet a window, under the 5% share a host publishes from). One whole window of the wall clock is measured after one of warm-up. Read from the server: `INFO commandstats` before and after (calls: the commands the host sent, each script call one; counts carried: the client counts the script calls carried, one `HGET` of this host's field each; key updates: those that grew, one `HINCRBY` of the key's total each), and `redis-server`'s CPU time (`utime + stime` in /proc) over the span, in cores; the daemon's CPU the same way.\n\n| tracked | near limit | window | offered pps | synced | calls/s | script calls/s | counts carried/s | key updates/s | redis CPU (cores) | of it in commands | daemon CPU (cores) |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
+        "**Store cost of one host** (one daemon, XDP on a veth in its namespace, the same store; real frames from an AF_PACKET socket; a `sliding_window` global rule of {COST_L} a window, sync every 100 ms; one source in {NEAR_ONE_IN} sends 60-100% of the threshold a window, spread evenly over it, and every other one packet a window, under the 5% share a host publishes from). One whole window of the wall clock is measured after one of warm-up. Read from the server: `INFO commandstats` before and after (calls: the commands the host sent, each script call one; counts carried: the client counts the script calls carried, one `HGET` of this host's field each; key updates: those that grew, one `HINCRBY` of the key's total each), and `redis-server`'s CPU time (`utime + stime` in /proc) over the span, in cores; the daemon's CPU the same way.\n\n| tracked | near limit | window | offered pps | synced | sync rounds/s | calls/s | script calls/s | counts carried/s | key updates/s | redis CPU (cores) | daemon CPU (cores) |\n|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|\n"
     ));
     for c in costs {
         md.push_str(&format!(
-            "| {} | {} | {} s | {:.0} | {} | {:.0} | {:.0} | {:.0} | {:.0} | {:.3} | {:.3} | {:.3} |\n",
+            "| {} | {} | {} s | {:.0} | {} | {:.1} | {:.0} | {:.0} | {:.0} | {:.0} | {:.3} | {:.3} |\n",
             c.tracked,
             c.near,
             c.interval_s,
             c.pps,
             c.synced_keys,
+            c.rounds_per_s,
             c.calls_per_s,
             c.script_calls_per_s,
             c.keys_per_s,
             c.key_updates_per_s,
             c.redis_cores,
-            c.redis_command_cores,
             c.daemon_cores
         ));
     }

@@ -240,6 +240,9 @@ struct Added {
     published: u64,
     total: u64,
     quiet_rounds: u32,
+    /// The last window in which another host was seen counting the client (its fleet total
+    /// above this host's own count), kept across windows.
+    others_window: Option<u64>,
 }
 
 /// A client far from its limit (its fleet total under [`NEAR_LIMIT_PERMILLE`]) whose own
@@ -251,6 +254,17 @@ const WARM_ROUNDS: u32 = 10;
 const PREV_ROUNDS: u32 = 20;
 
 impl Added {
+    /// No other host was seen counting the client in this window or the one before: this
+    /// host's counts are all the fleet has of it, so it is shared at the warm pace however
+    /// near its limit it is (the program holds it to the threshold here on its own), and its
+    /// previous window once. Another host that starts counting it publishes every round as
+    /// soon as it sees this host's count in the total; this host sees that host's at its next
+    /// publish, within [`WARM_ROUNDS`], and shares it every round from then on.
+    fn solo(&self) -> bool {
+        self.others_window
+            .is_none_or(|w| self.window.saturating_sub(w) > 1)
+    }
+
     /// The meter moved to `stamp`: what was added to the current window is now the previous
     /// window's (the program moved `cur` into `prev`), or nothing if it skipped windows.
     fn roll(&mut self, stamp: u64) {
@@ -948,7 +962,10 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore + Announce>(
                 s.active = Instant::now();
             }
             a.rounds = a.rounds.saturating_add(1);
-            let prev_too = a.rounds <= PREV_ROUNDS;
+            let solo = a.solo();
+            // The previous window for a while (the other hosts' last counts of it come in
+            // late); a solo client's only once, its final count.
+            let prev_too = a.rounds <= if solo { 1 } else { PREV_ROUNDS };
             for (to_prev, window, own) in [
                 (false, stamp, own_cur),
                 (true, stamp.wrapping_sub(1), own_prev),
@@ -957,11 +974,12 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore + Announce>(
                     continue;
                 }
                 // A warm client (far from its limit, its own count barely moved) only now
-                // and then: near ones, and every window's first round, always.
+                // and then: near ones, and every window's first round, always; a solo one
+                // (no other host counts it) only now and then, however near.
                 if !to_prev {
                     let moved = g.worth(m, own.saturating_sub(a.published));
-                    if a.rounds > 1 && !g.near(m, a.total) && !moved && a.quiet_rounds < WARM_ROUNDS
-                    {
+                    let often = !solo && (g.near(m, a.total) || moved);
+                    if a.rounds > 1 && !often && a.quiet_rounds < WARM_ROUNDS {
                         a.quiet_rounds += 1;
                         continue;
                     }
@@ -1026,6 +1044,14 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore + Announce>(
             if !e.to_prev {
                 a.published = e.own;
                 a.total = total;
+            }
+            if total > e.own {
+                let w = if e.to_prev {
+                    a.window.wrapping_sub(1)
+                } else {
+                    a.window
+                };
+                a.others_window = Some(a.others_window.map_or(w, |o| o.max(w)));
             }
             if !e.to_prev && !a.announced && rules[s.rule].near(m, total) {
                 let set = announce_set(&rules[s.rule].rid, m, s.bucket, a.window);
@@ -1206,6 +1232,51 @@ mod tests {
         {
             std::task::Poll::Ready(r) => r.unwrap(),
             std::task::Poll::Pending => unreachable!("the memory store answers at once"),
+        }
+    }
+
+    #[test]
+    fn a_client_no_other_host_counts_is_shared_at_the_warm_pace_however_near() {
+        let rules = rule();
+        let mut synced = one_client(&rules);
+        // 900 of 1000: near its limit, and it keeps moving.
+        let slots = OneSlot(std::cell::RefCell::new(ClientState {
+            stamp: 7,
+            cur: 900,
+            ..Default::default()
+        }));
+        let mut m = MemoryCounts::default();
+        let mut keys = Vec::new();
+        for _ in 0..=WARM_ROUNDS + 1 {
+            keys.push(now_round(&mut m, &slots, &rules, &mut synced).keys);
+            slots.0.borrow_mut().cur += 5;
+        }
+        // The window's first round (its count and the previous window's), then once in
+        // WARM_ROUNDS + 1.
+        assert_eq!(keys, [2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]);
+        // Another host counts it: seen at this host's next publish, every round from then on.
+        let name = synced[0].name.clone();
+        let h = hash_name("r#1", Meter::Admitted, synced[0].bucket, 7);
+        m.run(&h, "b", u64::MAX, &[(&name, 10)]);
+        let mut keys = Vec::new();
+        for _ in 0..=WARM_ROUNDS + 3 {
+            keys.push(now_round(&mut m, &slots, &rules, &mut synced).keys);
+            slots.0.borrow_mut().cur += 1;
+        }
+        let first = keys.iter().position(|&k| k == 1).expect("published");
+        assert!(first <= WARM_ROUNDS as usize, "{keys:?}");
+        assert!(keys[first..].iter().all(|&k| k == 1), "{keys:?}");
+        // The next window stays shared every round (another host counted it in the last one).
+        {
+            let mut st = slots.0.borrow_mut();
+            st.prev = st.cur;
+            st.cur = 600;
+            st.stamp = 8;
+        }
+        for _ in 0..3 {
+            let r = now_round(&mut m, &slots, &rules, &mut synced);
+            assert!(r.keys >= 1, "{r:?}");
+            slots.0.borrow_mut().cur += 1;
         }
     }
 

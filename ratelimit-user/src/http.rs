@@ -1299,6 +1299,7 @@ mod tests {
                     rounds: 90,
                     store_calls: 180,
                     store_errors: 1,
+                    keys_published: 900,
                     added_total: 5000,
                     last_round_ms: Some(2.5),
                     last_error: None,
