@@ -321,6 +321,7 @@ impl Synced {
         for (a, m) in self.added.iter_mut().zip([Meter::Admitted, Meter::Offered]) {
             a.window = stamp_of(st, m);
             a.wait_window = true;
+            a.others_window = Some(a.window.wrapping_sub(1));
         }
         self
     }
@@ -939,6 +940,12 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore + Announce>(
             let a = &mut s.added[mi];
             let before = *a;
             a.roll(stamp);
+            // A client newly synced is taken as shared for the window it was found in: other
+            // hosts may count it already, and it is solo only after a whole window of
+            // publishing without seeing them.
+            if before.window == 0 && a.others_window.is_none() {
+                a.others_window = Some(stamp.wrapping_sub(1));
+            }
             let (cur, prev) = own_counts(&st, m);
             if a.wait_window {
                 continue;
@@ -1246,38 +1253,41 @@ mod tests {
             ..Default::default()
         }));
         let mut m = MemoryCounts::default();
-        let mut keys = Vec::new();
-        for _ in 0..=WARM_ROUNDS + 1 {
-            keys.push(now_round(&mut m, &slots, &rules, &mut synced).keys);
-            slots.0.borrow_mut().cur += 5;
-        }
-        // The window's first round (its count and the previous window's), then once in
-        // WARM_ROUNDS + 1.
+        let mut rounds = |m: &mut MemoryCounts, synced: &mut Vec<Synced>, n: u32, step: u64| {
+            (0..n)
+                .map(|_| {
+                    let k = now_round(m, &slots, &rules, synced).keys;
+                    slots.0.borrow_mut().cur += step;
+                    k
+                })
+                .collect::<Vec<u64>>()
+        };
+        let next_window = |cur: u64| {
+            let mut st = slots.0.borrow_mut();
+            st.prev = st.cur;
+            st.cur = cur;
+            st.stamp += 1;
+        };
+        // Newly synced: taken as shared for the window it was found in (its count and the
+        // previous window's, every round).
+        assert_eq!(rounds(&mut m, &mut synced, 3, 5), [2, 2, 2]);
+        // No other host counted it in that window: in the next, its first round (both
+        // windows), then once in WARM_ROUNDS + 1.
+        next_window(600);
+        let keys = rounds(&mut m, &mut synced, WARM_ROUNDS + 2, 5);
         assert_eq!(keys, [2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]);
         // Another host counts it: seen at this host's next publish, every round from then on.
         let name = synced[0].name.clone();
-        let h = hash_name("r#1", Meter::Admitted, synced[0].bucket, 7);
+        let h = hash_name("r#1", Meter::Admitted, synced[0].bucket, 8);
         m.run(&h, "b", u64::MAX, &[(&name, 10)]);
-        let mut keys = Vec::new();
-        for _ in 0..=WARM_ROUNDS + 3 {
-            keys.push(now_round(&mut m, &slots, &rules, &mut synced).keys);
-            slots.0.borrow_mut().cur += 1;
-        }
+        let keys = rounds(&mut m, &mut synced, WARM_ROUNDS + 3, 1);
         let first = keys.iter().position(|&k| k == 1).expect("published");
         assert!(first <= WARM_ROUNDS as usize, "{keys:?}");
         assert!(keys[first..].iter().all(|&k| k == 1), "{keys:?}");
         // The next window stays shared every round (another host counted it in the last one).
-        {
-            let mut st = slots.0.borrow_mut();
-            st.prev = st.cur;
-            st.cur = 600;
-            st.stamp = 8;
-        }
-        for _ in 0..3 {
-            let r = now_round(&mut m, &slots, &rules, &mut synced);
-            assert!(r.keys >= 1, "{r:?}");
-            slots.0.borrow_mut().cur += 1;
-        }
+        next_window(600);
+        let keys = rounds(&mut m, &mut synced, 3, 1);
+        assert!(keys.iter().all(|&k| k >= 1), "{keys:?}");
     }
 
     #[test]
