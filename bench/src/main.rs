@@ -59,6 +59,23 @@ threshold = { count = 1, interval = "1h" }
 algorithm = "fixed_window"
 "#;
 
+/// The pass path of [`POLICY`]'s UDP rule made global, and the local one measured again
+/// after it.
+const GLOBAL_PASS: &str = "ours: pass (global rule matched, under threshold)";
+const LOCAL_PASS_AGAIN: &str = "ours: pass (rule matched, under threshold), again";
+
+/// [`POLICY`] with its UDP rule global (a fleet section, as the daemon's config needs; no
+/// store is reached here).
+fn global_policy() -> String {
+    let p = POLICY.replacen(
+        "threshold = { count = 1000000000, interval = \"1h\" }\nalgorithm = \"fixed_window\"\n",
+        "threshold = { count = 1000000000, interval = \"1h\" }\nalgorithm = \"fixed_window\"\nscope = \"global\"\n",
+        1,
+    );
+    assert!(p.contains("scope = \"global\""));
+    format!("[fleet]\nredis = \"redis://127.0.0.1:6379\"\nhost_id = \"bench\"\n{p}")
+}
+
 #[derive(Serialize, Clone)]
 struct CaseResult {
     name: String,
@@ -379,6 +396,18 @@ fn main() {
         OURS,
         "pass",
         b.paired(OURS, &frame_udp_port([198, 18, 1, 1], 53), XDP_PASS),
+    );
+    // The same pass path with the rule global (`scope = "global"`: its windows are the wall
+    // clock's, one add a packet), right after the local one.
+    let global = config::parse("bench.toml", &global_policy()).expect("bench policy, global");
+    apply::apply(&mut maps, &apply::plan(&global, false)).expect("apply");
+    push(GLOBAL_PASS, OURS, "pass", b.paired(OURS, &udp, XDP_PASS));
+    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
+    push(
+        LOCAL_PASS_AGAIN,
+        OURS,
+        "pass",
+        b.paired(OURS, &udp, XDP_PASS),
     );
     push(
         "ours: throttle drop",
@@ -972,6 +1001,30 @@ fn write_reports(ctx: &Ctx, r: &Results, sections: &[Section]) {
         };
         md.push_str(&format!("| {target} | {measured} | {m} |\n"));
     };
+    // A global rule's pass path against a local one's, each the local case measured just
+    // before and after it.
+    match (
+        case("ours: pass (rule matched, under threshold)"),
+        case(GLOBAL_PASS),
+        case(LOCAL_PASS_AGAIN),
+    ) {
+        (Some(l1), Some(g), Some(l2)) => {
+            let local = l1.ns.min(l2.ns);
+            row(
+                "packet path within 2% for global rules",
+                format!(
+                    "a global rule's pass path {:.1} ns against {:.1} ns for the same rule local (the lower of the runs before and after it: {:.1}, {:.1}), {:+.1}%",
+                    g.ns,
+                    local,
+                    l1.ns,
+                    l2.ns,
+                    (g.ns / local - 1.0) * 100.0
+                ),
+                Some(g.ns <= local * 1.02),
+            )
+        }
+        _ => row("packet path within 2% for global rules", "-".into(), None),
+    }
     let floor = |n: &str| case(n).map(|c| c.over_ref_drop);
     let lookup_floor = floor("floor: parse, one per-client lookup, one atomic add, XDP_DROP");
     let clock = case("floor: the clock (bpf_ktime_get_ns), then XDP_PASS").map(|c| c.over_ref_pass);

@@ -1253,7 +1253,7 @@ mod tests {
             ..Default::default()
         }));
         let mut m = MemoryCounts::default();
-        let mut rounds = |m: &mut MemoryCounts, synced: &mut Vec<Synced>, n: u32, step: u64| {
+        let rounds = |m: &mut MemoryCounts, synced: &mut Vec<Synced>, n: u32, step: u64| {
             (0..n)
                 .map(|_| {
                     let k = now_round(m, &slots, &rules, synced).keys;
