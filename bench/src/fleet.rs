@@ -126,6 +126,19 @@ pub fn run(ctx: &Ctx) -> Option<Section> {
     for c in &costs {
         println!("  store cost: {c:?}");
     }
+    // What every run must show (no speed asserted): the threshold held across the fleet, not
+    // per host, and the near clients synced.
+    assert!(
+        acc.per_window.iter().all(|&n| n < 2 * ACC_L),
+        "the global threshold was not held across the fleet: {:?}",
+        acc.per_window
+    );
+    for c in &costs {
+        assert!(
+            c.synced_keys as u64 >= c.near / 2 && c.keys_per_s > 0.0,
+            "the near clients were not synced: {c:?}"
+        );
+    }
     println!("  fleet part: {:.1} s", t0.elapsed().as_secs_f64());
     Some(section(ctx, &sim, sim_secs, &acc, &costs))
 }
