@@ -290,7 +290,7 @@ fn main() {
         quick,
         out_dir: ratelimit_tests::env::workspace_root().join("bench"),
     };
-    // RATELIMIT_BENCH_ONLY=flood|control|cost|program: run that part alone and print what it
+    // RATELIMIT_BENCH_ONLY=flood|control|fleet|cost|program: run that part alone and print what it
     // would report (for working on one part; writes nothing). `program` is `cost` without its
     // slow minutes (10M sources, the sized stores, two CPUs): short enough to run two trees in
     // turn, twice each, and compare a case's cost over XDP_PASS within each run.
@@ -912,7 +912,7 @@ fn populate_more(maps: &mut Maps, from: u64, to: u64) -> (f64, u64) {
 }
 
 /// The paragraph of BENCHMARKS.md that says how the suite is run and what it loads.
-const HOW_TO_RUN: &str = "How to run: `cargo xtask bench` runs everything and writes this file, bench/results.json and the plots in bench/; `cargo xtask bench --quick` runs every case with few repeats and checks its verdict, asserting no speed (what `cargo xtask test` runs); `cargo xtask bench --only program|cost|flood|control` runs one part and prints it, writing nothing (`program`, a few minutes, is the one to run in two trees in turn to compare them). The suite is the `ratelimit-bench` crate (bench/). It loads an XDP object of its own, built from bench-ebpf/ by the recipe that builds the daemon's (ratelimit-ebpf-build/): the daemon's program linked in unchanged (its entry `ratelimit`, every map and global function), beside the reference and floor programs, the flood generator, and `ratelimit_varied`, the same entry behind the per-run source variation that the cases spread over many sources run. None of these is in the daemon's object.";
+const HOW_TO_RUN: &str = "How to run: `cargo xtask bench` runs everything and writes this file, bench/results.json and the plots in bench/; `cargo xtask bench --quick` runs every case with few repeats and checks its verdict, asserting no speed (what `cargo xtask test` runs); `cargo xtask bench --only program|cost|flood|control|fleet` runs one part and prints it, writing nothing (`program`, a few minutes, is the one to run in two trees in turn to compare them). The suite is the `ratelimit-bench` crate (bench/). It loads an XDP object of its own, built from bench-ebpf/ by the recipe that builds the daemon's (ratelimit-ebpf-build/): the daemon's program linked in unchanged (its entry `ratelimit`, every map and global function), beside the reference and floor programs, the flood generator, and `ratelimit_varied`, the same entry behind the per-run source variation that the cases spread over many sources run. None of these is in the daemon's object.";
 
 fn write_reports(ctx: &Ctx, r: &Results, sections: &[Section]) {
     let root = ratelimit_tests::env::workspace_root();
