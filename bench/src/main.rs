@@ -15,6 +15,7 @@
 //! runs and returns the right verdict.
 
 mod control;
+mod fleet;
 mod flood;
 mod object;
 mod part;
@@ -57,6 +58,23 @@ match = { protocol = "tcp", tcp_flags = "syn", dst_ports = ["80"] }
 threshold = { count = 1, interval = "1h" }
 algorithm = "fixed_window"
 "#;
+
+/// The pass path of [`POLICY`]'s UDP rule made global, and the local one measured again
+/// after it.
+const GLOBAL_PASS: &str = "ours: pass (global rule matched, under threshold)";
+const LOCAL_PASS_AGAIN: &str = "ours: pass (rule matched, under threshold), again";
+
+/// [`POLICY`] with its UDP rule global (a fleet section, as the daemon's config needs; no
+/// store is reached here).
+fn global_policy() -> String {
+    let p = POLICY.replacen(
+        "threshold = { count = 1000000000, interval = \"1h\" }\nalgorithm = \"fixed_window\"\n",
+        "threshold = { count = 1000000000, interval = \"1h\" }\nalgorithm = \"fixed_window\"\nscope = \"global\"\n",
+        1,
+    );
+    assert!(p.contains("scope = \"global\""));
+    format!("[fleet]\nredis = \"redis://127.0.0.1:6379\"\nhost_id = \"bench\"\n{p}")
+}
 
 #[derive(Serialize, Clone)]
 struct CaseResult {
@@ -272,7 +290,7 @@ fn main() {
         quick,
         out_dir: ratelimit_tests::env::workspace_root().join("bench"),
     };
-    // RATELIMIT_BENCH_ONLY=flood|control|cost|program: run that part alone and print what it
+    // RATELIMIT_BENCH_ONLY=flood|control|fleet|cost|program: run that part alone and print what it
     // would report (for working on one part; writes nothing). `program` is `cost` without its
     // slow minutes (10M sources, the sized stores, two CPUs): short enough to run two trees in
     // turn, twice each, and compare a case's cost over XDP_PASS within each run.
@@ -283,7 +301,8 @@ fn main() {
         let section = match only.as_str() {
             "flood" => flood::run(&ctx),
             "control" => control::run(&ctx),
-            other => panic!("RATELIMIT_BENCH_ONLY={other}: flood, control, cost or program"),
+            "fleet" => fleet::run(&ctx),
+            other => panic!("RATELIMIT_BENCH_ONLY={other}: flood, control, fleet, cost or program"),
         };
         if let Some(s) = section {
             println!("{}", serde_json::to_string_pretty(&s.json).unwrap());
@@ -377,6 +396,18 @@ fn main() {
         OURS,
         "pass",
         b.paired(OURS, &frame_udp_port([198, 18, 1, 1], 53), XDP_PASS),
+    );
+    // The same pass path with the rule global (`scope = "global"`: its windows are the wall
+    // clock's, one add a packet), right after the local one.
+    let global = config::parse("bench.toml", &global_policy()).expect("bench policy, global");
+    apply::apply(&mut maps, &apply::plan(&global, false)).expect("apply");
+    push(GLOBAL_PASS, OURS, "pass", b.paired(OURS, &udp, XDP_PASS));
+    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
+    push(
+        LOCAL_PASS_AGAIN,
+        OURS,
+        "pass",
+        b.paired(OURS, &udp, XDP_PASS),
     );
     push(
         "ours: throttle drop",
@@ -674,7 +705,11 @@ fn main() {
     let parts: &[(&str, Part)] = if cost_only {
         &[]
     } else {
-        &[("flood", flood::run), ("control", control::run)]
+        &[
+            ("flood", flood::run),
+            ("control", control::run),
+            ("fleet", fleet::run),
+        ]
     };
     for (name, part) in parts {
         println!("bench: {name}");
@@ -877,7 +912,7 @@ fn populate_more(maps: &mut Maps, from: u64, to: u64) -> (f64, u64) {
 }
 
 /// The paragraph of BENCHMARKS.md that says how the suite is run and what it loads.
-const HOW_TO_RUN: &str = "How to run: `cargo xtask bench` runs everything and writes this file, bench/results.json and the plots in bench/; `cargo xtask bench --quick` runs every case with few repeats and checks its verdict, asserting no speed (what `cargo xtask test` runs); `cargo xtask bench --only program|cost|flood|control` runs one part and prints it, writing nothing (`program`, a few minutes, is the one to run in two trees in turn to compare them). The suite is the `ratelimit-bench` crate (bench/). It loads an XDP object of its own, built from bench-ebpf/ by the recipe that builds the daemon's (ratelimit-ebpf-build/): the daemon's program linked in unchanged (its entry `ratelimit`, every map and global function), beside the reference and floor programs, the flood generator, and `ratelimit_varied`, the same entry behind the per-run source variation that the cases spread over many sources run. None of these is in the daemon's object.";
+const HOW_TO_RUN: &str = "How to run: `cargo xtask bench` runs everything and writes this file, bench/results.json and the plots in bench/; `cargo xtask bench --quick` runs every case with few repeats and checks its verdict, asserting no speed (what `cargo xtask test` runs); `cargo xtask bench --only program|cost|flood|control|fleet` runs one part and prints it, writing nothing (`program`, a few minutes, is the one to run in two trees in turn to compare them). The suite is the `ratelimit-bench` crate (bench/). It loads an XDP object of its own, built from bench-ebpf/ by the recipe that builds the daemon's (ratelimit-ebpf-build/): the daemon's program linked in unchanged (its entry `ratelimit`, every map and global function), beside the reference and floor programs, the flood generator, and `ratelimit_varied`, the same entry behind the per-run source variation that the cases spread over many sources run. None of these is in the daemon's object.";
 
 fn write_reports(ctx: &Ctx, r: &Results, sections: &[Section]) {
     let root = ratelimit_tests::env::workspace_root();
@@ -966,6 +1001,30 @@ fn write_reports(ctx: &Ctx, r: &Results, sections: &[Section]) {
         };
         md.push_str(&format!("| {target} | {measured} | {m} |\n"));
     };
+    // A global rule's pass path against a local one's, each the local case measured just
+    // before and after it.
+    match (
+        case("ours: pass (rule matched, under threshold)"),
+        case(GLOBAL_PASS),
+        case(LOCAL_PASS_AGAIN),
+    ) {
+        (Some(l1), Some(g), Some(l2)) => {
+            let local = l1.ns.min(l2.ns);
+            row(
+                "packet path within 2% for global rules",
+                format!(
+                    "a global rule's pass path {:.1} ns against {:.1} ns for the same rule local (the lower of the runs before and after it: {:.1}, {:.1}), {:+.1}%",
+                    g.ns,
+                    local,
+                    l1.ns,
+                    l2.ns,
+                    (g.ns / local - 1.0) * 100.0
+                ),
+                Some(g.ns <= local * 1.02),
+            )
+        }
+        _ => row("packet path within 2% for global rules", "-".into(), None),
+    }
     let floor = |n: &str| case(n).map(|c| c.over_ref_drop);
     let lookup_floor = floor("floor: parse, one per-client lookup, one atomic add, XDP_DROP");
     let clock = case("floor: the clock (bpf_ktime_get_ns), then XDP_PASS").map(|c| c.over_ref_pass);

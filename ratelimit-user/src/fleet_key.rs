@@ -601,6 +601,7 @@ mod tests {
             rounds: 100,
             store_calls: 400,
             store_errors: 1,
+            keys_published: 900,
             added_total: 5000,
             last_round_ms: Some(0.8),
             last_error: Some("connecting: refused".into()),

@@ -240,6 +240,9 @@ struct Added {
     published: u64,
     total: u64,
     quiet_rounds: u32,
+    /// The last window in which another host was seen counting the client (its fleet total
+    /// above this host's own count), kept across windows.
+    others_window: Option<u64>,
 }
 
 /// A client far from its limit (its fleet total under [`NEAR_LIMIT_PERMILLE`]) whose own
@@ -251,6 +254,17 @@ const WARM_ROUNDS: u32 = 10;
 const PREV_ROUNDS: u32 = 20;
 
 impl Added {
+    /// No other host was seen counting the client in this window or the one before: this
+    /// host's counts are all the fleet has of it, so it is shared at the warm pace however
+    /// near its limit it is (the program holds it to the threshold here on its own), and its
+    /// previous window once. Another host that starts counting it publishes every round as
+    /// soon as it sees this host's count in the total; this host sees that host's at its next
+    /// publish, within [`WARM_ROUNDS`], and shares it every round from then on.
+    fn solo(&self) -> bool {
+        self.others_window
+            .is_none_or(|w| self.window.saturating_sub(w) > 1)
+    }
+
     /// The meter moved to `stamp`: what was added to the current window is now the previous
     /// window's (the program moved `cur` into `prev`), or nothing if it skipped windows.
     fn roll(&mut self, stamp: u64) {
@@ -307,6 +321,7 @@ impl Synced {
         for (a, m) in self.added.iter_mut().zip([Meter::Admitted, Meter::Offered]) {
             a.window = stamp_of(st, m);
             a.wait_window = true;
+            a.others_window = Some(a.window.wrapping_sub(1));
         }
         self
     }
@@ -630,6 +645,10 @@ pub struct GlobalReport {
     pub rounds: u64,
     pub store_calls: u64,
     pub store_errors: u64,
+    /// Client counts the calls carried (one key of a hash each, read and, when it grew,
+    /// written).
+    #[serde(default)]
+    pub keys_published: u64,
     /// Counts of other hosts added into this host's states, in all (admitted and offered).
     pub added_total: u64,
     /// The last round's duration (ms), and when it ran (ms ago at the time of the report).
@@ -789,6 +808,7 @@ pub async fn run<O: Owner>(
                 retry_at = None;
                 r.rounds += 1;
                 r.store_calls += done.calls;
+                r.keys_published += done.keys;
                 r.store_errors += done.failed;
                 r.added_total += done.added;
                 r.last_round_ms = Some(t0.elapsed().as_secs_f64() * 1e3);
@@ -920,6 +940,12 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore + Announce>(
             let a = &mut s.added[mi];
             let before = *a;
             a.roll(stamp);
+            // A client newly synced is taken as shared for the window it was found in: other
+            // hosts may count it already, and it is solo only after a whole window of
+            // publishing without seeing them.
+            if before.window == 0 && a.others_window.is_none() {
+                a.others_window = Some(stamp.wrapping_sub(1));
+            }
             let (cur, prev) = own_counts(&st, m);
             if a.wait_window {
                 continue;
@@ -943,7 +969,10 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore + Announce>(
                 s.active = Instant::now();
             }
             a.rounds = a.rounds.saturating_add(1);
-            let prev_too = a.rounds <= PREV_ROUNDS;
+            let solo = a.solo();
+            // The previous window for a while (the other hosts' last counts of it come in
+            // late); a solo client's only once, its final count.
+            let prev_too = a.rounds <= if solo { 1 } else { PREV_ROUNDS };
             for (to_prev, window, own) in [
                 (false, stamp, own_cur),
                 (true, stamp.wrapping_sub(1), own_prev),
@@ -952,11 +981,12 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore + Announce>(
                     continue;
                 }
                 // A warm client (far from its limit, its own count barely moved) only now
-                // and then: near ones, and every window's first round, always.
+                // and then: near ones, and every window's first round, always; a solo one
+                // (no other host counts it) only now and then, however near.
                 if !to_prev {
                     let moved = g.worth(m, own.saturating_sub(a.published));
-                    if a.rounds > 1 && !g.near(m, a.total) && !moved && a.quiet_rounds < WARM_ROUNDS
-                    {
+                    let often = !solo && (g.near(m, a.total) || moved);
+                    if a.rounds > 1 && !often && a.quiet_rounds < WARM_ROUNDS {
                         a.quiet_rounds += 1;
                         continue;
                     }
@@ -1022,6 +1052,14 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore + Announce>(
                 a.published = e.own;
                 a.total = total;
             }
+            if total > e.own {
+                let w = if e.to_prev {
+                    a.window.wrapping_sub(1)
+                } else {
+                    a.window
+                };
+                a.others_window = Some(a.others_window.map_or(w, |o| o.max(w)));
+            }
             if !e.to_prev && !a.announced && rules[s.rule].near(m, total) {
                 let set = announce_set(&rules[s.rule].rid, m, s.bucket, a.window);
                 let n = news.entry(set).or_insert((call.expire_ms, Vec::new()));
@@ -1065,6 +1103,7 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore + Announce>(
             Err(e) => announce_failed = Some(e),
         }
     }
+    let keys = calls.iter().map(|c| c.pairs.len() as u64).sum();
     let calls = calls.len() as u64;
     if last_error.is_none() {
         last_error = announce_failed;
@@ -1074,6 +1113,7 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore + Announce>(
         Some(e) if failed == calls => Err(e),
         _ => Ok(Round {
             calls,
+            keys,
             failed,
             added,
             last_error: last_error.map(|e| format!("{e:#}")),
@@ -1085,6 +1125,8 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore + Announce>(
 #[derive(Debug, Clone, Default)]
 pub struct Round {
     pub calls: u64,
+    /// Client counts the calls carried.
+    pub keys: u64,
     /// Calls that failed (their clients were not synced this round).
     pub failed: u64,
     pub added: u64,
@@ -1198,6 +1240,54 @@ mod tests {
             std::task::Poll::Ready(r) => r.unwrap(),
             std::task::Poll::Pending => unreachable!("the memory store answers at once"),
         }
+    }
+
+    #[test]
+    fn a_client_no_other_host_counts_is_shared_at_the_warm_pace_however_near() {
+        let rules = rule();
+        let mut synced = one_client(&rules);
+        // 900 of 1000: near its limit, and it keeps moving.
+        let slots = OneSlot(std::cell::RefCell::new(ClientState {
+            stamp: 7,
+            cur: 900,
+            ..Default::default()
+        }));
+        let mut m = MemoryCounts::default();
+        let rounds = |m: &mut MemoryCounts, synced: &mut Vec<Synced>, n: u32, step: u64| {
+            (0..n)
+                .map(|_| {
+                    let k = now_round(m, &slots, &rules, synced).keys;
+                    slots.0.borrow_mut().cur += step;
+                    k
+                })
+                .collect::<Vec<u64>>()
+        };
+        let next_window = |cur: u64| {
+            let mut st = slots.0.borrow_mut();
+            st.prev = st.cur;
+            st.cur = cur;
+            st.stamp += 1;
+        };
+        // Newly synced: taken as shared for the window it was found in (its count and the
+        // previous window's, every round).
+        assert_eq!(rounds(&mut m, &mut synced, 3, 5), [2, 2, 2]);
+        // No other host counted it in that window: in the next, its first round (both
+        // windows), then once in WARM_ROUNDS + 1.
+        next_window(600);
+        let keys = rounds(&mut m, &mut synced, WARM_ROUNDS + 2, 5);
+        assert_eq!(keys, [2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]);
+        // Another host counts it: seen at this host's next publish, every round from then on.
+        let name = synced[0].name.clone();
+        let h = hash_name("r#1", Meter::Admitted, synced[0].bucket, 8);
+        m.run(&h, "b", u64::MAX, &[(&name, 10)]);
+        let keys = rounds(&mut m, &mut synced, WARM_ROUNDS + 3, 1);
+        let first = keys.iter().position(|&k| k == 1).expect("published");
+        assert!(first <= WARM_ROUNDS as usize, "{keys:?}");
+        assert!(keys[first..].iter().all(|&k| k == 1), "{keys:?}");
+        // The next window stays shared every round (another host counted it in the last one).
+        next_window(600);
+        let keys = rounds(&mut m, &mut synced, 3, 1);
+        assert!(keys.iter().all(|&k| k >= 1), "{keys:?}");
     }
 
     #[test]

@@ -948,6 +948,12 @@ fn fleet_families(f: &FleetGauges) -> Vec<Family> {
         )
         .with(vec![], Value::Counter(f.global.store_calls)),
         Family::new(
+            "ratelimit_fleet_global_keys_published",
+            Counter,
+            "Client counts the store calls of global rules carried (one key of a hash each)",
+        )
+        .with(vec![], Value::Counter(f.global.keys_published)),
+        Family::new(
             "ratelimit_fleet_global_store_errors",
             Counter,
             "Failed connections and calls to the store while syncing global rules' counts",
@@ -1299,6 +1305,7 @@ mod tests {
                     rounds: 90,
                     store_calls: 180,
                     store_errors: 1,
+                    keys_published: 900,
                     added_total: 5000,
                     last_round_ms: Some(2.5),
                     last_error: None,
@@ -1334,6 +1341,7 @@ mod tests {
             "# TYPE ratelimit_fleet_global_rounds counter",
             "ratelimit_fleet_global_rounds_total 90",
             "ratelimit_fleet_global_store_calls_total 180",
+            "ratelimit_fleet_global_keys_published_total 900",
             "ratelimit_fleet_global_store_errors_total 1",
             "ratelimit_fleet_global_added_total 5000",
             "# TYPE ratelimit_fleet_global_round_seconds gauge",

@@ -249,7 +249,8 @@ impl Redis {
         .to_string()
     }
 
-    fn pid(&self) -> Option<i32> {
+    /// The running server's process id.
+    pub fn pid(&self) -> Option<i32> {
         self.child.as_ref().map(|c| c.id() as i32)
     }
 

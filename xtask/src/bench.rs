@@ -18,7 +18,7 @@ pub struct Options {
     /// the program-cost table with the pass path across up to 1M tracked sources and one CPU's
     /// churn (a few minutes: what to run twice, in turn, to compare two trees); `cost` adds
     /// 10M sources, the sized stores and two CPUs; `flood` and `control` are the live floods
-    /// and the control plane.
+    /// and the control plane; `fleet` is fleet mode's simulation, lab accuracy and store cost.
     #[arg(long, value_enum)]
     pub only: Option<Only>,
 }
@@ -30,6 +30,7 @@ pub enum Only {
     Cost,
     Flood,
     Control,
+    Fleet,
 }
 
 pub fn run(options: Options) -> Result<()> {
