@@ -210,7 +210,7 @@ pub fn rule_config(r: &Rule) -> RuleConfig {
 /// Whether the kernel makes SYN cookies (`net.ipv4.tcp_syncookies` not 0, in the daemon's
 /// network namespace): without them `tracking.syn_cookies` is off, since the program cannot
 /// tell a listener with room from one that drops (`cookies.rs`). True if it cannot be read.
-fn kernel_syncookies_on() -> bool {
+pub fn kernel_syncookies_on() -> bool {
     std::fs::read_to_string("/proc/sys/net/ipv4/tcp_syncookies").map_or(true, |v| v.trim() != "0")
 }
 

@@ -1334,15 +1334,14 @@ impl State {
 }
 
 /// `tracking.syn_cookies` answers with the kernel's own cookies, which the kernel makes only
-/// with `net.ipv4.tcp_syncookies` on: without them a listener's full SYN queue drops the SYNs
-/// the program hands it, as with nothing attached.
+/// with `net.ipv4.tcp_syncookies` on: without them `apply::plan` leaves the feature off, and
+/// the operator is told so once, at start.
 fn warn_if_kernel_cookies_off(cfg: &Config) {
     if !cfg.tracking.syn_cookies {
         return;
     }
-    if let Ok(v) = std::fs::read_to_string("/proc/sys/net/ipv4/tcp_syncookies")
-        && v.trim() == "0"
-    {
+    // The same reading `apply::plan` turns the feature off by.
+    if !apply::kernel_syncookies_on() {
         warn!(
             "net.ipv4.tcp_syncookies is 0: tracking.syn_cookies is off (TCP sources refused \
              state are judged in their rule's aggregate bucket); set it to 1"

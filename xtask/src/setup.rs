@@ -27,6 +27,8 @@ const DEBIAN_PACKAGES: &[&str] = &[
     // The fleet test's store (its own server, started by the test; the package's service is
     // disabled, see `PACKAGE_SERVICES`).
     "redis-server",
+    // The fleet TLS test makes its throwaway CA and certificates with openssl.
+    "openssl",
     // The metrics test has a real Prometheus scrape the daemon (its own server, started by
     // the test; the package's service is disabled, see `PACKAGE_SERVICES`).
     "prometheus",
