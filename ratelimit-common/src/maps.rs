@@ -46,7 +46,16 @@ pub const RULE_FINE_CLOCK: u32 = 1 << 7;
 /// `scope = "global"`: the rule's window meters (threshold and ban meter) count in windows of
 /// the wall clock (`now + GlobalConfig::wall_offset_ns`), so every host of the fleet counts
 /// in the same windows and the daemon can add the fleet's counts into its client's state.
+/// A global token bucket also counts what it admits in windows of [`GLOBAL_TB_WINDOW_NS`] of
+/// the wall clock (`ClientState::cur`, its window in `prev`), which the daemon shares; it
+/// takes the other hosts' admissions out of the bucket by moving the TAT forward.
 pub const RULE_GLOBAL: u32 = 1 << 8;
+
+/// The wall-clock window in which a global token bucket counts its admissions for the fleet
+/// (the bucket itself has no window). Long against the sync interval: the admissions between
+/// a window's last sync and its end (one sync interval's at most) are the only ones the
+/// other hosts never hear of.
+pub const GLOBAL_TB_WINDOW_NS: u64 = 10_000_000_000;
 
 /// Intervals at least this long are judged on the coarse clock: a tick is then at most 1% of
 /// the interval (window edges move by at most a tick; counts stay exact).
@@ -487,9 +496,10 @@ pub struct ClientState {
     /// Window index (`now / interval`) for the window algorithms; the GCRA theoretical arrival
     /// time in ns for the token bucket.
     pub stamp: u64,
-    /// Admitted cost in the current window.
+    /// Admitted cost in the current window. A global token bucket ([`RULE_GLOBAL`]): admitted
+    /// cost in the wall-clock window `prev` of [`GLOBAL_TB_WINDOW_NS`].
     pub cur: u64,
-    /// Admitted cost in the previous window.
+    /// Admitted cost in the previous window. A global token bucket: the window of `cur`.
     pub prev: u64,
     /// Totals since the state was created, for `top`.
     pub packets: u64,

@@ -28,7 +28,7 @@ use crate::{
     atomic::{self, CAS_RETRIES},
     events,
     scratch::Judge,
-    stats::{self, Slot},
+    stats,
 };
 
 /// [`rl_ban_meter`]: the client is at or below its ban threshold.
@@ -105,15 +105,7 @@ pub extern "C" fn rl_limit(st: *mut ClientState, lim: *const Limit, j: *mut Judg
     }
     // SAFETY: non-null pointers to live map values and the caller's stack.
     unsafe {
-        let (admitted, usage, capacity, contended) = limit_check(
-            (*j).slot,
-            st,
-            (*j).algorithm as u8,
-            &*lim,
-            (*j).now,
-            (*j).wnow,
-            (*j).cost,
-        );
+        let (admitted, usage, capacity, contended) = limit_check(st, &*lim, &*j);
         (*j).usage = usage;
         (*j).capacity = capacity;
         (*j).contended = contended as u32;
@@ -267,6 +259,28 @@ unsafe fn meter(
     )
 }
 
+/// A global token bucket's admission, counted for the fleet: `cur` is the admitted cost in
+/// the wall-clock window `window` of [`GLOBAL_TB_WINDOW_NS`] (the bucket itself uses neither
+/// word). The CPU that moves the window on zeroes the count; a packet another CPU counts
+/// between the two is lost to the fleet's count (bounded by the packets in flight at a
+/// window edge, once in ten seconds).
+///
+/// # Safety
+/// `cur` and `window` are aligned words of one live map value.
+#[inline(always)]
+unsafe fn count_for_fleet(cur: *mut u64, window: *mut u64, wnow: u64, cost: u64) {
+    let w = wnow / GLOBAL_TB_WINDOW_NS;
+    // SAFETY: the caller's contract.
+    unsafe {
+        let s = atomic::load(window);
+        // Forward, or far back (the wall clock stepped back): start the window's count.
+        if (w > s || w.wrapping_add(1) < s) && atomic::cas(window, s, w) {
+            atomic::store(cur, 0);
+        }
+        atomic::add(cur, cost);
+    }
+}
+
 /// The rule's algorithm: (admitted, usage after this packet, the capacity usage is measured
 /// against: the threshold for windows, the burst for the token bucket, whether it refused
 /// for losing every compare-and-swap retry).
@@ -274,15 +288,15 @@ unsafe fn meter(
 /// # Safety
 /// `st` points to a live map value.
 #[inline(always)]
-unsafe fn limit_check(
-    slot: Slot,
-    st: *mut ClientState,
-    algorithm: u8,
-    limit: &Limit,
-    now: u64,
-    wnow: u64,
-    cost: u64,
-) -> (bool, u64, u64, bool) {
+unsafe fn limit_check(st: *mut ClientState, limit: &Limit, j: &Judge) -> (bool, u64, u64, bool) {
+    let (slot, algorithm, now, wnow, cost, global) = (
+        j.slot,
+        j.algorithm as u8,
+        j.now,
+        j.wnow,
+        j.cost,
+        j.global != 0,
+    );
     let interval = limit.interval_ns;
     let threshold = limit.threshold;
     if interval == 0 || threshold == 0 {
@@ -312,8 +326,15 @@ unsafe fn limit_check(
             match limiter::gcra_admit(old, now, inc, burst_ns) {
                 None => {
                     // Left over from a stricter limit: store the horizon instead (best effort;
-                    // a lost race leaves it for the next packet).
-                    if let Some(c) = limiter::gcra_clamp(old, now, burst_ns) {
+                    // a lost race leaves it for the next packet). A global bucket keeps up to
+                    // an interval of debt beyond it: the other hosts' admissions, charged by
+                    // the daemon, whatever this host's own packets took meanwhile.
+                    let horizon_ns = if global {
+                        burst_ns.saturating_add(interval)
+                    } else {
+                        burst_ns
+                    };
+                    if let Some(c) = limiter::gcra_clamp(old, now, horizon_ns) {
                         // SAFETY: as for the load.
                         unsafe { atomic::cas(tat, old, c) };
                     }
@@ -322,6 +343,10 @@ unsafe fn limit_check(
                 Some(new) => {
                     // SAFETY: as for the load.
                     if unsafe { atomic::cas(tat, old, new) } {
+                        if global {
+                            // SAFETY: aligned words of the live map value `st`.
+                            unsafe { count_for_fleet(cur, prev, wnow, cost) };
+                        }
                         return (true, new - now, burst_ns, false);
                     }
                 }

@@ -347,11 +347,13 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
     };
     let j = &mut rl.judge;
     j.now = env.now;
-    j.wnow = if rule.flags & RULE_GLOBAL != 0 {
+    let global = rule.flags & RULE_GLOBAL != 0;
+    j.wnow = if global {
         env.now.wrapping_add(env.wall_offset_ns)
     } else {
         env.now
     };
+    j.global = global as u32;
     j.cost = cost;
     j.usage = 0;
     j.capacity = 0;

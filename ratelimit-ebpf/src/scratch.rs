@@ -161,4 +161,7 @@ pub struct Judge {
     pub ban_flags: u32,
     /// Non-zero when the limiter refused because it lost every compare-and-swap retry.
     pub contended: u32,
+    /// Non-zero for a global rule (`RULE_GLOBAL`): a token bucket counts what it admits in
+    /// windows of the wall clock for the fleet.
+    pub global: u32,
 }

@@ -312,6 +312,40 @@ impl ClientStore {
         true
     }
 
+    /// Take `ns` of bucket time out of the token bucket (GCRA) in `at`: its TAT (`stamp`)
+    /// moves to `max(TAT, now) + ns`, never past `now + cap_ns` (where the program's own
+    /// clamp holds a global bucket), by compare-and-swap as the program moves it. `now` is
+    /// CLOCK_MONOTONIC ns. False if the slot no longer holds the client.
+    pub fn charge_bucket(&self, at: &SlotRef, ns: u64, cap_ns: u64, now: u64) -> bool {
+        let (i, tag, addr) = (at.index, at.tag, &at.addr);
+        if i >= self.capacity() || self.tag(i).load(Ordering::Acquire) != tag {
+            return false;
+        }
+        let s = self.slot(i);
+        // SAFETY: a slot inside the mapping; its words are 8-aligned and the program updates
+        // them atomically too.
+        unsafe {
+            if std::ptr::read_volatile(&raw const (*s).addr) != *addr {
+                return false;
+            }
+            let tat = AtomicU64::from_ptr(&raw mut (*s).state.stamp);
+            let horizon = now.saturating_add(cap_ns);
+            let mut old = tat.load(Ordering::Acquire);
+            // Bounded: each failure means a packet moved the TAT in between.
+            for _ in 0..64 {
+                let new = old.max(now).saturating_add(ns).min(horizon);
+                if new <= old {
+                    return true;
+                }
+                match tat.compare_exchange(old, new, Ordering::AcqRel, Ordering::Acquire) {
+                    Ok(_) => return true,
+                    Err(seen) => old = seen,
+                }
+            }
+        }
+        false
+    }
+
     /// Retire per-source `key`'s state (as an eviction would). True if it had one.
     pub fn remove(&self, key: &ClientKey) -> bool {
         let Some(i) = self.find(key) else {

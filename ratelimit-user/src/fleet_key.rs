@@ -49,6 +49,10 @@ pub struct RuleKey {
     pub bucket: u64,
     pub threshold: u64,
     pub interval_ms: u64,
+    /// A token bucket: its admissions are shared in windows of 10 s of the wall clock, and
+    /// the other hosts' are taken out of its tokens (not added into its counts).
+    #[serde(default)]
+    pub token_bucket: bool,
     /// The window shown as the current one (`unix_ns / interval`): this host's state's, or
     /// the wall clock's when this host holds no state for the client.
     pub window: u64,
@@ -192,9 +196,9 @@ impl Target {
     pub fn local(&self, state: Option<ClientState>, now_ns: u64) -> RuleKey {
         let g = &self.rule;
         let local = state.map(|st| LocalState {
-            stamp: st.stamp,
-            cur: st.cur,
-            prev: st.prev,
+            stamp: g.stamp_of(&st, Meter::Admitted),
+            cur: g.own_counts(&st, Meter::Admitted).0,
+            prev: g.own_counts(&st, Meter::Admitted).1,
             ban: (g.ban_interval_ns > 0).then_some(BanMeter {
                 stamp: if st.ban_stamp == BAN_HELD_MARK {
                     0
@@ -208,7 +212,7 @@ impl Target {
         });
         let window = match &local {
             Some(l) => l.stamp,
-            None => now_ns / g.interval_ns.max(1),
+            None => now_ns / g.admitted_window_ns().max(1),
         };
         RuleKey {
             rule: g.name.clone(),
@@ -217,6 +221,7 @@ impl Target {
             bucket: self.bucket,
             threshold: g.threshold,
             interval_ms: g.interval_ns / 1_000_000,
+            token_bucket: g.burst.is_some(),
             window,
             local,
             fleet: None,
@@ -305,6 +310,13 @@ pub fn render_key(k: &KeyReport) -> String {
             r.rule, r.key, r.threshold, r.interval_ms, r.bucket
         );
         match &r.local {
+            Some(l) if r.token_bucket => {
+                let _ = writeln!(
+                    s,
+                    "  this host  window {} (10 s of the wall clock): {} admitted here (a token bucket: the other hosts' admissions are taken out of its tokens)",
+                    l.stamp, l.cur
+                );
+            }
             Some(l) => {
                 let _ = writeln!(
                     s,
@@ -419,6 +431,7 @@ pub(crate) fn sample() -> KeyReport {
             bucket: 5,
             threshold: 300,
             interval_ms: 3000,
+            token_bucket: false,
             window: 588_000_000,
             local: Some(LocalState {
                 stamp: 588_000_000,

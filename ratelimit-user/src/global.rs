@@ -30,8 +30,12 @@ use std::{
     time::{Duration, Instant},
 };
 
-use ratelimit_common::maps::{
-    ACTION_BAN, BAN_HELD_MARK, ClientState, KEY_IP, RULE_GLOBAL, RuleConfig, slot_key,
+use ratelimit_common::{
+    limiter,
+    maps::{
+        ACTION_BAN, ALG_TOKEN_BUCKET, BAN_HELD_MARK, ClientState, GLOBAL_TB_WINDOW_NS, KEY_IP,
+        RULE_GLOBAL, RuleConfig, slot_key,
+    },
 };
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
@@ -104,6 +108,11 @@ pub struct GlobalRule {
     /// The ban meter's interval and threshold; 0 for a rule that does not ban.
     pub ban_interval_ns: u64,
     pub ban_threshold: u64,
+    /// A token bucket's burst (units); `None` for the window algorithms. A global token
+    /// bucket counts its admissions in wall-clock windows of [`GLOBAL_TB_WINDOW_NS`]
+    /// (`cur`, its window in `prev`), and the other hosts' admissions are taken out of it by
+    /// moving its TAT on ([`SlotStates::charge_bucket`]).
+    pub burst: Option<u64>,
 }
 
 impl GlobalRule {
@@ -133,6 +142,7 @@ impl GlobalRule {
                     threshold: l.threshold,
                     ban_interval_ns: if bans { l.ban_interval_ns } else { 0 },
                     ban_threshold: if bans { l.ban_threshold } else { 0 },
+                    burst: (r.algorithm == ALG_TOKEN_BUCKET).then_some(l.burst),
                 }
             })
             .collect()
@@ -140,28 +150,92 @@ impl GlobalRule {
 
     fn meters(&self) -> impl Iterator<Item = (Meter, u64)> + '_ {
         [
-            (Meter::Admitted, self.interval_ns),
+            (Meter::Admitted, self.admitted_window_ns()),
             (Meter::Offered, self.ban_interval_ns),
         ]
         .into_iter()
         .filter(|&(_, t)| t > 0)
     }
 
+    /// The window the admitted counts are shared in: the rule's interval, or for a token
+    /// bucket [`GLOBAL_TB_WINDOW_NS`].
+    pub fn admitted_window_ns(&self) -> u64 {
+        if self.burst.is_some() {
+            GLOBAL_TB_WINDOW_NS
+        } else {
+            self.interval_ns
+        }
+    }
+
+    /// Whether `meter` is a token bucket's admitted count (not a window meter the other
+    /// hosts' counts are added into).
+    fn is_bucket(&self, meter: Meter) -> bool {
+        self.burst.is_some() && meter == Meter::Admitted
+    }
+
     /// Whether a client whose state is `st` is worth syncing: this host's own count in a
     /// window of one of the rule's meters is worth sharing.
     pub fn wants(&self, st: &ClientState) -> bool {
         self.meters().any(|(m, _)| {
-            let (cur, prev) = own_counts(st, m);
+            let (cur, prev) = self.own_counts(st, m);
             self.worth(m, cur.max(prev))
         })
     }
 
-    /// The count `meter` is measured against: the threshold, or the ban threshold.
-    fn limit_of(&self, meter: Meter) -> u64 {
-        match meter {
-            Meter::Admitted => self.threshold,
-            Meter::Offered => self.ban_threshold,
+    /// The count `meter` is measured against in one of its windows: the threshold, or the
+    /// ban threshold; for a token bucket what it can admit in one: a window's refill and
+    /// its burst.
+    pub fn limit_of(&self, meter: Meter) -> u64 {
+        match (meter, self.burst) {
+            (Meter::Admitted, None) => self.threshold,
+            (Meter::Admitted, Some(burst)) => {
+                limiter::mul_div_floor(self.threshold, GLOBAL_TB_WINDOW_NS, self.interval_ns.max(1))
+                    .saturating_add(burst)
+            }
+            (Meter::Offered, _) => self.ban_threshold,
         }
+    }
+
+    /// A meter's `(cur, prev)` in `st` (a ban held in the meter is no window: nothing; a
+    /// token bucket's previous window is not kept: 0).
+    pub fn own_counts(&self, st: &ClientState, m: Meter) -> (u64, u64) {
+        match m {
+            Meter::Admitted if self.burst.is_some() => (st.cur, 0),
+            Meter::Admitted => (st.cur, st.prev),
+            Meter::Offered if st.ban_stamp == BAN_HELD_MARK => (0, 0),
+            Meter::Offered => (st.seen_cur, st.seen_prev),
+        }
+    }
+
+    /// A meter's window in `st`.
+    pub fn stamp_of(&self, st: &ClientState, m: Meter) -> u64 {
+        match m {
+            Meter::Admitted if self.burst.is_some() => st.prev,
+            Meter::Admitted => st.stamp,
+            Meter::Offered => st.ban_stamp,
+        }
+    }
+
+    /// A token bucket's time (ns) for `units` (`units * interval / threshold`, rounded up as
+    /// the program's increment is).
+    pub fn bucket_ns(&self, units: u64) -> u64 {
+        let t = self.threshold.max(1) as u128;
+        let ns = (units as u128 * self.interval_ns as u128).div_ceil(t);
+        u64::try_from(ns).unwrap_or(u64::MAX)
+    }
+
+    /// How far past now a token bucket's TAT may be moved: its burst tolerance (the
+    /// program's `gcra_burst_ns`: an empty bucket) and an interval of debt, which the program
+    /// keeps for a global bucket. Without the debt, what the other hosts admitted while this
+    /// host's own packets emptied its bucket would be forgiven, and each host would admit
+    /// the rate on its own.
+    pub fn charge_cap_ns(&self) -> u64 {
+        limiter::gcra_burst_ns(
+            self.burst.unwrap_or(0),
+            self.threshold.max(1),
+            self.interval_ns,
+        )
+        .saturating_add(self.interval_ns)
     }
 
     /// Whether `own` (this host's count in a window of `meter`) is worth sharing.
@@ -235,11 +309,18 @@ struct Added {
     wait_window: bool,
     /// The previous window's counts may hold what a previous run added: not shared.
     prev_unknown: bool,
+    /// A token bucket found at the first walk after this task (re)started: what the other
+    /// hosts admitted in this window may already be taken out of it by the previous run, so
+    /// the first answer's count of them is taken as charged.
+    charged_unknown: bool,
     /// This window: this host's own count last published, the fleet total last answered,
     /// and rounds since the last publish.
     published: u64,
     total: u64,
     quiet_rounds: u32,
+    /// This host's own count of the previous window last published (a token bucket's
+    /// previous window is not kept in its state: this is what it shares of it).
+    published_prev: u64,
     /// The last window in which another host was seen counting the client (its fleet total
     /// above this host's own count), kept across windows.
     others_window: Option<u64>,
@@ -271,17 +352,16 @@ impl Added {
         if stamp == self.window {
             return;
         }
-        self.prev = if stamp == self.window.wrapping_add(1) {
-            self.cur
-        } else {
-            0
-        };
+        let next = stamp == self.window.wrapping_add(1);
+        self.prev = if next { self.cur } else { 0 };
+        self.published_prev = if next { self.published } else { 0 };
         self.cur = 0;
         self.window = stamp;
         self.rounds = 0;
         self.announced = false;
         self.prev_unknown = self.wait_window;
         self.wait_window = false;
+        self.charged_unknown = false;
         self.published = 0;
         self.total = 0;
         self.quiet_rounds = 0;
@@ -316,11 +396,18 @@ impl Synced {
     }
 
     /// A client found at the first walk after this task (re)started: its state may hold
-    /// counts the previous run added, so its current windows are left alone.
-    fn cautious(mut self, st: &ClientState) -> Synced {
+    /// counts the previous run added, so its current windows are left alone. A token
+    /// bucket's own count holds nothing added (its count is shared at once), but the previous
+    /// run may have charged it the other hosts' admissions of this window.
+    fn cautious(mut self, g: &GlobalRule, st: &ClientState) -> Synced {
         for (a, m) in self.added.iter_mut().zip([Meter::Admitted, Meter::Offered]) {
-            a.window = stamp_of(st, m);
-            a.wait_window = true;
+            a.window = g.stamp_of(st, m);
+            if g.is_bucket(m) {
+                a.charged_unknown = true;
+                a.prev_unknown = true;
+            } else {
+                a.wait_window = true;
+            }
             a.others_window = Some(a.window.wrapping_sub(1));
         }
         self
@@ -341,6 +428,13 @@ pub trait SlotStates {
         to_prev: bool,
         delta: u64,
     ) -> bool;
+    /// Take `ns` of bucket time out of the token bucket in `at`: move its TAT on from
+    /// CLOCK_MONOTONIC now at the earliest, never past now + `cap_ns`
+    /// ([`GlobalRule::charge_cap_ns`]); false if the slot moved on.
+    fn charge_bucket(&self, at: &SlotRef, ns: u64, cap_ns: u64) -> bool {
+        let _ = (at, ns, cap_ns);
+        false
+    }
 }
 
 impl SlotStates for ClientStore {
@@ -357,6 +451,10 @@ impl SlotStates for ClientStore {
         delta: u64,
     ) -> bool {
         ClientStore::add_in_window(self, at, meter, window, to_prev, delta)
+    }
+
+    fn charge_bucket(&self, at: &SlotRef, ns: u64, cap_ns: u64) -> bool {
+        ClientStore::charge_bucket(self, at, ns, cap_ns, crate::report::mono_ns())
     }
 }
 
@@ -876,7 +974,11 @@ fn scan(
             addr: slot.addr,
         };
         let s = Synced::new(rules, rule, at, key.prefix_len);
-        let s = if first { s.cautious(&slot.state) } else { s };
+        let s = if first {
+            s.cautious(&rules[rule], &slot.state)
+        } else {
+            s
+        };
         known.insert((rule, slot.addr, tag), usize::MAX);
         fresh.push(s);
     })?;
@@ -899,22 +1001,6 @@ fn wall_ns() -> u64 {
         .map_or(0, |d| d.as_nanos() as u64)
 }
 
-/// A meter's `(cur, prev)` (a ban held in the meter is no window: nothing).
-fn own_counts(st: &ClientState, m: Meter) -> (u64, u64) {
-    match m {
-        Meter::Admitted => (st.cur, st.prev),
-        Meter::Offered if st.ban_stamp == BAN_HELD_MARK => (0, 0),
-        Meter::Offered => (st.seen_cur, st.seen_prev),
-    }
-}
-
-fn stamp_of(st: &ClientState, m: Meter) -> u64 {
-    match m {
-        Meter::Admitted => st.stamp,
-        Meter::Offered => st.ban_stamp,
-    }
-}
-
 /// One round: read, publish, add. Returns (store calls, counts added). The hashes are
 /// called in order of their names.
 pub async fn round<S: SlotStates + ?Sized, C: CountStore + Announce>(
@@ -932,7 +1018,7 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore + Announce>(
         };
         let g = &rules[s.rule];
         for (mi, (m, interval)) in g.meters().enumerate() {
-            let stamp = stamp_of(&st, m);
+            let stamp = g.stamp_of(&st, m);
             // A meter that never counted (no window yet), or a ban held in it: nothing to share.
             if stamp == 0 || (m == Meter::Offered && stamp == BAN_HELD_MARK) {
                 continue;
@@ -946,25 +1032,37 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore + Announce>(
             if before.window == 0 && a.others_window.is_none() {
                 a.others_window = Some(stamp.wrapping_sub(1));
             }
-            let (cur, prev) = own_counts(&st, m);
+            let (cur, prev) = g.own_counts(&st, m);
             if a.wait_window {
                 continue;
             }
-            // Counts only grow within a window: less than was added means the state was
-            // made anew (the client evicted and back), so nothing of it is the others';
-            // a previous window below what was added means the program is rotating it now
-            // (or the read was torn): next round.
-            if cur < a.cur {
-                *a = Added {
-                    window: stamp,
-                    ..Added::default()
-                };
-            }
-            if prev < a.prev {
-                continue;
-            }
-            let own_cur = cur.saturating_sub(a.cur);
-            let own_prev = prev.saturating_sub(a.prev);
+            let (own_cur, own_prev) = if g.is_bucket(m) {
+                // Nothing is added into a token bucket's count: it is all this host's own. Less
+                // than was published means the state was made anew (its TAT too, so what was
+                // charged went with it). Its previous window is what was last published of it.
+                if cur < a.published {
+                    *a = Added {
+                        window: stamp,
+                        ..Added::default()
+                    };
+                }
+                (cur, a.published_prev)
+            } else {
+                // Counts only grow within a window: less than was added means the state was
+                // made anew (the client evicted and back), so nothing of it is the others';
+                // a previous window below what was added means the program is rotating it
+                // now (or the read was torn): next round.
+                if cur < a.cur {
+                    *a = Added {
+                        window: stamp,
+                        ..Added::default()
+                    };
+                }
+                if prev < a.prev {
+                    continue;
+                }
+                (cur.saturating_sub(a.cur), prev.saturating_sub(a.prev))
+            };
             if before.window != stamp || own_cur > 0 {
                 s.active = Instant::now();
             }
@@ -985,7 +1083,9 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore + Announce>(
                 // (no other host counts it) only now and then, however near.
                 if !to_prev {
                     let moved = g.worth(m, own.saturating_sub(a.published));
-                    let often = !solo && (g.near(m, a.total) || moved);
+                    // A token bucket's nearness is its fill, not its window's count: every
+                    // round while another host counts it.
+                    let often = !solo && (g.is_bucket(m) || g.near(m, a.total) || moved);
                     if a.rounds > 1 && !often && a.quiet_rounds < WARM_ROUNDS {
                         a.quiet_rounds += 1;
                         continue;
@@ -1075,12 +1175,25 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore + Announce>(
             if e.to_prev && m == Meter::Offered {
                 continue;
             }
+            let bucket = rules[s.rule].is_bucket(m);
+            if bucket && !e.to_prev && a.charged_unknown {
+                // Taken as charged by the previous run (see `Synced::cautious`).
+                a.charged_unknown = false;
+                a.cur = a.cur.max(others);
+                continue;
+            }
             if others <= have {
                 continue;
             }
             let delta = others - have;
             let window = a.window;
-            if store.add_in_window(&s.at, m, window, e.to_prev, delta) {
+            let g = &rules[s.rule];
+            let done = if bucket {
+                store.charge_bucket(&s.at, g.bucket_ns(delta), g.charge_cap_ns())
+            } else {
+                store.add_in_window(&s.at, m, window, e.to_prev, delta)
+            };
+            if done {
                 if e.to_prev {
                     a.prev += delta;
                 } else {
@@ -1168,6 +1281,7 @@ mod tests {
             threshold: 1000,
             ban_interval_ns: 0,
             ban_threshold: 0,
+            burst: None,
         };
         assert!(!g.worth(Meter::Admitted, 0));
         assert!(!g.worth(Meter::Admitted, 49));
@@ -1213,6 +1327,7 @@ mod tests {
             threshold: 1000,
             ban_interval_ns: 0,
             ban_threshold: 0,
+            burst: None,
         }]
     }
 
@@ -1355,7 +1470,7 @@ mod tests {
         slots.0.replace(st);
         let mut synced: Vec<Synced> = one_client(&rules)
             .into_iter()
-            .map(|s| s.cautious(&st))
+            .map(|s| s.cautious(&rules[0], &st))
             .collect();
         let r = now_round(&mut m, &slots, &rules, &mut synced);
         assert_eq!((r.calls, r.added), (0, 0));
@@ -1372,6 +1487,129 @@ mod tests {
         assert_eq!(r.calls, 1, "window 8 only");
         let h8 = hash_name("r#1", Meter::Admitted, synced[0].bucket, 8);
         assert_eq!(m.run(&h8, "x", u64::MAX, &[(&name, 0)]), vec![10]);
+    }
+
+    /// A token bucket's state, and the bucket time charged to it.
+    struct BucketSlot(
+        std::cell::RefCell<ClientState>,
+        std::cell::RefCell<Vec<(u64, u64)>>,
+    );
+
+    impl SlotStates for BucketSlot {
+        fn slot_state(&self, _: &SlotRef) -> Option<ClientState> {
+            Some(*self.0.borrow())
+        }
+
+        fn add_in_window(&self, _: &SlotRef, _: Meter, _: u64, _: bool, _: u64) -> bool {
+            panic!("nothing is added into a token bucket's counts")
+        }
+
+        fn charge_bucket(&self, _: &SlotRef, ns: u64, cap_ns: u64) -> bool {
+            self.1.borrow_mut().push((ns, cap_ns));
+            true
+        }
+    }
+
+    fn bucket_round(
+        m: &mut MemoryCounts,
+        slots: &BucketSlot,
+        rules: &[GlobalRule],
+        synced: &mut [Synced],
+    ) -> Round {
+        let f = round(m, "a", slots, rules, synced);
+        let mut f = std::pin::pin!(f);
+        match f
+            .as_mut()
+            .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()))
+        {
+            std::task::Poll::Ready(r) => r.unwrap(),
+            std::task::Poll::Pending => unreachable!("the memory store answers at once"),
+        }
+    }
+
+    #[test]
+    fn a_token_bucket_is_charged_what_the_other_hosts_admitted() {
+        // 100 a second, burst 20: 10 ms of bucket time a packet, 200 ms of burst.
+        let rules = vec![GlobalRule {
+            burst: Some(20),
+            threshold: 100,
+            ..rule().remove(0)
+        }];
+        let g = &rules[0];
+        assert_eq!(g.limit_of(Meter::Admitted), 100 * 10 + 20);
+        // Burst 200 ms and an interval (1 s) of debt.
+        assert_eq!(
+            (g.bucket_ns(3), g.charge_cap_ns()),
+            (30_000_000, 1_200_000_000)
+        );
+        assert_eq!(g.admitted_window_ns(), GLOBAL_TB_WINDOW_NS);
+        let w = 176_000_000;
+        // This host admitted 60 in wall window w (`cur`, its window in `prev`); the TAT is
+        // no window.
+        let st = ClientState {
+            stamp: 987_654_321,
+            cur: 60,
+            prev: w,
+            ..Default::default()
+        };
+        assert!(g.wants(&st));
+        let slots = BucketSlot(std::cell::RefCell::new(st), Default::default());
+        let mut synced = one_client(&rules);
+        let mut m = MemoryCounts::default();
+        let name = synced[0].name.clone();
+        let h = hash_name(&g.rid, Meter::Admitted, synced[0].bucket, w);
+        m.run(&h, "b", u64::MAX, &[(&name, 300)]);
+        let r = bucket_round(&mut m, &slots, &rules, &mut synced);
+        // Its own 60 published; b's 300 charged: 3 s of bucket time (the charge's cap holds
+        // it to an empty bucket and an interval of debt).
+        assert_eq!(r.added, 300);
+        assert_eq!(
+            slots.1.borrow().as_slice(),
+            [(3_000_000_000, 1_200_000_000)]
+        );
+        assert_eq!(m.run(&h, "x", u64::MAX, &[(&name, 0)]), vec![360]);
+        // b admits 10 more, this host 5: only b's 10 are charged.
+        m.run(&h, "b", u64::MAX, &[(&name, 310)]);
+        slots.0.borrow_mut().cur = 65;
+        bucket_round(&mut m, &slots, &rules, &mut synced);
+        assert_eq!(slots.1.borrow().last(), Some(&(100_000_000, 1_200_000_000)));
+        assert_eq!(m.run(&h, "x", u64::MAX, &[(&name, 0)]), vec![375]);
+        // Nothing new: nothing charged.
+        let before = slots.1.borrow().len();
+        bucket_round(&mut m, &slots, &rules, &mut synced);
+        assert_eq!(slots.1.borrow().len(), before);
+
+        // The next wall window: the program started its count anew. b's late 20 of window w
+        // are still charged; this host's last published 65 is what it shares of w.
+        {
+            let mut st = slots.0.borrow_mut();
+            st.prev = w + 1;
+            st.cur = 4;
+        }
+        m.run(&h, "b", u64::MAX, &[(&name, 330)]);
+        bucket_round(&mut m, &slots, &rules, &mut synced);
+        assert!(
+            slots.1.borrow().contains(&(200_000_000, 1_200_000_000)),
+            "{:?}",
+            slots.1.borrow()
+        );
+        assert_eq!(m.run(&h, "x", u64::MAX, &[(&name, 0)]), vec![395]);
+
+        // A task restarted in a window: b's count so far is taken as charged (the previous
+        // run may have), what b admits after it is charged.
+        let h1 = hash_name(&g.rid, Meter::Admitted, synced[0].bucket, w + 1);
+        m.run(&h1, "b", u64::MAX, &[(&name, 50)]);
+        let st = *slots.0.borrow();
+        let mut synced: Vec<Synced> = one_client(&rules)
+            .into_iter()
+            .map(|s| s.cautious(g, &st))
+            .collect();
+        slots.1.borrow_mut().clear();
+        bucket_round(&mut m, &slots, &rules, &mut synced);
+        assert!(slots.1.borrow().is_empty(), "{:?}", slots.1.borrow());
+        m.run(&h1, "b", u64::MAX, &[(&name, 57)]);
+        bucket_round(&mut m, &slots, &rules, &mut synced);
+        assert_eq!(slots.1.borrow().as_slice(), [(70_000_000, 1_200_000_000)]);
     }
 
     #[test]

@@ -335,6 +335,7 @@ pub fn run(sc: &Scenario) -> Outcome {
         threshold: sc.threshold,
         ban_interval_ns: 0,
         ban_threshold: 0,
+        burst: None,
     }];
     let mut rng = Rng::new(sc.seed);
     let mut hosts: Vec<Host> = (0..sc.hosts)

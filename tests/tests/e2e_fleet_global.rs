@@ -164,6 +164,110 @@ fn a_local_threshold_is_held_per_host() {
     assert!(g.rules.is_empty() && g.synced_keys == 0, "{g:?}");
 }
 
+/// A token bucket of `TB_RATE` packets a second and a burst of `TB_BURST`, measured over
+/// `TB_SECS` after a warm-up.
+const TB_RATE: u64 = 50;
+const TB_BURST: u64 = 25;
+const TB_SECS: u64 = 20;
+const TB_PORT: u16 = 9004;
+
+fn bucket_policy(url: &str, host: usize, scope: &str) -> String {
+    format!(
+        r#"[fleet]
+redis = "{url}"
+host_id = "h{host}"
+sync_interval = "50ms"
+
+[[rule]]
+name = "udp-bucket"
+match = {{ protocol = "udp", dst_ports = ["{TB_PORT}"] }}
+action = "throttle"
+threshold = {{ count = {TB_RATE}, interval = "1s" }}
+algorithm = "token_bucket"
+burst = {TB_BURST}
+scope = "{scope}"
+"#
+    )
+}
+
+/// One source at three times the bucket's rate, split evenly over the three hosts: the
+/// fleet's admitted count over [`TB_SECS`] after a warm-up of 5 s (the buckets drained, the
+/// client synced).
+fn measure_bucket(f: &Fleet) -> u64 {
+    let src = Ipv4Addr::new(198, 18, 7, 9);
+    let warm = Duration::from_secs(5);
+    let span = Duration::from_secs(TB_SECS);
+    let senders: Vec<_> = f
+        .hosts
+        .iter()
+        .map(|h| {
+            h.blast(
+                h.udp4(src, TB_PORT),
+                TB_RATE,
+                warm + span + Duration::from_secs(1),
+                None,
+            )
+        })
+        .collect();
+    std::thread::sleep(warm);
+    let t0 = Instant::now();
+    let a0: u64 = f.admitted_by("udp-bucket").iter().sum();
+    std::thread::sleep(span.saturating_sub(t0.elapsed()));
+    let a1: u64 = f.admitted_by("udp-bucket").iter().sum();
+    for s in senders {
+        s.join().expect("sender");
+    }
+    a1 - a0
+}
+
+/// A global token bucket: each host takes what the others admitted out of its bucket, so the
+/// fleet admits the rate (within 5%), where buckets counting alone admit all three shares.
+#[test]
+fn a_global_token_bucket_holds_its_rate_across_three_hosts_within_5_percent() {
+    kernel_test!();
+    let expected = TB_RATE * TB_SECS;
+    {
+        let f = Setup::new("rltb")
+            .store(Store::Direct)
+            .start(|i, url| bucket_policy(url, i, "global"));
+        let give_up = Instant::now() + Duration::from_secs(10);
+        while (0..3).any(|i| f.fleet(i).global.rules != ["udp-bucket"]) {
+            assert!(
+                Instant::now() < give_up,
+                "the global bucket is not synced: {:?}",
+                (0..3).map(|i| f.fleet(i)).collect::<Vec<_>>()
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let n = measure_bucket(&f);
+        let off = (n as f64 - expected as f64) / expected as f64;
+        println!(
+            "global token bucket: {n} admitted across 3 hosts in {TB_SECS}s at 3x the rate \
+             (rate x time = {expected}): {:+.1}%",
+            off * 100.0
+        );
+        for i in 0..3 {
+            println!("host {i}: {:?}", f.fleet(i).global);
+        }
+        assert!(
+            off.abs() <= 0.05,
+            "{n} admitted, {:.1}% off {expected}",
+            off * 100.0
+        );
+        let g = f.fleet(0).global;
+        assert!(g.synced_keys >= 1 && g.added_total > 0, "{g:?}");
+        assert_eq!(g.store_errors, 0, "{g:?}");
+    }
+    // The same buckets local: each host admits its whole share, the fleet three times the rate.
+    let f = Setup::new("rltl")
+        .store(Store::Direct)
+        .start(|i, url| bucket_policy(url, i, "local"));
+    let n = measure_bucket(&f);
+    let ratio = n as f64 / expected as f64;
+    println!("local token buckets: {n} admitted across 3 hosts ({ratio:.2}x the rate)");
+    assert!((2.8..=3.05).contains(&ratio), "{n} admitted, {ratio:.2}x");
+}
+
 /// What is done to the store at a window boundary.
 #[derive(Clone, Copy, Debug)]
 enum Act {

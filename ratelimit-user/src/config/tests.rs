@@ -1934,7 +1934,7 @@ fn fleet_errors() {
 }
 
 #[test]
-fn rule_scope_global_needs_a_fleet_a_per_source_key_and_windows() {
+fn rule_scope_global_needs_a_fleet_and_a_per_source_key() {
     let rule = "[[rule]]\nname = \"r\"\nthreshold = { count = 10, interval = \"1s\" }\n";
     let fleet = "[fleet]\nredis = \"redis://a:6379\"\n";
     assert_eq!(
@@ -1953,11 +1953,21 @@ fn rule_scope_global_needs_a_fleet_a_per_source_key_and_windows() {
     );
     let e = error(&format!("{fleet}{rule}key = \"all\"\nscope = \"global\"\n"));
     assert!(e.contains("is supported with key = \"ip\" only"), "{e}");
-    let e = error(&format!(
-        "{fleet}{rule}algorithm = \"token_bucket\"\nscope = \"global\"\n"
-    ));
+    // A token bucket is global too; its overrides keep the rule's rate.
+    let tb = format!("{fleet}{rule}algorithm = \"token_bucket\"\nburst = 20\nscope = \"global\"\n");
+    assert_eq!(ok(&tb).rules[0].scope, Scope::Global);
+    let tb_over = |count: u32| {
+        format!(
+            "{tb}[[rule.override]]\ncidr = \"10.0.0.0/8\"\n\
+             threshold = {{ count = {count}, interval = \"1s\" }}\n"
+        )
+    };
+    assert_eq!(ok(&tb_over(10)).rules[0].overrides.len(), 1);
+    let e = error(&tb_over(50));
     assert!(
-        e.contains("not supported with algorithm = \"token_bucket\""),
+        e.contains(
+            "with algorithm = \"token_bucket\" needs every override to keep the rule's threshold"
+        ),
         "{e}"
     );
     // An override may change a client's counts, not the windows the fleet counts it in.

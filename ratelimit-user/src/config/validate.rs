@@ -641,11 +641,6 @@ fn rule(
                 "\"global\" is supported with key = \"ip\" only (the shared states of key = \
                  \"all\" and \"region\" are counted per host)",
             ),
-            "global" if algorithm == Some(Algorithm::TokenBucket) => f.invalid(
-                ck,
-                "\"global\" is not supported with algorithm = \"token_bucket\": use \
-                 \"sliding_window\" or \"fixed_window\", whose windows the fleet counts in",
-            ),
             "global" => {
                 scope = Scope::Global;
                 scope_at = Some(f.at());
@@ -722,6 +717,19 @@ fn rule(
                 format!(
                     "{pre}scope: \"global\" needs every override to keep the rule's intervals \
                      (the fleet counts the rule's clients in the rule's windows)"
+                ),
+            );
+        } else if algorithm == Some(Algorithm::TokenBucket)
+            && overrides
+                .iter()
+                .any(|o: &Override| o.threshold.amount != th.amount)
+        {
+            ck.error(
+                at,
+                format!(
+                    "{pre}scope: \"global\" with algorithm = \"token_bucket\" needs every \
+                     override to keep the rule's threshold (the fleet takes the other hosts' \
+                     admissions out of each bucket at the rule's rate)"
                 ),
             );
         }
