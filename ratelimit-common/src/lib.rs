@@ -42,6 +42,7 @@ mod pod {
         ClientKey,
         ClientState,
         SharedState,
+        FleetAdd,
         Slot,
         BanEntry,
         OverrideValue,

@@ -544,6 +544,40 @@ pub struct SharedState {
     pub banned_until_ns: u64,
 }
 
+/// What the other hosts of the fleet counted for a shared key (`KEY_ALL`, `KEY_REGION`) of
+/// a global rule (`RULE_GLOBAL`), in `RL_FLEET_ADD`: written by the daemon every sync round,
+/// only read by the program, which adds it to the key's own counts when it judges (a shared
+/// state lives in a hash map the daemon cannot add into atomically). Each meter's counts are
+/// for wall-clock window `window` (`cur`) and the one before (`prev`); a meter whose state
+/// is in another window finds nothing of its own there (or, one window on, `cur` as its
+/// previous window's).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct FleetAdd {
+    pub window: u64,
+    pub cur: u64,
+    pub prev: u64,
+    /// The ban meter's window and counts (offered), for `rate_based_ban`.
+    pub ban_window: u64,
+    pub seen_cur: u64,
+    pub seen_prev: u64,
+}
+
+impl FleetAdd {
+    /// The other hosts' counts `(cur, prev)` for a meter in window `w`, given what was
+    /// written for window `window`.
+    #[inline(always)]
+    pub fn counts_in(window: u64, cur: u64, prev: u64, w: u64) -> (u64, u64) {
+        if window == w {
+            (cur, prev)
+        } else if window.wrapping_add(1) == w {
+            (0, cur)
+        } else {
+            (0, 0)
+        }
+    }
+}
+
 /// Ways per set of the per-source store (`RL_CLIENTS`).
 pub const STORE_WAYS: usize = 8;
 

@@ -80,6 +80,7 @@ pub extern "C" fn rl_ban_meter(
             (*j).wnow,
             interval,
             (*j).cost,
+            &*j,
         );
         (*j).seen = seen;
         // BELOW_BAN_THRESHOLD (0) or ABOVE_BAN_THRESHOLD (1).
@@ -234,7 +235,8 @@ unsafe fn rotate(stamp: *mut u64, cur: *mut u64, prev: *mut u64, now: u64, inter
     w
 }
 
-/// Count `cost` into a sliding-window meter and return its estimate.
+/// Count `cost` into the ban meter's sliding window and return its estimate (with, for a
+/// shared key of a global rule, the other hosts' offered counts: `j.add`).
 ///
 /// # Safety
 /// `stamp`, `cur` and `prev` are aligned words of one live map value.
@@ -246,15 +248,21 @@ unsafe fn meter(
     now: u64,
     interval: u64,
     cost: u64,
+    j: &Judge,
 ) -> u64 {
     // SAFETY: the caller's contract, passed on.
     let w = unsafe { rotate(stamp, cur, prev, now, interval) };
     // SAFETY: the caller's contract.
     let c = unsafe { atomic::fetch_add(cur, cost) } + cost;
+    let (xc, xp) = if j.fleet != 0 {
+        FleetAdd::counts_in(j.add.ban_window, j.add.seen_cur, j.add.seen_prev, w)
+    } else {
+        (0, 0)
+    };
     limiter::sliding_estimate(
         // SAFETY: the caller's contract.
-        unsafe { atomic::load(prev) },
-        c,
+        unsafe { atomic::load(prev) }.saturating_add(xp),
+        c.saturating_add(xc),
         limiter::prev_weight_in(now, interval, w),
     )
 }
@@ -367,12 +375,18 @@ unsafe fn limit_check(st: *mut ClientState, limit: &Limit, j: &Judge) -> (bool, 
     // counted in between. (Reserving with fetch-add and giving back on overshoot would race
     // with window rotation: a give-back landing after the rotation zeroed `cur` would wrap it
     // and shut the client out for two windows.)
+    // A shared key of a global rule: the other hosts' counts of these windows too.
+    let (xc, xp) = if j.fleet != 0 {
+        FleetAdd::counts_in(j.add.window, j.add.cur, j.add.prev, w)
+    } else {
+        (0, 0)
+    };
     // SAFETY: an aligned word of the live map value `st`.
-    let prev_w = unsafe { atomic::load(prev) };
+    let prev_w = unsafe { atomic::load(prev) }.saturating_add(xp);
     for _ in 0..CAS_RETRIES {
         // SAFETY: as above.
         let c = unsafe { atomic::load(cur) };
-        let est = limiter::sliding_estimate(prev_w, c, weight);
+        let est = limiter::sliding_estimate(prev_w, c.saturating_add(xc), weight);
         if !limiter::sliding_admits(est, cost, threshold) {
             return (false, est + cost, threshold, false);
         }

@@ -376,6 +376,16 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
     let is_ban = rule.action == ACTION_BAN && key.kind != KEY_OVERFLOW;
     let key = &rl.key;
     let j = &mut rl.judge;
+    // A shared key of a global rule: what the other hosts counted for it.
+    j.fleet = 0;
+    if global
+        && (key.kind == KEY_ALL || key.kind == KEY_REGION)
+        && let Some(a) = crate::state::fleet_add(key)
+    {
+        // SAFETY: a live map value, copied (the daemon replaces it whole).
+        j.add = unsafe { *a };
+        j.fleet = 1;
+    }
     if is_ban && key.kind != KEY_IP && rl_aggregate_ban(until, st, key, j) == AGGREGATE_BANNED {
         return exceeded(env, i, preview, exceed_pass, rc::BANNED_DROPPED);
     }

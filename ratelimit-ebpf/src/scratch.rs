@@ -164,4 +164,8 @@ pub struct Judge {
     /// Non-zero for a global rule (`RULE_GLOBAL`): a token bucket counts what it admits in
     /// windows of the wall clock for the fleet.
     pub global: u32,
+    /// Non-zero when `add` holds what the other hosts counted for this shared key of a
+    /// global rule (`RL_FLEET_ADD`): the window meters judge by their own counts and these.
+    pub fleet: u32,
+    pub add: FleetAdd,
 }

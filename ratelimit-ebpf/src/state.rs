@@ -33,6 +33,18 @@ pub const EEXIST: i32 = -17;
 #[map(name = "RL_SHARED")]
 static SHARED: HashMap<ClientKey, SharedState> = HashMap::pinned(MAX_SHARED_STATES, 0);
 
+/// What the other hosts of the fleet counted for the shared keys of global rules (see
+/// [`FleetAdd`]): written by the daemon, read here. Empty without a global shared-key rule.
+#[map(name = "RL_FLEET_ADD")]
+static FLEET_ADD: HashMap<ClientKey, FleetAdd> = HashMap::pinned(MAX_SHARED_STATES, 0);
+
+/// What the other hosts counted for shared key `key` of a global rule, if the daemon wrote
+/// it.
+#[inline(always)]
+pub fn fleet_add(key: &ClientKey) -> Option<*const FleetAdd> {
+    FLEET_ADD.get_ptr(key)
+}
+
 /// Per rule: the one aggregate state shared by the sources that get no state of their own
 /// (refused by the admission budget, or refused by a full map). An array, not entries of
 /// `CLIENTS`: in a random-source flood nearly every packet lands here, and an indexed load

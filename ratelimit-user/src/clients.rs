@@ -17,8 +17,8 @@ use std::{
 use anyhow::{Context as _, anyhow, bail};
 use aya::maps::{HashMap, Map, MapData};
 use ratelimit_common::maps::{
-    ClientKey, ClientState, HashKey, KEY_IP, SLOT_BUSY, STORE_WAYS, SharedState, StoreSet,
-    known_hash, slot_key, slot_ready, slot_tag, store_sets_of,
+    ClientKey, ClientState, FleetAdd, HashKey, KEY_IP, SLOT_BUSY, STORE_WAYS, SharedState,
+    StoreSet, known_hash, slot_key, slot_ready, slot_tag, store_sets_of,
 };
 
 /// A window meter of a per-source state.
@@ -45,6 +45,9 @@ pub type SlotIndex = u64;
 pub struct ClientStore {
     /// Shared keys (`all`, `region`).
     pub shared: HashMap<MapData, ClientKey, SharedState>,
+    /// What the other hosts counted for the shared keys of global rules (`RL_FLEET_ADD`),
+    /// written by the fleet's sync task only.
+    fleet_add: std::sync::Mutex<HashMap<MapData, ClientKey, FleetAdd>>,
     sets_map: MapData,
     sets: u32,
     base: NonNull<StoreSet>,
@@ -67,8 +70,14 @@ impl Drop for ClientStore {
 }
 
 impl ClientStore {
-    /// From the program's maps `RL_SHARED` and `RL_CLIENTS`, placed under `hash_key`.
-    pub fn new(shared: Map, sets_map: Map, hash_key: HashKey) -> anyhow::Result<Self> {
+    /// From the program's maps `RL_SHARED`, `RL_FLEET_ADD` and `RL_CLIENTS`, placed under
+    /// `hash_key`.
+    pub fn new(
+        shared: Map,
+        fleet_add: Map,
+        sets_map: Map,
+        hash_key: HashKey,
+    ) -> anyhow::Result<Self> {
         let sets_map = match sets_map {
             Map::Array(d) => d,
             _ => bail!(
@@ -108,6 +117,7 @@ impl ClientStore {
         }
         Ok(Self {
             shared: HashMap::try_from(shared)?,
+            fleet_add: std::sync::Mutex::new(HashMap::try_from(fleet_add)?),
             sets_map,
             sets,
             base: NonNull::new(p as *mut StoreSet).context("mmap returned null")?,
@@ -127,6 +137,7 @@ impl ClientStore {
         let hash_key = keys.get(&0, 0).context("reading RL_HASH_KEY")?;
         Self::new(
             Map::HashMap(open("RL_SHARED")?),
+            Map::HashMap(open("RL_FLEET_ADD")?),
             Map::Array(open("RL_CLIENTS")?),
             hash_key,
         )
@@ -397,6 +408,40 @@ impl ClientStore {
             f(&k, &s.state);
         }
         self.walk_slots(&mut |_, tag, s| f(&slot_key(tag, s.addr), &s.state))
+    }
+
+    /// The shared keys' states (`KEY_ALL`, `KEY_REGION`) of the rules at `indexes`.
+    pub fn shared_states_of(
+        &self,
+        indexes: &[u8],
+    ) -> anyhow::Result<Vec<(ClientKey, ClientState)>> {
+        let mut out = Vec::new();
+        for r in self.shared.iter() {
+            let (k, s) = r.map_err(|e| anyhow!("walking the shared states: {e}"))?;
+            if indexes.contains(&k.rule) {
+                out.push((k, s.state));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Write what the other hosts counted for shared key `key` (the program reads it whole).
+    pub fn set_fleet_add(&self, key: &ClientKey, add: &FleetAdd) -> anyhow::Result<()> {
+        let mut m = self.fleet_add.lock().unwrap_or_else(|e| e.into_inner());
+        m.insert(key, add, 0)
+            .map_err(|e| anyhow!("writing RL_FLEET_ADD: {e}"))
+    }
+
+    /// Remove what was written for the shared keys `keep` refuses (their rule is no longer
+    /// a global one, or the key went). Returns how many went.
+    pub fn retain_fleet_add(&self, keep: &dyn Fn(&ClientKey) -> bool) -> usize {
+        let mut m = self.fleet_add.lock().unwrap_or_else(|e| e.into_inner());
+        let gone: Vec<ClientKey> = m
+            .keys()
+            .filter_map(|k| k.ok())
+            .filter(|k| !keep(k))
+            .collect();
+        gone.iter().filter(|k| m.remove(k).is_ok()).count()
     }
 
     /// Every key with a state now.

@@ -805,6 +805,7 @@ pub(crate) mod samples {
                     global: crate::global::GlobalReport {
                         rules: vec!["syn-per-client".into()],
                         synced_keys: 12,
+                        shared_keys: 0,
                         capped_keys: 0,
                         rounds: 100,
                         store_calls: 400,

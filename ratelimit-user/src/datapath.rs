@@ -268,9 +268,9 @@ pub fn ifindex(iface: &str) -> anyhow::Result<u32> {
 /// The layout of every pinned map's keys and values. `LAYOUT_VERSION` is bumped by hand
 /// whenever one changes (a reordered field included), and when where a key is placed changes
 /// (the per-source store's hash, `known_hash`) or what a value means (an elastic limit without
-/// `elastic` is the limit itself, no longer all zero; global rules' windows on the wall clock);
-/// the sizes follow as a check.
-const LAYOUT_VERSION: u32 = 12;
+/// `elastic` is the limit itself, no longer all zero; global rules' windows on the wall clock;
+/// a global token bucket's counts in `cur`/`prev`); the sizes follow as a check.
+const LAYOUT_VERSION: u32 = 13;
 
 /// File in `daemon.state_dir` recording the layout of the maps pinned in `daemon.bpffs_dir`.
 pub const LAYOUT_FILE: &str = "pinned-layout";
@@ -278,11 +278,12 @@ pub const LAYOUT_FILE: &str = "pinned-layout";
 pub fn layout() -> String {
     use std::mem::size_of;
     format!(
-        "v{LAYOUT_VERSION} client_key={} client_state={} store_set={} shared={} fast_entry={} global={} rule={} override={} ban={} stats={} hash_key={}",
+        "v{LAYOUT_VERSION} client_key={} client_state={} store_set={} shared={} fleet_add={} fast_entry={} global={} rule={} override={} ban={} stats={} hash_key={}",
         size_of::<ClientKey>(),
         size_of::<ClientState>(),
         size_of::<ratelimit_common::maps::StoreSet>(),
         size_of::<ratelimit_common::maps::SharedState>(),
+        size_of::<ratelimit_common::maps::FleetAdd>(),
         size_of::<FastEntry>(),
         size_of::<GlobalConfig>(),
         size_of::<RuleConfig>(),
@@ -648,6 +649,7 @@ fn typed_maps(
         regions: LpmTrie::try_from(take("RL_REGIONS")?)?,
         clients: crate::clients::ClientStore::new(
             take("RL_SHARED")?,
+            take("RL_FLEET_ADD")?,
             take("RL_CLIENTS")?,
             hash_key,
         )?,

@@ -148,6 +148,7 @@ pub fn targets(
         )
     })?;
     let mut globals = GlobalRule::of(live_rules);
+    globals.retain(|g| g.kind == KEY_IP);
     if globals.is_empty() {
         bail!("no global rule: no rule has scope = \"global\" and key = \"ip\"");
     }
@@ -394,6 +395,13 @@ pub fn render_global(g: &GlobalReport) -> String {
             String::new()
         }
     );
+    if g.shared_keys > 0 {
+        let _ = writeln!(
+            s,
+            "  shared keys  {} (key = \"all\" / \"region\", every round)",
+            g.shared_keys
+        );
+    }
     let _ = writeln!(
         s,
         "  rounds       {} ({} store calls, {} errors)",
@@ -610,6 +618,7 @@ mod tests {
         let g = GlobalReport {
             rules: vec!["udp-global".into(), "syn".into()],
             synced_keys: 12,
+            shared_keys: 2,
             capped_keys: 3,
             rounds: 100,
             store_calls: 400,
@@ -624,6 +633,7 @@ mod tests {
             "global thresholds",
             "  rules        udp-global, syn",
             "  synced keys  12 (3 more left to this host's count: at most 100000 are synced)",
+            "  shared keys  2 (key = \"all\" / \"region\", every round)",
             "  rounds       100 (400 store calls, 1 errors)",
             "  added        5000 (counts of other hosts added here)",
             "  last round   0.80 ms",

@@ -33,8 +33,8 @@ use std::{
 use ratelimit_common::{
     limiter,
     maps::{
-        ACTION_BAN, ALG_TOKEN_BUCKET, BAN_HELD_MARK, ClientState, GLOBAL_TB_WINDOW_NS, KEY_IP,
-        RULE_GLOBAL, RuleConfig, slot_key,
+        ACTION_BAN, ALG_TOKEN_BUCKET, BAN_HELD_MARK, ClientKey, ClientState, FleetAdd,
+        GLOBAL_TB_WINDOW_NS, KEY_ALL, KEY_IP, KEY_REGION, RULE_GLOBAL, RuleConfig, slot_key,
     },
 };
 use serde::{Deserialize, Serialize};
@@ -113,6 +113,9 @@ pub struct GlobalRule {
     /// (`cur`, its window in `prev`), and the other hosts' admissions are taken out of it by
     /// moving its TAT on ([`SlotStates::charge_bucket`]).
     pub burst: Option<u64>,
+    /// The rule's key: `KEY_IP` (per-source states, synced by [`round`]), or `KEY_ALL` /
+    /// `KEY_REGION` (shared states, synced by [`shared_round`]).
+    pub kind: u8,
 }
 
 impl GlobalRule {
@@ -121,11 +124,13 @@ impl GlobalRule {
         rules
             .iter()
             .enumerate()
-            .filter(|(_, (_, r))| r.flags & RULE_GLOBAL != 0 && r.key == KEY_IP)
+            .filter(|(_, (_, r))| {
+                r.flags & RULE_GLOBAL != 0 && matches!(r.key, KEY_IP | KEY_ALL | KEY_REGION)
+            })
             .map(|(i, (name, r))| {
                 let bans = r.action == ACTION_BAN;
                 let l = &r.limit;
-                let what = format!(
+                let mut what = format!(
                     "{}|{}|{}|{}|{}|{}",
                     l.interval_ns,
                     r.algorithm,
@@ -134,6 +139,9 @@ impl GlobalRule {
                     if bans { l.ban_interval_ns } else { 0 },
                     r.flags & ratelimit_common::maps::RULE_BYTES
                 );
+                if r.key != KEY_IP {
+                    what.push_str(&format!("|k{}", r.key));
+                }
                 GlobalRule {
                     index: i as u8,
                     name: name.clone(),
@@ -143,6 +151,7 @@ impl GlobalRule {
                     ban_interval_ns: if bans { l.ban_interval_ns } else { 0 },
                     ban_threshold: if bans { l.ban_threshold } else { 0 },
                     burst: (r.algorithm == ALG_TOKEN_BUCKET).then_some(l.burst),
+                    kind: r.key,
                 }
             })
             .collect()
@@ -720,6 +729,9 @@ pub fn announce_set(rid: &str, meter: Meter, bucket: u64, window: u64) -> String
 pub fn announce_sets_now(rules: &[GlobalRule], unix_ns: u64) -> Vec<(usize, String)> {
     let mut out = Vec::new();
     for (ri, g) in rules.iter().enumerate() {
+        if g.kind != KEY_IP {
+            continue;
+        }
         for (m, interval) in g.meters() {
             let w = unix_ns / interval;
             for b in 0..BUCKETS {
@@ -737,6 +749,9 @@ pub struct GlobalReport {
     pub rules: Vec<String>,
     /// Clients whose counts are shared now.
     pub synced_keys: usize,
+    /// Shared keys (`key = "all"`, `"region"`) of global rules shared in the last round.
+    #[serde(default)]
+    pub shared_keys: usize,
     /// Clients left to their host's own count because [`MAX_SYNCED_KEYS`] were synced.
     pub capped_keys: u64,
     /// Sync rounds done, and store calls made (each one script call).
@@ -804,6 +819,10 @@ pub async fn run<O: Owner>(
     // The first walk of this run done (clients found before it may hold counts a previous
     // run added).
     let mut walked = false;
+    // The shared keys of global rules found at the last walk, and what was last written for
+    // them.
+    let mut shared_keys: Vec<ClientKey> = Vec::new();
+    let mut fleet_last: HashMap<ClientKey, FleetAdd> = HashMap::new();
     // Reconnecting after the store failed: not before this, doubling up to RECONNECT_MAX.
     let mut retry_at: Option<Instant> = None;
     let mut backoff = Duration::from_millis(100);
@@ -842,7 +861,37 @@ pub async fn run<O: Owner>(
                 });
                 rules = now_rules;
                 shared.update(|r| r.rules = rules.iter().map(|g| g.name.clone()).collect());
+                // What was written for the shared keys of rules no longer global (or no longer
+                // the same rule) goes.
+                let keep: HashSet<u8> = rules
+                    .iter()
+                    .filter(|g| g.kind != KEY_IP)
+                    .map(|g| g.index)
+                    .collect();
+                let st = store.clone();
+                let gone = tokio::task::spawn_blocking(move || {
+                    st.retain_fleet_add(&|k| keep.contains(&k.rule))
+                })
+                .await
+                .unwrap_or(0);
+                if gone > 0 {
+                    info!("{gone} shared keys' fleet counts removed with their rules");
+                }
+                fleet_last.clear();
             }
+            let shared_ix: Vec<u8> = rules
+                .iter()
+                .filter(|g| g.kind != KEY_IP)
+                .map(|g| g.index)
+                .collect();
+            shared_keys = if shared_ix.is_empty() {
+                Vec::new()
+            } else {
+                let st = store.clone();
+                tokio::task::spawn_blocking(move || st.shared_keys(&shared_ix))
+                    .await
+                    .map_err(|e| anyhow::anyhow!("the shared keys' walk: {e}"))??
+            };
             if !rules.is_empty() {
                 // The clients other hosts announced near their limit in this window.
                 let mut hot = HashSet::new();
@@ -875,7 +924,7 @@ pub async fn run<O: Owner>(
                 });
             }
         }
-        if synced.is_empty() {
+        if synced.is_empty() && shared_keys.is_empty() {
             continue;
         }
         if conn.is_none() {
@@ -900,7 +949,40 @@ pub async fn run<O: Owner>(
             conn: c,
             script: &script,
         };
-        match round(&mut counts, &settings.host_id, &*store, &rules, &mut synced).await {
+        let mut result = if synced.is_empty() {
+            Ok(Round::default())
+        } else {
+            round(&mut counts, &settings.host_id, &*store, &rules, &mut synced).await
+        };
+        if !shared_keys.is_empty()
+            && let Ok(done) = &mut result
+        {
+            match shared_round(
+                &mut counts,
+                &settings.host_id,
+                &*store,
+                &rules,
+                &shared_keys,
+                &mut fleet_last,
+                crate::report::mono_ns(),
+                wall_ns(),
+            )
+            .await
+            {
+                Ok(s) => {
+                    done.calls += s.calls;
+                    done.keys += s.keys;
+                    done.failed += s.failed;
+                    done.added += s.added;
+                    done.shared_keys = s.shared_keys;
+                    if s.last_error.is_some() {
+                        done.last_error = s.last_error;
+                    }
+                }
+                Err(e) => result = Err(e),
+            }
+        }
+        match result {
             Ok(done) => shared.update(|r| {
                 backoff = Duration::from_millis(100);
                 retry_at = None;
@@ -909,6 +991,7 @@ pub async fn run<O: Owner>(
                 r.keys_published += done.keys;
                 r.store_errors += done.failed;
                 r.added_total += done.added;
+                r.shared_keys = done.shared_keys;
                 r.last_round_ms = Some(t0.elapsed().as_secs_f64() * 1e3);
                 if done.last_error.is_some() {
                     r.last_error = done.last_error;
@@ -939,6 +1022,7 @@ fn scan(
     let by_index: HashMap<u8, usize> = rules
         .iter()
         .enumerate()
+        .filter(|(_, r)| r.kind == KEY_IP)
         .map(|(i, r)| (r.index, i))
         .collect();
     let mut known: HashMap<(usize, [u8; 16], u32), usize> = synced
@@ -1230,6 +1314,227 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore + Announce>(
             failed,
             added,
             last_error: last_error.map(|e| format!("{e:#}")),
+            shared_keys: 0,
+        }),
+    }
+}
+
+/// The shared states (`key = "all"`, `"region"`) a round reads, and where it writes what
+/// the other hosts counted for them: the program's (`RL_SHARED`, `RL_FLEET_ADD`).
+pub trait SharedStates {
+    /// The shared keys of the rules at `indexes` (a walk of the map: at the store's walk,
+    /// every [`SCAN_EVERY`]).
+    fn shared_keys(&self, indexes: &[u8]) -> anyhow::Result<Vec<ClientKey>>;
+    /// The state of shared key `key`, if it has one.
+    fn shared_state(&self, key: &ClientKey) -> Option<ClientState>;
+    /// Write what the other hosts counted for `key`.
+    fn set_fleet_add(&self, key: &ClientKey, add: &FleetAdd) -> anyhow::Result<()>;
+}
+
+impl SharedStates for ClientStore {
+    fn shared_keys(&self, indexes: &[u8]) -> anyhow::Result<Vec<ClientKey>> {
+        Ok(self
+            .shared_states_of(indexes)?
+            .into_iter()
+            .map(|(k, _)| k)
+            .collect())
+    }
+
+    fn shared_state(&self, key: &ClientKey) -> Option<ClientState> {
+        self.get(key)
+    }
+
+    fn set_fleet_add(&self, key: &ClientKey, add: &FleetAdd) -> anyhow::Result<()> {
+        ClientStore::set_fleet_add(self, key, add)
+    }
+}
+
+/// The store's name of a shared key: `all`, or `region:<code>` (`ZZ` for unknown).
+pub fn shared_key_name(key: &ClientKey) -> String {
+    if key.kind == KEY_REGION {
+        let code: String = key.addr[..2]
+            .iter()
+            .map(|&c| {
+                if c.is_ascii_alphanumeric() {
+                    c as char
+                } else {
+                    '?'
+                }
+            })
+            .collect();
+        format!("region:{code}")
+    } else {
+        "all".into()
+    }
+}
+
+/// A shared key is shared while it saw a packet within this many of its rule's intervals.
+const SHARED_ACTIVE_INTERVALS: u64 = 2;
+
+/// One round for the shared keys of global rules (`key = "all"`: one per rule; `"region"`:
+/// one per rule and region): few, so each active one is shared every round, without the
+/// per-source keys' thresholds and pacing. For each meter, this host's own counts of the
+/// wall clock's window `w` and `w - 1` (nothing is added into a shared state: its counts are
+/// all its own) are published as in [`round`], and what the other hosts counted (the
+/// totals less its own, at most the meter's limit) is written whole into `RL_FLEET_ADD`,
+/// where the program adds it to the key's counts when it judges. `keys` are the shared keys
+/// found at the last walk; `last` holds what was written last (for the count of what was
+/// added); `mono_ns` is CLOCK_MONOTONIC now (for the keys' last packets), `unix_ns` the wall
+/// clock.
+#[expect(
+    clippy::too_many_arguments,
+    reason = "the round's inputs, each of its own kind"
+)]
+pub async fn shared_round<S: SharedStates + ?Sized, C: CountStore>(
+    counts: &mut C,
+    host: &str,
+    store: &S,
+    rules: &[GlobalRule],
+    keys_found: &[ClientKey],
+    last: &mut HashMap<ClientKey, FleetAdd>,
+    mono_ns: u64,
+    unix_ns: u64,
+) -> anyhow::Result<Round> {
+    let by_index: HashMap<u8, usize> = rules
+        .iter()
+        .enumerate()
+        .filter(|(_, g)| g.kind != KEY_IP && g.burst.is_none())
+        .map(|(i, g)| (g.index, i))
+        .collect();
+    if by_index.is_empty() {
+        last.clear();
+        return Ok(Round::default());
+    }
+    let states = keys_found
+        .iter()
+        .filter_map(|k| store.shared_state(k).map(|st| (*k, st)));
+    // Entries by hash: (expiry, [(key, meter, previous window?, own count)]).
+    type Entries = Vec<(usize, usize, bool, u64)>;
+    let mut groups: BTreeMap<String, (u64, Entries)> = BTreeMap::new();
+    let mut keys: Vec<(ClientKey, usize, String, [u64; 2])> = Vec::new();
+    for (key, st) in states {
+        let Some(&ri) = by_index.get(&key.rule) else {
+            continue;
+        };
+        let g = &rules[ri];
+        let active = SHARED_ACTIVE_INTERVALS
+            .saturating_mul(g.interval_ns.max(g.ban_interval_ns))
+            .max(SCAN_EVERY.as_nanos() as u64);
+        if st.last_ns == 0 || mono_ns.saturating_sub(st.last_ns) > active {
+            continue;
+        }
+        let name = shared_key_name(&key);
+        let bucket = bucket_of(&g.rid, &name);
+        let ki = keys.len();
+        let mut windows = [0u64; 2];
+        for (mi, (m, interval)) in g.meters().enumerate() {
+            let w = unix_ns / interval.max(1);
+            windows[mi] = w;
+            let stamp = g.stamp_of(&st, m);
+            let (cur, prev) = g.own_counts(&st, m);
+            let (own_w, own_before) = FleetAdd::counts_in(stamp, cur, prev, w);
+            for (to_prev, window, own) in [(false, w, own_w), (true, w.wrapping_sub(1), own_before)]
+            {
+                let h = hash_name(&g.rid, m, bucket, window);
+                let expire_ms = u64::try_from(
+                    (window.saturating_add(2) as u128 * interval as u128) / 1_000_000,
+                )
+                .unwrap_or(u64::MAX)
+                .saturating_add(60_000);
+                groups
+                    .entry(h)
+                    .or_insert((expire_ms, Vec::new()))
+                    .1
+                    .push((ki, mi, to_prev, own));
+            }
+        }
+        keys.push((key, ri, name, windows));
+    }
+    let mut calls = Vec::new();
+    let mut chunks: Vec<Entries> = Vec::new();
+    for (hash, (expire_ms, entries)) in groups {
+        for chunk in entries.chunks(CALL_KEYS) {
+            calls.push(Call {
+                hash: hash.clone(),
+                expire_ms,
+                pairs: chunk
+                    .iter()
+                    .map(|&(ki, _, _, own)| (keys[ki].2.clone(), own))
+                    .collect(),
+            });
+            chunks.push(chunk.to_vec());
+        }
+    }
+    let answers = counts.sync_all(host, &calls).await;
+    // Per key: [meter][window: 0 = w, 1 = w - 1] the others' counts, if answered.
+    let mut others: Vec<[[Option<u64>; 2]; 2]> = vec![[[None; 2]; 2]; keys.len()];
+    let (mut failed, mut last_error) = (0u64, None);
+    for (chunk, totals) in chunks.iter().zip(answers) {
+        let totals = match totals {
+            Ok(t) => t,
+            Err(e) => {
+                failed += 1;
+                last_error = Some(e);
+                continue;
+            }
+        };
+        for (&(ki, mi, to_prev, own), total) in chunk.iter().zip(totals) {
+            let g = &rules[keys[ki].1];
+            let m = g.meters().nth(mi).expect("a meter of its rule").0;
+            others[ki][mi][to_prev as usize] = Some(total.saturating_sub(own).min(g.limit_of(m)));
+        }
+    }
+    let mut added = 0u64;
+    let mut written = HashSet::new();
+    for ((key, ri, _, windows), o) in keys.iter().zip(&others) {
+        let g = &rules[*ri];
+        let old = last.get(key).copied().unwrap_or_default();
+        let mut add = old;
+        let mut any = false;
+        for (mi, (m, _)) in g.meters().enumerate() {
+            let (Some(cur), Some(prev)) = (o[mi][0], o[mi][1]) else {
+                continue;
+            };
+            any = true;
+            let w = windows[mi];
+            match m {
+                Meter::Admitted => {
+                    let (was, _) = FleetAdd::counts_in(old.window, old.cur, old.prev, w);
+                    added += cur.saturating_sub(was);
+                    (add.window, add.cur, add.prev) = (w, cur, prev);
+                }
+                Meter::Offered => {
+                    let (was, _) =
+                        FleetAdd::counts_in(old.ban_window, old.seen_cur, old.seen_prev, w);
+                    added += cur.saturating_sub(was);
+                    (add.ban_window, add.seen_cur, add.seen_prev) = (w, cur, prev);
+                }
+            }
+        }
+        if !any || add == old {
+            written.insert(*key);
+            continue;
+        }
+        match store.set_fleet_add(key, &add) {
+            Ok(()) => {
+                last.insert(*key, add);
+                written.insert(*key);
+            }
+            Err(e) => last_error = Some(e),
+        }
+    }
+    // Keys no longer shared: what was written for them stays until it is out of its window.
+    last.retain(|k, _| written.contains(k) || by_index.contains_key(&k.rule));
+    let n = calls.len() as u64;
+    match last_error {
+        Some(e) if failed == n && n > 0 => Err(e),
+        e => Ok(Round {
+            calls: n,
+            keys: calls.iter().map(|c| c.pairs.len() as u64).sum(),
+            failed,
+            added,
+            last_error: e.map(|e| format!("{e:#}")),
+            shared_keys: keys.len(),
         }),
     }
 }
@@ -1244,6 +1549,8 @@ pub struct Round {
     pub failed: u64,
     pub added: u64,
     pub last_error: Option<String>,
+    /// Shared keys synced ([`shared_round`]).
+    pub shared_keys: usize,
 }
 
 #[cfg(test)]
@@ -1282,6 +1589,7 @@ mod tests {
             ban_interval_ns: 0,
             ban_threshold: 0,
             burst: None,
+            kind: KEY_IP,
         };
         assert!(!g.worth(Meter::Admitted, 0));
         assert!(!g.worth(Meter::Admitted, 49));
@@ -1328,6 +1636,7 @@ mod tests {
             ban_interval_ns: 0,
             ban_threshold: 0,
             burst: None,
+            kind: KEY_IP,
         }]
     }
 
@@ -1610,6 +1919,121 @@ mod tests {
         m.run(&h1, "b", u64::MAX, &[(&name, 57)]);
         bucket_round(&mut m, &slots, &rules, &mut synced);
         assert_eq!(slots.1.borrow().as_slice(), [(70_000_000, 1_200_000_000)]);
+    }
+
+    /// One shared key's state, and what was written for it.
+    struct OneShared(
+        ClientKey,
+        std::cell::RefCell<ClientState>,
+        std::cell::RefCell<Vec<FleetAdd>>,
+    );
+
+    impl SharedStates for OneShared {
+        fn shared_keys(&self, _: &[u8]) -> anyhow::Result<Vec<ClientKey>> {
+            Ok(vec![self.0])
+        }
+
+        fn shared_state(&self, key: &ClientKey) -> Option<ClientState> {
+            (*key == self.0).then(|| *self.1.borrow())
+        }
+
+        fn set_fleet_add(&self, _: &ClientKey, add: &FleetAdd) -> anyhow::Result<()> {
+            self.2.borrow_mut().push(*add);
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_shared_key_gets_what_the_other_hosts_counted_in_its_windows() {
+        let rules = vec![GlobalRule {
+            kind: KEY_ALL,
+            ..rule().remove(0)
+        }];
+        let key = ClientKey {
+            rule: 0,
+            kind: KEY_ALL,
+            ..Default::default()
+        };
+        assert_eq!(shared_key_name(&key), "all");
+        let region = ClientKey {
+            kind: KEY_REGION,
+            addr: [b'D', b'E', 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0],
+            ..key
+        };
+        assert_eq!(shared_key_name(&region), "region:DE");
+        // Wall window 7 of 1 s; the key's own counts: 100 in window 7, 40 in window 6.
+        let unix_ns = 7_500_000_000;
+        let mono = 50_000_000_000;
+        let one = OneShared(
+            key,
+            std::cell::RefCell::new(ClientState {
+                stamp: 7,
+                cur: 100,
+                prev: 40,
+                last_ns: mono - 1_000_000,
+                ..Default::default()
+            }),
+            Default::default(),
+        );
+        let mut m = MemoryCounts::default();
+        let b = bucket_of("r#1", "all");
+        let (h7, h6) = (
+            hash_name("r#1", Meter::Admitted, b, 7),
+            hash_name("r#1", Meter::Admitted, b, 6),
+        );
+        m.run(&h7, "b", u64::MAX, &[("all", 300)]);
+        m.run(&h6, "b", u64::MAX, &[("all", 50)]);
+        let mut last = HashMap::new();
+        let keys = [key];
+        let run = |m: &mut MemoryCounts, last: &mut HashMap<ClientKey, FleetAdd>, unix_ns| {
+            let f = shared_round(m, "a", &one, &rules, &keys, last, mono, unix_ns);
+            let mut f = std::pin::pin!(f);
+            match f
+                .as_mut()
+                .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()))
+            {
+                std::task::Poll::Ready(r) => r.unwrap(),
+                std::task::Poll::Pending => unreachable!("the memory store answers at once"),
+            }
+        };
+        let r = run(&mut m, &mut last, unix_ns);
+        assert_eq!((r.calls, r.keys, r.added, r.shared_keys), (2, 2, 300, 1));
+        let want = FleetAdd {
+            window: 7,
+            cur: 300,
+            prev: 50,
+            ..Default::default()
+        };
+        assert_eq!(one.2.borrow().as_slice(), [want]);
+        // Its own counts published for each window.
+        assert_eq!(m.run(&h7, "x", u64::MAX, &[("all", 0)]), vec![400]);
+        assert_eq!(m.run(&h6, "x", u64::MAX, &[("all", 0)]), vec![90]);
+        // Nothing new: nothing written again.
+        run(&mut m, &mut last, unix_ns);
+        assert_eq!(one.2.borrow().len(), 1);
+        // The wall clock in window 8 while the key's state is still in 7: its 100 is window 7's
+        // (the one before), and it has nothing of window 8.
+        let r = run(&mut m, &mut last, 8_100_000_000);
+        assert_eq!(r.keys, 2);
+        let h8 = hash_name("r#1", Meter::Admitted, b, 8);
+        assert_eq!(m.run(&h8, "x", u64::MAX, &[("all", 0)]), vec![0]);
+        assert_eq!(
+            one.2.borrow().last(),
+            Some(&FleetAdd {
+                window: 8,
+                cur: 0,
+                prev: 300,
+                ..Default::default()
+            })
+        );
+        // What another writer puts in the store counts at most the threshold.
+        m.run(&h8, "evil", u64::MAX, &[("all", 1 << 60)]);
+        run(&mut m, &mut last, 8_200_000_000);
+        assert_eq!(one.2.borrow().last().unwrap().cur, 1000);
+        // A key idle for two intervals is not shared.
+        one.1.borrow_mut().last_ns = mono - 3_000_000_000;
+        let r = run(&mut m, &mut last, 8_300_000_000);
+        assert_eq!((r.calls, r.shared_keys), (0, 0));
     }
 
     #[test]

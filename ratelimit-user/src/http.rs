@@ -930,6 +930,12 @@ fn fleet_families(f: &FleetGauges) -> Vec<Family> {
         )
         .with(vec![], Value::Gauge(f.global.synced_keys as u64)),
         Family::new(
+            "ratelimit_fleet_global_shared_keys",
+            Gauge,
+            "Shared keys (key = \"all\" or \"region\") of global rules whose counts were shared in the last round",
+        )
+        .with(vec![], Value::Gauge(f.global.shared_keys as u64)),
+        Family::new(
             "ratelimit_fleet_global_capped_keys",
             Gauge,
             "Clients of global rules left to this host's own count at the last walk: the most clients that are synced were",
@@ -1301,6 +1307,7 @@ mod tests {
                 global: crate::global::GlobalReport {
                     rules: vec!["udp-global".into()],
                     synced_keys: 4,
+                    shared_keys: 1,
                     capped_keys: 2,
                     rounds: 90,
                     store_calls: 180,
@@ -1337,6 +1344,7 @@ mod tests {
             "# TYPE ratelimit_fleet_global_rules gauge",
             "ratelimit_fleet_global_rules 1",
             "ratelimit_fleet_global_synced_keys 4",
+            "ratelimit_fleet_global_shared_keys 1",
             "ratelimit_fleet_global_capped_keys 2",
             "# TYPE ratelimit_fleet_global_rounds counter",
             "ratelimit_fleet_global_rounds_total 90",

@@ -268,6 +268,135 @@ fn a_global_token_bucket_holds_its_rate_across_three_hosts_within_5_percent() {
     assert!((2.8..=3.05).contains(&ratio), "{n} admitted, {ratio:.2}x");
 }
 
+/// The shared-key rules' ports: `key = "all"` and `key = "region"`.
+const ALL_PORT: u16 = 9006;
+const REGION_PORT: u16 = 9008;
+
+fn shared_policy(url: &str, host: usize, scope: &str, db: &std::path::Path) -> String {
+    format!(
+        r#"[fleet]
+redis = "{url}"
+host_id = "h{host}"
+sync_interval = "50ms"
+
+[geoip]
+database = "{}"
+
+[[rule]]
+name = "udp-all"
+match = {{ protocol = "udp", dst_ports = ["{ALL_PORT}"] }}
+key = "all"
+action = "throttle"
+threshold = {{ count = {L}, interval = "{T_SECS}s" }}
+scope = "{scope}"
+
+[[rule]]
+name = "udp-region"
+match = {{ protocol = "udp", dst_ports = ["{REGION_PORT}"] }}
+key = "region"
+action = "throttle"
+threshold = {{ count = {L}, interval = "{T_SECS}s" }}
+algorithm = "fixed_window"
+scope = "{scope}"
+"#,
+        db.display()
+    )
+}
+
+/// Windows measured by the shared-key test.
+const SHARED_WINDOWS: u64 = 3;
+
+/// Each host's own sources (one per host and rule, all in one region) at L/T a second to each
+/// shared-key rule, 3L a window in all per rule: the fleet's admitted count of each rule in
+/// each whole wall-clock window after the first.
+fn measure_shared(f: &Fleet) -> (Vec<u64>, Vec<u64>) {
+    let per_host_pps = L / T_SECS;
+    let t = Duration::from_secs(T_SECS);
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+    let first = Duration::from_secs((now.as_secs() / T_SECS + 1) * T_SECS);
+    sleep_until_wall(first);
+    let run = t * (SHARED_WINDOWS as u32 + 2);
+    let mut senders = Vec::new();
+    for (i, h) in f.hosts.iter().enumerate() {
+        let all_src = Ipv4Addr::new(198, 18, 8, 1 + i as u8);
+        let region_src = Ipv4Addr::new(198, 18, 9, 1 + i as u8);
+        senders.push(h.blast(h.udp4(all_src, ALL_PORT), per_host_pps, run, None));
+        senders.push(h.blast(h.udp4(region_src, REGION_PORT), per_host_pps, run, None));
+    }
+    let (mut all, mut region) = (Vec::new(), Vec::new());
+    for w in 1..=SHARED_WINDOWS + 1 {
+        sleep_until_wall(first + t * w as u32);
+        all.push(f.admitted_by("udp-all").iter().sum::<u64>());
+        region.push(f.admitted_by("udp-region").iter().sum::<u64>());
+    }
+    for s in senders {
+        s.join().expect("sender");
+    }
+    let d = |v: Vec<u64>| v.windows(2).map(|m| m[1] - m[0]).collect::<Vec<u64>>();
+    (d(all), d(region))
+}
+
+/// Global rules of shared keys: `key = "all"` (one count for all the rule's traffic) and
+/// `key = "region"` (one per country) hold their threshold across the fleet within 5%, where
+/// the same rules local admit it once per host.
+#[test]
+fn shared_keys_all_and_region_hold_their_threshold_across_three_hosts() {
+    kernel_test!();
+    let dir = std::env::temp_dir().join(format!("rl-fleet-shared-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let db = dir.join("country.mmdb");
+    ratelimit_tests::mmdb::write_country_db(&db, &[("198.18.0.0/16", "DE")]).unwrap();
+    for scope in ["global", "local"] {
+        let f = Setup::new(if scope == "global" { "rlsg" } else { "rlsl" })
+            .store(Store::Direct)
+            .start(|i, url| shared_policy(url, i, scope, &db));
+        if scope == "global" {
+            let give_up = Instant::now() + Duration::from_secs(10);
+            while (0..3).any(|i| f.fleet(i).global.rules != ["udp-all", "udp-region"]) {
+                assert!(
+                    Instant::now() < give_up,
+                    "the global rules are not in force: {:?}",
+                    (0..3).map(|i| f.fleet(i)).collect::<Vec<_>>()
+                );
+                std::thread::sleep(Duration::from_millis(50));
+            }
+        }
+        let (all, region) = measure_shared(&f);
+        println!(
+            "{scope}: admitted per {T_SECS}s window across 3 hosts (L = {L}): key = all \
+             {all:?}, key = region {region:?}"
+        );
+        for (rule, per_window) in [("all", &all), ("region", &region)] {
+            for (w, &n) in per_window.iter().enumerate() {
+                let ratio = n as f64 / L as f64;
+                if scope == "global" {
+                    assert!(
+                        (ratio - 1.0).abs() <= 0.05,
+                        "key = {rule}, window {w}: {n} admitted across the fleet, {:.1}% off L",
+                        (ratio - 1.0) * 100.0
+                    );
+                } else {
+                    assert!(
+                        (2.7..=3.05).contains(&ratio),
+                        "key = {rule}, window {w}: {n} admitted by 3 hosts counting alone, {ratio:.2}x L"
+                    );
+                }
+            }
+        }
+        let g = f.fleet(0).global;
+        if scope == "global" {
+            println!("host 0: {g:?}");
+            assert_eq!(g.shared_keys, 2, "one key = all, one region: {g:?}");
+            assert!(g.added_total > 0 && g.store_errors == 0, "{g:?}");
+            let text = f.d(0).cli_ok(&["fleet", "status"]);
+            assert!(text.contains("shared keys  2"), "{text}");
+        } else {
+            assert!(g.rules.is_empty(), "{g:?}");
+        }
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// What is done to the store at a window boundary.
 #[derive(Clone, Copy, Debug)]
 enum Act {

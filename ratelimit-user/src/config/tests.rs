@@ -1951,8 +1951,17 @@ fn rule_scope_global_needs_a_fleet_and_a_per_source_key() {
         e.starts_with("t.toml:4:9: rule \"r\": scope: \"global\" needs a [fleet] section"),
         "{e}"
     );
-    let e = error(&format!("{fleet}{rule}key = \"all\"\nscope = \"global\"\n"));
-    assert!(e.contains("is supported with key = \"ip\" only"), "{e}");
+    assert_eq!(
+        ok(&format!("{fleet}{rule}key = \"all\"\nscope = \"global\"\n")).rules[0].scope,
+        Scope::Global
+    );
+    let e = error(&format!(
+        "{fleet}{rule}key = \"all\"\nalgorithm = \"token_bucket\"\nscope = \"global\"\n"
+    ));
+    assert!(
+        e.contains("with key = \"all\" or \"region\" needs a window algorithm"),
+        "{e}"
+    );
     // A token bucket is global too; its overrides keep the rule's rate.
     let tb = format!("{fleet}{rule}algorithm = \"token_bucket\"\nburst = 20\nscope = \"global\"\n");
     assert_eq!(ok(&tb).rules[0].scope, Scope::Global);

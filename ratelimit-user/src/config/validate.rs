@@ -636,11 +636,17 @@ fn rule(
                 ck,
                 "\"global\" needs a [fleet] section (the store the hosts count in)",
             ),
-            "global" if key.is_some_and(|k| k != KeyKind::Ip) => f.invalid(
-                ck,
-                "\"global\" is supported with key = \"ip\" only (the shared states of key = \
-                 \"all\" and \"region\" are counted per host)",
-            ),
+            "global"
+                if key.is_some_and(|k| k != KeyKind::Ip)
+                    && algorithm == Some(Algorithm::TokenBucket) =>
+            {
+                f.invalid(
+                    ck,
+                    "\"global\" with key = \"all\" or \"region\" needs a window algorithm \
+                     (\"sliding_window\" or \"fixed_window\"; a token bucket is global with \
+                     key = \"ip\")",
+                )
+            }
             "global" => {
                 scope = Scope::Global;
                 scope_at = Some(f.at());
