@@ -42,6 +42,8 @@ static FLEET_ADD: HashMap<ClientKey, FleetAdd> = HashMap::pinned(MAX_SHARED_STAT
 /// it.
 #[inline(always)]
 pub fn fleet_add(key: &ClientKey) -> Option<*const FleetAdd> {
+    // The key on the stack: 6.1 takes no other memory as a map key (see `on_stack`).
+    let key = &on_stack(key);
     FLEET_ADD.get_ptr(key)
 }
 

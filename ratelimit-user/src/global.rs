@@ -69,6 +69,12 @@ pub const CLOCK_TOLERANCE_NS: u64 = 1_000_000;
 const RECONNECT_MAX: Duration = Duration::from_secs(1);
 /// How many clients one script call carries at most.
 const CALL_KEYS: usize = 500;
+/// How many members of one announcement set a walk reads at most (a random choice of them:
+/// `SRANDMEMBER`): a flood of sources each near its limit makes the sets large (each host
+/// announces each of its synced clients once a window, up to [`MAX_SYNCED_KEYS`]), and every
+/// host reads every set every [`SCAN_EVERY`]; this bounds what a walk costs the store and
+/// the host, 16 sets a rule and meter.
+pub const ANNOUNCED_READ_MAX: usize = 2_000;
 
 /// The store's side: for each `(key, own absolute count)`, raise this host's count to it
 /// (never lower: a count only grows within a window), add the change into the key's total,
@@ -509,7 +515,8 @@ pub trait Announce {
         keys: &[String],
     ) -> impl std::future::Future<Output = anyhow::Result<()>>;
 
-    /// The members of each of `sets` (an empty list for a set that cannot be read).
+    /// The members of each of `sets`, at most [`ANNOUNCED_READ_MAX`] of each (an empty list
+    /// for a set that cannot be read).
     fn announced(&mut self, sets: &[String])
     -> impl std::future::Future<Output = Vec<Vec<String>>>;
 }
@@ -592,8 +599,9 @@ impl Announce for RedisCounts<'_> {
         for (ix, name) in sets.iter().enumerate() {
             let (mut conn, name) = (self.conn.clone(), name.clone());
             set.spawn(async move {
-                let r: redis::RedisResult<Vec<String>> = redis::cmd("SMEMBERS")
+                let r: redis::RedisResult<Vec<String>> = redis::cmd("SRANDMEMBER")
                     .arg(&name)
+                    .arg(ANNOUNCED_READ_MAX)
                     .query_async(&mut conn)
                     .await;
                 (ix, r.unwrap_or_default())
@@ -674,10 +682,12 @@ impl MemoryCounts {
         e.1.extend(keys.iter().cloned());
     }
 
-    /// SMEMBERS at `now_ms`.
+    /// SRANDMEMBER (up to [`ANNOUNCED_READ_MAX`]; the first ones here) at `now_ms`.
     pub fn members(&self, set: &str) -> Vec<String> {
         match self.sets.get(set) {
-            Some((at, m)) if *at > self.now_ms => m.iter().cloned().collect(),
+            Some((at, m)) if *at > self.now_ms => {
+                m.iter().take(ANNOUNCED_READ_MAX).cloned().collect()
+            }
             _ => Vec::new(),
         }
     }
@@ -2034,6 +2044,18 @@ mod tests {
         one.1.borrow_mut().last_ns = mono - 3_000_000_000;
         let r = run(&mut m, &mut last, 8_300_000_000);
         assert_eq!((r.calls, r.shared_keys), (0, 0));
+    }
+
+    #[test]
+    fn a_walk_reads_at_most_a_bounded_share_of_an_announcement_set() {
+        let mut m = MemoryCounts::default();
+        let keys: Vec<String> = (0..5_000)
+            .map(|i| format!("198.18.{}.{}/32", i / 256, i % 256))
+            .collect();
+        m.add_to_set("s", u64::MAX, &keys);
+        assert_eq!(m.members("s").len(), ANNOUNCED_READ_MAX);
+        m.add_to_set("t", u64::MAX, &keys[..10]);
+        assert_eq!(m.members("t").len(), 10);
     }
 
     #[test]
