@@ -91,10 +91,18 @@ pub struct Fleet {
     pub sync_interval: Duration,
     /// Publish this host's bans to the fleet and apply the fleet's.
     pub share_bans: bool,
+    /// How far this host's wall clock may be off the store's before it stops taking part in
+    /// global counting (`crate::fleet::Clock`).
+    pub max_clock_skew: Duration,
 }
 
 /// Default `fleet.sync_interval`.
 pub const DEFAULT_SYNC_INTERVAL: Duration = Duration::from_millis(100);
+/// Default `fleet.max_clock_skew`.
+pub const DEFAULT_MAX_CLOCK_SKEW: Duration = Duration::from_millis(250);
+/// The range `fleet.max_clock_skew` may take.
+pub const MIN_MAX_CLOCK_SKEW: Duration = Duration::from_millis(10);
+pub const MAX_MAX_CLOCK_SKEW: Duration = Duration::from_secs(60);
 /// The longest `fleet.host_id`.
 pub const MAX_HOST_ID_LEN: usize = 64;
 

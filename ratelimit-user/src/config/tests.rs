@@ -1754,13 +1754,15 @@ fn fleet_takes_its_values_and_defaults() {
     assert_eq!(f.password_file, None);
     assert_eq!(f.sync_interval, Duration::from_millis(100));
     assert!(f.share_bans);
+    assert_eq!(f.max_clock_skew, Duration::from_millis(250));
     let f = ok(
         "[fleet]\nredis = \"unix:///run/redis/redis.sock\"\nhost_id = \"edge-fra-07\"\n\
                 password_file = \"/etc/ratelimit/redis.pass\"\nsync_interval = \"250ms\"\n\
-                share_bans = false\n",
+                share_bans = false\nmax_clock_skew = \"1s\"\n",
     )
     .fleet
     .unwrap();
+    assert_eq!(f.max_clock_skew, Duration::from_secs(1));
     assert_eq!(f.redis, "unix:///run/redis/redis.sock");
     assert_eq!(f.host_id.as_deref(), Some("edge-fra-07"));
     assert_eq!(
@@ -1922,6 +1924,16 @@ fn fleet_errors() {
     assert_eq!(
         error("[fleet]\nredis = \"redis://a:6379\"\nsync_interval = \"1ms\"\n"),
         "t.toml:3:17: fleet.sync_interval must be between 10ms and 1m"
+    );
+    assert_eq!(
+        error("[fleet]\nredis = \"redis://a:6379\"\nmax_clock_skew = \"5ms\"\n"),
+        "t.toml:3:18: fleet.max_clock_skew must be between 10ms and 1m"
+    );
+    assert_eq!(
+        error("[fleet]\nredis = \"redis://a:6379\"\nmax_clock_skew = 250\n"),
+        error("[fleet]\nredis = \"redis://a:6379\"\nsync_interval = 250\n")
+            .replace("sync_interval", "max_clock_skew")
+            .replace("3:17", "3:18")
     );
     assert_eq!(
         error("[fleet]\nredis = \"redis://a:6379\"\nshare_bans = \"yes\"\n"),

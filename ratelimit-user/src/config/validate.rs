@@ -453,6 +453,23 @@ fn fleet(mut t: Table, ck: &mut Checker) -> Option<Fleet> {
         }
     }
     let share_bans = t.get("share_bans").and_then(|f| f.bool(ck)).unwrap_or(true);
+    let mut max_clock_skew = super::DEFAULT_MAX_CLOCK_SKEW;
+    if let Some(f) = t.get("max_clock_skew")
+        && let Some(d) = duration(&f, ck)
+    {
+        if d < super::MIN_MAX_CLOCK_SKEW || d > super::MAX_MAX_CLOCK_SKEW {
+            f.error(
+                ck,
+                format!(
+                    "must be between {} and {}",
+                    super::format_duration(super::MIN_MAX_CLOCK_SKEW),
+                    super::format_duration(super::MAX_MAX_CLOCK_SKEW)
+                ),
+            );
+        } else {
+            max_clock_skew = d;
+        }
+    }
     t.finish(ck);
     Some(Fleet {
         redis: redis?,
@@ -463,6 +480,7 @@ fn fleet(mut t: Table, ck: &mut Checker) -> Option<Fleet> {
         tls_key_file,
         sync_interval,
         share_bans,
+        max_clock_skew,
     })
 }
 
