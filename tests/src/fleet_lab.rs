@@ -65,6 +65,8 @@ pub struct Setup {
     store: Store,
     http_port: Option<u16>,
     tls: Option<TlsServer>,
+    /// More environment variables for some hosts' daemons, by host index.
+    env: Vec<(usize, Vec<(String, String)>)>,
 }
 
 impl Setup {
@@ -77,7 +79,15 @@ impl Setup {
             store: Store::Direct,
             http_port: None,
             tls: None,
+            env: Vec::new(),
         }
+    }
+
+    /// Host `i`'s daemon started with these environment variables too (e.g. a
+    /// [`crate::faketime::FakeClock`]'s).
+    pub fn host_env(mut self, i: usize, env: Vec<(String, String)>) -> Setup {
+        self.env.push((i, env));
+        self
     }
 
     /// The server's certificates for a [`Store::Tls`] store.
@@ -109,6 +119,10 @@ impl Setup {
         let mut hosts: Vec<Scenario> = (0..self.hosts)
             .map(|i| {
                 let s = Scenario::new(&format!("{}{i}", self.tag));
+                let s = match self.env.iter().find(|(h, _)| *h == i) {
+                    Some((_, env)) => s.with_env(env.clone()),
+                    None => s,
+                };
                 match self.http_port {
                     Some(port) => s.with_http(port),
                     None => s,
