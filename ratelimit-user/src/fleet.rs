@@ -277,10 +277,16 @@ pub fn hostname() -> anyhow::Result<String> {
 /// The store's password from `path` (one line): refused if the file is missing, empty, or
 /// readable by every user (mode `o+r`).
 pub fn read_password(path: &Path) -> anyhow::Result<String> {
-    let text = read_private(path, "fleet.password_file")?;
+    read_password_of(path, "fleet.password_file")
+}
+
+/// A password from `path` (one line), the key `field` naming it: refused as
+/// [`read_password`] refuses.
+fn read_password_of(path: &Path, field: &str) -> anyhow::Result<String> {
+    let text = read_private(path, field)?;
     let pw = text.trim_end_matches(['\n', '\r']).to_string();
     if pw.is_empty() {
-        bail!("fleet.password_file {} is empty", path.display());
+        bail!("{field} {} is empty", path.display());
     }
     Ok(pw)
 }
@@ -372,6 +378,10 @@ pub fn read_tls(f: &config::Fleet) -> anyhow::Result<Option<redis::TlsCertificat
 /// file and the TLS material can be read and hold what they should.
 pub fn check_files(f: &config::Fleet) -> anyhow::Result<()> {
     f.password_file.as_deref().map(read_password).transpose()?;
+    f.sentinel_password_file
+        .as_deref()
+        .map(|p| read_password_of(p, "fleet.sentinel_password_file"))
+        .transpose()?;
     read_tls(f)?;
     Ok(())
 }
@@ -396,15 +406,53 @@ enum Client {
     Single(redis::Client),
     /// The nodes, and the TLS material for a `rediss+cluster://` store.
     Cluster(Vec<redis::ConnectionInfo>, Option<redis::TlsCertificates>),
-    /// Redis Sentinel: the sentinels, the master's name, and how its master is reached (the
-    /// password). Each connection asks the sentinels for the master in office (and checks
-    /// that it says it is one), so a connection lost to a failover is made again to the
-    /// promoted replica.
-    Sentinel {
-        sentinels: Vec<redis::ConnectionInfo>,
-        master: String,
-        node: redis::sentinel::SentinelNodeConnectionInfo,
-    },
+    /// Redis Sentinel: the sentinels, the master's name, and how both are reached (their
+    /// passwords; TLS, with the TLS files, for a `rediss+sentinel://` store: to the
+    /// sentinels and to the master alike). Each connection asks the sentinels for the master
+    /// in office (and checks that it says it is one), so a connection lost to a failover is
+    /// made again to the promoted replica.
+    Sentinel(Box<SentinelStore>),
+}
+
+/// How a store behind sentinels is reached.
+#[derive(Debug, Clone)]
+struct SentinelStore {
+    /// `ConnectionAddr::Tcp`, or `TcpTls` over TLS.
+    sentinels: Vec<redis::ConnectionAddr>,
+    master: String,
+    tls: bool,
+    certs: Option<redis::TlsCertificates>,
+    /// The master's password (`fleet.password_file`), and the sentinels'
+    /// (`fleet.sentinel_password_file`).
+    password: Option<String>,
+    sentinel_password: Option<String>,
+}
+
+impl SentinelStore {
+    fn client(&self) -> redis::RedisResult<redis::sentinel::SentinelClient> {
+        let mut b = redis::sentinel::SentinelClientBuilder::new(
+            self.sentinels.clone(),
+            &self.master,
+            redis::sentinel::SentinelServerType::Master,
+        )?;
+        if let Some(pw) = &self.password {
+            b = b.set_client_to_redis_password(pw);
+        }
+        if let Some(pw) = &self.sentinel_password {
+            b = b.set_client_to_sentinel_password(pw);
+        }
+        if self.tls {
+            b = b
+                .set_client_to_redis_tls_mode(redis::TlsMode::Secure)
+                .set_client_to_sentinel_tls_mode(redis::TlsMode::Secure);
+            if let Some(certs) = &self.certs {
+                b = b
+                    .set_client_to_redis_certificates(certs.clone())
+                    .set_client_to_sentinel_certificates(certs.clone());
+            }
+        }
+        b.build()
+    }
 }
 
 /// A connection to the store: one server's, or a Redis Cluster's (which routes each command
@@ -511,8 +559,13 @@ impl Settings {
             }
             info
         };
+        let sentinel_password = f
+            .sentinel_password_file
+            .as_deref()
+            .map(|p| read_password_of(p, "fleet.sentinel_password_file"))
+            .transpose()?;
         let client = match config::cluster_nodes(&f.redis) {
-            None if f.redis.starts_with("redis+sentinel://") => {
+            None if config::is_sentinel_url(&f.redis) => {
                 let (nodes, master) = config::sentinel_nodes(&f.redis)
                     .expect("a sentinel address")
                     .map_err(|e| anyhow::anyhow!("fleet.redis {e}"))?;
@@ -520,20 +573,23 @@ impl Settings {
                     .iter()
                     .map(|n| {
                         redis::IntoConnectionInfo::into_connection_info(n.as_str())
+                            .map(|info| info.addr().clone())
                             .map_err(|e| anyhow::anyhow!("fleet.redis {n:?}: {e}"))
                     })
                     .collect::<anyhow::Result<Vec<_>>>()?;
-                let mut node = redis::sentinel::SentinelNodeConnectionInfo::default();
-                if let Some(pw) = &password {
-                    node = node.set_redis_connection_info(
-                        redis::RedisConnectionInfo::default().set_password(pw.clone()),
-                    );
-                }
-                Client::Sentinel {
+                let store = SentinelStore {
                     sentinels,
                     master,
-                    node,
-                }
+                    tls: config::is_tls_url(&f.redis),
+                    certs: tls,
+                    password: password.clone(),
+                    sentinel_password,
+                };
+                // Checked now: a setting the client refuses is an error at start.
+                store
+                    .client()
+                    .with_context(|| format!("fleet.redis {}", redacted(&f.redis)))?;
+                Client::Sentinel(Box::new(store))
             }
             Some(nodes) => {
                 let nodes = nodes.map_err(|e| anyhow::anyhow!("fleet.redis {e}"))?;
@@ -602,21 +658,13 @@ impl Settings {
                     ),
                 }
             }
-            Client::Sentinel {
-                sentinels,
-                master,
-                node,
-            } => {
+            Client::Sentinel(store) => {
                 let cfg = redis::AsyncConnectionConfig::new()
                     .set_connection_timeout(Some(CONNECT_TIMEOUT))
                     .set_response_timeout(Some(response));
-                let mut client = redis::sentinel::SentinelClient::build(
-                    sentinels.clone(),
-                    master,
-                    Some(node.clone()),
-                    redis::sentinel::SentinelServerType::Master,
-                )
-                .with_context(|| format!("fleet.redis {}", self.store))?;
+                let mut client = store
+                    .client()
+                    .with_context(|| format!("fleet.redis {}", self.store))?;
                 // The sentinels asked (a few at once), the master's role checked, the
                 // connection made: one bound over all of it.
                 match tokio::time::timeout(
@@ -2161,6 +2209,7 @@ BAMCA0kAMEYCIQDAkUz8uowjYDKf94dOXCRkO6eM1rvc03v7OXDTUs6XoAIhAILu
             redis: "rediss://127.0.0.1:6380".into(),
             host_id: Some("h".into()),
             password_file: None,
+            sentinel_password_file: None,
             tls_ca_file: None,
             tls_cert_file: None,
             tls_key_file: None,
@@ -2218,15 +2267,50 @@ BAMCA0kAMEYCIQDAkUz8uowjYDKf94dOXCRkO6eM1rvc03v7OXDTUs6XoAIhAILu
         assert!(!s.cluster());
         f.redis = "rediss+cluster://127.0.0.1:7001,127.0.0.1:7002".into();
         assert!(Settings::resolve(&f, &dir).unwrap().cluster());
-        // Through sentinels (no TLS there).
-        f.redis = "redis+sentinel://127.0.0.1:26379,127.0.0.1:26380/fleet".into();
-        (f.tls_ca_file, f.tls_cert_file, f.tls_key_file) = (None, None, None);
+        // Through sentinels over TLS, with passwords for the master and the sentinels.
+        f.redis = "rediss+sentinel://127.0.0.1:26379,127.0.0.1:26380/fleet".into();
+        let (pw, spw) = (dir.join("pw"), dir.join("spw"));
+        for (p, text) in [(&pw, "m\n"), (&spw, "s\n")] {
+            std::fs::write(p, text).unwrap();
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o600)).unwrap();
+        }
+        (f.password_file, f.sentinel_password_file) = (Some(pw), Some(spw.clone()));
         let s = Settings::resolve(&f, &dir).unwrap();
         assert!(!s.cluster());
         match &s.client {
-            Client::Sentinel {
-                sentinels, master, ..
-            } => assert_eq!((sentinels.len(), master.as_str()), (2, "fleet")),
+            Client::Sentinel(st) => {
+                assert_eq!((st.sentinels.len(), st.master.as_str()), (2, "fleet"));
+                assert!(
+                    matches!(&st.sentinels[0], redis::ConnectionAddr::TcpTls { host, port: 26379, insecure: false, .. } if host == "127.0.0.1"),
+                    "{:?}",
+                    st.sentinels
+                );
+                assert!(st.tls && st.certs.is_some());
+                assert_eq!(
+                    (st.password.as_deref(), st.sentinel_password.as_deref()),
+                    (Some("m"), Some("s"))
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        std::fs::set_permissions(&spw, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let e = format!("{:#}", check_files(&f).unwrap_err());
+        assert!(
+            e.contains("fleet.sentinel_password_file") && e.contains("readable by every user"),
+            "{e}"
+        );
+        // Without TLS.
+        f.redis = "redis+sentinel://127.0.0.1:26379,127.0.0.1:26380/fleet".into();
+        (f.tls_ca_file, f.tls_cert_file, f.tls_key_file) = (None, None, None);
+        (f.password_file, f.sentinel_password_file) = (None, None);
+        let s = Settings::resolve(&f, &dir).unwrap();
+        match &s.client {
+            Client::Sentinel(st) => {
+                assert!(
+                    matches!(&st.sentinels[1], redis::ConnectionAddr::Tcp(h, 26380) if h == "127.0.0.1")
+                );
+                assert!(!st.tls && st.password.is_none());
+            }
             other => panic!("{other:?}"),
         }
         assert_eq!(

@@ -409,6 +409,19 @@ fn fleet(mut t: Table, ck: &mut Checker) -> Option<Fleet> {
             .map(|()| s.to_owned())
     });
     let password_file = t.get("password_file").and_then(|f| path(&f, ck));
+    let sentinel = redis.as_deref().map(super::is_sentinel_url);
+    let sentinel_password_file = t.get("sentinel_password_file").and_then(|f| {
+        let p = path(&f, ck)?;
+        if sentinel == Some(false) {
+            f.error(
+                ck,
+                "needs a Redis Sentinel address (fleet.redis = \"redis+sentinel://...\" or \
+                 \"rediss+sentinel://...\")",
+            );
+            return None;
+        }
+        Some(p)
+    });
     // TLS material: only with a TLS address; a client certificate goes with its key.
     let tls = redis.as_deref().map(super::is_tls_url);
     let mut tls_path = |key: &'static str| {
@@ -417,8 +430,8 @@ fn fleet(mut t: Table, ck: &mut Checker) -> Option<Fleet> {
         if tls == Some(false) {
             f.error(
                 ck,
-                "needs a TLS store address (fleet.redis = \"rediss://HOST:PORT\" or \
-                 \"rediss+cluster://...\")",
+                "needs a TLS store address (fleet.redis = \"rediss://HOST:PORT\", \
+                 \"rediss+cluster://...\" or \"rediss+sentinel://...\")",
             );
             return None;
         }
@@ -475,6 +488,7 @@ fn fleet(mut t: Table, ck: &mut Checker) -> Option<Fleet> {
         redis: redis?,
         host_id,
         password_file,
+        sentinel_password_file,
         tls_ca_file,
         tls_cert_file,
         tls_key_file,
