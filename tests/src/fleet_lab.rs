@@ -53,7 +53,8 @@ pub enum Store {
     TlsCluster { ip: Ipv4Addr, ports: [u16; 3] },
     /// A master, its replica and three sentinels ([`Sentinels`]) on `ip` (on the store
     /// namespace's loopback, routed to as for a cluster), at `ports`: the master's, the
-    /// replica's, the sentinels'. The hosts reach it as `redis+sentinel://...`.
+    /// replica's, the sentinels'. The hosts reach it as `redis+sentinel://...`, or as
+    /// `rediss+sentinel://...` with [`Setup::tls`] (see also [`Setup::sentinel_passwords`]).
     Sentinel { ip: Ipv4Addr, ports: [u16; 5] },
 }
 
@@ -67,6 +68,8 @@ pub struct Setup {
     tls: Option<TlsServer>,
     /// More environment variables for some hosts' daemons, by host index.
     env: Vec<(usize, Vec<(String, String)>)>,
+    /// A [`Store::Sentinel`]'s passwords: the master's, the sentinels'.
+    sentinel_passwords: (Option<String>, Option<String>),
 }
 
 impl Setup {
@@ -80,7 +83,16 @@ impl Setup {
             http_port: None,
             tls: None,
             env: Vec::new(),
+            sentinel_passwords: (None, None),
         }
+    }
+
+    /// A [`Store::Sentinel`] whose master and replica require `master` and whose sentinels
+    /// require `sentinels` (each if given). With [`Setup::tls`], every one of them speaks
+    /// only TLS, and the hosts reach them as `rediss+sentinel://`.
+    pub fn sentinel_passwords(mut self, master: Option<&str>, sentinels: Option<&str>) -> Setup {
+        self.sentinel_passwords = (master.map(str::to_string), sentinels.map(str::to_string));
+        self
     }
 
     /// Host `i`'s daemon started with these environment variables too (e.g. a
@@ -150,7 +162,12 @@ impl Setup {
         let urls: Vec<String> = match self.store {
             Store::Sentinel { ip, ports } => {
                 loopback_addr(ip);
-                let s = Sentinels::start(&store, ip, ports);
+                let security = crate::store::SentinelSecurity {
+                    password: self.sentinel_passwords.0.clone(),
+                    sentinel_password: self.sentinel_passwords.1.clone(),
+                    tls: self.tls.clone(),
+                };
+                let s = Sentinels::start_secured(&store, ip, ports, &security);
                 let url = s.url();
                 sentinels = Some(s);
                 vec![url; self.hosts]
