@@ -78,8 +78,12 @@ pub struct Fleet {
     pub redis: String,
     /// This host's name in the fleet; `None` = the hostname, taken at start.
     pub host_id: Option<String>,
-    /// A file holding the store's password, read at start (not by the parser).
+    /// A file holding the store's password, read at start (not by the parser). Through
+    /// sentinels: the master's (and its replicas').
     pub password_file: Option<PathBuf>,
+    /// Through sentinels only: a file holding the sentinels' own password (`requirepass` of
+    /// the sentinels), read at start.
+    pub sentinel_password_file: Option<PathBuf>,
     /// TLS (`rediss://` only): the CA certificates (PEM) the store's certificate is verified
     /// against; `None` = the system's roots. Read at start.
     pub tls_ca_file: Option<PathBuf>,
@@ -91,10 +95,18 @@ pub struct Fleet {
     pub sync_interval: Duration,
     /// Publish this host's bans to the fleet and apply the fleet's.
     pub share_bans: bool,
+    /// How far this host's wall clock may be off the store's before it stops taking part in
+    /// global counting (`crate::fleet::Clock`).
+    pub max_clock_skew: Duration,
 }
 
 /// Default `fleet.sync_interval`.
 pub const DEFAULT_SYNC_INTERVAL: Duration = Duration::from_millis(100);
+/// Default `fleet.max_clock_skew`.
+pub const DEFAULT_MAX_CLOCK_SKEW: Duration = Duration::from_millis(250);
+/// The range `fleet.max_clock_skew` may take.
+pub const MIN_MAX_CLOCK_SKEW: Duration = Duration::from_millis(10);
+pub const MAX_MAX_CLOCK_SKEW: Duration = Duration::from_secs(60);
 /// The longest `fleet.host_id`.
 pub const MAX_HOST_ID_LEN: usize = 64;
 
@@ -160,12 +172,17 @@ pub fn cluster_nodes(url: &str) -> Option<Result<Vec<String>, String>> {
 }
 
 /// The sentinels and the master's name of a `redis+sentinel://HOST:PORT,HOST:PORT,.../NAME`
-/// address (the sentinels each as a `redis://` address); `None` if `url` is not a sentinel
-/// address.
+/// address (the sentinels each as a `redis://` address), or of a `rediss+sentinel://` one
+/// (sentinels and master over TLS; each as a `rediss://` address); `None` if `url` is not a
+/// sentinel address.
 pub fn sentinel_nodes(url: &str) -> Option<Result<(Vec<String>, String), String>> {
-    let rest = url.strip_prefix("redis+sentinel://")?;
+    let (scheme, rest) = if let Some(rest) = url.strip_prefix("redis+sentinel://") {
+        ("redis", rest)
+    } else {
+        ("rediss", url.strip_prefix("rediss+sentinel://")?)
+    };
     let shown = crate::fleet::redacted(url);
-    let expected = "expected redis+sentinel://HOST:PORT,HOST:PORT,.../MASTER_NAME";
+    let expected = format!("expected {scheme}+sentinel://HOST:PORT,HOST:PORT,.../MASTER_NAME");
     let Some((hosts, name)) = rest.split_once('/') else {
         return Some(Err(format!("{shown:?} names no master ({expected})")));
     };
@@ -176,15 +193,15 @@ pub fn sentinel_nodes(url: &str) -> Option<Result<(Vec<String>, String), String>
     }
     if hosts.contains('@') {
         return Some(Err(format!(
-            "{:?}: the sentinels are reached without credentials (fleet.password_file is the \
-             master's)",
+            "{:?}: no credentials in a sentinel address (fleet.password_file is the master's \
+             password, fleet.sentinel_password_file the sentinels')",
             crate::fleet::redacted(url)
         )));
     }
     let mut nodes = Vec::new();
     for h in hosts.split(',') {
         let h = h.trim();
-        let node = format!("redis://{h}");
+        let node = format!("{scheme}://{h}");
         if h.is_empty() || redis::IntoConnectionInfo::into_connection_info(node.as_str()).is_err() {
             return Some(Err(format!(
                 "{shown:?}: {h:?} is not a sentinel ({expected})"
@@ -197,7 +214,14 @@ pub fn sentinel_nodes(url: &str) -> Option<Result<(Vec<String>, String), String>
 
 /// Whether `url` (a checked `fleet.redis`) reaches the store over TLS.
 pub fn is_tls_url(url: &str) -> bool {
-    url.starts_with("rediss://") || url.starts_with("rediss+cluster://")
+    url.starts_with("rediss://")
+        || url.starts_with("rediss+cluster://")
+        || url.starts_with("rediss+sentinel://")
+}
+
+/// Whether `url` (a checked `fleet.redis`) reaches the store through sentinels.
+pub fn is_sentinel_url(url: &str) -> bool {
+    url.starts_with("redis+sentinel://") || url.starts_with("rediss+sentinel://")
 }
 
 /// Check a `fleet.redis` address: the schemes the client speaks, refused clearly otherwise.
@@ -208,15 +232,15 @@ pub fn check_redis_url(url: &str) -> Result<(), String> {
         Some("redis+cluster" | "rediss+cluster") => {
             return cluster_nodes(url).expect("a cluster address").map(drop);
         }
-        Some("redis+sentinel") => {
+        Some("redis+sentinel" | "rediss+sentinel") => {
             return sentinel_nodes(url).expect("a sentinel address").map(drop);
         }
         _ => {
             return Err(format!(
                 "{url:?} is not a store address (expected redis://HOST:PORT, \
                  rediss://HOST:PORT (TLS), redis+cluster://HOST:PORT,HOST:PORT,..., \
-                 rediss+cluster://..., redis+sentinel://HOST:PORT,.../MASTER_NAME \
-                 or unix:///PATH)"
+                 rediss+cluster://..., redis+sentinel://HOST:PORT,.../MASTER_NAME, \
+                 rediss+sentinel://... or unix:///PATH)"
             ));
         }
     }

@@ -111,7 +111,7 @@ pub struct PressureLine {
 #[derive(Serialize, Debug, Clone)]
 pub struct FleetLine {
     pub time: String,
-    /// `fleet_degraded` or `fleet_restored`.
+    /// `fleet_degraded`, `fleet_restored`, `fleet_clock_skew` or `fleet_clock_restored`.
     pub event: &'static str,
     pub store: String,
     pub host_id: String,
@@ -122,6 +122,12 @@ pub struct FleetLine {
     #[serde(skip_serializing_if = "Option::is_none")]
     pub down_for_ms: Option<u64>,
     pub outbox: usize,
+    /// `fleet_clock_skew`, `fleet_clock_restored`: this host's clock minus the store's (ms),
+    /// and `fleet.max_clock_skew` (ms).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub offset_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max_skew_ms: Option<u64>,
 }
 
 /// The summary line of a second in which events were suppressed ([`SUMMARY_EVENT`]).

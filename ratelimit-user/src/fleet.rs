@@ -40,6 +40,19 @@
 //! a record issued before the lift (last writer wins, by time), also after a restart (the
 //! lifts are saved: `daemon::FLEET_LIFTS_FILE`).
 //!
+//! ## The clock
+//! Global rules count in windows of the wall clock, and bans travel with their end in unix
+//! ms: both assume the hosts' clocks agree. The **clock** task measures this host's wall
+//! clock against the store's (`TIME`) when it connects and every [`CLOCK_EVERY`]: of
+//! [`CLOCK_SAMPLES`] round trips, the one answered fastest gives the offset
+//! `local - (store + rtt / 2)` (a measurement whose fastest round trip exceeds half the
+//! bound is not trusted, and changes nothing). While the offset is beyond
+//! `fleet.max_clock_skew` ([`Clock`]), or before it was first measured, the host takes no
+//! part in global counting (its global rules hold their threshold on this host alone, as
+//! without a store); the change is a `fleet_clock_skew` event, the return within the bound
+//! a `fleet_clock_restored` one. Bans are shared all the same. Each host's offset goes into
+//! its heartbeat (`fleet peers`).
+//!
 //! Bans received from the fleet are marked [`BAN_REMOTE`] (and their origin host kept): they
 //! are never published again, so no ban echoes between hosts.
 
@@ -48,7 +61,7 @@ use std::{
     path::{Path, PathBuf},
     sync::{
         Arc, Mutex,
-        atomic::{AtomicU64, Ordering},
+        atomic::{AtomicBool, AtomicU64, Ordering},
     },
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
@@ -102,6 +115,10 @@ const BACKOFF_MAX: Duration = Duration::from_secs(2);
 pub const CURSOR_SAVE: Duration = Duration::from_secs(1);
 /// Snapshot fields looked at per heartbeat by the sweep that prunes it.
 pub const SWEEP_COUNT: usize = 1000;
+/// How often the clock is measured against the store's.
+pub const CLOCK_EVERY: Duration = Duration::from_secs(2);
+/// Round trips (`TIME`) per measurement; the fastest one gives the offset.
+pub const CLOCK_SAMPLES: usize = 5;
 
 /// What a record does.
 #[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
@@ -166,6 +183,90 @@ pub fn unix_ms_of_mono(ns: u64) -> u64 {
     }
 }
 
+/// This host's wall clock against the store's: whether this host takes part in global
+/// counting (read by `crate::global` before every round). Not before the first trusted
+/// measurement, nor while the offset is beyond `bound` (`fleet.max_clock_skew`).
+#[derive(Debug)]
+pub struct Clock {
+    bound: Duration,
+    counting: AtomicBool,
+}
+
+impl Clock {
+    pub fn new(bound: Duration) -> Self {
+        Self {
+            bound,
+            counting: AtomicBool::new(false),
+        }
+    }
+
+    /// `fleet.max_clock_skew`.
+    pub fn bound(&self) -> Duration {
+        self.bound
+    }
+
+    /// Whether this host takes part in global counting now.
+    pub fn counting(&self) -> bool {
+        self.counting.load(Ordering::Relaxed)
+    }
+}
+
+/// One `TIME` round trip: this host's wall clock (unix ns) when it was sent and when it was
+/// answered, and the store's answer (unix ns).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClockSample {
+    pub sent_ns: i64,
+    pub recv_ns: i64,
+    pub store_ns: i64,
+}
+
+impl ClockSample {
+    pub fn rtt_ns(&self) -> i64 {
+        (self.recv_ns - self.sent_ns).max(0)
+    }
+
+    /// This host's clock minus the store's: `local - (store + rtt / 2)`, with `local` the
+    /// answer's arrival (the store read its clock about half a round trip before).
+    pub fn offset_ns(&self) -> i64 {
+        self.recv_ns - (self.store_ns + self.rtt_ns() / 2)
+    }
+}
+
+/// The sample answered fastest (the least uncertain offset).
+pub fn best_sample(samples: &[ClockSample]) -> Option<ClockSample> {
+    samples.iter().copied().min_by_key(ClockSample::rtt_ns)
+}
+
+/// What a measurement says of the clock.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ClockVerdict {
+    /// Its round trip exceeds half the bound: the offset is too uncertain to act on.
+    Untrusted,
+    Within,
+    Over,
+}
+
+/// Judge an offset measured with round trip `rtt_ns` against `bound`: beyond the bound
+/// either way is over; a round trip longer than half the bound (an offset uncertain by more
+/// than a quarter of it) is not trusted.
+pub fn judge_clock(offset_ns: i64, rtt_ns: i64, bound: Duration) -> ClockVerdict {
+    let bound = bound.as_nanos() as i64;
+    if rtt_ns > bound / 2 {
+        ClockVerdict::Untrusted
+    } else if offset_ns.unsigned_abs() > bound as u64 {
+        ClockVerdict::Over
+    } else {
+        ClockVerdict::Within
+    }
+}
+
+fn wall_ns() -> i64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or_default()
+        .as_nanos() as i64
+}
+
 /// The host name of this machine (`fleet.host_id`'s default).
 pub fn hostname() -> anyhow::Result<String> {
     let name = std::fs::read_to_string("/proc/sys/kernel/hostname")
@@ -176,10 +277,16 @@ pub fn hostname() -> anyhow::Result<String> {
 /// The store's password from `path` (one line): refused if the file is missing, empty, or
 /// readable by every user (mode `o+r`).
 pub fn read_password(path: &Path) -> anyhow::Result<String> {
-    let text = read_private(path, "fleet.password_file")?;
+    read_password_of(path, "fleet.password_file")
+}
+
+/// A password from `path` (one line), the key `field` naming it: refused as
+/// [`read_password`] refuses.
+fn read_password_of(path: &Path, field: &str) -> anyhow::Result<String> {
+    let text = read_private(path, field)?;
     let pw = text.trim_end_matches(['\n', '\r']).to_string();
     if pw.is_empty() {
-        bail!("fleet.password_file {} is empty", path.display());
+        bail!("{field} {} is empty", path.display());
     }
     Ok(pw)
 }
@@ -271,6 +378,10 @@ pub fn read_tls(f: &config::Fleet) -> anyhow::Result<Option<redis::TlsCertificat
 /// file and the TLS material can be read and hold what they should.
 pub fn check_files(f: &config::Fleet) -> anyhow::Result<()> {
     f.password_file.as_deref().map(read_password).transpose()?;
+    f.sentinel_password_file
+        .as_deref()
+        .map(|p| read_password_of(p, "fleet.sentinel_password_file"))
+        .transpose()?;
     read_tls(f)?;
     Ok(())
 }
@@ -283,6 +394,8 @@ pub struct Settings {
     pub host_id: String,
     pub share_bans: bool,
     pub state_dir: PathBuf,
+    /// This host's clock against the store's: whether it takes part in global counting.
+    pub clock: Arc<Clock>,
     client: Client,
 }
 
@@ -293,15 +406,53 @@ enum Client {
     Single(redis::Client),
     /// The nodes, and the TLS material for a `rediss+cluster://` store.
     Cluster(Vec<redis::ConnectionInfo>, Option<redis::TlsCertificates>),
-    /// Redis Sentinel: the sentinels, the master's name, and how its master is reached (the
-    /// password). Each connection asks the sentinels for the master in office (and checks
-    /// that it says it is one), so a connection lost to a failover is made again to the
-    /// promoted replica.
-    Sentinel {
-        sentinels: Vec<redis::ConnectionInfo>,
-        master: String,
-        node: redis::sentinel::SentinelNodeConnectionInfo,
-    },
+    /// Redis Sentinel: the sentinels, the master's name, and how both are reached (their
+    /// passwords; TLS, with the TLS files, for a `rediss+sentinel://` store: to the
+    /// sentinels and to the master alike). Each connection asks the sentinels for the master
+    /// in office (and checks that it says it is one), so a connection lost to a failover is
+    /// made again to the promoted replica.
+    Sentinel(Box<SentinelStore>),
+}
+
+/// How a store behind sentinels is reached.
+#[derive(Debug, Clone)]
+struct SentinelStore {
+    /// `ConnectionAddr::Tcp`, or `TcpTls` over TLS.
+    sentinels: Vec<redis::ConnectionAddr>,
+    master: String,
+    tls: bool,
+    certs: Option<redis::TlsCertificates>,
+    /// The master's password (`fleet.password_file`), and the sentinels'
+    /// (`fleet.sentinel_password_file`).
+    password: Option<String>,
+    sentinel_password: Option<String>,
+}
+
+impl SentinelStore {
+    fn client(&self) -> redis::RedisResult<redis::sentinel::SentinelClient> {
+        let mut b = redis::sentinel::SentinelClientBuilder::new(
+            self.sentinels.clone(),
+            &self.master,
+            redis::sentinel::SentinelServerType::Master,
+        )?;
+        if let Some(pw) = &self.password {
+            b = b.set_client_to_redis_password(pw);
+        }
+        if let Some(pw) = &self.sentinel_password {
+            b = b.set_client_to_sentinel_password(pw);
+        }
+        if self.tls {
+            b = b
+                .set_client_to_redis_tls_mode(redis::TlsMode::Secure)
+                .set_client_to_sentinel_tls_mode(redis::TlsMode::Secure);
+            if let Some(certs) = &self.certs {
+                b = b
+                    .set_client_to_redis_certificates(certs.clone())
+                    .set_client_to_sentinel_certificates(certs.clone());
+            }
+        }
+        b.build()
+    }
 }
 
 /// A connection to the store: one server's, or a Redis Cluster's (which routes each command
@@ -408,8 +559,13 @@ impl Settings {
             }
             info
         };
+        let sentinel_password = f
+            .sentinel_password_file
+            .as_deref()
+            .map(|p| read_password_of(p, "fleet.sentinel_password_file"))
+            .transpose()?;
         let client = match config::cluster_nodes(&f.redis) {
-            None if f.redis.starts_with("redis+sentinel://") => {
+            None if config::is_sentinel_url(&f.redis) => {
                 let (nodes, master) = config::sentinel_nodes(&f.redis)
                     .expect("a sentinel address")
                     .map_err(|e| anyhow::anyhow!("fleet.redis {e}"))?;
@@ -417,20 +573,23 @@ impl Settings {
                     .iter()
                     .map(|n| {
                         redis::IntoConnectionInfo::into_connection_info(n.as_str())
+                            .map(|info| info.addr().clone())
                             .map_err(|e| anyhow::anyhow!("fleet.redis {n:?}: {e}"))
                     })
                     .collect::<anyhow::Result<Vec<_>>>()?;
-                let mut node = redis::sentinel::SentinelNodeConnectionInfo::default();
-                if let Some(pw) = &password {
-                    node = node.set_redis_connection_info(
-                        redis::RedisConnectionInfo::default().set_password(pw.clone()),
-                    );
-                }
-                Client::Sentinel {
+                let store = SentinelStore {
                     sentinels,
                     master,
-                    node,
-                }
+                    tls: config::is_tls_url(&f.redis),
+                    certs: tls,
+                    password: password.clone(),
+                    sentinel_password,
+                };
+                // Checked now: a setting the client refuses is an error at start.
+                store
+                    .client()
+                    .with_context(|| format!("fleet.redis {}", redacted(&f.redis)))?;
+                Client::Sentinel(Box::new(store))
             }
             Some(nodes) => {
                 let nodes = nodes.map_err(|e| anyhow::anyhow!("fleet.redis {e}"))?;
@@ -461,6 +620,7 @@ impl Settings {
             host_id,
             share_bans: f.share_bans,
             state_dir: state_dir.to_path_buf(),
+            clock: Arc::new(Clock::new(f.max_clock_skew)),
             client,
         })
     }
@@ -498,21 +658,13 @@ impl Settings {
                     ),
                 }
             }
-            Client::Sentinel {
-                sentinels,
-                master,
-                node,
-            } => {
+            Client::Sentinel(store) => {
                 let cfg = redis::AsyncConnectionConfig::new()
                     .set_connection_timeout(Some(CONNECT_TIMEOUT))
                     .set_response_timeout(Some(response));
-                let mut client = redis::sentinel::SentinelClient::build(
-                    sentinels.clone(),
-                    master,
-                    Some(node.clone()),
-                    redis::sentinel::SentinelServerType::Master,
-                )
-                .with_context(|| format!("fleet.redis {}", self.store))?;
+                let mut client = store
+                    .client()
+                    .with_context(|| format!("fleet.redis {}", self.store))?;
                 // The sentinels asked (a few at once), the master's role checked, the
                 // connection made: one bound over all of it.
                 match tokio::time::timeout(
@@ -603,6 +755,31 @@ pub struct Report {
     /// Global thresholds (`scope = "global"` rules): what is shared.
     #[serde(default)]
     pub global: crate::global::GlobalReport,
+    /// This host's clock against the store's.
+    #[serde(default)]
+    pub clock: ClockReport,
+}
+
+/// This host's wall clock against the store's, as `fleet status` and `/v1/fleet` show it.
+#[derive(Serialize, Deserialize, Debug, Clone, PartialEq, Default)]
+pub struct ClockReport {
+    /// This host's clock minus the store's (ms; negative: this host is behind), as last
+    /// measured; `None` until measured.
+    pub offset_ms: Option<f64>,
+    /// The round trip of the sample that gave it (ms).
+    pub rtt_ms: Option<f64>,
+    /// `fleet.max_clock_skew` (ms).
+    pub max_skew_ms: u64,
+    /// The offset is beyond the bound: this host takes no part in global counting.
+    pub over_bound: bool,
+    /// This host takes part in global counting (measured, and within the bound).
+    pub counting: bool,
+    /// RFC 3339: the last trusted measurement.
+    pub measured_at: Option<String>,
+    /// RFC 3339: since when over the bound.
+    pub over_since: Option<String>,
+    /// Why the last measurement failed or was not trusted, if it was.
+    pub last_error: Option<String>,
 }
 
 /// What each host writes into [`PEERS_KEY`] every [`HEARTBEAT`].
@@ -618,6 +795,9 @@ pub struct Heartbeat {
     pub bans_received: u64,
     #[serde(default)]
     pub cursor: Option<String>,
+    /// Its clock minus the store's (ms), as it last measured it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clock_offset_ms: Option<f64>,
 }
 
 /// A peer as `fleet peers` and `/v1/fleet` show it.
@@ -638,6 +818,9 @@ pub struct Peer {
     pub bans_received: u64,
     /// The last stream entry it applied.
     pub cursor: Option<String>,
+    /// Its clock minus the store's (ms), as it last measured it.
+    #[serde(default)]
+    pub clock_offset_ms: Option<f64>,
 }
 
 impl Peer {
@@ -653,6 +836,7 @@ impl Peer {
             bans_published: h.bans_published,
             bans_received: h.bans_received,
             cursor: h.cursor.clone(),
+            clock_offset_ms: h.clock_offset_ms,
         }
     }
 }
@@ -760,6 +944,7 @@ impl Shared {
             bans_published: i.report.bans_published,
             bans_received: i.report.bans_received,
             cursor: i.report.cursor.clone(),
+            clock_offset_ms: i.report.clock.offset_ms,
         }
     }
 
@@ -798,7 +983,95 @@ impl Shared {
             since: i.report.degraded_since.clone(),
             down_for_ms: None,
             outbox,
+            offset_ms: None,
+            max_skew_ms: None,
         });
+    }
+
+    /// A clock measurement could not be made: the state stays as it is.
+    fn clock_failed(&self, why: String) {
+        self.lock().report.clock.last_error = Some(why);
+    }
+
+    /// A clock measurement: `sample` the fastest of its round trips. Crossing the bound
+    /// either way changes whether this host counts globally, with an event and a log line.
+    fn clock_measured(&self, clock: &Clock, sample: ClockSample) {
+        let (offset, rtt) = (sample.offset_ns(), sample.rtt_ns());
+        let bound = clock.bound();
+        let verdict = judge_clock(offset, rtt, bound);
+        let mut i = self.lock();
+        let c = &mut i.report.clock;
+        if verdict == ClockVerdict::Untrusted {
+            c.last_error = Some(format!(
+                "the store's fastest answer took {:.1} ms, more than half of \
+                 fleet.max_clock_skew ({}): the offset was not trusted",
+                rtt as f64 / 1e6,
+                config::format_duration(bound)
+            ));
+            return;
+        }
+        let now = SystemTime::now();
+        let offset_ms = offset as f64 / 1e6;
+        let first = c.measured_at.is_none();
+        let was_over = c.over_bound;
+        c.offset_ms = Some(offset_ms);
+        c.rtt_ms = Some(rtt as f64 / 1e6);
+        c.measured_at = Some(report::rfc3339(now));
+        c.last_error = None;
+        let over = verdict == ClockVerdict::Over;
+        c.over_bound = over;
+        c.counting = !over;
+        clock.counting.store(!over, Ordering::Relaxed);
+        let how = if offset >= 0 { "ahead of" } else { "behind" };
+        let bound_s = config::format_duration(bound);
+        let (store, host_id) = (i.report.store.clone(), i.report.host_id.clone());
+        if over && (first || !was_over) {
+            i.report.clock.over_since = Some(report::rfc3339(now));
+            let why = format!(
+                "this host's clock is {:.0} ms {how} the store's, beyond fleet.max_clock_skew \
+                 ({bound_s}): global rules are enforced locally",
+                offset_ms.abs()
+            );
+            warn!(offset_ms, rtt_ms = rtt as f64 / 1e6, "{why}");
+            let since = i.report.clock.over_since.clone();
+            self.events.fleet(events::FleetLine {
+                time: report::rfc3339(now),
+                event: "fleet_clock_skew",
+                store,
+                host_id,
+                reason: Some(why),
+                since,
+                down_for_ms: None,
+                outbox: 0,
+                offset_ms: Some(offset_ms),
+                max_skew_ms: Some(bound.as_millis() as u64),
+            });
+        } else if !over && was_over {
+            let since = i.report.clock.over_since.take();
+            info!(
+                offset_ms,
+                "this host's clock is within fleet.max_clock_skew ({bound_s}) of the store's \
+                 again: global counting resumes"
+            );
+            self.events.fleet(events::FleetLine {
+                time: report::rfc3339(now),
+                event: "fleet_clock_restored",
+                store,
+                host_id,
+                reason: None,
+                since,
+                down_for_ms: None,
+                outbox: 0,
+                offset_ms: Some(offset_ms),
+                max_skew_ms: Some(bound.as_millis() as u64),
+            });
+        } else if first {
+            info!(
+                offset_ms,
+                rtt_ms = rtt as f64 / 1e6,
+                "this host's clock is within fleet.max_clock_skew ({bound_s}) of the store's"
+            );
+        }
     }
 
     /// The reader is connected and caught up: after a degraded spell, `fleet_restored`.
@@ -824,6 +1097,8 @@ impl Shared {
                 since: Some(since),
                 down_for_ms: down_for,
                 outbox,
+                offset_ms: None,
+                max_skew_ms: None,
             });
         } else {
             info!(store = %i.report.store, "fleet store connected");
@@ -968,6 +1243,10 @@ where
                 host_id: settings.host_id.clone(),
                 share_bans: settings.share_bans,
                 cursor: saved.cursor.clone(),
+                clock: ClockReport {
+                    max_skew_ms: settings.clock.bound().as_millis() as u64,
+                    ..ClockReport::default()
+                },
                 ..Report::default()
             },
             saved_cursor: saved.cursor,
@@ -981,8 +1260,13 @@ where
     });
     let (tx, rx) = mpsc::unbounded_channel();
     let rx = Arc::new(tokio::sync::Mutex::new(rx));
-    // With `share_bans = false` there is nothing to share yet (global thresholds are not
-    // built): no task runs and no store is contacted.
+    // The clock is measured whatever `share_bans` says: global thresholds depend on it.
+    let (s, sh) = (settings.clone(), shared.clone());
+    supervise::spawn(tasks, "fleet_clock", BACKOFF_FIRST, move || {
+        clock_task(s.clone(), sh.clone())
+    });
+    // With `share_bans = false` no ban is shared: neither the publisher, the reader nor the
+    // heartbeat runs.
     if settings.share_bans {
         let (s, sh) = (settings.clone(), shared.clone());
         supervise::spawn(tasks, "fleet_publisher", BACKOFF_FIRST, move || {
@@ -1282,6 +1566,51 @@ async fn heartbeat(settings: Arc<Settings>, shared: Arc<Shared>) -> anyhow::Resu
             tracing::debug!("fleet heartbeat: {e:#}");
         }
     }
+}
+
+/// The clock task: this host's clock measured against the store's at once, and every
+/// [`CLOCK_EVERY`]. A failed measurement changes nothing (and the next one connects again).
+async fn clock_task(settings: Arc<Settings>, shared: Arc<Shared>) -> anyhow::Result<()> {
+    let mut conn: Option<Conn> = None;
+    let mut tick = tokio::time::interval(CLOCK_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        match measure_clock(&settings, &mut conn).await {
+            Ok(sample) => shared.clock_measured(&settings.clock, sample),
+            Err(e) => {
+                conn = None;
+                tracing::debug!("measuring the clock against the store's: {e:#}");
+                shared.clock_failed(format!("{e:#}"));
+            }
+        }
+    }
+}
+
+/// [`CLOCK_SAMPLES`] `TIME` round trips; the fastest.
+async fn measure_clock(
+    settings: &Settings,
+    conn: &mut Option<Conn>,
+) -> anyhow::Result<ClockSample> {
+    if conn.is_none() {
+        *conn = Some(settings.connect(REQUEST_TIMEOUT).await?);
+    }
+    let c = conn.as_mut().expect("connected above");
+    let mut samples = Vec::with_capacity(CLOCK_SAMPLES);
+    for _ in 0..CLOCK_SAMPLES {
+        let sent_ns = wall_ns();
+        let (secs, micros): (i64, i64) = redis::cmd("TIME")
+            .query_async(c)
+            .await
+            .context("reading the store's clock (TIME)")?;
+        let recv_ns = wall_ns();
+        samples.push(ClockSample {
+            sent_ns,
+            recv_ns,
+            store_ns: secs * 1_000_000_000 + micros * 1000,
+        });
+    }
+    Ok(best_sample(&samples).expect("samples taken"))
 }
 
 /// Whether a snapshot value is stale at `now_ms`: a ban that has ended, or a tombstone older
@@ -1642,6 +1971,7 @@ mod tests {
             bans_published: 3,
             bans_received: 4,
             cursor: Some("5-0".into()),
+            clock_offset_ms: Some(-2.5),
         };
         let p = Peer::of(&h, "a", 1_009_999);
         assert!(!p.stale && !p.this_host && p.age_ms == 9_999, "{p:?}");
@@ -1652,6 +1982,134 @@ mod tests {
         assert_eq!(Peer::of(&h, "a", 999_000).age_ms, 0);
         let back: Heartbeat = serde_json::from_str(&serde_json::to_string(&h).unwrap()).unwrap();
         assert_eq!(back, h);
+    }
+
+    #[test]
+    fn the_clock_offset_is_the_fastest_sample_s_midpoint_against_the_store() {
+        const MS: i64 = 1_000_000;
+        // Sent at 1000 ms, answered at 1010 ms; the store said 6005 ms (5 s ahead): the
+        // answer arrived 5 ms after the store read its clock, so this host is 5000 ms behind.
+        let a = ClockSample {
+            sent_ns: 1000 * MS,
+            recv_ns: 1010 * MS,
+            store_ns: 6005 * MS,
+        };
+        assert_eq!((a.rtt_ns(), a.offset_ns()), (10 * MS, -5000 * MS));
+        // A slower round trip, its answer delayed on the way back: a worse estimate.
+        let b = ClockSample {
+            sent_ns: 2000 * MS,
+            recv_ns: 2200 * MS,
+            store_ns: 7001 * MS,
+        };
+        assert_eq!(b.offset_ns(), -4901 * MS);
+        assert_eq!(best_sample(&[b, a, b]), Some(a));
+        assert_eq!(best_sample(&[]), None);
+        // This host ahead.
+        let c = ClockSample {
+            sent_ns: 10_000 * MS,
+            recv_ns: 10_002 * MS,
+            store_ns: 9_700 * MS,
+        };
+        assert_eq!(c.offset_ns(), 301 * MS);
+        // A clock stepped back during the round trip: no negative round trip.
+        let d = ClockSample {
+            sent_ns: 5 * MS,
+            recv_ns: 3 * MS,
+            store_ns: 3 * MS,
+        };
+        assert_eq!((d.rtt_ns(), d.offset_ns()), (0, 0));
+    }
+
+    #[test]
+    fn the_clock_is_judged_against_the_bound_either_way_when_the_round_trip_is_short() {
+        const MS: i64 = 1_000_000;
+        let bound = Duration::from_millis(250);
+        assert_eq!(judge_clock(0, MS, bound), ClockVerdict::Within);
+        assert_eq!(judge_clock(250 * MS, MS, bound), ClockVerdict::Within);
+        assert_eq!(judge_clock(-250 * MS, MS, bound), ClockVerdict::Within);
+        assert_eq!(judge_clock(251 * MS, MS, bound), ClockVerdict::Over);
+        assert_eq!(judge_clock(-5000 * MS, MS, bound), ClockVerdict::Over);
+        // Up to half the bound of round trip is trusted; beyond, nothing is decided.
+        assert_eq!(judge_clock(-5000 * MS, 125 * MS, bound), ClockVerdict::Over);
+        assert_eq!(
+            judge_clock(-5000 * MS, 126 * MS, bound),
+            ClockVerdict::Untrusted
+        );
+        assert_eq!(judge_clock(0, 126 * MS, bound), ClockVerdict::Untrusted);
+    }
+
+    #[test]
+    fn crossing_the_clock_bound_switches_global_counting_with_an_event_each_way() {
+        const MS: i64 = 1_000_000;
+        let dir = std::env::temp_dir().join(format!("rl-fleet-clock-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("events.jsonl");
+        let sink = config::EventsSink::File(file.clone());
+        let shared = Shared {
+            inner: Mutex::new(Inner::default()),
+            outbox: Mutex::new(VecDeque::new()),
+            outbox_gen: AtomicU64::new(0),
+            cursor_file: Mutex::new(()),
+            events: events::Events::start(Some(&sink), 1000, vec![]).unwrap(),
+            global: Arc::default(),
+        };
+        let clock = Clock::new(Duration::from_millis(250));
+        let at = |offset_ms: i64, rtt_ms: i64| ClockSample {
+            sent_ns: 1_000_000 * MS,
+            recv_ns: (1_000_000 + rtt_ms) * MS,
+            store_ns: (1_000_000 + rtt_ms - offset_ms) * MS - rtt_ms * MS / 2,
+        };
+        // Not counting until measured; a measurement not trusted changes nothing.
+        assert!(!clock.counting());
+        shared.clock_measured(&clock, at(0, 200));
+        assert!(!clock.counting());
+        assert!(
+            shared
+                .report()
+                .clock
+                .last_error
+                .unwrap()
+                .contains("not trusted")
+        );
+        shared.clock_measured(&clock, at(-30, 2));
+        let r = shared.report().clock;
+        assert!(clock.counting() && r.counting && !r.over_bound, "{r:?}");
+        assert_eq!(r.offset_ms, Some(-30.0));
+        shared.clock_measured(&clock, at(-5000, 2));
+        let r = shared.report().clock;
+        assert!(
+            !clock.counting() && r.over_bound && r.over_since.is_some(),
+            "{r:?}"
+        );
+        // Still over: no second event; a failed measurement keeps the state.
+        shared.clock_measured(&clock, at(-4990, 2));
+        shared.clock_failed("refused".into());
+        assert!(!clock.counting());
+        shared.clock_measured(&clock, at(100, 2));
+        let r = shared.report().clock;
+        assert!(
+            clock.counting() && !r.over_bound && r.over_since.is_none(),
+            "{r:?}"
+        );
+        let give_up = Instant::now() + Duration::from_secs(5);
+        let lines = loop {
+            let text = std::fs::read_to_string(&file).unwrap_or_default();
+            let lines: Vec<serde_json::Value> = text
+                .lines()
+                .map(|l| serde_json::from_str(l).unwrap())
+                .collect();
+            if lines.len() >= 2 || Instant::now() > give_up {
+                break lines;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        };
+        assert_eq!(lines.len(), 2, "{lines:?}");
+        assert_eq!(lines[0]["event"], "fleet_clock_skew");
+        assert_eq!(lines[0]["offset_ms"], -5000.0);
+        assert_eq!(lines[0]["max_skew_ms"], 250);
+        assert_eq!(lines[1]["event"], "fleet_clock_restored");
+        assert_eq!(lines[1]["offset_ms"], 100.0);
+        std::fs::remove_dir_all(&dir).unwrap();
     }
 
     #[test]
@@ -1751,11 +2209,13 @@ BAMCA0kAMEYCIQDAkUz8uowjYDKf94dOXCRkO6eM1rvc03v7OXDTUs6XoAIhAILu
             redis: "rediss://127.0.0.1:6380".into(),
             host_id: Some("h".into()),
             password_file: None,
+            sentinel_password_file: None,
             tls_ca_file: None,
             tls_cert_file: None,
             tls_key_file: None,
             sync_interval: config::DEFAULT_SYNC_INTERVAL,
             share_bans: true,
+            max_clock_skew: config::DEFAULT_MAX_CLOCK_SKEW,
         };
         assert!(read_tls(&f).unwrap().is_none());
         f.tls_ca_file = Some(ca.clone());
@@ -1807,15 +2267,50 @@ BAMCA0kAMEYCIQDAkUz8uowjYDKf94dOXCRkO6eM1rvc03v7OXDTUs6XoAIhAILu
         assert!(!s.cluster());
         f.redis = "rediss+cluster://127.0.0.1:7001,127.0.0.1:7002".into();
         assert!(Settings::resolve(&f, &dir).unwrap().cluster());
-        // Through sentinels (no TLS there).
-        f.redis = "redis+sentinel://127.0.0.1:26379,127.0.0.1:26380/fleet".into();
-        (f.tls_ca_file, f.tls_cert_file, f.tls_key_file) = (None, None, None);
+        // Through sentinels over TLS, with passwords for the master and the sentinels.
+        f.redis = "rediss+sentinel://127.0.0.1:26379,127.0.0.1:26380/fleet".into();
+        let (pw, spw) = (dir.join("pw"), dir.join("spw"));
+        for (p, text) in [(&pw, "m\n"), (&spw, "s\n")] {
+            std::fs::write(p, text).unwrap();
+            std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o600)).unwrap();
+        }
+        (f.password_file, f.sentinel_password_file) = (Some(pw), Some(spw.clone()));
         let s = Settings::resolve(&f, &dir).unwrap();
         assert!(!s.cluster());
         match &s.client {
-            Client::Sentinel {
-                sentinels, master, ..
-            } => assert_eq!((sentinels.len(), master.as_str()), (2, "fleet")),
+            Client::Sentinel(st) => {
+                assert_eq!((st.sentinels.len(), st.master.as_str()), (2, "fleet"));
+                assert!(
+                    matches!(&st.sentinels[0], redis::ConnectionAddr::TcpTls { host, port: 26379, insecure: false, .. } if host == "127.0.0.1"),
+                    "{:?}",
+                    st.sentinels
+                );
+                assert!(st.tls && st.certs.is_some());
+                assert_eq!(
+                    (st.password.as_deref(), st.sentinel_password.as_deref()),
+                    (Some("m"), Some("s"))
+                );
+            }
+            other => panic!("{other:?}"),
+        }
+        std::fs::set_permissions(&spw, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let e = format!("{:#}", check_files(&f).unwrap_err());
+        assert!(
+            e.contains("fleet.sentinel_password_file") && e.contains("readable by every user"),
+            "{e}"
+        );
+        // Without TLS.
+        f.redis = "redis+sentinel://127.0.0.1:26379,127.0.0.1:26380/fleet".into();
+        (f.tls_ca_file, f.tls_cert_file, f.tls_key_file) = (None, None, None);
+        (f.password_file, f.sentinel_password_file) = (None, None);
+        let s = Settings::resolve(&f, &dir).unwrap();
+        match &s.client {
+            Client::Sentinel(st) => {
+                assert!(
+                    matches!(&st.sentinels[1], redis::ConnectionAddr::Tcp(h, 26380) if h == "127.0.0.1")
+                );
+                assert!(!st.tls && st.password.is_none());
+            }
             other => panic!("{other:?}"),
         }
         assert_eq!(
@@ -1860,6 +2355,7 @@ BAMCA0kAMEYCIQDAkUz8uowjYDKf94dOXCRkO6eM1rvc03v7OXDTUs6XoAIhAILu
             host_id: "a".into(),
             share_bans: true,
             state_dir: dir.clone(),
+            clock: Arc::new(Clock::new(config::DEFAULT_MAX_CLOCK_SKEW)),
             client: Client::Single(redis::Client::open("redis://127.0.0.1:1").unwrap()),
         });
         let shared = Arc::new(Shared {

@@ -934,7 +934,9 @@ pub async fn run<O: Owner>(
                 });
             }
         }
-        if synced.is_empty() && shared_keys.is_empty() {
+        // No clients to share, or this host's clock off the store's (`fleet::Clock`):
+        // each global rule holds its threshold here alone.
+        if (synced.is_empty() && shared_keys.is_empty()) || !settings.clock.counting() {
             continue;
         }
         if conn.is_none() {

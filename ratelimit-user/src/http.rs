@@ -337,6 +337,8 @@ fn snapshot(s: &Reports) -> anyhow::Result<(Stats, Gauges)> {
                 peers_stale: r.peers.iter().filter(|p| p.stale).count() as u64,
                 latency: f.latency(),
                 global: r.global.clone(),
+                clock_offset_seconds: r.clock.offset_ms.map(|ms| ms / 1e3),
+                clock_over_bound: r.clock.over_bound,
             }
         }),
     };
@@ -390,6 +392,10 @@ pub struct FleetGauges {
     pub latency: crate::fleet::Latency,
     /// Global thresholds' counts (`ratelimit_fleet_global_*`).
     pub global: crate::global::GlobalReport,
+    /// This host's clock minus the store's (seconds), once measured; and whether that is
+    /// beyond `fleet.max_clock_skew`.
+    pub clock_offset_seconds: Option<f64>,
+    pub clock_over_bound: bool,
 }
 
 #[derive(Debug)]
@@ -918,6 +924,21 @@ fn fleet_families(f: &FleetGauges) -> Vec<Family> {
             Value::Histogram(f.latency.sum, f.latency.count, f.latency.series()),
         ),
         Family::new(
+            "ratelimit_fleet_clock_offset_seconds",
+            Gauge,
+            "This host's wall clock minus the fleet store's (TIME), as last measured; absent until measured",
+        )
+        .with_some(
+            f.clock_offset_seconds
+                .map(|s| (vec![], Value::Float(s))),
+        ),
+        Family::new(
+            "ratelimit_fleet_clock_skewed",
+            Gauge,
+            "1 while this host's clock is off the store's by more than fleet.max_clock_skew (it takes no part in global counting: its global rules hold their threshold here alone)",
+        )
+        .with(vec![], Value::Gauge(u64::from(f.clock_over_bound))),
+        Family::new(
             "ratelimit_fleet_global_rules",
             Gauge,
             "Global rules (scope = \"global\") whose counts this host shares",
@@ -1317,6 +1338,8 @@ mod tests {
                     last_round_ms: Some(2.5),
                     last_error: None,
                 },
+                clock_offset_seconds: Some(-5.0025),
+                clock_over_bound: true,
             }),
             ..GAUGES
         };
@@ -1354,6 +1377,10 @@ mod tests {
             "ratelimit_fleet_global_added_total 5000",
             "# TYPE ratelimit_fleet_global_round_seconds gauge",
             "ratelimit_fleet_global_round_seconds 0.0025",
+            "# TYPE ratelimit_fleet_clock_offset_seconds gauge",
+            "ratelimit_fleet_clock_offset_seconds -5.0025",
+            "# TYPE ratelimit_fleet_clock_skewed gauge",
+            "ratelimit_fleet_clock_skewed 1",
         ] {
             assert!(l.contains(&want), "{want} missing from:\n{text}");
         }
@@ -1361,10 +1388,18 @@ mod tests {
         let mut idle = gauges.clone();
         if let Some(f) = idle.fleet.as_mut() {
             f.global = crate::global::GlobalReport::default();
+            (f.clock_offset_seconds, f.clock_over_bound) = (None, false);
         }
         let text = render_metrics(&synthetic(), &idle);
         let l = lines(&text);
         assert!(l.contains(&"ratelimit_fleet_global_rules 0"), "{text}");
+        // The clock not measured yet: no offset.
+        assert!(l.contains(&"ratelimit_fleet_clock_skewed 0"), "{text}");
+        assert!(
+            !l.iter()
+                .any(|l| l.starts_with("ratelimit_fleet_clock_offset_seconds")),
+            "{text}"
+        );
         assert!(
             !l.iter()
                 .any(|l| l.starts_with("ratelimit_fleet_global_round_seconds")),

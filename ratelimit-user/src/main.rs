@@ -382,8 +382,8 @@ fn print_peers(f: &ratelimit_user::fleet::Report) {
         return;
     }
     println!(
-        "{:<24} {:<10} {:<26} {:>9} {:>10} {:>10}  CURSOR",
-        "HOST", "VERSION", "LAST SEEN", "AGE", "PUBLISHED", "RECEIVED"
+        "{:<24} {:<10} {:<26} {:>9} {:>12} {:>10} {:>10}  CURSOR",
+        "HOST", "VERSION", "LAST SEEN", "AGE", "CLOCK OFFSET", "PUBLISHED", "RECEIVED"
     );
     for p in &f.peers {
         let name = format!(
@@ -392,12 +392,16 @@ fn print_peers(f: &ratelimit_user::fleet::Report) {
             if p.this_host { " (this host)" } else { "" }
         );
         let age = format!("{:.1}s", p.age_ms as f64 / 1e3);
+        let offset = p
+            .clock_offset_ms
+            .map_or("-".into(), |ms| format!("{ms:+.1}ms"));
         println!(
-            "{:<24} {:<10} {:<26} {:>9} {:>10} {:>10}  {}{}",
+            "{:<24} {:<10} {:<26} {:>9} {:>12} {:>10} {:>10}  {}{}",
             name,
             p.version,
             p.last_seen,
             age,
+            offset,
             p.bans_published,
             p.bans_received,
             p.cursor.as_deref().unwrap_or("-"),
@@ -451,6 +455,29 @@ fn print_fleet(f: &ratelimit_user::fleet::Report) {
     );
     if let Some(ms) = f.store_rtt_ms {
         println!("store rtt  {ms:.2} ms (last)");
+    }
+    let c = &f.clock;
+    let bound = format!("fleet.max_clock_skew {} ms", c.max_skew_ms);
+    match c.offset_ms {
+        None => println!(
+            "clock      not measured yet: global counting waits ({}){}",
+            bound,
+            c.last_error
+                .as_deref()
+                .map_or(String::new(), |e| format!("; {e}"))
+        ),
+        Some(ms) => println!(
+            "clock      {ms:+.1} ms against the store's (rtt {:.2} ms; {bound}){}",
+            c.rtt_ms.unwrap_or(0.0),
+            if c.over_bound {
+                format!(
+                    ": OVER THE BOUND since {}, global rules enforced locally",
+                    c.over_since.as_deref().unwrap_or("-")
+                )
+            } else {
+                ": within the bound".into()
+            }
+        ),
     }
     if f.share_bans {
         let stale = f.peers.iter().filter(|p| p.stale).count();

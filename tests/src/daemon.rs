@@ -50,6 +50,8 @@ pub struct Daemon {
     /// The read end of that pipe, held open and never read: writes to it fill the pipe and
     /// then block, as a stalled log reader does.
     stdout_reader: Option<OwnedFd>,
+    /// More environment variables for the daemon (also when restarted).
+    env: Vec<(String, String)>,
 }
 
 impl Daemon {
@@ -70,7 +72,17 @@ impl Daemon {
     /// the daemon's fresh temp dir, so it can put the control socket, state
     /// dir and events file inside it (cleaned up with the guard).
     pub fn start_in(ns: &NetNs, make_config: impl FnOnce(&Path) -> String) -> Daemon {
-        Daemon::start_with(ns, make_config, false)
+        Daemon::start_with(ns, make_config, false, Vec::new())
+    }
+
+    /// Like [`Daemon::start_in`], with more environment variables for the daemon (kept for
+    /// its restarts).
+    pub fn start_in_with_env(
+        ns: &NetNs,
+        make_config: impl FnOnce(&Path) -> String,
+        env: Vec<(String, String)>,
+    ) -> Daemon {
+        Daemon::start_with(ns, make_config, false, env)
     }
 
     /// Like [`Daemon::start_in`], with the daemon's stdout a pipe that nobody reads (the test
@@ -80,16 +92,18 @@ impl Daemon {
         ns: &NetNs,
         make_config: impl FnOnce(&Path) -> String,
     ) -> Daemon {
-        Daemon::start_with(ns, make_config, true)
+        Daemon::start_with(ns, make_config, true, Vec::new())
     }
 
     fn start_with(
         ns: &NetNs,
         make_config: impl FnOnce(&Path) -> String,
         stdout_pipe: bool,
+        env: Vec<(String, String)>,
     ) -> Daemon {
         let mut d = Daemon::prepare(ns, make_config);
         d.stdout_pipe = stdout_pipe;
+        d.env = env;
         d.launch();
         if let Err(e) = d.wait_ready(READY_TIMEOUT) {
             panic!("daemon did not become ready: {e}\n{}", d.logs());
@@ -128,6 +142,7 @@ impl Daemon {
             bin,
             stdout_pipe: false,
             stdout_reader: None,
+            env: Vec::new(),
         };
         d.write_config(&toml);
         d
@@ -157,6 +172,7 @@ impl Daemon {
             .arg(&self.config)
             .current_dir(&self.dir)
             .env("RUST_BACKTRACE", "1")
+            .envs(self.env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(stdout)
             .stderr(stderr);

@@ -53,7 +53,8 @@ pub enum Store {
     TlsCluster { ip: Ipv4Addr, ports: [u16; 3] },
     /// A master, its replica and three sentinels ([`Sentinels`]) on `ip` (on the store
     /// namespace's loopback, routed to as for a cluster), at `ports`: the master's, the
-    /// replica's, the sentinels'. The hosts reach it as `redis+sentinel://...`.
+    /// replica's, the sentinels'. The hosts reach it as `redis+sentinel://...`, or as
+    /// `rediss+sentinel://...` with [`Setup::tls`] (see also [`Setup::sentinel_passwords`]).
     Sentinel { ip: Ipv4Addr, ports: [u16; 5] },
 }
 
@@ -65,6 +66,10 @@ pub struct Setup {
     store: Store,
     http_port: Option<u16>,
     tls: Option<TlsServer>,
+    /// More environment variables for some hosts' daemons, by host index.
+    env: Vec<(usize, Vec<(String, String)>)>,
+    /// A [`Store::Sentinel`]'s passwords: the master's, the sentinels'.
+    sentinel_passwords: (Option<String>, Option<String>),
 }
 
 impl Setup {
@@ -77,7 +82,24 @@ impl Setup {
             store: Store::Direct,
             http_port: None,
             tls: None,
+            env: Vec::new(),
+            sentinel_passwords: (None, None),
         }
+    }
+
+    /// A [`Store::Sentinel`] whose master and replica require `master` and whose sentinels
+    /// require `sentinels` (each if given). With [`Setup::tls`], every one of them speaks
+    /// only TLS, and the hosts reach them as `rediss+sentinel://`.
+    pub fn sentinel_passwords(mut self, master: Option<&str>, sentinels: Option<&str>) -> Setup {
+        self.sentinel_passwords = (master.map(str::to_string), sentinels.map(str::to_string));
+        self
+    }
+
+    /// Host `i`'s daemon started with these environment variables too (e.g. a
+    /// [`crate::faketime::FakeClock`]'s).
+    pub fn host_env(mut self, i: usize, env: Vec<(String, String)>) -> Setup {
+        self.env.push((i, env));
+        self
     }
 
     /// The server's certificates for a [`Store::Tls`] store.
@@ -109,6 +131,10 @@ impl Setup {
         let mut hosts: Vec<Scenario> = (0..self.hosts)
             .map(|i| {
                 let s = Scenario::new(&format!("{}{i}", self.tag));
+                let s = match self.env.iter().find(|(h, _)| *h == i) {
+                    Some((_, env)) => s.with_env(env.clone()),
+                    None => s,
+                };
                 match self.http_port {
                     Some(port) => s.with_http(port),
                     None => s,
@@ -136,7 +162,12 @@ impl Setup {
         let urls: Vec<String> = match self.store {
             Store::Sentinel { ip, ports } => {
                 loopback_addr(ip);
-                let s = Sentinels::start(&store, ip, ports);
+                let security = crate::store::SentinelSecurity {
+                    password: self.sentinel_passwords.0.clone(),
+                    sentinel_password: self.sentinel_passwords.1.clone(),
+                    tls: self.tls.clone(),
+                };
+                let s = Sentinels::start_secured(&store, ip, ports, &security);
                 let url = s.url();
                 sentinels = Some(s);
                 vec![url; self.hosts]

@@ -18,6 +18,7 @@ pub mod control_load;
 pub mod daemon;
 pub mod delay;
 pub mod env;
+pub mod faketime;
 pub mod fleet_lab;
 pub mod fleet_sim;
 pub mod fuzz;

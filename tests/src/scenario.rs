@@ -33,6 +33,8 @@ pub struct Scenario {
     events: Option<String>,
     /// Start the daemon with its stdout a pipe nobody reads.
     stdout_pipe: bool,
+    /// More environment variables for the daemon.
+    env: Vec<(String, String)>,
 }
 
 impl Scenario {
@@ -68,6 +70,7 @@ impl Scenario {
             daemon_extra: String::new(),
             events: None,
             stdout_pipe: false,
+            env: Vec::new(),
         }
     }
 
@@ -82,6 +85,12 @@ impl Scenario {
     /// daemon's temp dir (call before `start`; [`Scenario::events`] reads only the latter).
     pub fn with_events(mut self, target: &str) -> Self {
         self.events = Some(target.to_string());
+        self
+    }
+
+    /// Start the daemon with these environment variables too (call before `start`).
+    pub fn with_env(mut self, env: Vec<(String, String)>) -> Self {
+        self.env = env;
         self
     }
 
@@ -151,7 +160,7 @@ impl Scenario {
         let d = if self.stdout_pipe {
             Daemon::start_in_with_stdout_pipe(&self.server, config)
         } else {
-            Daemon::start_in(&self.server, config)
+            Daemon::start_in_with_env(&self.server, config, self.env.clone())
         };
         self.daemon = Some(d);
         self.daemon()

@@ -53,6 +53,8 @@ pub struct Redis {
     tls: Option<TlsServer>,
     /// A config file given first (a sentinel's: `redis-server FILE --sentinel`).
     sentinel_conf: Option<PathBuf>,
+    /// The password `redis-cli` (and the readiness check) authenticates with.
+    password: Option<String>,
 }
 
 /// What a TLS server is started with (paths into a [`TlsFiles`]' directory).
@@ -102,6 +104,37 @@ impl Redis {
             extra: extra.iter().map(|a| a.to_string()).collect(),
             tls,
             sentinel_conf: None,
+            password: None,
+        };
+        r.launch();
+        r
+    }
+
+    /// [`Redis::start_with`] speaking TLS if `tls` is given, and requiring `password`
+    /// (`--requirepass`) if one is, which its own `redis-cli` calls then give.
+    pub fn start_secured(
+        ns: &NetNs,
+        probe: std::net::IpAddr,
+        port: u16,
+        extra: &[&str],
+        tls: Option<&TlsServer>,
+        password: Option<&str>,
+    ) -> Redis {
+        let mut extra: Vec<String> = extra.iter().map(|a| a.to_string()).collect();
+        if let Some(pw) = password {
+            extra.extend(["--requirepass".to_string(), pw.to_string()]);
+        }
+        let mut r = Redis {
+            child: None,
+            dir: crate::daemon::make_temp_dir(),
+            ns_fd: ns.dup_fd(),
+            port,
+            probe: SocketAddr::new(probe, port),
+            stopped: false,
+            extra,
+            tls: tls.cloned(),
+            sentinel_conf: None,
+            password: password.map(str::to_string),
         };
         r.launch();
         r
@@ -110,6 +143,20 @@ impl Redis {
     /// A Redis Sentinel (`redis-server FILE --sentinel`) on `port`, its config file (which
     /// it rewrites) in its directory holding `conf`.
     pub fn start_sentinel(ns: &NetNs, probe: std::net::IpAddr, port: u16, conf: &str) -> Redis {
+        Redis::start_sentinel_secured(ns, probe, port, conf, None, None)
+    }
+
+    /// [`Redis::start_sentinel`] speaking only TLS if `tls` is given (and reaching the
+    /// servers it watches over TLS: `--tls-replication yes`), its `redis-cli` calls giving
+    /// `password` (the sentinel's own `requirepass`, which `conf` sets).
+    pub fn start_sentinel_secured(
+        ns: &NetNs,
+        probe: std::net::IpAddr,
+        port: u16,
+        conf: &str,
+        tls: Option<&TlsServer>,
+        password: Option<&str>,
+    ) -> Redis {
         let dir = crate::daemon::make_temp_dir();
         let file = dir.join("sentinel.conf");
         std::fs::write(&file, conf).expect("writing sentinel.conf");
@@ -120,9 +167,14 @@ impl Redis {
             port,
             probe: SocketAddr::new(probe, port),
             stopped: false,
-            extra: Vec::new(),
-            tls: None,
+            extra: if tls.is_some() {
+                vec!["--tls-replication".into(), "yes".into()]
+            } else {
+                Vec::new()
+            },
+            tls: tls.cloned(),
             sentinel_conf: Some(file),
+            password: password.map(str::to_string),
         };
         r.launch();
         r
@@ -193,7 +245,7 @@ impl Redis {
 
     /// Whether the server answers `PING` within a second.
     pub fn ping(&self) -> bool {
-        if self.tls.is_some() {
+        if self.tls.is_some() || self.password.is_some() {
             return self.cli(&["PING"]) == "PONG";
         }
         let addr = self.probe;
@@ -235,6 +287,9 @@ impl Redis {
                 .arg(&t.client_cert)
                 .arg("--key")
                 .arg(&t.client_key);
+        }
+        if let Some(pw) = &self.password {
+            cmd.arg("--no-auth-warning").arg("-a").arg(pw);
         }
         cmd.args(args).stdin(Stdio::null());
         let out = cmd
@@ -643,27 +698,54 @@ pub struct Sentinels {
     pub master: Redis,
     pub replica: Redis,
     ip: std::net::Ipv4Addr,
+    /// Every one speaks only TLS (`rediss+sentinel://`).
+    tls: bool,
+}
+
+/// Passwords and TLS for [`Sentinels::start_secured`]; the default has neither.
+#[derive(Clone, Debug, Default)]
+pub struct SentinelSecurity {
+    /// The master's and the replica's password.
+    pub password: Option<String>,
+    /// The sentinels' own password.
+    pub sentinel_password: Option<String>,
+    pub tls: Option<TlsServer>,
 }
 
 impl Sentinels {
     /// `ports`: the master's, the replica's, then the three sentinels'. Waits until the
     /// replica is in sync and every sentinel knows the replica and the two other sentinels.
     pub fn start(ns: &NetNs, ip: std::net::Ipv4Addr, ports: [u16; 5]) -> Sentinels {
+        Sentinels::start_secured(ns, ip, ports, &SentinelSecurity::default())
+    }
+
+    /// [`Sentinels::start`] with passwords and TLS: `security.password` on the master and
+    /// the replica (`requirepass`, `masterauth`; the sentinels' `auth-pass`),
+    /// `security.sentinel_password` on the sentinels (`requirepass`, and `sentinel-pass`
+    /// between them), and every one speaking only TLS with `security.tls` (replication, and
+    /// the sentinels' links, too).
+    pub fn start_secured(
+        ns: &NetNs,
+        ip: std::net::Ipv4Addr,
+        ports: [u16; 5],
+        security: &SentinelSecurity,
+    ) -> Sentinels {
         let at = std::net::IpAddr::V4(ip);
         let ips = ip.to_string();
-        let master = Redis::start_with(ns, at, ports[0], &["--replica-announce-ip", &ips]);
-        let replica = Redis::start_with(
-            ns,
-            at,
-            ports[1],
-            &[
-                "--replicaof",
-                &ips,
-                &ports[0].to_string(),
-                "--replica-announce-ip",
-                &ips,
-            ],
-        );
+        let tls = security.tls.as_ref();
+        let pw = security.password.as_deref();
+        let mut common: Vec<&str> = vec!["--replica-announce-ip", &ips];
+        if tls.is_some() {
+            common.extend(["--tls-replication", "yes"]);
+        }
+        if let Some(pw) = pw {
+            common.extend(["--masterauth", pw]);
+        }
+        let master = Redis::start_secured(ns, at, ports[0], &common, tls, pw);
+        let master_port = ports[0].to_string();
+        let mut replica_args = vec!["--replicaof", &ips, &master_port];
+        replica_args.extend(&common);
+        let replica = Redis::start_secured(ns, at, ports[1], &replica_args, tls, pw);
         let give_up = Instant::now() + READY_TIMEOUT;
         while !replica
             .cli(&["info", "replication"])
@@ -677,7 +759,7 @@ impl Sentinels {
             );
             std::thread::sleep(Duration::from_millis(50));
         }
-        let conf = format!(
+        let mut conf = format!(
             "sentinel monitor {SENTINEL_MASTER} {ip} {} 2\n\
              sentinel down-after-milliseconds {SENTINEL_MASTER} 500\n\
              sentinel failover-timeout {SENTINEL_MASTER} 3000\n\
@@ -685,15 +767,25 @@ impl Sentinels {
              sentinel announce-ip {ip}\n",
             ports[0]
         );
+        if let Some(pw) = pw {
+            conf.push_str(&format!("sentinel auth-pass {SENTINEL_MASTER} {pw}\n"));
+        }
+        let spw = security.sentinel_password.as_deref();
+        if let Some(spw) = spw {
+            conf.push_str(&format!(
+                "requirepass {spw}\nsentinel sentinel-pass {spw}\n"
+            ));
+        }
         let sentinels: Vec<Redis> = ports[2..]
             .iter()
-            .map(|&p| Redis::start_sentinel(ns, at, p, &conf))
+            .map(|&p| Redis::start_sentinel_secured(ns, at, p, &conf, tls, spw))
             .collect();
         let s = Sentinels {
             sentinels,
             master,
             replica,
             ip,
+            tls: tls.is_some(),
         };
         // Sentinels find each other through the master every 2 s (hello messages).
         for (i, sn) in s.sentinels.iter().enumerate() {
@@ -722,7 +814,8 @@ impl Sentinels {
             .iter()
             .map(|s| format!("{}:{}", self.ip, s.port()))
             .collect();
-        format!("redis+sentinel://{}/{SENTINEL_MASTER}", nodes.join(","))
+        let scheme = if self.tls { "rediss" } else { "redis" };
+        format!("{scheme}+sentinel://{}/{SENTINEL_MASTER}", nodes.join(","))
     }
 
     /// The master's port as sentinel `i` names it.

@@ -29,6 +29,9 @@ const DEBIAN_PACKAGES: &[&str] = &[
     "redis-server",
     // The fleet TLS test makes its throwaway CA and certificates with openssl.
     "openssl",
+    // The fleet clock test runs a daemon whose wall clock libfaketime sets off (the package
+    // `faketime` brings libfaketime).
+    "faketime",
     // The metrics test has a real Prometheus scrape the daemon (its own server, started by
     // the test; the package's service is disabled, see `PACKAGE_SERVICES`).
     "prometheus",

@@ -1754,13 +1754,15 @@ fn fleet_takes_its_values_and_defaults() {
     assert_eq!(f.password_file, None);
     assert_eq!(f.sync_interval, Duration::from_millis(100));
     assert!(f.share_bans);
+    assert_eq!(f.max_clock_skew, Duration::from_millis(250));
     let f = ok(
         "[fleet]\nredis = \"unix:///run/redis/redis.sock\"\nhost_id = \"edge-fra-07\"\n\
                 password_file = \"/etc/ratelimit/redis.pass\"\nsync_interval = \"250ms\"\n\
-                share_bans = false\n",
+                share_bans = false\nmax_clock_skew = \"1s\"\n",
     )
     .fleet
     .unwrap();
+    assert_eq!(f.max_clock_skew, Duration::from_secs(1));
     assert_eq!(f.redis, "unix:///run/redis/redis.sock");
     assert_eq!(f.host_id.as_deref(), Some("edge-fra-07"));
     assert_eq!(
@@ -1829,7 +1831,14 @@ fn fleet_through_sentinels() {
         ("redis+sentinel://a:1,b:2", "names no master"),
         ("redis+sentinel://a:1/", "is not a master name"),
         ("redis+sentinel://a:1,,b:2/m", "\"\" is not a sentinel"),
-        ("redis+sentinel://u:pw@a:1/m", "without credentials"),
+        (
+            "redis+sentinel://u:pw@a:1/m",
+            "no credentials in a sentinel address",
+        ),
+        (
+            "rediss+sentinel://a:1",
+            "expected rediss+sentinel://HOST:PORT",
+        ),
     ] {
         let e = error(&format!("[fleet]\nredis = \"{url}\"\n"));
         assert!(
@@ -1843,6 +1852,35 @@ fn fleet_through_sentinels() {
         e.contains("fleet.tls_ca_file needs a TLS store address"),
         "{e}"
     );
+    // Over TLS, with passwords for the master and for the sentinels.
+    let f = ok(
+        "[fleet]\nredis = \"rediss+sentinel://10.1.0.5:26379,10.1.0.6:26379/fleet\"\n\
+         password_file = \"/etc/ratelimit/redis.pass\"\n\
+         sentinel_password_file = \"/etc/ratelimit/sentinel.pass\"\n\
+         tls_ca_file = \"/etc/ratelimit/ca.pem\"\ntls_cert_file = \"/c.pem\"\ntls_key_file = \"/k.pem\"\n",
+    )
+    .fleet
+    .unwrap();
+    assert_eq!(
+        f.sentinel_password_file.as_deref(),
+        Some(std::path::Path::new("/etc/ratelimit/sentinel.pass"))
+    );
+    assert_eq!(
+        f.tls_ca_file.as_deref(),
+        Some(std::path::Path::new("/etc/ratelimit/ca.pem"))
+    );
+    assert_eq!(
+        super::sentinel_nodes(&f.redis).unwrap().unwrap().0,
+        vec!["rediss://10.1.0.5:26379", "rediss://10.1.0.6:26379"]
+    );
+    assert!(super::is_tls_url(&f.redis) && super::is_sentinel_url(&f.redis));
+    assert!(!super::is_sentinel_url("rediss://a:1"));
+    // The sentinels' password goes only with sentinels.
+    assert_eq!(
+        error("[fleet]\nredis = \"redis://a:6379\"\nsentinel_password_file = \"/s.pass\"\n"),
+        "t.toml:3:26: fleet.sentinel_password_file needs a Redis Sentinel address (fleet.redis = \
+         \"redis+sentinel://...\" or \"rediss+sentinel://...\")"
+    );
 }
 
 #[test]
@@ -1850,7 +1888,7 @@ fn fleet_tls_errors() {
     assert_eq!(
         error("[fleet]\nredis = \"redis://a:6379\"\ntls_ca_file = \"/ca.pem\"\n"),
         "t.toml:3:15: fleet.tls_ca_file needs a TLS store address (fleet.redis = \
-         \"rediss://HOST:PORT\" or \"rediss+cluster://...\")"
+         \"rediss://HOST:PORT\", \"rediss+cluster://...\" or \"rediss+sentinel://...\")"
     );
     let e = error("[fleet]\nredis = \"unix:///r.sock\"\ntls_key_file = \"/k\"\n");
     assert!(
@@ -1883,7 +1921,8 @@ fn fleet_errors() {
         error("[fleet]\nredis = \"http://10.1.0.5\"\n"),
         "t.toml:2:9: fleet.redis: \"http://10.1.0.5\" is not a store address (expected \
          redis://HOST:PORT, rediss://HOST:PORT (TLS), redis+cluster://HOST:PORT,HOST:PORT,..., \
-         rediss+cluster://..., redis+sentinel://HOST:PORT,.../MASTER_NAME or unix:///PATH)"
+         rediss+cluster://..., redis+sentinel://HOST:PORT,.../MASTER_NAME, \
+         rediss+sentinel://... or unix:///PATH)"
     );
     let c = ok("[fleet]\nredis = \"redis+cluster://a:6379,b:6379,c:6379\"\n");
     assert_eq!(
@@ -1922,6 +1961,16 @@ fn fleet_errors() {
     assert_eq!(
         error("[fleet]\nredis = \"redis://a:6379\"\nsync_interval = \"1ms\"\n"),
         "t.toml:3:17: fleet.sync_interval must be between 10ms and 1m"
+    );
+    assert_eq!(
+        error("[fleet]\nredis = \"redis://a:6379\"\nmax_clock_skew = \"5ms\"\n"),
+        "t.toml:3:18: fleet.max_clock_skew must be between 10ms and 1m"
+    );
+    assert_eq!(
+        error("[fleet]\nredis = \"redis://a:6379\"\nmax_clock_skew = 250\n"),
+        error("[fleet]\nredis = \"redis://a:6379\"\nsync_interval = 250\n")
+            .replace("sync_interval", "max_clock_skew")
+            .replace("3:17", "3:18")
     );
     assert_eq!(
         error("[fleet]\nredis = \"redis://a:6379\"\nshare_bans = \"yes\"\n"),

@@ -409,6 +409,19 @@ fn fleet(mut t: Table, ck: &mut Checker) -> Option<Fleet> {
             .map(|()| s.to_owned())
     });
     let password_file = t.get("password_file").and_then(|f| path(&f, ck));
+    let sentinel = redis.as_deref().map(super::is_sentinel_url);
+    let sentinel_password_file = t.get("sentinel_password_file").and_then(|f| {
+        let p = path(&f, ck)?;
+        if sentinel == Some(false) {
+            f.error(
+                ck,
+                "needs a Redis Sentinel address (fleet.redis = \"redis+sentinel://...\" or \
+                 \"rediss+sentinel://...\")",
+            );
+            return None;
+        }
+        Some(p)
+    });
     // TLS material: only with a TLS address; a client certificate goes with its key.
     let tls = redis.as_deref().map(super::is_tls_url);
     let mut tls_path = |key: &'static str| {
@@ -417,8 +430,8 @@ fn fleet(mut t: Table, ck: &mut Checker) -> Option<Fleet> {
         if tls == Some(false) {
             f.error(
                 ck,
-                "needs a TLS store address (fleet.redis = \"rediss://HOST:PORT\" or \
-                 \"rediss+cluster://...\")",
+                "needs a TLS store address (fleet.redis = \"rediss://HOST:PORT\", \
+                 \"rediss+cluster://...\" or \"rediss+sentinel://...\")",
             );
             return None;
         }
@@ -453,16 +466,35 @@ fn fleet(mut t: Table, ck: &mut Checker) -> Option<Fleet> {
         }
     }
     let share_bans = t.get("share_bans").and_then(|f| f.bool(ck)).unwrap_or(true);
+    let mut max_clock_skew = super::DEFAULT_MAX_CLOCK_SKEW;
+    if let Some(f) = t.get("max_clock_skew")
+        && let Some(d) = duration(&f, ck)
+    {
+        if d < super::MIN_MAX_CLOCK_SKEW || d > super::MAX_MAX_CLOCK_SKEW {
+            f.error(
+                ck,
+                format!(
+                    "must be between {} and {}",
+                    super::format_duration(super::MIN_MAX_CLOCK_SKEW),
+                    super::format_duration(super::MAX_MAX_CLOCK_SKEW)
+                ),
+            );
+        } else {
+            max_clock_skew = d;
+        }
+    }
     t.finish(ck);
     Some(Fleet {
         redis: redis?,
         host_id,
         password_file,
+        sentinel_password_file,
         tls_ca_file,
         tls_cert_file,
         tls_key_file,
         sync_interval,
         share_bans,
+        max_clock_skew,
     })
 }
 
