@@ -278,6 +278,17 @@ impl ClientStore {
         (a == *addr && self.tag(i).load(Ordering::Acquire) == tag).then_some(st)
     }
 
+    /// The slot `at` names, if it still holds that client (its tag and address).
+    fn held(&self, at: &SlotRef) -> Option<*mut ratelimit_common::maps::Slot> {
+        let (i, tag) = (at.index, at.tag);
+        if i >= self.capacity() || self.tag(i).load(Ordering::Acquire) != tag {
+            return None;
+        }
+        let s = self.slot(i);
+        // SAFETY: a slot inside the mapping, its address read after its tag.
+        (unsafe { std::ptr::read_volatile(&raw const (*s).addr) } == at.addr).then_some(s)
+    }
+
     /// Add `delta` to a window counter of slot `i` (`cur` or `prev` of the meter `meter`) if
     /// the slot still holds `tag` and `addr` and the meter is still in window `window`: how the
     /// fleet's counts of a global rule's client enter its state. An atomic add, as the
@@ -290,17 +301,12 @@ impl ClientStore {
         to_prev: bool,
         delta: u64,
     ) -> bool {
-        let (i, tag, addr) = (at.index, at.tag, &at.addr);
-        if i >= self.capacity() || self.tag(i).load(Ordering::Acquire) != tag {
+        let Some(s) = self.held(at) else {
             return false;
-        }
-        let s = self.slot(i);
+        };
         // SAFETY: a slot inside the mapping; its words are 8-aligned and the program updates
         // them atomically too.
         unsafe {
-            if std::ptr::read_volatile(&raw const (*s).addr) != *addr {
-                return false;
-            }
             let st = &raw mut (*s).state;
             let (stamp, cur, prev) = match meter {
                 Meter::Admitted => (
@@ -328,17 +334,12 @@ impl ClientStore {
     /// clamp holds a global bucket), by compare-and-swap as the program moves it. `now` is
     /// CLOCK_MONOTONIC ns. False if the slot no longer holds the client.
     pub fn charge_bucket(&self, at: &SlotRef, ns: u64, cap_ns: u64, now: u64) -> bool {
-        let (i, tag, addr) = (at.index, at.tag, &at.addr);
-        if i >= self.capacity() || self.tag(i).load(Ordering::Acquire) != tag {
+        let Some(s) = self.held(at) else {
             return false;
-        }
-        let s = self.slot(i);
+        };
         // SAFETY: a slot inside the mapping; its words are 8-aligned and the program updates
         // them atomically too.
         unsafe {
-            if std::ptr::read_volatile(&raw const (*s).addr) != *addr {
-                return false;
-            }
             let tat = AtomicU64::from_ptr(&raw mut (*s).state.stamp);
             let horizon = now.saturating_add(cap_ns);
             let mut old = tat.load(Ordering::Acquire);

@@ -1661,13 +1661,18 @@ mod tests {
         vec![Synced::new(rules, 0, at, 128)]
     }
 
-    fn now_round(
+    /// A round against the memory store (which answers at once).
+    fn now_round<S: SlotStates>(
         m: &mut MemoryCounts,
-        slots: &OneSlot,
+        slots: &S,
         rules: &[GlobalRule],
         synced: &mut [Synced],
     ) -> Round {
-        let f = round(m, "a", slots, rules, synced);
+        ready(round(m, "a", slots, rules, synced))
+    }
+
+    /// A future of the memory store, which never waits.
+    fn ready<T>(f: impl std::future::Future<Output = anyhow::Result<T>>) -> T {
         let mut f = std::pin::pin!(f);
         match f
             .as_mut()
@@ -1831,23 +1836,6 @@ mod tests {
         }
     }
 
-    fn bucket_round(
-        m: &mut MemoryCounts,
-        slots: &BucketSlot,
-        rules: &[GlobalRule],
-        synced: &mut [Synced],
-    ) -> Round {
-        let f = round(m, "a", slots, rules, synced);
-        let mut f = std::pin::pin!(f);
-        match f
-            .as_mut()
-            .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()))
-        {
-            std::task::Poll::Ready(r) => r.unwrap(),
-            std::task::Poll::Pending => unreachable!("the memory store answers at once"),
-        }
-    }
-
     #[test]
     fn a_token_bucket_is_charged_what_the_other_hosts_admitted() {
         // 100 a second, burst 20: 10 ms of bucket time a packet, 200 ms of burst.
@@ -1880,7 +1868,7 @@ mod tests {
         let name = synced[0].name.clone();
         let h = hash_name(&g.rid, Meter::Admitted, synced[0].bucket, w);
         m.run(&h, "b", u64::MAX, &[(&name, 300)]);
-        let r = bucket_round(&mut m, &slots, &rules, &mut synced);
+        let r = now_round(&mut m, &slots, &rules, &mut synced);
         // Its own 60 published; b's 300 charged: 3 s of bucket time (the charge's cap holds
         // it to an empty bucket and an interval of debt).
         assert_eq!(r.added, 300);
@@ -1892,12 +1880,12 @@ mod tests {
         // b admits 10 more, this host 5: only b's 10 are charged.
         m.run(&h, "b", u64::MAX, &[(&name, 310)]);
         slots.0.borrow_mut().cur = 65;
-        bucket_round(&mut m, &slots, &rules, &mut synced);
+        now_round(&mut m, &slots, &rules, &mut synced);
         assert_eq!(slots.1.borrow().last(), Some(&(100_000_000, 1_200_000_000)));
         assert_eq!(m.run(&h, "x", u64::MAX, &[(&name, 0)]), vec![375]);
         // Nothing new: nothing charged.
         let before = slots.1.borrow().len();
-        bucket_round(&mut m, &slots, &rules, &mut synced);
+        now_round(&mut m, &slots, &rules, &mut synced);
         assert_eq!(slots.1.borrow().len(), before);
 
         // The next wall window: the program started its count anew. b's late 20 of window w
@@ -1908,7 +1896,7 @@ mod tests {
             st.cur = 4;
         }
         m.run(&h, "b", u64::MAX, &[(&name, 330)]);
-        bucket_round(&mut m, &slots, &rules, &mut synced);
+        now_round(&mut m, &slots, &rules, &mut synced);
         assert!(
             slots.1.borrow().contains(&(200_000_000, 1_200_000_000)),
             "{:?}",
@@ -1926,10 +1914,10 @@ mod tests {
             .map(|s| s.cautious(g, &st))
             .collect();
         slots.1.borrow_mut().clear();
-        bucket_round(&mut m, &slots, &rules, &mut synced);
+        now_round(&mut m, &slots, &rules, &mut synced);
         assert!(slots.1.borrow().is_empty(), "{:?}", slots.1.borrow());
         m.run(&h1, "b", u64::MAX, &[(&name, 57)]);
-        bucket_round(&mut m, &slots, &rules, &mut synced);
+        now_round(&mut m, &slots, &rules, &mut synced);
         assert_eq!(slots.1.borrow().as_slice(), [(70_000_000, 1_200_000_000)]);
     }
 
@@ -1998,15 +1986,9 @@ mod tests {
         let mut last = HashMap::new();
         let keys = [key];
         let run = |m: &mut MemoryCounts, last: &mut HashMap<ClientKey, FleetAdd>, unix_ns| {
-            let f = shared_round(m, "a", &one, &rules, &keys, last, mono, unix_ns);
-            let mut f = std::pin::pin!(f);
-            match f
-                .as_mut()
-                .poll(&mut std::task::Context::from_waker(std::task::Waker::noop()))
-            {
-                std::task::Poll::Ready(r) => r.unwrap(),
-                std::task::Poll::Pending => unreachable!("the memory store answers at once"),
-            }
+            ready(shared_round(
+                m, "a", &one, &rules, &keys, last, mono, unix_ns,
+            ))
         };
         let r = run(&mut m, &mut last, unix_ns);
         assert_eq!((r.calls, r.keys, r.added, r.shared_keys), (2, 2, 300, 1));

@@ -11,7 +11,7 @@
 use std::{
     net::{IpAddr, Ipv4Addr, SocketAddr},
     path::Path,
-    time::{Duration, Instant},
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
 use ratelimit_user::{
@@ -21,7 +21,7 @@ use ratelimit_user::{
 };
 
 use crate::{
-    Daemon, NetNs, Scenario, VethPair,
+    Daemon, NetNs, Scenario, SendStats, VethPair,
     delay::DelayProxy,
     scenario::rule_counter,
     store::{Cluster, Redis, Sentinels, TlsServer},
@@ -369,4 +369,62 @@ pub fn wait_for(timeout: Duration, mut cond: impl FnMut() -> bool) -> bool {
 pub fn percentile(sorted: &[Duration], p: f64) -> Duration {
     let i = ((sorted.len() as f64 * p).ceil() as usize).clamp(1, sorted.len()) - 1;
     sorted[i]
+}
+
+/// The `[fleet]` section of host `host` of a lab: its store and id, and a sync every 50 ms.
+pub fn fleet_section(url: &str, host: usize) -> String {
+    format!("[fleet]\nredis = \"{url}\"\nhost_id = \"h{host}\"\nsync_interval = \"50ms\"\n")
+}
+
+/// Sleep until `at` (a wall-clock time, since the Unix epoch).
+pub fn sleep_until_wall(at: Duration) {
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+    if at > now {
+        std::thread::sleep(at - now);
+    }
+}
+
+/// The start of the next wall-clock window of `t_secs` seconds (windows as a global rule
+/// counts them).
+pub fn next_window_start(t_secs: u64) -> Duration {
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
+    Duration::from_secs((now.as_secs() / t_secs + 1) * t_secs)
+}
+
+/// Traffic in whole wall-clock windows of `t_secs`: at the start of the next window `send`
+/// starts the senders for `windows + 2` windows (given that duration), and `read` is read at
+/// each boundary from the second on. Returns, for each of the `windows` whole windows after
+/// the first, how much each of `read`'s values grew in it.
+pub fn per_window(
+    t_secs: u64,
+    windows: u64,
+    send: impl FnOnce(Duration) -> Vec<std::thread::JoinHandle<SendStats>>,
+    mut read: impl FnMut() -> Vec<u64>,
+) -> Vec<Vec<u64>> {
+    let t = Duration::from_secs(t_secs);
+    let first = next_window_start(t_secs);
+    sleep_until_wall(first);
+    let senders = send(t * (windows as u32 + 2));
+    let mut marks = Vec::new();
+    for w in 1..=windows + 1 {
+        sleep_until_wall(first + t * w as u32);
+        marks.push(read());
+    }
+    for s in senders {
+        s.join().expect("sender");
+    }
+    marks
+        .windows(2)
+        .map(|m| m[1].iter().zip(&m[0]).map(|(b, a)| b - a).collect())
+        .collect()
+}
+
+/// A throttle rule named `name` of `count` UDP packets to `port` per `interval_secs`, with
+/// the sliding window, in `scope`.
+pub fn udp_rule(name: &str, port: u16, count: u64, interval_secs: u64, scope: &str) -> String {
+    format!(
+        "[[rule]]\nname = \"{name}\"\nmatch = {{ protocol = \"udp\", dst_ports = [\"{port}\"] }}\n\
+         action = \"throttle\"\nthreshold = {{ count = {count}, interval = \"{interval_secs}s\" }}\n\
+         algorithm = \"sliding_window\"\nscope = \"{scope}\"\n"
+    )
 }

@@ -94,6 +94,22 @@ impl Redis {
         extra: &[&str],
         tls: Option<TlsServer>,
     ) -> Redis {
+        Redis::start_full(ns, probe, port, extra, tls, None)
+    }
+
+    /// A `redis-server` with all its options: `extra` arguments, TLS, a password.
+    fn start_full(
+        ns: &NetNs,
+        probe: std::net::IpAddr,
+        port: u16,
+        extra: &[&str],
+        tls: Option<TlsServer>,
+        password: Option<&str>,
+    ) -> Redis {
+        let mut extra: Vec<String> = extra.iter().map(|a| a.to_string()).collect();
+        if let Some(pw) = password {
+            extra.extend(["--requirepass".to_string(), pw.to_string()]);
+        }
         let mut r = Redis {
             child: None,
             dir: crate::daemon::make_temp_dir(),
@@ -101,10 +117,10 @@ impl Redis {
             port,
             probe: SocketAddr::new(probe, port),
             stopped: false,
-            extra: extra.iter().map(|a| a.to_string()).collect(),
+            extra,
             tls,
             sentinel_conf: None,
-            password: None,
+            password: password.map(str::to_string),
         };
         r.launch();
         r
@@ -120,24 +136,7 @@ impl Redis {
         tls: Option<&TlsServer>,
         password: Option<&str>,
     ) -> Redis {
-        let mut extra: Vec<String> = extra.iter().map(|a| a.to_string()).collect();
-        if let Some(pw) = password {
-            extra.extend(["--requirepass".to_string(), pw.to_string()]);
-        }
-        let mut r = Redis {
-            child: None,
-            dir: crate::daemon::make_temp_dir(),
-            ns_fd: ns.dup_fd(),
-            port,
-            probe: SocketAddr::new(probe, port),
-            stopped: false,
-            extra,
-            tls: tls.cloned(),
-            sentinel_conf: None,
-            password: password.map(str::to_string),
-        };
-        r.launch();
-        r
+        Redis::start_full(ns, probe, port, extra, tls.cloned(), password)
     }
 
     /// A Redis Sentinel (`redis-server FILE --sentinel`) on `port`, its config file (which

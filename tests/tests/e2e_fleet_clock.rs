@@ -9,12 +9,12 @@
 
 use std::{
     net::Ipv4Addr,
-    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+    time::{Duration, Instant},
 };
 
 use ratelimit_tests::{
     faketime::FakeClock,
-    fleet_lab::{FleetLab, Setup, wait_for},
+    fleet_lab::{FleetLab, Setup, fleet_section, per_window, udp_rule, wait_for},
     kernel_test,
 };
 
@@ -33,28 +33,10 @@ const OFFSET_TOLERANCE_MS: f64 = 250.0;
 
 fn policy(url: &str, host: usize) -> String {
     format!(
-        r#"[fleet]
-redis = "{url}"
-host_id = "h{host}"
-sync_interval = "50ms"
-max_clock_skew = "250ms"
-
-[[rule]]
-name = "udp-global"
-match = {{ protocol = "udp", dst_ports = ["{PORT}"] }}
-action = "throttle"
-threshold = {{ count = {L}, interval = "{T_SECS}s" }}
-algorithm = "sliding_window"
-scope = "global"
-"#
+        "{}max_clock_skew = \"250ms\"\n\n{}",
+        fleet_section(url, host),
+        udp_rule("udp-global", PORT, L, T_SECS, "global")
     )
-}
-
-fn sleep_until_wall(at: Duration) {
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
-    if at > now {
-        std::thread::sleep(at - now);
-    }
 }
 
 /// One source at 3L a window, split evenly over the two hosts; each host's admitted count in
@@ -62,28 +44,13 @@ fn sleep_until_wall(at: Duration) {
 fn measure(f: &FleetLab) -> Vec<Vec<u64>> {
     let src = Ipv4Addr::new(198, 18, 9, 9);
     let per_host_pps = 3 * L / 2 / T_SECS;
-    let t = Duration::from_secs(T_SECS);
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
-    let first = Duration::from_secs((now.as_secs() / T_SECS + 1) * T_SECS);
-    sleep_until_wall(first);
-    let run = t * (WINDOWS as u32 + 2);
-    let senders: Vec<_> = f
-        .hosts
-        .iter()
-        .map(|h| h.blast(h.udp4(src, PORT), per_host_pps, run, None))
-        .collect();
-    let mut marks = Vec::new();
-    for w in 1..=WINDOWS + 1 {
-        sleep_until_wall(first + t * w as u32);
-        marks.push(f.admitted_by("udp-global"));
-    }
-    for s in senders {
-        s.join().expect("sender");
-    }
-    marks
-        .windows(2)
-        .map(|m| m[1].iter().zip(&m[0]).map(|(b, a)| b - a).collect())
-        .collect()
+    let send = |run| {
+        f.hosts
+            .iter()
+            .map(|h| h.blast(h.udp4(src, PORT), per_host_pps, run, None))
+            .collect()
+    };
+    per_window(T_SECS, WINDOWS, send, || f.admitted_by("udp-global"))
 }
 
 #[test]

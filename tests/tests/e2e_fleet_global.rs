@@ -13,7 +13,7 @@ use std::{
 };
 
 use ratelimit_tests::{
-    fleet_lab::{FleetLab, Setup, Store},
+    fleet_lab::{FleetLab, Setup, Store, fleet_section, per_window, sleep_until_wall, udp_rule},
     kernel_test,
 };
 use ratelimit_user::control::{self, Request};
@@ -37,27 +37,10 @@ const WINDOWS: u64 = 4;
 
 fn policy(url: &str, host: usize, scope: &str) -> String {
     format!(
-        r#"[fleet]
-redis = "{url}"
-host_id = "h{host}"
-sync_interval = "50ms"
-
-[[rule]]
-name = "udp-global"
-match = {{ protocol = "udp", dst_ports = ["{PORT}"] }}
-action = "throttle"
-threshold = {{ count = {L}, interval = "{T_SECS}s" }}
-algorithm = "sliding_window"
-scope = "{scope}"
-
-[[rule]]
-name = "udp-light"
-match = {{ protocol = "udp", dst_ports = ["{LIGHT_PORT}"] }}
-action = "throttle"
-threshold = {{ count = {L}, interval = "{T_SECS}s" }}
-algorithm = "sliding_window"
-scope = "{scope}"
-"#
+        "{}\n{}\n{}",
+        fleet_section(url, host),
+        udp_rule("udp-global", PORT, L, T_SECS, scope),
+        udp_rule("udp-light", LIGHT_PORT, L, T_SECS, scope)
     )
 }
 
@@ -75,40 +58,21 @@ fn admitted(f: &Fleet) -> Vec<u64> {
     f.admitted_by("udp-global")
 }
 
-/// Sleep until `at` (a wall-clock time).
-fn sleep_until_wall(at: Duration) {
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
-    if at > now {
-        std::thread::sleep(at - now);
-    }
-}
-
 /// One source at 3L a window, split evenly over the three hosts, for the whole measurement;
 /// returns the fleet's admitted count in each wall-clock window after the first full one.
 fn measure(f: &Fleet) -> Vec<u64> {
     let src = Ipv4Addr::new(198, 18, 7, 7);
     let per_host_pps = L / T_SECS; // 3 hosts x L/T = 3L per window in all
-    let t = Duration::from_secs(T_SECS);
-    // Start just after a window boundary, so the first window seen whole is the next one.
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
-    let first = Duration::from_secs((now.as_secs() / T_SECS + 1) * T_SECS);
-    sleep_until_wall(first);
-    let run = t * (WINDOWS as u32 + 2);
-    let senders: Vec<_> = f
-        .hosts
-        .iter()
-        .map(|h| h.blast(h.udp4(src, PORT), per_host_pps, run, None))
-        .collect();
-    // Read the counters at each boundary from the second one on.
-    let mut marks = Vec::new();
-    for w in 1..=WINDOWS + 1 {
-        sleep_until_wall(first + t * w as u32);
-        marks.push(admitted(f).iter().sum::<u64>());
-    }
-    for s in senders {
-        s.join().expect("sender");
-    }
-    marks.windows(2).map(|m| m[1] - m[0]).collect()
+    let send = |run| {
+        f.hosts
+            .iter()
+            .map(|h| h.blast(h.udp4(src, PORT), per_host_pps, run, None))
+            .collect()
+    };
+    per_window(T_SECS, WINDOWS, send, || vec![admitted(f).iter().sum()])
+        .into_iter()
+        .map(|w| w[0])
+        .collect()
 }
 
 #[test]
@@ -172,12 +136,9 @@ const TB_SECS: u64 = 20;
 const TB_PORT: u16 = 9004;
 
 fn bucket_policy(url: &str, host: usize, scope: &str) -> String {
+    let fleet = fleet_section(url, host);
     format!(
-        r#"[fleet]
-redis = "{url}"
-host_id = "h{host}"
-sync_interval = "50ms"
-
+        r#"{fleet}
 [[rule]]
 name = "udp-bucket"
 match = {{ protocol = "udp", dst_ports = ["{TB_PORT}"] }}
@@ -273,12 +234,9 @@ const ALL_PORT: u16 = 9006;
 const REGION_PORT: u16 = 9008;
 
 fn shared_policy(url: &str, host: usize, scope: &str, db: &std::path::Path) -> String {
+    let fleet = fleet_section(url, host);
     format!(
-        r#"[fleet]
-redis = "{url}"
-host_id = "h{host}"
-sync_interval = "50ms"
-
+        r#"{fleet}
 [geoip]
 database = "{}"
 
@@ -311,29 +269,26 @@ const SHARED_WINDOWS: u64 = 3;
 /// each whole wall-clock window after the first.
 fn measure_shared(f: &Fleet) -> (Vec<u64>, Vec<u64>) {
     let per_host_pps = L / T_SECS;
-    let t = Duration::from_secs(T_SECS);
-    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap();
-    let first = Duration::from_secs((now.as_secs() / T_SECS + 1) * T_SECS);
-    sleep_until_wall(first);
-    let run = t * (SHARED_WINDOWS as u32 + 2);
-    let mut senders = Vec::new();
-    for (i, h) in f.hosts.iter().enumerate() {
-        let all_src = Ipv4Addr::new(198, 18, 8, 1 + i as u8);
-        let region_src = Ipv4Addr::new(198, 18, 9, 1 + i as u8);
-        senders.push(h.blast(h.udp4(all_src, ALL_PORT), per_host_pps, run, None));
-        senders.push(h.blast(h.udp4(region_src, REGION_PORT), per_host_pps, run, None));
-    }
-    let (mut all, mut region) = (Vec::new(), Vec::new());
-    for w in 1..=SHARED_WINDOWS + 1 {
-        sleep_until_wall(first + t * w as u32);
-        all.push(f.admitted_by("udp-all").iter().sum::<u64>());
-        region.push(f.admitted_by("udp-region").iter().sum::<u64>());
-    }
-    for s in senders {
-        s.join().expect("sender");
-    }
-    let d = |v: Vec<u64>| v.windows(2).map(|m| m[1] - m[0]).collect::<Vec<u64>>();
-    (d(all), d(region))
+    let send = |run| {
+        let mut senders = Vec::new();
+        for (i, h) in f.hosts.iter().enumerate() {
+            let all_src = Ipv4Addr::new(198, 18, 8, 1 + i as u8);
+            let region_src = Ipv4Addr::new(198, 18, 9, 1 + i as u8);
+            senders.push(h.blast(h.udp4(all_src, ALL_PORT), per_host_pps, run, None));
+            senders.push(h.blast(h.udp4(region_src, REGION_PORT), per_host_pps, run, None));
+        }
+        senders
+    };
+    let sums = per_window(T_SECS, SHARED_WINDOWS, send, || {
+        vec![
+            f.admitted_by("udp-all").iter().sum(),
+            f.admitted_by("udp-region").iter().sum(),
+        ]
+    });
+    (
+        sums.iter().map(|w| w[0]).collect(),
+        sums.iter().map(|w| w[1]).collect(),
+    )
 }
 
 /// Global rules of shared keys: `key = "all"` (one count for all the rule's traffic) and

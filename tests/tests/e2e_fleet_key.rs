@@ -11,7 +11,7 @@ use std::{
 };
 
 use ratelimit_tests::{
-    fleet_lab::{FleetLab, Setup},
+    fleet_lab::{FleetLab, Setup, fleet_section, udp_rule},
     kernel_test,
     scenario::{metric_sum, rule_counter},
 };
@@ -26,20 +26,13 @@ const SENT: [u64; 2] = [100, 50];
 const SRC: Ipv4Addr = Ipv4Addr::new(198, 18, 9, 9);
 
 fn policy(url: &str, host: usize) -> String {
+    let (fleet, rule) = (
+        fleet_section(url, host),
+        udp_rule("udp-global", PORT, L, T_SECS, "global"),
+    );
     format!(
-        r#"[fleet]
-redis = "{url}"
-host_id = "h{host}"
-sync_interval = "50ms"
-
-[[rule]]
-name = "udp-global"
-match = {{ protocol = "udp", dst_ports = ["{PORT}"] }}
-action = "throttle"
-threshold = {{ count = {L}, interval = "{T_SECS}s" }}
-algorithm = "sliding_window"
-scope = "global"
-
+        r#"{fleet}
+{rule}
 [[rule]]
 name = "udp-local"
 match = {{ protocol = "udp", dst_ports = ["9001"] }}
