@@ -254,7 +254,6 @@ match = {{ protocol = "udp", dst_ports = ["{REGION_PORT}"] }}
 key = "region"
 action = "throttle"
 threshold = {{ count = {L}, interval = "{T_SECS}s" }}
-algorithm = "fixed_window"
 scope = "{scope}"
 "#,
         db.display()
