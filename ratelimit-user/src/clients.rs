@@ -411,16 +411,13 @@ impl ClientStore {
         self.walk_slots(&mut |_, tag, s| f(&slot_key(tag, s.addr), &s.state))
     }
 
-    /// The shared keys' states (`KEY_ALL`, `KEY_REGION`) of the rules at `indexes`.
-    pub fn shared_states_of(
-        &self,
-        indexes: &[u8],
-    ) -> anyhow::Result<Vec<(ClientKey, ClientState)>> {
+    /// The shared keys (`KEY_ALL`, `KEY_REGION`) of the rules at `indexes`.
+    pub fn shared_keys_of(&self, indexes: &[u8]) -> anyhow::Result<Vec<ClientKey>> {
         let mut out = Vec::new();
-        for r in self.shared.iter() {
-            let (k, s) = r.map_err(|e| anyhow!("walking the shared states: {e}"))?;
+        for k in self.shared.keys() {
+            let k = k.map_err(|e| anyhow!("walking the shared keys: {e}"))?;
             if indexes.contains(&k.rule) {
-                out.push((k, s.state));
+                out.push(k);
             }
         }
         Ok(out)

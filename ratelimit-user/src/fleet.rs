@@ -260,13 +260,6 @@ pub fn judge_clock(offset_ns: i64, rtt_ns: i64, bound: Duration) -> ClockVerdict
     }
 }
 
-fn wall_ns() -> i64 {
-    SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_nanos() as i64
-}
-
 /// The host name of this machine (`fleet.host_id`'s default).
 pub fn hostname() -> anyhow::Result<String> {
     let name = std::fs::read_to_string("/proc/sys/kernel/hostname")
@@ -1598,12 +1591,12 @@ async fn measure_clock(
     let c = conn.as_mut().expect("connected above");
     let mut samples = Vec::with_capacity(CLOCK_SAMPLES);
     for _ in 0..CLOCK_SAMPLES {
-        let sent_ns = wall_ns();
+        let sent_ns = report::wall_ns() as i64;
         let (secs, micros): (i64, i64) = redis::cmd("TIME")
             .query_async(c)
             .await
             .context("reading the store's clock (TIME)")?;
-        let recv_ns = wall_ns();
+        let recv_ns = report::wall_ns() as i64;
         samples.push(ClockSample {
             sent_ns,
             recv_ns,

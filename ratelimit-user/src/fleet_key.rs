@@ -9,7 +9,7 @@ use std::{
     collections::{BTreeMap, HashMap},
     fmt::Write as _,
     net::IpAddr,
-    time::{Duration, SystemTime, UNIX_EPOCH},
+    time::Duration,
 };
 
 use anyhow::{Context as _, bail};
@@ -265,9 +265,7 @@ pub async fn answer(
     };
     let view = reports.view();
     let targets = targets(&view.live_rules, addr, rule)?;
-    let now_ns = SystemTime::now()
-        .duration_since(UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64);
+    let now_ns = crate::report::wall_ns();
     let mut rules: Vec<RuleKey> = targets
         .iter()
         .map(|t| t.local(reports.maps().clients.get(&t.key), now_ns))

@@ -119,6 +119,9 @@ pub struct GlobalRule {
     /// (`cur`, its window in `prev`), and the other hosts' admissions are taken out of it by
     /// moving its TAT on ([`SlotStates::charge_bucket`]).
     pub burst: Option<u64>,
+    /// A token bucket's burst tolerance (ns), the program's `Limit::gcra_burst_ns`; 0 for
+    /// the window algorithms.
+    pub burst_ns: u64,
     /// The rule's key: `KEY_IP` (per-source states, synced by [`round`]), or `KEY_ALL` /
     /// `KEY_REGION` (shared states, synced by [`shared_round`]).
     pub kind: u8,
@@ -157,6 +160,11 @@ impl GlobalRule {
                     ban_interval_ns: if bans { l.ban_interval_ns } else { 0 },
                     ban_threshold: if bans { l.ban_threshold } else { 0 },
                     burst: (r.algorithm == ALG_TOKEN_BUCKET).then_some(l.burst),
+                    burst_ns: if r.algorithm == ALG_TOKEN_BUCKET {
+                        l.gcra_burst_ns
+                    } else {
+                        0
+                    },
                     kind: r.key,
                 }
             })
@@ -239,18 +247,13 @@ impl GlobalRule {
         u64::try_from(ns).unwrap_or(u64::MAX)
     }
 
-    /// How far past now a token bucket's TAT may be moved: its burst tolerance (the
-    /// program's `gcra_burst_ns`: an empty bucket) and an interval of debt, which the program
+    /// How far past now a token bucket's TAT may be moved: its burst tolerance (an empty
+    /// bucket) and an interval of debt, which the program
     /// keeps for a global bucket. Without the debt, what the other hosts admitted while this
     /// host's own packets emptied its bucket would be forgiven, and each host would admit
     /// the rate on its own.
     pub fn charge_cap_ns(&self) -> u64 {
-        limiter::gcra_burst_ns(
-            self.burst.unwrap_or(0),
-            self.threshold.max(1),
-            self.interval_ns,
-        )
-        .saturating_add(self.interval_ns)
+        self.burst_ns.saturating_add(self.interval_ns)
     }
 
     /// Whether `own` (this host's count in a window of `meter`) is worth sharing.
@@ -906,7 +909,7 @@ pub async fn run<O: Owner>(
                 // The clients other hosts announced near their limit in this window.
                 let mut hot = HashSet::new();
                 if let Some(c) = conn.as_mut() {
-                    let sets = announce_sets_now(&rules, wall_ns());
+                    let sets = announce_sets_now(&rules, crate::report::wall_ns());
                     let names: Vec<String> = sets.iter().map(|(_, s)| s.clone()).collect();
                     let mut counts = RedisCounts {
                         conn: c,
@@ -977,7 +980,7 @@ pub async fn run<O: Owner>(
                 &shared_keys,
                 &mut fleet_last,
                 crate::report::mono_ns(),
-                wall_ns(),
+                crate::report::wall_ns(),
             )
             .await
             {
@@ -1088,13 +1091,6 @@ fn scan(
     });
     synced.extend(fresh);
     Ok(capped)
-}
-
-/// The wall clock (unix ns).
-fn wall_ns() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
 }
 
 /// One round: read, publish, add. Returns (store calls, counts added). The hashes are
@@ -1345,11 +1341,7 @@ pub trait SharedStates {
 
 impl SharedStates for ClientStore {
     fn shared_keys(&self, indexes: &[u8]) -> anyhow::Result<Vec<ClientKey>> {
-        Ok(self
-            .shared_states_of(indexes)?
-            .into_iter()
-            .map(|(k, _)| k)
-            .collect())
+        self.shared_keys_of(indexes)
     }
 
     fn shared_state(&self, key: &ClientKey) -> Option<ClientState> {
@@ -1601,6 +1593,7 @@ mod tests {
             ban_interval_ns: 0,
             ban_threshold: 0,
             burst: None,
+            burst_ns: 0,
             kind: KEY_IP,
         };
         assert!(!g.worth(Meter::Admitted, 0));
@@ -1648,6 +1641,7 @@ mod tests {
             ban_interval_ns: 0,
             ban_threshold: 0,
             burst: None,
+            burst_ns: 0,
             kind: KEY_IP,
         }]
     }
@@ -1841,6 +1835,8 @@ mod tests {
         // 100 a second, burst 20: 10 ms of bucket time a packet, 200 ms of burst.
         let rules = vec![GlobalRule {
             burst: Some(20),
+            // The daemon's `gcra_burst_ns(20, 100, 1 s)`.
+            burst_ns: 200_000_000,
             threshold: 100,
             ..rule().remove(0)
         }];

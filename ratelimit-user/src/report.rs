@@ -28,6 +28,13 @@ pub fn mono_ns() -> u64 {
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
+/// The wall clock (CLOCK_REALTIME) now, in ns since the Unix epoch (0 before it).
+pub fn wall_ns() -> u64 {
+    SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64)
+}
+
 /// Wall-clock time of a CLOCK_MONOTONIC timestamp.
 pub fn wall_of(mono: u64) -> SystemTime {
     let now_mono = mono_ns();

@@ -336,6 +336,7 @@ pub fn run(sc: &Scenario) -> Outcome {
         ban_interval_ns: 0,
         ban_threshold: 0,
         burst: None,
+        burst_ns: 0,
         kind: ratelimit_common::maps::KEY_IP,
     }];
     let mut rng = Rng::new(sc.seed);

@@ -78,23 +78,13 @@ impl Redis {
 
     /// [`Redis::start`] with more `redis-server` arguments.
     pub fn start_with(ns: &NetNs, probe: std::net::IpAddr, port: u16, extra: &[&str]) -> Redis {
-        Redis::start_inner(ns, probe, port, extra, None)
+        Redis::start_full(ns, probe, port, extra, None, None)
     }
 
     /// [`Redis::start`] speaking only TLS on `port` (`--port 0 --tls-port PORT`), with the
     /// certificates of `tls`.
     pub fn start_tls(ns: &NetNs, probe: std::net::IpAddr, port: u16, tls: &TlsServer) -> Redis {
-        Redis::start_inner(ns, probe, port, &[], Some(tls.clone()))
-    }
-
-    fn start_inner(
-        ns: &NetNs,
-        probe: std::net::IpAddr,
-        port: u16,
-        extra: &[&str],
-        tls: Option<TlsServer>,
-    ) -> Redis {
-        Redis::start_full(ns, probe, port, extra, tls, None)
+        Redis::start_full(ns, probe, port, &[], Some(tls.clone()), None)
     }
 
     /// A `redis-server` with all its options: `extra` arguments, TLS, a password.
@@ -406,7 +396,7 @@ impl Cluster {
         let nodes: Vec<Redis> = ports
             .iter()
             .map(|&port| {
-                Redis::start_inner(
+                Redis::start_full(
                     ns,
                     std::net::IpAddr::V4(announce),
                     port,
@@ -427,6 +417,7 @@ impl Cluster {
                         &ip,
                     ],
                     tls.cloned(),
+                    None,
                 )
             })
             .collect();
