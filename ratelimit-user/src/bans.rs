@@ -378,6 +378,9 @@ fn restore_one(
         Ok(n) => n,
         Err(e) => return Outcome::Failed(format!("{:?} is not a CIDR: {e}", b.cidr)),
     };
+    if let Some(why) = crate::config::aliases_ipv4(&net) {
+        return Outcome::Failed(format!("{} {why}", b.cidr));
+    }
     let expires_ns = match b.expires_unix_ms {
         None => 0,
         Some(ms) => match mono_expiry(ms, now_wall, now) {

@@ -29,9 +29,12 @@ use std::time::Duration;
 use ipnet::IpNet;
 use ratelimit_common::caps;
 
+mod exposure;
 mod tree;
 mod validate;
 mod values;
+
+pub use exposure::fleet_warnings;
 
 #[cfg(test)]
 mod proptests;
@@ -39,9 +42,9 @@ mod proptests;
 mod tests;
 
 pub use values::{
-    MAX_BAN_DURATION, MIN_BYTE_AMOUNT, check_ban_duration, check_byte_burst, format_duration,
-    labelled, parse_ban_duration, parse_bytes, parse_duration, parse_net, parse_port_range,
-    parse_region, parse_tcp_flags,
+    MAX_BAN_DURATION, MIN_BYTE_AMOUNT, aliases_ipv4, check_ban_duration, check_byte_burst,
+    format_duration, labelled, parse_ban_duration, parse_bytes, parse_duration, parse_net,
+    parse_port_range, parse_region, parse_tcp_flags,
 };
 
 /// Default `daemon.control_socket`.

@@ -1324,7 +1324,7 @@ impl State {
         self.maps
             .flush_ban_epoch()
             .context("voiding the program's fast-drop entries")?;
-        self.events.operator_lines(lines);
+        self.events.fleet_lines(lines);
         if applied.bans + applied.unbans > 0 {
             self.bans_changed();
             self.reports.changed();
@@ -1353,6 +1353,9 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     let cfg = load_config(opts.config_path.as_ref())?;
     // First of all: a daemon already running on these directories keeps them, untouched.
     let _locks = crate::lock::lock_dirs(&cfg.daemon.state_dir, &cfg.daemon.bpffs_dir)?;
+    for w in cfg.fleet.iter().flat_map(config::fleet_warnings) {
+        warn!("{w}");
+    }
     // The fleet's settings (the host id, the password file read) before anything is loaded.
     let fleet_settings = cfg
         .fleet

@@ -6,24 +6,39 @@
 //!
 //! And a file that cannot be used is never destroyed: [`set_aside`] moves it to a name of its
 //! own, [`keep_copy`] keeps a second name for it, both without replacing any earlier copy.
+//!
+//! Files are made mode 0600 and never through a link: the temporary name is created with
+//! `O_CREAT | O_EXCL | O_NOFOLLOW` (a link planted under it is an error, not a file written
+//! elsewhere), and `rename` replaces a link at the final name rather than following it. The
+//! directory itself is checked at start ([`check_private_dir`]): a `state_dir` that another
+//! user can write is refused, since whoever can write it can plant bans, rule names or the
+//! fleet cursor for the daemon to read.
 
 use std::{
     fs::File,
     io::{self, Write as _},
+    os::unix::fs::{MetadataExt as _, OpenOptionsExt as _},
     path::{Path, PathBuf},
     time::{SystemTime, UNIX_EPOCH},
 };
 
 use anyhow::Context as _;
 
-/// Write `bytes` as `dir/name`, atomically and durably: `dir/.name.tmp` written and synced,
-/// renamed onto `dir/name`, then `dir` synced. `dir` is created if missing.
+/// Write `bytes` as `dir/name`, atomically and durably: `dir/.name.tmp` made anew (mode
+/// 0600, never through a link), written and synced, renamed onto `dir/name`, then `dir`
+/// synced. `dir` is created (mode 0700) if missing.
 pub fn write_atomically(dir: &Path, name: &str, bytes: &[u8]) -> anyhow::Result<()> {
-    std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+    create_private_dir(dir)?;
     let tmp = dir.join(format!(".{name}.tmp"));
     let path = dir.join(name);
     let written = (|| -> io::Result<()> {
-        let mut f = File::create(&tmp)?;
+        // A temporary file an earlier crash left (or a link put there): unlinked, never
+        // followed.
+        match std::fs::remove_file(&tmp) {
+            Err(e) if e.kind() != io::ErrorKind::NotFound => return Err(e),
+            _ => {}
+        }
+        let mut f = new_private_file(&tmp)?;
         f.write_all(bytes)?;
         f.sync_all()
     })();
@@ -36,6 +51,63 @@ pub fn write_atomically(dir: &Path, name: &str, bytes: &[u8]) -> anyhow::Result<
         return Err(e).with_context(|| format!("renaming {} to {}", tmp.display(), path.display()));
     }
     sync_dir(dir)
+}
+
+/// A new file at `path`, mode 0600, failing if anything (a link included) is there already.
+fn new_private_file(path: &Path) -> io::Result<File> {
+    File::options()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(libc::O_NOFOLLOW | libc::O_CLOEXEC)
+        .open(path)
+}
+
+/// Create `dir` and its missing parents, the new ones mode 0700.
+pub fn create_private_dir(dir: &Path) -> anyhow::Result<()> {
+    use std::os::unix::fs::DirBuilderExt as _;
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .with_context(|| format!("creating {}", dir.display()))
+}
+
+/// Refuse a directory the daemon keeps its state in (created mode 0700 if missing) when
+/// another user can write it: it must belong to this process's user (or root) and not be
+/// writable by its group or others. Whoever could write it could plant the bans, rule names,
+/// fleet cursor or outbox the daemon reads at start, or links for it to write through.
+pub fn check_private_dir(dir: &Path, field: &str) -> anyhow::Result<()> {
+    create_private_dir(dir)?;
+    let meta = std::fs::metadata(dir).with_context(|| format!("reading {}", dir.display()))?;
+    if !meta.is_dir() {
+        anyhow::bail!("{field} {} is not a directory", dir.display());
+    }
+    // SAFETY: geteuid has no preconditions and cannot fail.
+    let me = unsafe { libc::geteuid() };
+    if meta.uid() != me && meta.uid() != 0 {
+        anyhow::bail!(
+            "{field} {} belongs to uid {}, not to this daemon's user (uid {me}) or root: another \
+             user could change the state the daemon reads; chown it, or choose another directory",
+            dir.display(),
+            meta.uid()
+        );
+    }
+    let mode = meta.mode() & 0o7777;
+    if mode & 0o022 != 0 {
+        anyhow::bail!(
+            "{field} {} is writable by {} (mode {mode:04o}): another user could change the state \
+             the daemon reads; run `chmod go-w {}`, or choose another directory",
+            dir.display(),
+            if mode & 0o002 != 0 {
+                "every user"
+            } else {
+                "its group"
+            },
+            dir.display()
+        );
+    }
+    Ok(())
 }
 
 /// fsync a directory: makes the renames, links and unlinks in it durable.
@@ -106,7 +178,7 @@ fn second_name(path: &Path, label: &str) -> anyhow::Result<PathBuf> {
 
 /// Copy `from` to `to`, which must not exist, and sync it.
 fn copy_new(from: &Path, to: &Path) -> io::Result<()> {
-    let mut out = File::options().write(true).create_new(true).open(to)?;
+    let mut out = new_private_file(to)?;
     io::copy(&mut File::open(from)?, &mut out)?;
     out.sync_all()
 }
@@ -146,6 +218,61 @@ mod tests {
         );
         assert!(e.contains("x.json"), "{e}");
         assert!(!dir.join(".x.json.tmp").exists());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    /// State files are 0600 and never written through a link: a link planted at the
+    /// temporary name (pointing at a file the attacker wants overwritten) is removed, not
+    /// followed, and one at the final name is replaced, not followed.
+    #[test]
+    fn state_files_are_private_and_never_written_through_a_link() {
+        use std::os::unix::fs::{PermissionsExt as _, symlink};
+        let dir = temp_dir("links");
+        let victim = dir.join("victim");
+        std::fs::write(&victim, "keep").unwrap();
+        symlink(&victim, dir.join(".bans.json.tmp")).unwrap();
+        symlink(&victim, dir.join("bans.json")).unwrap();
+        write_atomically(&dir, "bans.json", b"{}").unwrap();
+        assert_eq!(std::fs::read_to_string(&victim).unwrap(), "keep");
+        let meta = std::fs::symlink_metadata(dir.join("bans.json")).unwrap();
+        assert!(
+            meta.file_type().is_file(),
+            "the link was replaced by a file"
+        );
+        assert_eq!(meta.permissions().mode() & 0o777, 0o600);
+        assert_eq!(std::fs::read(dir.join("bans.json")).unwrap(), b"{}");
+        // A copy kept aside is private too.
+        let copy = keep_copy(&dir.join("bans.json"), "bad").unwrap();
+        assert_eq!(
+            std::fs::metadata(copy).unwrap().permissions().mode() & 0o777,
+            0o600
+        );
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_state_dir_others_can_write_is_refused() {
+        use std::os::unix::fs::PermissionsExt as _;
+        let dir = temp_dir("private");
+        let new = dir.join("made/here");
+        check_private_dir(&new, "state_dir").unwrap();
+        assert_eq!(
+            std::fs::metadata(&new).unwrap().permissions().mode() & 0o777,
+            0o700
+        );
+        for (mode, who) in [
+            (0o777, "every user"),
+            (0o775, "its group"),
+            (0o1777, "every user"),
+        ] {
+            std::fs::set_permissions(&new, std::fs::Permissions::from_mode(mode)).unwrap();
+            let e = check_private_dir(&new, "state_dir")
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(who) && e.contains("chmod go-w"), "{mode:o}: {e}");
+        }
+        std::fs::set_permissions(&new, std::fs::Permissions::from_mode(0o755)).unwrap();
+        check_private_dir(&new, "state_dir").unwrap();
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

@@ -16,7 +16,9 @@
 //!
 //! The cap applies to the events the data plane issues (and the `unban` lines of the expiry
 //! sweep, which follow from them): a flood under a low-threshold rule turns attacker packets
-//! into events. The operator's own `ban add` / `ban del` / rule-ban lifts are always written
+//! into events. It applies as well to the `ban` / `unban` lines of bans received from the
+//! fleet ([`Events::fleet_lines`]): a fleet-wide ban wave is the same flood seen from every
+//! host, and goes through the same bounded queue and the same per-second summaries. The operator's own `ban add` / `ban del` / rule-ban lifts are always written
 //! (they are bounded by the ban tables and are what the operator asked for).
 //!
 //! The daemon's own `pressure_high` / `pressure_low` lines ([`PressureLine`]) are always
@@ -197,9 +199,13 @@ enum Msg {
         names: Arc<[String]>,
         origin: Origin,
     },
-    /// Lines made by the daemon itself (bans lifted because their rule is gone, whose rule
-    /// has no index any more): always written.
-    Lines(Vec<EventLine>),
+    /// Lines made by the daemon itself: always written when `origin` is the operator's
+    /// (bans lifted because their rule is gone, whose rule has no index any more), capped as
+    /// the data plane's when they are the fleet's.
+    Lines {
+        lines: Vec<EventLine>,
+        origin: Origin,
+    },
     Pressure(PressureLine),
     Fleet(FleetLine),
     Reopen,
@@ -351,12 +357,54 @@ impl Events {
         if events.is_empty() || !self.0.enabled.load(Ordering::Relaxed) {
             return;
         }
+        let Some(take) = self.reserve(events.len(), origin) else {
+            return;
+        };
+        events.truncate(take);
+        let names = lock(&self.0.names).clone();
+        let sent = self.send(Msg::Events {
+            events,
+            names,
+            origin,
+        });
+        if sent.is_none() {
+            self.unreserve(take);
+        }
+    }
+
+    /// Lines the daemon made itself (an `unban` whose rule is gone): always written, like the
+    /// operator's.
+    pub fn operator_lines(&self, lines: Vec<EventLine>) {
+        self.push_lines(lines, Origin::Operator);
+    }
+
+    /// The lines of bans and unbans received from the fleet: capped per second and queued
+    /// within the data plane's bound, as the data plane's own events are.
+    pub fn fleet_lines(&self, lines: Vec<EventLine>) {
+        self.push_lines(lines, Origin::DataPlane);
+    }
+
+    fn push_lines(&self, mut lines: Vec<EventLine>, origin: Origin) {
+        if lines.is_empty() || !self.0.enabled.load(Ordering::Relaxed) {
+            return;
+        }
+        let Some(take) = self.reserve(lines.len(), origin) else {
+            return;
+        };
+        lines.truncate(take);
+        if self.send(Msg::Lines { lines, origin }).is_none() {
+            self.unreserve(take);
+        }
+    }
+
+    /// Room in the queue for up to `n` messages of `origin` (its bound): the number taken,
+    /// the rest counted as lost; `None` when none could be.
+    fn reserve(&self, n: usize, origin: Origin) -> Option<usize> {
         let limit = match origin {
             Origin::DataPlane => QUEUE,
             Origin::Operator => QUEUE_OPERATOR,
         };
         let c = &self.0.counters;
-        let n = events.len();
         let before = c
             .queued
             .fetch_update(Ordering::AcqRel, Ordering::Acquire, |q| {
@@ -366,37 +414,15 @@ impl Events {
         let take = n.min(limit.saturating_sub(before));
         if take < n {
             c.lost_queue.fetch_add((n - take) as u64, Ordering::Relaxed);
-            events.truncate(take);
         }
-        if take == 0 {
-            return;
-        }
-        let names = lock(&self.0.names).clone();
-        let sent = self.send(Msg::Events {
-            events,
-            names,
-            origin,
-        });
-        if sent.is_none() {
-            // The writer is gone (it panicked): these are lost too.
-            c.queued.fetch_sub(take, Ordering::AcqRel);
-            c.lost_queue.fetch_add(take as u64, Ordering::Relaxed);
-        }
+        (take > 0).then_some(take)
     }
 
-    /// Lines the daemon made itself (an `unban` whose rule is gone): always written, like the
-    /// operator's.
-    pub fn operator_lines(&self, lines: Vec<EventLine>) {
-        let n = lines.len();
-        if n == 0 || !self.0.enabled.load(Ordering::Relaxed) {
-            return;
-        }
+    /// `n` reserved messages that could not be sent (the writer is gone: it panicked): lost.
+    fn unreserve(&self, n: usize) {
         let c = &self.0.counters;
-        c.queued.fetch_add(n, Ordering::AcqRel);
-        if self.send(Msg::Lines(lines)).is_none() {
-            c.queued.fetch_sub(n, Ordering::AcqRel);
-            c.lost_queue.fetch_add(n as u64, Ordering::Relaxed);
-        }
+        c.queued.fetch_sub(n, Ordering::AcqRel);
+        c.lost_queue.fetch_add(n as u64, Ordering::Relaxed);
     }
 
     /// A change of the pressure level: always written.
@@ -878,11 +904,15 @@ impl Writer {
                 self.format(&events, &names, origin);
                 self.counters.queued.fetch_sub(n, Ordering::AcqRel);
             }
-            Msg::Lines(lines) => {
+            Msg::Lines { lines, origin } => {
                 let n = lines.len();
+                let now_sec = wall_now_ns() / 1_000_000_000;
                 for line in &lines {
                     if self.out.is_none() {
                         break;
+                    }
+                    if origin == Origin::DataPlane && !self.admit(now_sec, now_sec, line.event) {
+                        continue;
                     }
                     self.push_line(line);
                 }
@@ -933,26 +963,33 @@ impl Writer {
             }
         };
         let now_sec = wall_now_ns() / 1_000_000_000;
-        let mut closed = Vec::new();
         for e in events {
             if self.out.is_none() {
                 break;
             }
-            if origin == Origin::DataPlane {
-                let sec = wall(e.ts_ns) / 1_000_000_000;
-                let kind = kind_name(e.kind);
-                let admitted = self.limiter.admit(sec, now_sec, kind, &mut closed);
-                if !closed.is_empty() {
-                    self.summaries(std::mem::take(&mut closed));
-                }
-                if !admitted {
-                    self.counters.suppressed.fetch_add(1, Ordering::Relaxed);
-                    continue;
-                }
+            if origin == Origin::DataPlane
+                && !self.admit(wall(e.ts_ns) / 1_000_000_000, now_sec, kind_name(e.kind))
+            {
+                continue;
             }
             let line = line_with(e, names, &mut time);
             self.push_line(&line);
         }
+    }
+
+    /// Whether a capped line of `kind` at wall second `sec` is written (`now_sec`): the
+    /// seconds the cap closes meanwhile get their summaries, and a line over it is counted
+    /// as suppressed.
+    fn admit(&mut self, sec: u64, now_sec: u64, kind: &'static str) -> bool {
+        let mut closed = Vec::new();
+        let admitted = self.limiter.admit(sec, now_sec, kind, &mut closed);
+        if !closed.is_empty() {
+            self.summaries(closed);
+        }
+        if !admitted {
+            self.counters.suppressed.fetch_add(1, Ordering::Relaxed);
+        }
+        admitted
     }
 
     /// Add an event line to the chunk, writing the chunk once it is full.
@@ -1271,6 +1308,58 @@ mod tests {
         events.data_plane(vec![ev(EV_SOFT_LIMIT, now); n]);
         let c = events.counts();
         assert_eq!(c.lost_queue, 10_000);
+        events.close(Duration::from_secs(30));
+        let c = events.counts();
+        assert_eq!(c.written + c.suppressed + c.lost_queue, n as u64);
+        std::fs::remove_file(&path).unwrap();
+    }
+
+    /// The lines of a fleet-wide ban wave share the data plane's cap, summaries and queue
+    /// bound; the operator's own lines are never capped.
+    #[test]
+    fn events_fleet_lines_are_capped_and_bounded() {
+        let path = temp_file("fleet.jsonl");
+        let sink = EventsSink::File(path.clone());
+        let events = Events::start(Some(&sink), 3, vec![]).unwrap();
+        let line = |event: &'static str| EventLine {
+            time: rfc3339(SystemTime::now()),
+            event,
+            rule: String::new(),
+            key: "ip",
+            client: "198.51.100.7/32".into(),
+            count: 0,
+            threshold: 0,
+            ban_expires: None,
+            origin: Some("edge-2".into()),
+        };
+        events.fleet_lines((0..40).map(|_| line("ban")).collect());
+        events.fleet_lines((0..10).map(|_| line("unban")).collect());
+        events.operator_lines((0..4).map(|_| line("unban")).collect());
+        events.close(Duration::from_secs(5));
+        let text = std::fs::read_to_string(&path).unwrap();
+        let lines: Vec<serde_json::Value> = text
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let of = |e: &str| lines.iter().filter(|l| l["event"] == e).count();
+        let fleet = of("ban") + of("unban") - 4;
+        assert!((3..=6).contains(&fleet), "at most 3 a second:\n{text}");
+        let suppressed: u64 = lines
+            .iter()
+            .filter(|l| l["event"] == "suppressed")
+            .map(|s| s["count"].as_u64().unwrap())
+            .sum();
+        assert_eq!(fleet as u64 + suppressed, 50, "{text}");
+        assert_eq!(events.counts().suppressed, suppressed);
+        std::fs::remove_file(&path).unwrap();
+
+        // The queue: a wave beyond the data plane's bound is cut to it and counted.
+        let path = temp_file("fleet-queue.jsonl");
+        let sink = EventsSink::File(path.clone());
+        let events = Events::start(Some(&sink), MAX_PER_SEC, vec![]).unwrap();
+        let n = QUEUE + 5_000;
+        events.fleet_lines(vec![line("ban"); n]);
+        assert_eq!(events.counts().lost_queue, 5_000);
         events.close(Duration::from_secs(30));
         let c = events.counts();
         assert_eq!(c.written + c.suppressed + c.lost_queue, n as u64);

@@ -8,7 +8,9 @@
 //!
 //! Any local user can connect, so no client may hold the daemon's resources: at most
 //! [`MAX_CONNECTIONS`] connections are served at once (more are closed as soon as they are
-//! accepted, and counted), a client has [`HEADER_READ_TIMEOUT`] to send a request's headers
+//! accepted, and counted), at most [`crate::http_slots::MAX_PER_PEER`] of them from one peer,
+//! and [`crate::http_slots::METRICS_SLOTS`] of them kept for `/metrics` (see
+//! [`crate::http_slots`]), a client has [`HEADER_READ_TIMEOUT`] to send a request's headers
 //! (idle keep-alive connections included), a request that waits [`REQUEST_TIMEOUT`] for the
 //! daemon gets a 503, a connection is closed after [`MAX_CONNECTION_AGE`], and every answer
 //! is bounded ([`MAX_TOP_N`], [`MAX_LIST`]). A thousand idle connections cost the daemon at most
@@ -43,7 +45,7 @@ use prometheus_client::{
 };
 use ratelimit_common::stats::{global, rule};
 use serde::Deserialize;
-use tokio::{net::TcpListener, sync::Semaphore};
+use tokio::net::TcpListener;
 use tower::ServiceExt as _;
 use tracing::{info, warn};
 
@@ -51,6 +53,7 @@ use crate::{
     control::{self, Answer, Request, TopBy},
     daemon::Handle,
     events,
+    http_slots::Slots,
     reader::Reports,
     report::{self, Pb, RuleCounters, Stats},
 };
@@ -111,6 +114,9 @@ pub async fn serve(listener: TcpListener, state: Handle) -> anyhow::Result<()> {
 #[derive(Debug, Clone, Copy)]
 struct Limits {
     max_connections: usize,
+    /// Of `max_connections`, kept for `/metrics`.
+    metrics_slots: usize,
+    max_per_peer: usize,
     header_read_timeout: Duration,
     request_timeout: Duration,
     max_connection_age: Duration,
@@ -119,6 +125,8 @@ struct Limits {
 impl Limits {
     const DEFAULT: Limits = Limits {
         max_connections: MAX_CONNECTIONS,
+        metrics_slots: crate::http_slots::METRICS_SLOTS,
+        max_per_peer: crate::http_slots::MAX_PER_PEER,
         header_read_timeout: HEADER_READ_TIMEOUT,
         request_timeout: REQUEST_TIMEOUT,
         max_connection_age: MAX_CONNECTION_AGE,
@@ -150,7 +158,8 @@ impl Conns {
 pub struct HttpCounts {
     /// Connections being served now.
     pub open: u64,
-    /// Connections closed at once because [`MAX_CONNECTIONS`] were open.
+    /// Connections closed at once because [`MAX_CONNECTIONS`] were open, or their peer held
+    /// [`crate::http_slots::MAX_PER_PEER`].
     pub rejected: u64,
     /// Connections closed because the headers did not arrive within [`HEADER_READ_TIMEOUT`].
     pub header_timeouts: u64,
@@ -187,14 +196,18 @@ async fn serve_with<B: Backend>(
         backend,
         conns: conns.clone(),
     });
-    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let slots = Slots::new(
+        limits.max_connections,
+        limits.metrics_slots,
+        limits.max_per_peer,
+    );
     let mut http = hyper::server::conn::http1::Builder::new();
     http.timer(TokioTimer::new())
         .header_read_timeout(limits.header_read_timeout);
     let mut last_warn: Option<Instant> = None;
     loop {
-        let stream = match listener.accept().await {
-            Ok((stream, _)) => stream,
+        let (stream, peer) = match listener.accept().await {
+            Ok(accepted) => accepted,
             Err(e) => {
                 // Out of file descriptors, say: keep serving once it passes.
                 if last_warn.is_none_or(|t| t.elapsed() >= ACCEPT_WARN_EVERY) {
@@ -205,20 +218,31 @@ async fn serve_with<B: Backend>(
                 continue;
             }
         };
-        let Ok(slot) = slots.clone().try_acquire_owned() else {
-            // Closed as soon as accepted: a connection over the cap costs one descriptor for
+        let Ok(slot) = slots.admit(peer.ip()) else {
+            // Closed as soon as accepted: a connection over the caps costs one descriptor for
             // an instant, never a task.
             conns.rejected.fetch_add(1, Ordering::Relaxed);
             drop(stream);
             continue;
         };
         let served = Served::new(conns.clone());
+        let metrics_only = slot.metrics_only;
         let service = {
             let (app, conns) = (app.clone(), conns.clone());
             hyper::service::service_fn(move |req| {
                 let (app, conns) = (app.clone(), conns.clone());
                 let timeout = limits.request_timeout;
-                async move { Ok::<_, Infallible>(answer_in_time(app, &conns, req, timeout).await) }
+                async move {
+                    if metrics_only && req.uri().path() != "/metrics" {
+                        return Ok::<_, Infallible>(error(
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            "every connection slot is taken; this connection serves only /metrics; \
+                             try again"
+                                .to_string(),
+                        ));
+                    }
+                    Ok(answer_in_time(app, &conns, req, timeout).await)
+                }
             })
         };
         let conn = http.serve_connection(TokioIo::new(stream), service);
@@ -2115,6 +2139,8 @@ mod tests {
 
     const SHORT: Limits = Limits {
         max_connections: 2,
+        metrics_slots: 0,
+        max_per_peer: 2,
         header_read_timeout: Duration::from_millis(300),
         request_timeout: Duration::from_millis(300),
         max_connection_age: Duration::from_secs(60),

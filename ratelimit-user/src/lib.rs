@@ -17,6 +17,7 @@ pub mod fleet_key;
 pub mod geoip;
 pub mod global;
 pub mod http;
+pub mod http_slots;
 pub mod kernel_log;
 pub mod known;
 pub mod live;

@@ -30,10 +30,9 @@ pub struct DirLocks {
 }
 
 /// Lock `state_dir` and `bpffs_dir` (created if missing; bpffs mounted on /sys/fs/bpf if it
-/// is not), or fail without having changed anything in them if another process holds either.
+/// is not; a `state_dir` another user can write is refused), or fail without having changed anything in them if another process holds either.
 pub fn lock_dirs(state_dir: &Path, bpffs_dir: &Path) -> anyhow::Result<DirLocks> {
-    std::fs::create_dir_all(state_dir)
-        .with_context(|| format!("creating {}", state_dir.display()))?;
+    crate::durable::check_private_dir(state_dir, "daemon.state_dir")?;
     // Mounted first: a directory locked before bpffs were mounted over its parent would be one
     // the daemon then never sees.
     crate::datapath::ensure_bpffs(bpffs_dir)?;

@@ -86,6 +86,9 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
                     .transpose()
                 {
                     Ok(_) => {
+                        for w in cfg.fleet.iter().flat_map(config::fleet_warnings) {
+                            eprintln!("{}: warning: {w}", file.display());
+                        }
                         println!("{}: ok ({} rules)", file.display(), cfg.rules.len());
                         ExitCode::SUCCESS
                     }

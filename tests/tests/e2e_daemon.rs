@@ -1326,3 +1326,69 @@ fn wait_for_lines(s: &Scenario, what: &str, n: usize) -> Vec<u64> {
     }
     kernel_lines(s, what)
 }
+
+/// An IPv6 prefix inside `::ffff:0:0/96` (IPv4-mapped) or `::/96` spells IPv4 addresses: a
+/// standard IPv6 martian list pasted into `deny` carries `::ffff:0.0.0.0/96`, which read as
+/// the IPv4 prefix it spells would drop every IPv4 client. Such prefixes are refused wherever
+/// an operator writes one (the config, `ban add`, `override add`), naming the range, and IPv4
+/// clients keep passing.
+#[test]
+fn ipv4_mapped_prefixes_are_refused_everywhere_and_ipv4_clients_pass() {
+    kernel_test!();
+    let mut s = Scenario::new("rlmap");
+    s.start(
+        r#"
+[[rule]]
+name = "udp"
+match = { protocol = "udp", dst_ports = ["9000"] }
+threshold = { count = 1000, interval = "1h" }
+"#,
+    );
+    let good = std::fs::read_to_string(s.daemon().config_path()).unwrap();
+    let martians =
+        format!("{good}\n[lists]\ndeny = [\"2001:db8:dead::/48\", \"::ffff:0.0.0.0/96\"]\n");
+    s.daemon_mut().write_config(&martians);
+    let out = s.daemon().cli(&["reload"]);
+    let err = String::from_utf8_lossy(&out.stderr).to_string();
+    assert!(
+        !out.status.success(),
+        "a deny list with ::ffff:0.0.0.0/96 must be refused"
+    );
+    assert!(
+        err.contains("ratelimit.toml:") && err.contains("IPv4-mapped"),
+        "{err}"
+    );
+    s.daemon_mut().write_config(&good);
+    for (args, what) in [
+        (
+            vec!["ban", "add", "::ffff:0.0.0.0/96", "--for", "1h"],
+            "IPv4-mapped",
+        ),
+        (vec!["ban", "add", "::ffff:198.19.45.1"], "IPv4-mapped"),
+        (vec!["ban", "add", "::/96"], "::/96"),
+        (
+            vec![
+                "override",
+                "add",
+                "udp",
+                "::ffff:198.19.45.0/120",
+                "--threshold",
+                "1/1h",
+            ],
+            "IPv4-mapped",
+        ),
+    ] {
+        let out = s.daemon().cli(&args);
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{args:?} must be refused");
+        assert!(err.contains(what), "{args:?}: {err}");
+    }
+    assert!(bans_of(&s).0.is_empty(), "no ban was added");
+    let sink = s.sink(PORT);
+    let mut tx = s.sender();
+    tx.send_n(std::iter::repeat(s.udp(ip4(45, 1), PORT)), 10, None);
+    sink.wait_quiet(Duration::from_millis(300));
+    assert_eq!(sink.stop().from(ip4(45, 1)), 10, "IPv4 clients pass");
+    assert_eq!(verdict(&s.stats(), "drop_deny"), 0);
+    assert_eq!(verdict(&s.stats(), "drop_ban"), 0);
+}

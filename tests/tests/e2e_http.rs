@@ -15,6 +15,7 @@ use ratelimit_tests::{
 };
 use ratelimit_user::{
     http::{HEADER_READ_TIMEOUT, MAX_CONNECTIONS},
+    http_slots::{MAX_PER_PEER, METRICS_SLOTS},
     report::Ban,
 };
 
@@ -333,4 +334,86 @@ fn get_with_head(s: &Scenario, path: &str) -> (u16, String, String) {
         let code = head.split(' ').nth(1).unwrap().parse().unwrap();
         (code, head.to_ascii_lowercase(), body.to_string())
     })
+}
+
+/// A connection to the listener from `src` (a loopback address of the server's namespace).
+fn connect_from(src: [u8; 4]) -> std::io::Result<TcpStream> {
+    let sock = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)?;
+    sock.bind(&std::net::SocketAddr::from((src, 0)).into())?;
+    sock.connect_timeout(
+        &std::net::SocketAddr::from(([127, 0, 0, 1], HTTP_PORT)).into(),
+        Duration::from_secs(5),
+    )?;
+    Ok(sock.into())
+}
+
+/// `GET path` on a new connection from `src`: the status, or `None` when the connection was
+/// closed without an answer (refused by the listener).
+fn get_from(src: [u8; 4], path: &str) -> Option<(u16, String)> {
+    let mut c = connect_from(src).ok()?;
+    c.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    write!(
+        c,
+        "GET {path} HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
+    )
+    .ok()?;
+    let mut raw = String::new();
+    c.read_to_string(&mut raw).ok()?;
+    let (head, body) = raw.split_once("\r\n\r\n")?;
+    Some((head.split(' ').nth(1)?.parse().ok()?, body.to_string()))
+}
+
+/// One client cannot take the listener from the others: a peer holds at most
+/// `MAX_PER_PEER` connections, so one that opens `MAX_CONNECTIONS` idle ones leaves room
+/// for Prometheus; and when many peers hold every general slot, the slots kept for
+/// `/metrics` still answer a scrape (and only a scrape).
+#[test]
+fn one_http_client_cannot_lock_prometheus_out() {
+    kernel_test!();
+    let mut s = Scenario::new("rlhp").with_http(HTTP_PORT);
+    s.start("");
+    s.server.enter(|| {
+        // One peer, every slot's worth of idle connections.
+        let hog: Vec<TcpStream> = (0..MAX_CONNECTIONS)
+            .filter_map(|_| connect_from([127, 0, 0, 1]).ok())
+            .collect();
+        std::thread::sleep(Duration::from_millis(300));
+        let held = still_open(&hog);
+        println!("one peer opened {} connections, {held} held", hog.len());
+        assert!(held <= MAX_PER_PEER, "one peer holds {held} connections");
+        let (code, body) =
+            get_from([127, 0, 0, 2], "/metrics").expect("a scrape from another peer is answered");
+        assert_eq!(code, 200, "{body}");
+        drop(hog);
+        // Until the listener has seen them go (only the scrape's own connection open).
+        let give_up = Instant::now() + Duration::from_secs(10);
+        loop {
+            let (_, text) = get_from([127, 0, 0, 3], "/metrics").expect("a scrape");
+            if text
+                .lines()
+                .any(|l| l == "ratelimit_http_connections_open 1")
+            {
+                break;
+            }
+            assert!(
+                Instant::now() < give_up,
+                "the hog's connections are still served"
+            );
+            std::thread::sleep(Duration::from_millis(100));
+        }
+
+        // Many peers, one connection each, until the general slots are gone.
+        let general = MAX_CONNECTIONS - METRICS_SLOTS;
+        let crowd: Vec<TcpStream> = (0..general)
+            .map(|i| connect_from([127, 0, 1, i as u8 + 1]).unwrap())
+            .collect();
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(still_open(&crowd), general, "every one of them is served");
+        let (code, body) = get_from([127, 0, 2, 1], "/v1/status").expect("an answer");
+        assert_eq!(code, 503, "{body}");
+        assert!(body.contains("serves only /metrics"), "{body}");
+        let (code, body) = get_from([127, 0, 2, 2], "/metrics").expect("a scrape is answered");
+        assert_eq!(code, 200, "{body}");
+        drop(crowd);
+    });
 }

@@ -239,11 +239,7 @@ algorithm = "sliding_window"
 const CONFIGS: [&str; 2] = [CONFIG_LISTS, CONFIG_NO_LISTS];
 
 /// Operator bans, inserted as `ratelimit ban add` does (an hour: longer than any epoch).
-const BANS: [&str; 3] = [
-    "198.18.70.0/24",
-    "2001:db8:ba::/48",
-    "::ffff:198.18.40.77/128",
-];
+const BANS: [&str; 3] = ["198.18.70.0/24", "2001:db8:ba::/48", "198.18.40.77/32"];
 
 /// A window interval (seconds, at least an hour) whose current window has more than an
 /// epoch left, and began long enough ago that the coarse clock is in it too: every window

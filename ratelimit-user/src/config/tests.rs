@@ -1462,6 +1462,10 @@ fn net_table() {
         ("2001:db8::1", "2001:db8::1/128"),
         ("2001:db8::/32", "2001:db8::/32"),
         ("::/0", "::/0"),
+        // Prefixes that hold the IPv4-mapped range without being inside it are IPv6 ones.
+        ("::/64", "::/64"),
+        ("::fffe:0:0/95", "::fffe:0:0/95"),
+        ("64:ff9b::/96", "64:ff9b::/96"),
     ];
     for &(s, n) in cases {
         assert_eq!(parse_net(s), Ok(net(n)), "{s}");
@@ -1497,6 +1501,34 @@ fn net_table() {
             "\"example.com\" is not an IP address or CIDR",
         ),
         ("", "\"\" is not an IP address or CIDR"),
+        (
+            "::ffff:0.0.0.0/96",
+            "::ffff:0.0.0.0/96 is inside ::ffff:0:0/96, the IPv4-mapped range: an IPv6 prefix \
+             never covers IPv4 clients; write the IPv4 prefix (0.0.0.0/0) to mean those",
+        ),
+        (
+            "::ffff:203.0.113.0/120",
+            "::ffff:203.0.113.0/120 is inside ::ffff:0:0/96, the IPv4-mapped range: an IPv6 \
+             prefix never covers IPv4 clients; write the IPv4 prefix (203.0.113.0/24) to mean \
+             those",
+        ),
+        (
+            "::ffff:192.0.2.1",
+            "::ffff:192.0.2.1 is inside ::ffff:0:0/96, the IPv4-mapped range: an IPv6 prefix \
+             never covers IPv4 clients; write the IPv4 prefix (192.0.2.1/32) to mean those",
+        ),
+        (
+            "::/96",
+            "::/96 is inside ::/96 (the unspecified, loopback and IPv4-compatible addresses): \
+             no packet from it reaches the lists or rules (such sources are bogons), and an \
+             IPv6 prefix never covers IPv4 clients",
+        ),
+        (
+            "::1",
+            "::1 is inside ::/96 (the unspecified, loopback and IPv4-compatible addresses): no \
+             packet from it reaches the lists or rules (such sources are bogons), and an IPv6 \
+             prefix never covers IPv4 clients",
+        ),
     ];
     for &(s, msg) in errors {
         assert_eq!(parse_net(s), Err(msg.to_string()), "{s}");

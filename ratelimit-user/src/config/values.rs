@@ -36,7 +36,14 @@ pub fn parse_net(s: &str) -> Result<IpNet, String> {
     let t = s.trim();
     let not_addr = || format!("{s:?} is not an IP address or CIDR");
     let Some((addr, len)) = t.split_once('/') else {
-        return t.parse::<IpAddr>().map(IpNet::from).map_err(|_| not_addr());
+        let net = t
+            .parse::<IpAddr>()
+            .map(IpNet::from)
+            .map_err(|_| not_addr())?;
+        return match aliases_ipv4(&net) {
+            Some(why) => Err(format!("{t} {why}")),
+            None => Ok(net),
+        };
     };
     let addr: IpAddr = addr.parse().map_err(|_| not_addr())?;
     let max = if addr.is_ipv4() { 32 } else { 128 };
@@ -52,7 +59,41 @@ pub fn parse_net(s: &str) -> Result<IpNet, String> {
             net.trunc()
         ));
     }
+    if let Some(why) = aliases_ipv4(&net) {
+        return Err(format!("{t} {why}"));
+    }
     Ok(net)
+}
+
+/// Why an IPv6 prefix inside `::ffff:0:0/96` (IPv4-mapped) or `::/96` (IPv4-compatible) is
+/// refused, or `None` for any other prefix. Such a prefix spells IPv4 addresses in IPv6
+/// notation: taken as written it would cover IPv4 clients (a pasted martian list's
+/// `::ffff:0.0.0.0/96` in `deny` would drop every IPv4 client), and no IPv6 packet comes from
+/// it (those sources are bogons, dropped before any list or rule). The families never alias, so
+/// the operator writes the IPv4 prefix meant instead. A shorter IPv6 prefix that merely holds
+/// these ranges (`::/0`, `::/64`) is an IPv6 prefix like any other and covers no IPv4 client.
+pub fn aliases_ipv4(net: &IpNet) -> Option<String> {
+    let IpNet::V6(n) = net else {
+        return None;
+    };
+    if n.prefix_len() < 96 {
+        return None;
+    }
+    let s = n.network().segments();
+    if s[..5] != [0; 5] {
+        return None;
+    }
+    let v4 = std::net::Ipv4Addr::from(u32::from(n.network().to_bits() as u32));
+    let as_v4 = format!("{v4}/{}", n.prefix_len() - 96);
+    match s[5] {
+        0xffff => Some(format!(
+            "is inside ::ffff:0:0/96, the IPv4-mapped range: an IPv6 prefix never covers IPv4              clients; write the IPv4 prefix ({as_v4}) to mean those"
+        )),
+        0 => Some(format!(
+            "is inside ::/96, the IPv4-compatible range: an IPv6 prefix never covers IPv4              clients; write the IPv4 prefix ({as_v4}) to mean those"
+        )),
+        _ => None,
+    }
 }
 
 /// A region: an ISO 3166 alpha-2 country code as two uppercase ASCII letters, `ZZ` for
