@@ -2473,6 +2473,8 @@ BAMCA0kAMEYCIQDAkUz8uowjYDKf94dOXCRkO6eM1rvc03v7OXDTUs6XoAIhAILu
             share_bans: true,
             state_dir: dir.clone(),
             clock: Arc::new(Clock::new(config::DEFAULT_MAX_CLOCK_SKEW)),
+            trust: Arc::new(Trust::new("default", None, Default::default())),
+            keys: Keys::of("default"),
             client: Client::Single(redis::Client::open("redis://127.0.0.1:1").unwrap()),
         });
         let shared = Arc::new(Shared {
@@ -2482,6 +2484,7 @@ BAMCA0kAMEYCIQDAkUz8uowjYDKf94dOXCRkO6eM1rvc03v7OXDTUs6XoAIhAILu
             cursor_file: Mutex::new(()),
             events: events::Events::start(None, 1, vec![]).unwrap(),
             global: Arc::default(),
+            trust: Arc::new(Trust::new("default", None, Default::default())),
         });
         let mut on_disk = shared.outbox_gen.load(Ordering::Relaxed);
         shared.change_outbox(|ob| ob.push_back(rec("192.0.2.1/32")));
