@@ -101,7 +101,24 @@ pub struct Fleet {
     /// How far this host's wall clock may be off the store's before it stops taking part in
     /// global counting (`crate::fleet::Clock`).
     pub max_clock_skew: Duration,
+    /// The fleet's name: every key in the store is under it (`crate::fleet_trust`).
+    pub name: String,
+    /// A file holding the fleet key (not the store's password): records and counts are
+    /// authenticated with it. Read at start.
+    pub key_file: Option<PathBuf>,
+    /// The shortest prefix a ban received from the fleet may have (IPv4, IPv6).
+    pub remote_ban_min_prefix_v4: u8,
+    pub remote_ban_min_prefix_v6: u8,
+    /// The longest a ban received from the fleet lasts from its receipt.
+    pub remote_ban_max_duration: Duration,
 }
+
+/// Defaults of `fleet.remote_ban_min_prefix_v4`, `_v6` and `fleet.remote_ban_max_duration`.
+pub const DEFAULT_REMOTE_BAN_MIN_PREFIX_V4: u8 = 16;
+pub const DEFAULT_REMOTE_BAN_MIN_PREFIX_V6: u8 = 32;
+pub const DEFAULT_REMOTE_BAN_MAX_DURATION: Duration = Duration::from_secs(86_400);
+/// The longest `fleet.remote_ban_max_duration`.
+pub const MAX_REMOTE_BAN_MAX_DURATION: Duration = Duration::from_secs(365 * 86_400);
 
 /// Default `fleet.sync_interval`.
 pub const DEFAULT_SYNC_INTERVAL: Duration = Duration::from_millis(100);

@@ -826,6 +826,11 @@ pub(crate) mod samples {
                         over_since: None,
                         last_error: None,
                     },
+                    fleet_name: "default".into(),
+                    authenticated: true,
+                    records_rejected: [("bad_mac".to_string(), 2)].into(),
+                    counts_rejected: Default::default(),
+                    bans_clamped: 1,
                 })),
             ),
             (

@@ -1229,7 +1229,9 @@ impl State {
     /// Apply what the fleet's reader received: other hosts' bans installed (in the
     /// operator's table, marked [`crate::fleet::BAN_REMOTE`], with their absolute end; where
     /// a ban is in force here already, the later end wins), their `unban`s lifting the bans at
-    /// their prefix. Nothing applied here is published again.
+    /// their prefix in the operator's table (never a ban this host's rules issued). The
+    /// records come bounded and, with the fleet key, authenticated (`crate::fleet_trust`).
+    /// Nothing applied here is published again.
     pub fn apply_fleet(
         &mut self,
         rx: crate::fleet::Received,
@@ -1309,7 +1311,13 @@ impl State {
                 }
                 Op::Unban => {
                     for entry in self.maps.bans_at(plen, &key) {
-                        if snapshot && entry.flags & BAN_REMOTE == 0 {
+                        // Never a ban this host's rules issued (SPEC, "Trust boundaries"):
+                        // only the operator's table, where the fleet's copies are and this
+                        // host's operator bans (`ban del` lifts everywhere); a snapshot's
+                        // tombstone, only the fleet's copies.
+                        if ban_table(entry.flags) != BAN_TABLE_OPERATOR
+                            || (snapshot && entry.flags & BAN_REMOTE == 0)
+                        {
                             continue;
                         }
                         if let Ok(true) = self.maps.remove_ban(ban_table(entry.flags), plen, &key) {

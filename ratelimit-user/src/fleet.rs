@@ -20,6 +20,11 @@
 //! stays in one slot of a Redis Cluster (`redis+cluster://`), on one master: losing it with
 //! no replica to take over is, for the hosts, a store that cannot be reached.
 //!
+//! These are the names in the fleet named `default`; another fleet's are under its name
+//! ([`Keys`]). With the fleet key (`fleet.key_file`) each stream entry carries a field `m`,
+//! the MAC of its record, and each snapshot value ends in `|<MAC>`; what is read is dropped
+//! unless it verifies, and every record read is bounded (`crate::fleet_trust`).
+//!
 //! ## Tasks, and who waits for whom
 //! Nothing on the packet path or the control API waits for the store. The owner task hands
 //! the records it publishes to the **publisher** (an unbounded channel; it never waits), and
@@ -72,16 +77,40 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 use tracing::{info, warn};
 
-use crate::{config, events, report, supervise};
+use crate::{
+    config, events,
+    fleet_trust::{self, Trust},
+    report, supervise,
+};
 
 /// `BanEntry::flags` of a ban received from the fleet (in the operator's table, with
 /// `BAN_MANUAL`). The program tests only the bits it knows; this one is the daemon's.
 pub const BAN_REMOTE: u32 = 1 << 8;
 
+/// The keys' names in the fleet named `default`; a fleet of another name has its own
+/// ([`Keys`], [`fleet_trust::store_name`]).
 pub const STREAM_KEY: &str = "ratelimit:{bans}:stream";
 pub const SNAP_KEY: &str = "ratelimit:{bans}:snap";
 /// A hash, host id → that host's last [`Heartbeat`] (JSON), written every [`HEARTBEAT`].
 pub const PEERS_KEY: &str = "ratelimit:{bans}:peers";
+
+/// The store's names of the ban stream, the snapshot and the peers in this fleet.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Keys {
+    pub stream: String,
+    pub snap: String,
+    pub peers: String,
+}
+
+impl Keys {
+    pub fn of(fleet: &str) -> Keys {
+        Keys {
+            stream: fleet_trust::store_name(fleet, STREAM_KEY),
+            snap: fleet_trust::store_name(fleet, SNAP_KEY),
+            peers: fleet_trust::store_name(fleet, PEERS_KEY),
+        }
+    }
+}
 /// How often each host writes its heartbeat (and reads the others').
 pub const HEARTBEAT: Duration = Duration::from_secs(1);
 /// A peer not seen for this long is shown as stale.
@@ -376,6 +405,10 @@ pub fn check_files(f: &config::Fleet) -> anyhow::Result<()> {
         .map(|p| read_password_of(p, "fleet.sentinel_password_file"))
         .transpose()?;
     read_tls(f)?;
+    f.key_file
+        .as_deref()
+        .map(fleet_trust::read_key)
+        .transpose()?;
     Ok(())
 }
 
@@ -389,6 +422,10 @@ pub struct Settings {
     pub state_dir: PathBuf,
     /// This host's clock against the store's: whether it takes part in global counting.
     pub clock: Arc<Clock>,
+    /// The fleet's name and key, remote bans' bounds, and what was rejected.
+    pub trust: Arc<Trust>,
+    /// The store's names of the ban stream, the snapshot and the peers.
+    pub keys: Keys,
     client: Client,
 }
 
@@ -539,6 +576,20 @@ impl Settings {
             }
         };
         let password = f.password_file.as_deref().map(read_password).transpose()?;
+        let key = f
+            .key_file
+            .as_deref()
+            .map(fleet_trust::read_key)
+            .transpose()?;
+        let trust = Arc::new(Trust::new(
+            &f.name,
+            key,
+            fleet_trust::Bounds {
+                min_prefix_v4: f.remote_ban_min_prefix_v4,
+                min_prefix_v6: f.remote_ban_min_prefix_v6,
+                max_duration: f.remote_ban_max_duration,
+            },
+        ));
         let tls = read_tls(f)?;
         if config::is_tls_url(&f.redis) {
             // The one TLS implementation built in; installed once per process (a second call
@@ -614,6 +665,8 @@ impl Settings {
             share_bans: f.share_bans,
             state_dir: state_dir.to_path_buf(),
             clock: Arc::new(Clock::new(f.max_clock_skew)),
+            keys: Keys::of(&f.name),
+            trust,
             client,
         })
     }
@@ -751,6 +804,23 @@ pub struct Report {
     /// This host's clock against the store's.
     #[serde(default)]
     pub clock: ClockReport,
+    /// `fleet.name`.
+    #[serde(default)]
+    pub fleet_name: String,
+    /// Records and counts are authenticated with the fleet key (`fleet.key_file`); without
+    /// it the store is trusted.
+    #[serde(default)]
+    pub authenticated: bool,
+    /// Stream records and snapshot entries dropped, by reason (`crate::fleet_trust::Reject`).
+    #[serde(default)]
+    pub records_rejected: BTreeMap<String, u64>,
+    /// Other hosts' counts of global rules dropped, by reason.
+    #[serde(default)]
+    pub counts_rejected: BTreeMap<String, u64>,
+    /// Remote bans whose end was later than `fleet.remote_ban_max_duration` (or never):
+    /// clamped to it.
+    #[serde(default)]
+    pub bans_clamped: u64,
 }
 
 /// This host's wall clock against the store's, as `fleet status` and `/v1/fleet` show it.
@@ -893,6 +963,7 @@ pub struct Shared {
     cursor_file: Mutex<()>,
     events: events::Events,
     global: Arc<crate::global::Shared>,
+    trust: Arc<Trust>,
 }
 
 impl Shared {
@@ -919,6 +990,11 @@ impl Shared {
         };
         r.outbox = self.outbox().len();
         r.global = self.global.report();
+        r.fleet_name = self.trust.name.clone();
+        r.authenticated = self.trust.authenticated();
+        r.records_rejected = self.trust.rejects.records_by_reason();
+        r.counts_rejected = self.trust.rejects.counts_by_reason();
+        r.bans_clamped = self.trust.rejects.clamped_total();
         let now_ms = unix_ms(SystemTime::now());
         r.peers = peers
             .iter()
@@ -1250,7 +1326,16 @@ where
         cursor_file: Mutex::new(()),
         events,
         global: Arc::default(),
+        trust: settings.trust.clone(),
     });
+    if !settings.trust.authenticated() {
+        warn!(
+            fleet = %settings.trust.name,
+            "no fleet.key_file: the fleet store is trusted (whoever can write to it can ban, \
+             lift bans and add counts on every host, within fleet.remote_ban_min_prefix_* and \
+             fleet.remote_ban_max_duration)"
+        );
+    }
     let (tx, rx) = mpsc::unbounded_channel();
     let rx = Arc::new(tokio::sync::Mutex::new(rx));
     // The clock is measured whatever `share_bans` says: global thresholds depend on it.
@@ -1284,8 +1369,14 @@ where
 
 /// Publish one record: appended to the stream, and the snapshot's field for its prefix
 /// updated (a ban that ends later, or never, is kept; an expired one or a tombstone is
-/// replaced; an `unban` leaves its tombstone).
+/// replaced; an `unban` leaves its tombstone). With the fleet key, ARGV[7] is the snapshot
+/// value's MAC (appended as `|<MAC>`) and ARGV[8] the record's (the stream entry's field
+/// `m`); both empty without.
 const PUBLISH_SCRIPT: &str = r#"
+local suffix = ''
+if ARGV[7] ~= '' then
+  suffix = '|' .. ARGV[7]
+end
 local cur = redis.call('HGET', KEYS[2], ARGV[2])
 if ARGV[3] == 'ban' then
   local keep = false
@@ -1298,10 +1389,13 @@ if ARGV[3] == 'ban' then
     end
   end
   if not keep then
-    redis.call('HSET', KEYS[2], ARGV[2], ARGV[4] .. '|' .. ARGV[5])
+    redis.call('HSET', KEYS[2], ARGV[2], ARGV[4] .. '|' .. ARGV[5] .. suffix)
   end
 else
-  redis.call('HSET', KEYS[2], ARGV[2], 't' .. ARGV[6] .. '|' .. ARGV[5])
+  redis.call('HSET', KEYS[2], ARGV[2], 't' .. ARGV[6] .. '|' .. ARGV[5] .. suffix)
+end
+if ARGV[8] ~= '' then
+  return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'r', ARGV[5], 'm', ARGV[8])
 end
 return redis.call('XADD', KEYS[1], 'MAXLEN', '~', ARGV[1], '*', 'r', ARGV[5])
 "#;
@@ -1390,11 +1484,20 @@ impl Lua {
 }
 
 /// Publish one batch, in one round trip.
-async fn publish_batch(conn: &mut Conn, lua: &mut Lua, batch: &[Record]) -> anyhow::Result<()> {
+async fn publish_batch(
+    settings: &Settings,
+    conn: &mut Conn,
+    lua: &mut Lua,
+    batch: &[Record],
+) -> anyhow::Result<()> {
+    let trust = &settings.trust;
     lua.run(conn, batch, |cmd, r| {
+        let json = serde_json::to_string(r)?;
+        let snap_mac = trust.snapshot_mac(r, &json);
+        let mac = trust.sign(fleet_trust::Kind::Record, &[json.as_bytes()]);
         cmd.arg(2)
-            .arg(STREAM_KEY)
-            .arg(SNAP_KEY)
+            .arg(&settings.keys.stream)
+            .arg(&settings.keys.snap)
             .arg(STREAM_MAXLEN)
             .arg(&r.net)
             .arg(match r.op {
@@ -1402,8 +1505,10 @@ async fn publish_batch(conn: &mut Conn, lua: &mut Lua, batch: &[Record]) -> anyh
                 Op::Unban => "unban",
             })
             .arg(r.exp_ms)
-            .arg(serde_json::to_string(r)?)
-            .arg(r.at_ms);
+            .arg(&json)
+            .arg(r.at_ms)
+            .arg(snap_mac)
+            .arg(mac);
         Ok(())
     })
     .await
@@ -1497,7 +1602,7 @@ async fn send_outbox(
         }
         let c = conn.as_mut().expect("connected above");
         let t0 = Instant::now();
-        publish_batch(c, lua, &batch)
+        publish_batch(settings, c, lua, &batch)
             .await
             .with_context(|| format!("publishing to {}", settings.store))?;
         shared.rtt(t0);
@@ -1550,7 +1655,7 @@ async fn heartbeat(settings: Arc<Settings>, shared: Arc<Shared>) -> anyhow::Resu
         let res = match beat(&settings, &shared, &mut conn).await {
             Ok(()) => {
                 let c = conn.as_mut().expect("connected by the beat");
-                sweep_snapshot(c, &mut prune, &mut scan).await
+                sweep_snapshot(&settings.keys, c, &mut prune, &mut scan).await
             }
             Err(e) => Err(e),
         };
@@ -1627,9 +1732,14 @@ fn stale_in_snapshot(value: &str, now_ms: u64, first_ms: Option<u64>) -> bool {
 
 /// One step of the snapshot's sweep: the next fields from `scan` (an `HSCAN` cursor, 0 = a
 /// new pass), and those stale removed unless they changed since.
-async fn sweep_snapshot(c: &mut Conn, prune: &mut Lua, scan: &mut u64) -> anyhow::Result<()> {
+async fn sweep_snapshot(
+    keys: &Keys,
+    c: &mut Conn,
+    prune: &mut Lua,
+    scan: &mut u64,
+) -> anyhow::Result<()> {
     let (next, fields): (u64, Vec<(String, String)>) = redis::cmd("HSCAN")
-        .arg(SNAP_KEY)
+        .arg(&keys.snap)
         .arg(*scan)
         .arg("COUNT")
         .arg(SWEEP_COUNT)
@@ -1640,7 +1750,7 @@ async fn sweep_snapshot(c: &mut Conn, prune: &mut Lua, scan: &mut u64) -> anyhow
     let first: Vec<(String, Vec<(String, String)>)> =
         if fields.iter().any(|(_, v)| v.starts_with('t')) {
             redis::cmd("XRANGE")
-                .arg(STREAM_KEY)
+                .arg(&keys.stream)
                 .arg("-")
                 .arg("+")
                 .arg("COUNT")
@@ -1661,7 +1771,7 @@ async fn sweep_snapshot(c: &mut Conn, prune: &mut Lua, scan: &mut u64) -> anyhow
         .collect();
     prune
         .run(c, &stale, |cmd, (field, value)| {
-            cmd.arg(1).arg(SNAP_KEY).arg(field).arg(value);
+            cmd.arg(1).arg(&keys.snap).arg(field).arg(value);
             Ok(())
         })
         .await
@@ -1676,12 +1786,12 @@ async fn beat(settings: &Settings, shared: &Shared, conn: &mut Option<Conn>) -> 
     let me = shared.heartbeat();
     let (all,): (BTreeMap<String, String>,) = redis::pipe()
         .cmd("HSET")
-        .arg(PEERS_KEY)
+        .arg(&settings.keys.peers)
         .arg(&me.host_id)
         .arg(serde_json::to_string(&me)?)
         .ignore()
         .cmd("HGETALL")
-        .arg(PEERS_KEY)
+        .arg(&settings.keys.peers)
         .query_async(c)
         .await
         .context("writing the heartbeat")?;
@@ -1696,7 +1806,7 @@ async fn beat(settings: &Settings, shared: &Shared, conn: &mut Option<Conn>) -> 
     }
     if !forget.is_empty() {
         redis::cmd("HDEL")
-            .arg(PEERS_KEY)
+            .arg(&settings.keys.peers)
             .arg(&forget)
             .query_async::<()>(c)
             .await
@@ -1709,17 +1819,25 @@ async fn beat(settings: &Settings, shared: &Shared, conn: &mut Option<Conn>) -> 
 /// Records of a stream reply: `(last id, records)`.
 type StreamReply = Option<Vec<(String, Vec<(String, Vec<(String, String)>)>)>>;
 
-fn parse_entries(entries: Vec<(String, Vec<(String, String)>)>) -> (Option<String>, Vec<Record>) {
+/// The records of stream entries this host accepts ([`Trust::stream_record`]: authenticated
+/// with the fleet key if there is one, every field within its bounds), and the last entry's
+/// id.
+fn parse_entries(
+    trust: &Trust,
+    entries: Vec<(String, Vec<(String, String)>)>,
+) -> (Option<String>, Vec<Record>) {
     let mut last = None;
     let mut out = Vec::with_capacity(entries.len());
+    let now_ms = unix_ms(SystemTime::now());
     for (id, fields) in entries {
-        for (k, v) in fields {
-            if k == "r" {
-                match serde_json::from_str::<Record>(&v) {
-                    Ok(r) => out.push(r),
-                    Err(e) => warn!(id, "a fleet record that does not parse was skipped: {e}"),
-                }
-            }
+        let field = |name: &str| {
+            fields
+                .iter()
+                .find(|(k, _)| k == name)
+                .map(|(_, v)| v.as_str())
+        };
+        if let Some(r) = trust.stream_record(field("r"), field("m"), now_ms) {
+            out.push(r);
         }
         last = Some(id);
     }
@@ -1771,7 +1889,7 @@ where
     if let Some(c) = &cursor {
         let t0 = Instant::now();
         let found: Vec<(String, Vec<(String, String)>)> = redis::cmd("XRANGE")
-            .arg(STREAM_KEY)
+            .arg(&settings.keys.stream)
             .arg(c)
             .arg(c)
             .query_async(&mut conn)
@@ -1796,7 +1914,7 @@ where
             .arg("BLOCK")
             .arg(READ_BLOCK_MS)
             .arg("STREAMS")
-            .arg(STREAM_KEY)
+            .arg(&settings.keys.stream)
             .arg(&from)
             .query_async(&mut conn)
             .await
@@ -1810,7 +1928,7 @@ where
             continue;
         };
         for (_, entries) in streams {
-            let (last, records) = parse_entries(entries);
+            let (last, records) = parse_entries(&settings.trust, entries);
             let received_at = unix_ms(SystemTime::now());
             let theirs: Vec<Record> = records
                 .into_iter()
@@ -1857,7 +1975,7 @@ where
     let t0 = Instant::now();
     // The last id first: a record added between the two reads is read again, harmlessly.
     let last: Vec<(String, Vec<(String, String)>)> = redis::cmd("XREVRANGE")
-        .arg(STREAM_KEY)
+        .arg(&settings.keys.stream)
         .arg("+")
         .arg("-")
         .arg("COUNT")
@@ -1871,17 +1989,17 @@ where
         .map(|(id, _)| id)
         .unwrap_or_else(|| "0-0".into());
     let snap: BTreeMap<String, String> = redis::cmd("HGETALL")
-        .arg(SNAP_KEY)
+        .arg(&settings.keys.snap)
         .query_async(conn)
         .await
         .context("reading the ban snapshot")?;
     shared.rtt(t0);
     // Bans that have ended are skipped by the owner; tombstones lift the fleet's bans held
     // here (this host's own `unban`s too: a ban received before it may still be held).
+    let now_ms = unix_ms(SystemTime::now());
     let records: Vec<Record> = snap
-        .values()
-        .filter_map(|v| v.split_once('|'))
-        .filter_map(|(_, json)| serde_json::from_str::<Record>(json).ok())
+        .iter()
+        .filter_map(|(field, v)| settings.trust.snapshot_record(field, v, now_ms))
         .filter(|r| r.op == Op::Unban || r.host != settings.host_id)
         .collect();
     let n = records.len();
@@ -2045,6 +2163,7 @@ mod tests {
             cursor_file: Mutex::new(()),
             events: events::Events::start(Some(&sink), 1000, vec![]).unwrap(),
             global: Arc::default(),
+            trust: Arc::new(Trust::new("default", None, Default::default())),
         };
         let clock = Clock::new(Duration::from_millis(250));
         let at = |offset_ms: i64, rtt_ms: i64| ClockSample {
@@ -2209,6 +2328,11 @@ BAMCA0kAMEYCIQDAkUz8uowjYDKf94dOXCRkO6eM1rvc03v7OXDTUs6XoAIhAILu
             sync_interval: config::DEFAULT_SYNC_INTERVAL,
             share_bans: true,
             max_clock_skew: config::DEFAULT_MAX_CLOCK_SKEW,
+            name: crate::fleet_trust::DEFAULT_NAME.into(),
+            key_file: None,
+            remote_ban_min_prefix_v4: config::DEFAULT_REMOTE_BAN_MIN_PREFIX_V4,
+            remote_ban_min_prefix_v6: config::DEFAULT_REMOTE_BAN_MIN_PREFIX_V6,
+            remote_ban_max_duration: config::DEFAULT_REMOTE_BAN_MAX_DURATION,
         };
         assert!(read_tls(&f).unwrap().is_none());
         f.tls_ca_file = Some(ca.clone());
@@ -2349,6 +2473,8 @@ BAMCA0kAMEYCIQDAkUz8uowjYDKf94dOXCRkO6eM1rvc03v7OXDTUs6XoAIhAILu
             share_bans: true,
             state_dir: dir.clone(),
             clock: Arc::new(Clock::new(config::DEFAULT_MAX_CLOCK_SKEW)),
+            trust: Arc::new(Trust::new("default", None, Default::default())),
+            keys: Keys::of("default"),
             client: Client::Single(redis::Client::open("redis://127.0.0.1:1").unwrap()),
         });
         let shared = Arc::new(Shared {
@@ -2358,6 +2484,7 @@ BAMCA0kAMEYCIQDAkUz8uowjYDKf94dOXCRkO6eM1rvc03v7OXDTUs6XoAIhAILu
             cursor_file: Mutex::new(()),
             events: events::Events::start(None, 1, vec![]).unwrap(),
             global: Arc::default(),
+            trust: Arc::new(Trust::new("default", None, Default::default())),
         });
         let mut on_disk = shared.outbox_gen.load(Ordering::Relaxed);
         shared.change_outbox(|ob| ob.push_back(rec("192.0.2.1/32")));

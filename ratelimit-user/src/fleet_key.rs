@@ -243,10 +243,11 @@ async fn read_store(
         for window in [r.window, r.window.wrapping_sub(1)] {
             let hash = global::hash_name(&r.rid, Meter::Admitted, r.bucket, window);
             let fields: HashMap<String, String> = redis::cmd("HGETALL")
-                .arg(&hash)
+                .arg(settings.trust.store_name(&hash))
                 .query_async(&mut conn)
                 .await
                 .with_context(|| format!("reading {hash} from {}", settings.store))?;
+            let fields = settings.trust.plain_counts(&hash, &r.key, fields);
             windows.push(WindowCounts::of(&r.key, window, hash, &fields));
         }
         out.push(windows);

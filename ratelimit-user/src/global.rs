@@ -101,6 +101,48 @@ redis.call('PEXPIREAT', KEYS[1], ARGV[2])
 return out
 "#;
 
+/// [`SYNC_SCRIPT`] with the fleet key (`crate::fleet_trust`): each host's count of a key goes
+/// with its MAC into one field per key, `<key>#m`, as `host,count,mac` entries joined by `;`
+/// (this host's entry raised to its count, never lowered), and the script answers each
+/// field whole: the hosts sum the entries that verify. A field longer than ARGV[3] (bytes)
+/// is started anew. ARGV: host, expiry (unix ms), the longest field, then key, count and MAC
+/// triples. The fields are not those of [`SYNC_SCRIPT`]: hosts with and without the key
+/// never add into each other's counts.
+const SYNC_AUTH_SCRIPT: &str = r#"
+local host = ARGV[1]
+local maxlen = tonumber(ARGV[3])
+local mine = host .. ','
+local out = {}
+for i = 4, #ARGV, 3 do
+  local f = ARGV[i] .. '#m'
+  local abs = tonumber(ARGV[i + 1])
+  local cur = redis.call('HGET', KEYS[1], f) or ''
+  if #cur > maxlen then
+    cur = ''
+  end
+  local old = 0
+  local rest = {}
+  for e in string.gmatch(cur, '[^;]+') do
+    if string.sub(e, 1, #mine) == mine then
+      local c = tonumber(string.match(e, '^[^,]*,(%d+)')) or 0
+      if c > old then
+        old = c
+      end
+    else
+      rest[#rest + 1] = e
+    end
+  end
+  if abs > old then
+    rest[#rest + 1] = mine .. ARGV[i + 1] .. ',' .. ARGV[i + 2]
+    cur = table.concat(rest, ';')
+    redis.call('HSET', KEYS[1], f, cur)
+  end
+  out[#out + 1] = cur
+end
+redis.call('PEXPIREAT', KEYS[1], ARGV[2])
+return out
+"#;
+
 /// A global rule as the data plane holds it.
 #[derive(Clone, Debug, PartialEq)]
 pub struct GlobalRule {
@@ -532,10 +574,28 @@ pub struct Call {
     pub pairs: Vec<(String, u64)>,
 }
 
-/// [`CountStore`] on Redis: the script on a connection.
+/// [`CountStore`] on Redis: the script on a connection ([`SYNC_SCRIPT`], or
+/// [`SYNC_AUTH_SCRIPT`] with the fleet key), the hashes' names in the fleet's namespace.
 pub struct RedisCounts<'a> {
     pub conn: &'a mut Conn,
-    pub script: &'a redis::Script,
+    pub scripts: &'a Scripts,
+    pub trust: &'a Arc<crate::fleet_trust::Trust>,
+}
+
+/// The count scripts.
+#[derive(Clone)]
+pub struct Scripts {
+    plain: redis::Script,
+    auth: redis::Script,
+}
+
+impl Default for Scripts {
+    fn default() -> Self {
+        Self {
+            plain: redis::Script::new(SYNC_SCRIPT),
+            auth: redis::Script::new(SYNC_AUTH_SCRIPT),
+        }
+    }
 }
 
 impl CountStore for RedisCounts<'_> {
@@ -546,13 +606,42 @@ impl CountStore for RedisCounts<'_> {
         expire_ms: u64,
         pairs: &[(&str, u64)],
     ) -> impl std::future::Future<Output = anyhow::Result<Vec<u64>>> + Send {
-        let mut inv = self.script.key(hash);
-        inv.arg(host).arg(expire_ms);
-        for &(key, own) in pairs {
-            inv.arg(key).arg(own);
-        }
+        let trust = self.trust.clone();
+        let store_hash = trust.store_name(hash);
+        let authenticated = trust.authenticated();
+        let inv = if authenticated {
+            let mut inv = self.scripts.auth.key(&store_hash);
+            inv.arg(host)
+                .arg(expire_ms)
+                .arg(crate::fleet_trust::MAX_COUNT_FIELD);
+            for &(key, own) in pairs {
+                inv.arg(key)
+                    .arg(own)
+                    .arg(trust.count_mac(hash, key, host, own));
+            }
+            inv
+        } else {
+            let mut inv = self.scripts.plain.key(&store_hash);
+            inv.arg(host).arg(expire_ms);
+            for &(key, own) in pairs {
+                inv.arg(key).arg(own);
+            }
+            inv
+        };
+        let keys: Vec<String> = pairs.iter().map(|(k, _)| k.to_string()).collect();
+        let hash = hash.to_string();
         let conn = &mut *self.conn;
-        async move { Ok(inv.invoke_async(conn).await?) }
+        async move {
+            if !authenticated {
+                return Ok(inv.invoke_async(conn).await?);
+            }
+            let fields: Vec<String> = inv.invoke_async(conn).await?;
+            Ok(fields
+                .iter()
+                .zip(&keys)
+                .map(|(f, k)| trust.count_total(&hash, k, f))
+                .collect())
+        }
     }
 
     /// Every call at once: one round trip for all (a multiplexed connection pipelines them; a
@@ -560,8 +649,9 @@ impl CountStore for RedisCounts<'_> {
     async fn sync_all(&mut self, host: &str, calls: &[Call]) -> Vec<anyhow::Result<Vec<u64>>> {
         let mut set = tokio::task::JoinSet::new();
         for (ix, c) in calls.iter().enumerate() {
-            let (script, mut conn, c, host) = (
-                self.script.clone(),
+            let (scripts, trust, mut conn, c, host) = (
+                self.scripts.clone(),
+                self.trust.clone(),
                 self.conn.clone(),
                 c.clone(),
                 host.to_string(),
@@ -571,7 +661,8 @@ impl CountStore for RedisCounts<'_> {
                     c.pairs.iter().map(|(k, n)| (k.as_str(), *n)).collect();
                 let mut one = RedisCounts {
                     conn: &mut conn,
-                    script: &script,
+                    scripts: &scripts,
+                    trust: &trust,
                 };
                 (ix, one.sync(&c.hash, &host, c.expire_ms, &pairs).await)
             });
@@ -590,9 +681,10 @@ impl CountStore for RedisCounts<'_> {
 
 impl Announce for RedisCounts<'_> {
     async fn announce(&mut self, set: &str, expire_ms: u64, keys: &[String]) -> anyhow::Result<()> {
+        let set = self.trust.store_name(set);
         let mut p = redis::pipe();
-        p.cmd("SADD").arg(set).arg(keys).ignore();
-        p.cmd("PEXPIREAT").arg(set).arg(expire_ms).ignore();
+        p.cmd("SADD").arg(&set).arg(keys).ignore();
+        p.cmd("PEXPIREAT").arg(&set).arg(expire_ms).ignore();
         let () = p.query_async(&mut *self.conn).await?;
         Ok(())
     }
@@ -600,7 +692,7 @@ impl Announce for RedisCounts<'_> {
     async fn announced(&mut self, sets: &[String]) -> Vec<Vec<String>> {
         let mut set = tokio::task::JoinSet::new();
         for (ix, name) in sets.iter().enumerate() {
-            let (mut conn, name) = (self.conn.clone(), name.clone());
+            let (mut conn, name) = (self.conn.clone(), self.trust.store_name(name));
             set.spawn(async move {
                 let r: redis::RedisResult<Vec<String>> = redis::cmd("SRANDMEMBER")
                     .arg(&name)
@@ -824,7 +916,7 @@ pub async fn run<O: Owner>(
     owner: Arc<O>,
     shared: Arc<Shared>,
 ) -> anyhow::Result<()> {
-    let script = redis::Script::new(SYNC_SCRIPT);
+    let scripts = Scripts::default();
     let mut conn: Option<Conn> = None;
     let mut rules: Vec<GlobalRule> = Vec::new();
     let mut synced: Vec<Synced> = Vec::new();
@@ -913,7 +1005,8 @@ pub async fn run<O: Owner>(
                     let names: Vec<String> = sets.iter().map(|(_, s)| s.clone()).collect();
                     let mut counts = RedisCounts {
                         conn: c,
-                        script: &script,
+                        scripts: &scripts,
+                        trust: &settings.trust,
                     };
                     let members = counts.announced(&names).await;
                     for ((rule, _), keys) in sets.iter().zip(members) {
@@ -962,7 +1055,8 @@ pub async fn run<O: Owner>(
         let c = conn.as_mut().expect("connected above");
         let mut counts = RedisCounts {
             conn: c,
-            script: &script,
+            scripts: &scripts,
+            trust: &settings.trust,
         };
         let mut result = if synced.is_empty() {
             Ok(Round::default())

@@ -363,6 +363,10 @@ fn snapshot(s: &Reports) -> anyhow::Result<(Stats, Gauges)> {
                 global: r.global.clone(),
                 clock_offset_seconds: r.clock.offset_ms.map(|ms| ms / 1e3),
                 clock_over_bound: r.clock.over_bound,
+                authenticated: r.authenticated,
+                records_rejected: r.records_rejected.clone(),
+                counts_rejected: r.counts_rejected.clone(),
+                bans_clamped: r.bans_clamped,
             }
         }),
     };
@@ -420,6 +424,12 @@ pub struct FleetGauges {
     /// beyond `fleet.max_clock_skew`.
     pub clock_offset_seconds: Option<f64>,
     pub clock_over_bound: bool,
+    /// Records and counts authenticated with the fleet key; what was rejected, by reason;
+    /// remote bans clamped to `fleet.remote_ban_max_duration`.
+    pub authenticated: bool,
+    pub records_rejected: std::collections::BTreeMap<String, u64>,
+    pub counts_rejected: std::collections::BTreeMap<String, u64>,
+    pub bans_clamped: u64,
 }
 
 #[derive(Debug)]
@@ -898,7 +908,39 @@ pub fn render_metrics(stats: &Stats, gauges: &Gauges) -> String {
 /// `ratelimit_fleet_*`: fleet mode's connection, bans shared, outbox and store latency.
 fn fleet_families(f: &FleetGauges) -> Vec<Family> {
     use MetricType::{Counter, Gauge, Histogram};
+    let by_reason = |name: &'static str,
+                     help: &'static str,
+                     m: &std::collections::BTreeMap<String, u64>| {
+        crate::fleet_trust::Reject::ALL
+            .iter()
+            .fold(Family::new(name, Counter, help), |fam, r| {
+                let n = m.get(r.as_str()).copied().unwrap_or(0);
+                fam.with(vec![("reason", r.as_str().into())], Value::Counter(n))
+            })
+    };
     vec![
+        Family::new(
+            "ratelimit_fleet_authenticated",
+            Gauge,
+            "1 when the fleet's records and counts are authenticated with the fleet key (fleet.key_file); 0: the store is trusted",
+        )
+        .with(vec![], Value::Gauge(u64::from(f.authenticated))),
+        by_reason(
+            "ratelimit_fleet_records_rejected",
+            "Ban records and snapshot entries read from the fleet store and dropped, by reason (unauthenticated, bad_mac, malformed, out_of_bounds, too_wide)",
+            &f.records_rejected,
+        ),
+        by_reason(
+            "ratelimit_fleet_counts_rejected",
+            "Other hosts' counts of global rules read from the fleet store and ignored, by reason (unauthenticated, bad_mac, out_of_bounds)",
+            &f.counts_rejected,
+        ),
+        Family::new(
+            "ratelimit_fleet_bans_clamped",
+            Counter,
+            "Bans received from the fleet that ended later than fleet.remote_ban_max_duration (or never): clamped to it",
+        )
+        .with(vec![], Value::Counter(f.bans_clamped)),
         Family::new(
             "ratelimit_fleet_connected",
             Gauge,
@@ -1364,6 +1406,10 @@ mod tests {
                 },
                 clock_offset_seconds: Some(-5.0025),
                 clock_over_bound: true,
+                authenticated: true,
+                records_rejected: [("bad_mac".to_string(), 3)].into(),
+                counts_rejected: Default::default(),
+                bans_clamped: 2,
             }),
             ..GAUGES
         };
@@ -1372,6 +1418,11 @@ mod tests {
         for want in [
             "# TYPE ratelimit_fleet_connected gauge",
             "ratelimit_fleet_connected 1",
+            "ratelimit_fleet_authenticated 1",
+            "ratelimit_fleet_records_rejected_total{reason=\"bad_mac\"} 3",
+            "ratelimit_fleet_records_rejected_total{reason=\"too_wide\"} 0",
+            "ratelimit_fleet_counts_rejected_total{reason=\"unauthenticated\"} 0",
+            "ratelimit_fleet_bans_clamped_total 2",
             "# TYPE ratelimit_fleet_records_published counter",
             "ratelimit_fleet_records_published_total{op=\"ban\"} 5",
             "ratelimit_fleet_records_published_total{op=\"unban\"} 1",

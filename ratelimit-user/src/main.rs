@@ -434,6 +434,34 @@ fn print_fleet(f: &ratelimit_user::fleet::Report) {
             " (share_bans = false)"
         }
     );
+    println!(
+        "fleet      {} (authenticated: {}{})",
+        f.fleet_name,
+        f.authenticated,
+        if f.authenticated {
+            ""
+        } else {
+            "; no fleet.key_file: the store is trusted"
+        }
+    );
+    if !f.records_rejected.is_empty() || !f.counts_rejected.is_empty() || f.bans_clamped > 0 {
+        let list = |m: &std::collections::BTreeMap<String, u64>| {
+            if m.is_empty() {
+                "none".to_string()
+            } else {
+                m.iter()
+                    .map(|(k, v)| format!("{v} {k}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            }
+        };
+        println!(
+            "rejected   records: {}; counts: {}; {} bans clamped to fleet.remote_ban_max_duration",
+            list(&f.records_rejected),
+            list(&f.counts_rejected),
+            f.bans_clamped
+        );
+    }
     println!("cursor     {}", opt(&f.cursor));
     println!(
         "lag        {}",

@@ -2225,3 +2225,69 @@ fn an_overrides_inherited_ban_threshold_is_checked_as_scaled() {
         (1000, 2000)
     );
 }
+
+#[test]
+fn fleet_name_key_file_and_remote_ban_bounds_take_their_values_and_defaults() {
+    let f = ok("[fleet]\nredis = \"redis://10.1.0.5:6379\"\n")
+        .fleet
+        .unwrap();
+    assert_eq!(f.name, "default");
+    assert_eq!(f.key_file, None);
+    assert_eq!(
+        (f.remote_ban_min_prefix_v4, f.remote_ban_min_prefix_v6),
+        (16, 32)
+    );
+    assert_eq!(f.remote_ban_max_duration, Duration::from_secs(86_400));
+    let f = ok(
+        "[fleet]\nredis = \"redis://a:6379\"\nname = \"prod-eu.1\"\n\
+                key_file = \"/etc/ratelimit/fleet.key\"\nremote_ban_min_prefix_v4 = 24\n\
+                remote_ban_min_prefix_v6 = 48\nremote_ban_max_duration = \"6h\"\n",
+    )
+    .fleet
+    .unwrap();
+    assert_eq!(f.name, "prod-eu.1");
+    assert_eq!(
+        f.key_file.as_deref(),
+        Some(std::path::Path::new("/etc/ratelimit/fleet.key"))
+    );
+    assert_eq!(
+        (f.remote_ban_min_prefix_v4, f.remote_ban_min_prefix_v6),
+        (24, 48)
+    );
+    assert_eq!(f.remote_ban_max_duration, Duration::from_secs(6 * 3600));
+}
+
+#[test]
+fn fleet_name_and_remote_ban_bounds_are_refused_with_their_place() {
+    assert_eq!(
+        error("[fleet]\nredis = \"redis://a:6379\"\nname = \"a b\"\n"),
+        "t.toml:3:8: fleet.name: \"a b\": ' ' is not allowed (letters, digits, '.', '-' and \
+         '_' are)"
+    );
+    assert_eq!(
+        error("[fleet]\nredis = \"redis://a:6379\"\nname = \"\"\n"),
+        "t.toml:3:8: fleet.name: must not be empty"
+    );
+    assert!(
+        error(&format!(
+            "[fleet]\nredis = \"redis://a:6379\"\nname = \"{}\"\n",
+            "n".repeat(65)
+        ))
+        .contains("fleet.name: must be at most 64 characters")
+    );
+    assert_eq!(
+        error("[fleet]\nredis = \"redis://a:6379\"\nremote_ban_min_prefix_v4 = 33\n"),
+        "t.toml:3:28: fleet.remote_ban_min_prefix_v4 must be between 0 and 32"
+    );
+    assert_eq!(
+        error("[fleet]\nredis = \"redis://a:6379\"\nremote_ban_min_prefix_v6 = 129\n"),
+        "t.toml:3:28: fleet.remote_ban_min_prefix_v6 must be between 0 and 128"
+    );
+    assert_eq!(
+        error("[fleet]\nredis = \"redis://a:6379\"\nremote_ban_max_duration = \"0s\"\n"),
+        "t.toml:3:27: fleet.remote_ban_max_duration must be between 1s and 365d"
+    );
+    assert!(
+        error("[fleet]\nredis = \"redis://a:6379\"\nkey_file = 3\n").starts_with("t.toml:3:12:")
+    );
+}

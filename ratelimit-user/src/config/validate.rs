@@ -483,6 +483,43 @@ fn fleet(mut t: Table, ck: &mut Checker) -> Option<Fleet> {
             max_clock_skew = d;
         }
     }
+    let name = match t.get("name") {
+        Some(f) => f
+            .str(ck)
+            .and_then(|s| {
+                crate::fleet_trust::check_name(s)
+                    .map_err(|e| f.invalid(ck, e))
+                    .ok()
+                    .map(|()| s.to_owned())
+            })
+            .unwrap_or_else(|| crate::fleet_trust::DEFAULT_NAME.to_string()),
+        None => crate::fleet_trust::DEFAULT_NAME.to_string(),
+    };
+    let key_file = t.get("key_file").and_then(|f| path(&f, ck));
+    let remote_ban_min_prefix_v4 = t
+        .get("remote_ban_min_prefix_v4")
+        .and_then(|f| int_in(&f, ck, 0, 32))
+        .map_or(super::DEFAULT_REMOTE_BAN_MIN_PREFIX_V4, |n| n as u8);
+    let remote_ban_min_prefix_v6 = t
+        .get("remote_ban_min_prefix_v6")
+        .and_then(|f| int_in(&f, ck, 0, 128))
+        .map_or(super::DEFAULT_REMOTE_BAN_MIN_PREFIX_V6, |n| n as u8);
+    let mut remote_ban_max_duration = super::DEFAULT_REMOTE_BAN_MAX_DURATION;
+    if let Some(f) = t.get("remote_ban_max_duration")
+        && let Some(d) = duration(&f, ck)
+    {
+        if d < Duration::from_secs(1) || d > super::MAX_REMOTE_BAN_MAX_DURATION {
+            f.error(
+                ck,
+                format!(
+                    "must be between 1s and {}",
+                    super::format_duration(super::MAX_REMOTE_BAN_MAX_DURATION)
+                ),
+            );
+        } else {
+            remote_ban_max_duration = d;
+        }
+    }
     t.finish(ck);
     Some(Fleet {
         redis: redis?,
@@ -495,6 +532,11 @@ fn fleet(mut t: Table, ck: &mut Checker) -> Option<Fleet> {
         sync_interval,
         share_bans,
         max_clock_skew,
+        name,
+        key_file,
+        remote_ban_min_prefix_v4,
+        remote_ban_min_prefix_v6,
+        remote_ban_max_duration,
     })
 }
 
