@@ -98,6 +98,8 @@ pub struct State {
     pub pressure_not_saved: Option<String>,
     /// Whether the data plane holds the level, checked at every sample.
     pub level_sync: pressure::LevelSync,
+    /// The attached interfaces' receive CPUs (`cpu_busy` watches them without `pressure.cpus`).
+    pub rx_cpus: crate::rx_cpus::RxCpus,
     /// Fleet mode (`[fleet]`): where this host's bans are published. `None` without it.
     pub fleet: Option<crate::fleet::Link>,
     /// The origin host of each ban received from the fleet, by prefix (only bans marked
@@ -284,7 +286,11 @@ impl State {
             since: wall_of(p.since()),
             last_above: p.last_above().map(wall_of),
             hold_secs: p.marks().hold.as_secs_f64(),
-            cpus: self.cfg.pressure.cpus.clone(),
+            cpus: if self.cfg.pressure.cpus.is_empty() {
+                self.rx_cpus.cached().to_vec()
+            } else {
+                self.cfg.pressure.cpus.clone()
+            },
             signals: p.readings(),
             transitions: p.transitions(),
             not_saved: self.pressure_not_saved.clone(),
@@ -298,14 +304,25 @@ impl State {
         }
     }
 
+    /// The CPUs `cpu_busy` watches: `pressure.cpus`, else the attached interfaces' receive
+    /// CPUs; empty: every CPU.
+    fn watched_cpus(&mut self, now: Instant) -> Vec<u32> {
+        if !self.cfg.pressure.cpus.is_empty() {
+            return self.cfg.pressure.cpus.clone();
+        }
+        let ifaces: Vec<String> = self.dp.attached.iter().map(|a| a.iface.clone()).collect();
+        self.rx_cpus.get(&ifaces, now).to_vec()
+    }
+
     /// The sampler's readings, taken at `at`: the rates since the last ones, and the level.
     pub fn observe_pressure(&mut self, counters: pressure::Counters, at: Instant) {
+        let watched = self.watched_cpus(at);
         let sample = match &self.pressure_counters {
             Some((before, then)) => pressure::Sample::between(
                 before,
                 &counters,
                 at.saturating_duration_since(*then),
-                &self.cfg.pressure.cpus,
+                &watched,
             ),
             None => pressure::Sample::default(),
         };
@@ -1544,6 +1561,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         pressure_counters: None,
         pressure_not_saved: None,
         level_sync: pressure::LevelSync::default(),
+        rx_cpus: crate::rx_cpus::RxCpus::default(),
         fleet,
         ban_origins: Arc::new(restored.origins),
         fleet_lifts,

@@ -25,4 +25,5 @@ pub mod pressure;
 pub mod reader;
 pub mod report;
 pub mod ruleset;
+pub mod rx_cpus;
 pub mod supervise;
