@@ -245,6 +245,7 @@ impl State {
     pub fn view(&self) -> reader::View {
         reader::View {
             rule_names: self.rule_names(),
+            remote_bans_spilled: self.maps.remote_bans_spilled,
             live_rules: self.live_rules(),
             ban_reasons: self.ban_reasons.clone(),
             ban_origins: self.ban_origins.clone(),
@@ -545,7 +546,7 @@ impl State {
             if !matches!(self.maps.remove_ban(table, b.prefix_len, &addr), Ok(true)) {
                 continue; // the program lifted it first and reported it
             }
-            if table == BAN_TABLE_OPERATOR {
+            if b.flags & BAN_MANUAL != 0 {
                 self.forget_ban_notes(&crate::apply::net_of(b.prefix_len, &addr).to_string());
             }
             // Capped like the program's own events: rule bans expire by the thousand after
@@ -1244,7 +1245,7 @@ impl State {
     }
 
     /// Apply what the fleet's reader received: other hosts' bans installed (in the
-    /// operator's table, marked [`crate::fleet::BAN_REMOTE`], with their absolute end; where
+    /// remote bans' table, marked [`crate::fleet::BAN_REMOTE`], with their absolute end; where
     /// a ban is in force here already, the later end wins), their `unban`s lifting the bans at
     /// their prefix. Nothing applied here is published again.
     pub fn apply_fleet(
@@ -1293,7 +1294,7 @@ impl State {
                         applied.skipped += 1;
                         continue;
                     }
-                    if let Some(e) = self.maps.ban_at(BAN_TABLE_OPERATOR, plen, &key)
+                    if let Some(e) = self.maps.remote_ban_at(plen, &key)
                         && ratelimit_common::limiter::ban_active(e.expires_ns, now)
                         && (e.expires_ns == 0 || (exp != 0 && e.expires_ns >= exp))
                     {
@@ -1450,6 +1451,9 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             cfg.daemon.state_dir.display()
         );
     }
+    // The host's addresses before the first packet: the only destinations a SYN is answered
+    // for on a host that forwards nothing (`local_addrs`).
+    maps.refresh_local_addrs();
     for iface in &ifaces {
         dp.attach(iface, mode, &mut maps)?;
     }
@@ -1599,6 +1603,10 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     let h = handle.clone();
     supervise::spawn(&tasks, "pressure", first, move || {
         sample_pressure(h.clone())
+    });
+    let h = handle.clone();
+    supervise::spawn(&tasks, "local_addresses", first, move || {
+        crate::local_addrs::watch(h.clone())
     });
     let mut tasks = tokio::task::JoinSet::new();
     if let Some(l) = http_listener {

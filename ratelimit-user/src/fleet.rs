@@ -74,9 +74,9 @@ use tracing::{info, warn};
 
 use crate::{config, events, report, supervise};
 
-/// `BanEntry::flags` of a ban received from the fleet (in the operator's table, with
-/// `BAN_MANUAL`). The program tests only the bits it knows; this one is the daemon's.
-pub const BAN_REMOTE: u32 = 1 << 8;
+/// `BanEntry::flags` of a ban received from the fleet (in the remote bans' table, with
+/// `BAN_MANUAL`).
+pub use ratelimit_common::maps::BAN_REMOTE;
 
 pub const STREAM_KEY: &str = "ratelimit:{bans}:stream";
 pub const SNAP_KEY: &str = "ratelimit:{bans}:snap";

@@ -20,6 +20,7 @@ pub mod http;
 pub mod kernel_log;
 pub mod known;
 pub mod live;
+pub mod local_addrs;
 pub mod lock;
 pub mod pressure;
 pub mod reader;
