@@ -184,14 +184,24 @@ fn is_v4(src: &IpKey) -> bool {
     }
 }
 
+/// `src`'s address, copied onto the caller's stack (a volatile read, which the compiler
+/// cannot replace with a pointer to `src`): `src` may be a global function's argument, which
+/// the 6.1 verifier takes as no map key (`R2 type=mem expected=fp, ..., map_value`).
+#[inline(always)]
+fn stack_key(src: &IpKey) -> [u8; 16] {
+    // SAFETY: a read of a live 16-byte array.
+    unsafe { core::ptr::read_volatile(&src.addr) }
+}
+
 /// Whether `src` was proven within [`PROVEN_TTL_NS`] (looked up only if some source was).
 #[inline(always)]
 pub fn is_proven(src: &IpKey, now: u64) -> bool {
     if !recent(PROVED, now, PROVEN_TTL_NS) {
         return false;
     }
-    // SAFETY: a lookup; the value is copied out.
-    match unsafe { PROVEN.get(&src.addr) } {
+    // SAFETY: a lookup; the value is copied out. The key on this frame's stack
+    // ([`stack_key`]).
+    match unsafe { PROVEN.get(&stack_key(src)) } {
         Some(&t) => now.wrapping_sub(t) < PROVEN_TTL_NS,
         None => false,
     }
@@ -202,8 +212,9 @@ pub fn is_proven(src: &IpKey, now: u64) -> bool {
 /// over it, the address is not recorded (its packets go on through the admission budget).
 #[inline(always)]
 fn prove(src: &IpKey, now: u64) -> bool {
+    let key = stack_key(src);
     // SAFETY: a lookup; the value is copied out.
-    let renewal = match unsafe { PROVEN.get(&src.addr) } {
+    let renewal = match unsafe { PROVEN.get(&key) } {
         Some(&t) if now.wrapping_sub(t) < PROVEN_RENEW_NS => return false,
         Some(&t) => now.wrapping_sub(t) < PROVEN_TTL_NS,
         None => false,
@@ -212,7 +223,7 @@ fn prove(src: &IpKey, now: u64) -> bool {
         return false;
     }
     // A full map evicts its least recently used source.
-    let _ = PROVEN.insert(&src.addr, &now, 0);
+    let _ = PROVEN.insert(&key, &now, 0);
     stamp(PROVED, now);
     true
 }
