@@ -16,6 +16,10 @@ pub const MAX_BANS: u32 = 262_144;
 /// The operator's bans (`ratelimit ban add`): a table of their own, kept for the operator,
 /// so that rules filling theirs can never stop `ban add`.
 pub const MAX_OPERATOR_BANS: u32 = 262_144;
+/// Bans received from the fleet (`RL_BANS_REMOTE`): a table of their own, so that no number
+/// of them can fill the operator's. One that finds it full goes into the rules' table of bans
+/// that drop (`maps::BAN_SPILLED`), where rule bans that find it full are held in state.
+pub const MAX_REMOTE_BANS: u32 = 262_144;
 /// Active rule-issued bans that let packets through (preview, `exceed_action = "pass"`).
 pub const MAX_PASSING_BANS: u32 = 65_536;
 /// Per-CIDR threshold overrides, all rules together.
@@ -44,6 +48,9 @@ pub const MAX_SHARED_STATES: u32 = MAX_RULES * 512;
 /// Sources that completed a TCP handshake with a SYN cookie the program sent (`RL_PROVEN`, an
 /// LRU map): while cookies are being sent, they get state without the admission budget.
 pub const MAX_PROVEN_SOURCES: u32 = 65_536;
+/// Addresses of this host's interfaces the program knows (`RL_LOCAL_ADDRS`, kept by the
+/// daemon): on a host that forwards nothing, the only destinations a SYN is answered for.
+pub const MAX_LOCAL_ADDRS: u32 = 4096;
 /// Default bound on per-client state when the config does not set `tracking.max_sources`.
 pub const DEFAULT_MAX_SOURCES: u32 = 1_000_000;
 /// Events ring buffer size in bytes (a power of two, a multiple of the page size).

@@ -671,6 +671,12 @@ pub const BAN_MANUAL: u32 = 1 << 0;
 pub const BAN_PREVIEW: u32 = 1 << 1;
 /// The issuing rule's `exceed_action` is pass.
 pub const BAN_EXCEED_PASS: u32 = 1 << 2;
+/// Received from the fleet (issued on another host, by its operator or one of its rules; with
+/// `BAN_MANUAL`, so it always drops): in the remote bans' table, never the operator's.
+pub const BAN_REMOTE: u32 = 1 << 8;
+/// A remote ban that found the remote bans' table full, kept in the rules' table of bans that
+/// drop instead (with `BAN_REMOTE`): enforced, and expired in the kernel, like a rule ban.
+pub const BAN_SPILLED: u32 = 1 << 9;
 
 /// Value of the `BANS` LPM trie. It repeats its own key, because an LPM lookup does not say
 /// which prefix matched and the program must delete exactly that entry when the ban expires.
@@ -694,21 +700,30 @@ pub const BAN_RULE_NONE: u32 = u32::MAX;
 
 /// The ban tables, by what their bans do. A ban that drops is never in the same trie as one
 /// that lets packets through, so a longest match that passes can never hide a wider one that
-/// drops (the strictest ban in force wins); and the operator's bans have a table of their
-/// own, which no number of rule-issued bans can fill.
+/// drops (the strictest ban in force wins); the operator's bans have a table of their own,
+/// which no number of rule-issued bans can fill; and bans received from the fleet have one
+/// too, so no number of them can fill the operator's.
 /// `BAN_TABLE_OPERATOR`: `ratelimit ban add` and restored manual bans (they always drop).
 pub const BAN_TABLE_OPERATOR: u32 = 0;
-/// `BAN_TABLE_RULE`: rule-issued bans that drop.
+/// `BAN_TABLE_RULE`: rule-issued bans that drop (and remote bans spilled, `BAN_SPILLED`).
 pub const BAN_TABLE_RULE: u32 = 1;
 /// `BAN_TABLE_PASSING`: rule-issued bans that let packets on (preview, `exceed_action = pass`).
 pub const BAN_TABLE_PASSING: u32 = 2;
+/// `BAN_TABLE_REMOTE`: bans received from the fleet (`BAN_REMOTE`; they always drop).
+pub const BAN_TABLE_REMOTE: u32 = 3;
 /// Number of ban tables (`RL_BANS_PRESENT` has one flag for each).
-pub const BAN_TABLES: u32 = 3;
+pub const BAN_TABLES: u32 = 4;
 
 /// The table a ban belongs in, from its flags.
 #[inline(always)]
 pub const fn ban_table(flags: u32) -> u32 {
-    if flags & BAN_MANUAL != 0 {
+    if flags & BAN_REMOTE != 0 {
+        if flags & BAN_SPILLED != 0 {
+            BAN_TABLE_RULE
+        } else {
+            BAN_TABLE_REMOTE
+        }
+    } else if flags & BAN_MANUAL != 0 {
         BAN_TABLE_OPERATOR
     } else if flags & (BAN_PREVIEW | BAN_EXCEED_PASS) != 0 {
         BAN_TABLE_PASSING

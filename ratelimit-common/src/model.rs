@@ -418,7 +418,8 @@ enum RuleVerdict {
 #[derive(Clone, Debug)]
 pub struct Model {
     pub policy: Policy,
-    /// The ban tables (`RL_BANS_OPERATOR`, `RL_BANS`, `RL_BANS_PASSING`: by `ban_table`),
+    /// The ban tables (`RL_BANS_OPERATOR`, `RL_BANS`, `RL_BANS_REMOTE`, `RL_BANS_PASSING`: by
+    /// `ban_table`),
     /// keyed by (table, prefix length, masked address).
     pub bans: HashMap<(u32, u32, [u8; 16]), BanEntry>,
     clients: HashMap<ClientKey, ClientState>,
@@ -451,7 +452,8 @@ impl Model {
         })
     }
 
-    /// An operator's ban, inserted as `ratelimit ban add` does.
+    /// A ban the daemon inserts (an operator's, as `ratelimit ban add` does, or one from the
+    /// fleet), in the table its flags name.
     pub fn insert_ban(&mut self, entry: BanEntry) {
         let key = IpKey { addr: entry.addr }.masked(entry.prefix_len).addr;
         self.bans
@@ -580,9 +582,15 @@ impl Model {
     }
 
     /// The flags of the ban that decides for `src` (`bans::active_ban`): the operator's
-    /// table, then the rules' bans that drop, then those that pass; the first match decides.
+    /// table, then the rules' bans that drop, then the fleet's (which drop), then those that
+    /// pass; the first match decides.
     pub fn active_ban(&mut self, src: &IpKey, now: u64) -> Option<u32> {
-        for table in [BAN_TABLE_OPERATOR, BAN_TABLE_RULE, BAN_TABLE_PASSING] {
+        for table in [
+            BAN_TABLE_OPERATOR,
+            BAN_TABLE_RULE,
+            BAN_TABLE_REMOTE,
+            BAN_TABLE_PASSING,
+        ] {
             if let Some(entry) = self.ban_lookup(table, src) {
                 if !limiter::ban_active(entry.expires_ns, now) {
                     // The caller keeps bans from expiring within a run (see the module comment).

@@ -1,4 +1,4 @@
-//! Bans: the three ban tables, the lookup that finds the ban deciding for a source, the
+//! Bans: the four ban tables, the lookup that finds the ban deciding for a source, the
 //! in-kernel expiry, and issuing a ban (into a ban table, into a shared key's state, or held
 //! in the client's own state when the rules' table is full). See the glossary in `rules.rs`.
 
@@ -9,7 +9,7 @@ use aya_ebpf::{
 };
 use ratelimit_common::{
     addr::{FAMILY_V4, FAMILY_V6, IpKey, LpmAddr, lpm_prefix},
-    caps::{MAX_BANS, MAX_OPERATOR_BANS, MAX_PASSING_BANS},
+    caps::{MAX_BANS, MAX_OPERATOR_BANS, MAX_PASSING_BANS, MAX_REMOTE_BANS},
     event::{EV_BAN, EV_UNBAN},
     limiter,
     maps::*,
@@ -23,13 +23,16 @@ use crate::{
     stats::{self, Slot},
 };
 
-/// Active bans, in three tables by what they do (`maps::ban_table`): the operator's, rule
-/// bans that drop, and rule bans that let packets on (preview, `exceed_action = pass`). Their
+/// Active bans, in four tables by what they do (`maps::ban_table`): the operator's, rule
+/// bans that drop, the fleet's (received from other hosts; they drop), and rule bans that let
+/// packets on (preview, `exceed_action = pass`). Their
 /// own bounded maps, so per-client churn cannot evict a ban; LPM tries so a ban may cover a
 /// prefix. A ban that drops never shares a trie with one that passes, so no passing ban can
 /// hide or block a dropping one; the operator's table is theirs alone, so rules filling
-/// theirs never stop `ratelimit ban add`. Expiry is enforced here, in the kernel: a ban ends
-/// on time with no daemon running. A rule ban that finds its table full is held in the
+/// theirs never stop `ratelimit ban add`; the fleet's bans have a table of their own too, so
+/// no number of them can either (one that finds it full goes into the rules' table that
+/// drops, `BAN_SPILLED`, whose own overflow is held in state). Expiry is enforced here, in
+/// the kernel: a ban ends on time with no daemon running. A rule ban that finds its table full is held in the
 /// client's own state (`BAN_HELD_MARK`).
 #[map(name = "RL_BANS_OPERATOR")]
 static OPERATOR_BANS: LpmTrie<LpmAddr, BanEntry> = LpmTrie::pinned(MAX_OPERATOR_BANS, 0);
@@ -37,6 +40,10 @@ static OPERATOR_BANS: LpmTrie<LpmAddr, BanEntry> = LpmTrie::pinned(MAX_OPERATOR_
 /// Rule-issued bans that drop (`BAN_TABLE_RULE`).
 #[map(name = "RL_BANS")]
 static BANS: LpmTrie<LpmAddr, BanEntry> = LpmTrie::pinned(MAX_BANS, 0);
+
+/// Bans received from the fleet (`BAN_TABLE_REMOTE`); they drop.
+#[map(name = "RL_BANS_REMOTE")]
+static REMOTE_BANS: LpmTrie<LpmAddr, BanEntry> = LpmTrie::pinned(MAX_REMOTE_BANS, 0);
 
 /// Rule-issued bans that let packets on to the rules (`BAN_TABLE_PASSING`).
 #[map(name = "RL_BANS_PASSING")]
@@ -70,8 +77,8 @@ const ENOSPC: i32 = -28;
 
 /// The flags of the active ban that decides for the source whose full-length trie key is
 /// `key` (`policy::full`), removing expired ones on the way: the
-/// operator's and the rules' bans that drop first, so a ban that drops always wins; then the
-/// bans that pass (whose flags tell the caller so). Inline in the entry, its key in the
+/// operator's, the rules' and the fleet's bans, which drop, first, so a ban that drops always
+/// wins; then the bans that pass (whose flags tell the caller so). Inline in the entry, its key in the
 /// entry's scratch record (`SrcTrieKey`; the map helpers take no key passed into a global
 /// function on 6.1): as a global function of its own, the call cost the pass path some 20 ns
 /// (BENCHMARKS.md, "Data-plane hardening: before and after").
@@ -84,6 +91,11 @@ pub fn active_ban(slot: Slot, key: &Key<LpmAddr>, now: u64) -> Option<u32> {
     }
     if table_present(BAN_TABLE_RULE)
         && let Some(flags) = find_ban(&BANS, BAN_TABLE_RULE, slot, key, now)
+    {
+        return Some(flags);
+    }
+    if table_present(BAN_TABLE_REMOTE)
+        && let Some(flags) = find_ban(&REMOTE_BANS, BAN_TABLE_REMOTE, slot, key, now)
     {
         return Some(flags);
     }
@@ -184,6 +196,7 @@ pub extern "C" fn rl_unban(slot: u64, now: u64, entry: *const BanEntry, table: u
     let removed = match table as u32 {
         BAN_TABLE_OPERATOR => OPERATOR_BANS.remove(key).is_ok(),
         BAN_TABLE_RULE => BANS.remove(key).is_ok(),
+        BAN_TABLE_REMOTE => REMOTE_BANS.remove(key).is_ok(),
         _ => PASSING_BANS.remove(key).is_ok(),
     };
     if removed {

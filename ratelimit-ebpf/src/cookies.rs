@@ -21,14 +21,20 @@
 //!
 //! A packet passed this way has met every rule: only those that refused its source state
 //! dropped it (`rules::evaluate_rules` goes on past them for such a packet). Only what is addressed to this host is looked at (a unicast
-//! frame to a local destination, from a source that is not an IPv4 martian), and at most
+//! frame to a destination this host owns, from a source that is not an IPv4 martian: see
+//! [`for_this_host`]), and at most
 //! `GlobalConfig::syn_answer_tick_cap` packets a tick on each CPU: the rest are dropped as the
 //! rules said. That bounds the SYN-ACKs a flood gets back (never more than one, no larger, per
 //! SYN), what reaches the stack, and the socket lookups it costs.
 //!
-//! A proven source (`RL_PROVEN`, an IPv6 one by its /64) gets state of its own without the
+//! A proven source (`RL_PROVEN`, by its whole address) gets state of its own without the
 //! admission budget (`admission::state_for`; this CPU's share of the tick still applies), for
-//! [`PROVEN_TTL_NS`].
+//! [`PROVEN_TTL_NS`]. A handshake proves the one address it came from, whatever prefix a rule
+//! keys its sources by: one client of an IPv6 /64 does not vouch for the rest of it (under a
+//! rule with `ipv6_prefix` above 64 they would each get state past the budget). And one /64
+//! proves at most [`PROVEN_PER_NET`] addresses in a [`PROVEN_TTL_NS`] (`RL_PROVEN_NETS`), so
+//! a holder of a /64 completing handshakes from many of its addresses fills neither the store
+//! past the budget nor `RL_PROVEN`.
 //!
 //! A cookie SYN-ACK carries one option, the MSS the cookie encodes (at most what the device's
 //! MTU carries). So a connection made from
@@ -46,10 +52,15 @@ use aya_ebpf::{
         bpf_tcp_gen_syncookie, bpf_xdp_adjust_tail, bpf_xdp_load_bytes,
     },
     macros::map,
-    maps::{Array, LruHashMap, PerCpuArray},
+    maps::{Array, HashMap, LruHashMap, PerCpuArray},
     programs::XdpContext,
 };
-use ratelimit_common::{addr::IpKey, caps::MAX_PROVEN_SOURCES, proto::*, stats::global};
+use ratelimit_common::{
+    addr::IpKey,
+    caps::{MAX_LOCAL_ADDRS, MAX_PROVEN_SOURCES},
+    proto::*,
+    stats::global,
+};
 
 use crate::{
     atomic,
@@ -58,10 +69,33 @@ use crate::{
 };
 
 /// Proven sources (a cookie's ACK, or an established connection) and when they were proven
-/// (ns, coarse clock), by address (an IPv6 source by its /64, the most any one holder of a
-/// prefix is taken to be: proving many addresses of one /64 fills one entry, not the map).
+/// (ns, coarse clock), by their whole address (the 16-byte `IpKey`).
 #[map(name = "RL_PROVEN")]
 static PROVEN: LruHashMap<[u8; 16], u64> = LruHashMap::with_max_entries(MAX_PROVEN_SOURCES, 0);
+
+/// Per IPv6 /64 (its first 8 bytes): the addresses of it proven in the current span of
+/// [`PROVEN_TTL_NS`] (see [`prove`]).
+#[map(name = "RL_PROVEN_NETS")]
+static PROVEN_NETS: LruHashMap<u64, ProvenNet> =
+    LruHashMap::with_max_entries(MAX_PROVEN_SOURCES, 0);
+
+#[repr(C)]
+pub struct ProvenNet {
+    /// When the span began (coarse ns).
+    since: u64,
+    /// Addresses proven in it.
+    count: u64,
+}
+
+/// The addresses of one IPv6 /64 proven in a [`PROVEN_TTL_NS`] at most: the most that a holder
+/// of a /64 gets state for without the admission budget.
+pub const PROVEN_PER_NET: u64 = 16;
+
+/// The addresses this host owns (the 16-byte `IpKey` of each; kept by the daemon from the
+/// addresses of its network namespace's interfaces): on a host that forwards nothing, the
+/// only destinations answered (see [`for_this_host`]).
+#[map(name = "RL_LOCAL_ADDRS")]
+static LOCAL_ADDRS: HashMap<[u8; 16], u8> = HashMap::with_max_entries(MAX_LOCAL_ADDRS, 0);
 
 /// `[0]`: when some source was last proven (coarse ns), written at most once a second.
 #[map(name = "RL_COOKIE_TIME")]
@@ -86,6 +120,8 @@ pub struct CookieBuf {
     /// The SYN's TCP options (at most 40 bytes), copied for [`rl_syn_mss`]; 64 so that any
     /// index masked with 63 is inside it.
     opts: [u8; 64],
+    /// The packet's destination as an `IpKey`, the key of [`LOCAL_ADDRS`].
+    dst: [u8; 16],
 }
 
 /// How long a proven source skips the admission budget.
@@ -137,18 +173,6 @@ fn stamp(i: u32, now: u64) {
     }
 }
 
-/// The key of `src` in [`PROVEN`]: an IPv6 address cut to its /64.
-#[inline(always)]
-fn proven_key(src: &IpKey) -> [u8; 16] {
-    let mut k = src.addr;
-    if !is_v4(src) {
-        let p = &mut k as *mut [u8; 16] as *mut u64;
-        // SAFETY: the second 8-byte half of a 16-byte array.
-        unsafe { core::ptr::write_unaligned(p.add(1), 0) };
-    }
-    k
-}
-
 #[inline(always)]
 fn is_v4(src: &IpKey) -> bool {
     let p = &src.addr as *const [u8; 16] as *const u32;
@@ -160,33 +184,83 @@ fn is_v4(src: &IpKey) -> bool {
     }
 }
 
+/// `src`'s address, copied onto the caller's stack (a volatile read, which the compiler
+/// cannot replace with a pointer to `src`): `src` may be a global function's argument, which
+/// the 6.1 verifier takes as no map key (`R2 type=mem expected=fp, ..., map_value`).
+#[inline(always)]
+fn stack_key(src: &IpKey) -> [u8; 16] {
+    // SAFETY: a read of a live 16-byte array.
+    unsafe { core::ptr::read_volatile(&src.addr) }
+}
+
 /// Whether `src` was proven within [`PROVEN_TTL_NS`] (looked up only if some source was).
 #[inline(always)]
 pub fn is_proven(src: &IpKey, now: u64) -> bool {
     if !recent(PROVED, now, PROVEN_TTL_NS) {
         return false;
     }
-    // SAFETY: a lookup; the value is copied out.
-    match unsafe { PROVEN.get(proven_key(src)) } {
+    // SAFETY: a lookup; the value is copied out. The key on this frame's stack
+    // ([`stack_key`]).
+    match unsafe { PROVEN.get(&stack_key(src)) } {
         Some(&t) => now.wrapping_sub(t) < PROVEN_TTL_NS,
         None => false,
     }
 }
 
-/// Record `src` as proven; true if it was not already (within [`PROVEN_RENEW_NS`]).
+/// Record `src` as proven; true if it was not already (within [`PROVEN_RENEW_NS`]). A new
+/// proof of an IPv6 address counts against its /64's [`PROVEN_PER_NET`] (a renewal does not):
+/// over it, the address is not recorded (its packets go on through the admission budget).
 #[inline(always)]
 fn prove(src: &IpKey, now: u64) -> bool {
-    let key = proven_key(src);
+    let key = stack_key(src);
     // SAFETY: a lookup; the value is copied out.
-    if let Some(&t) = unsafe { PROVEN.get(key) }
-        && now.wrapping_sub(t) < PROVEN_RENEW_NS
-    {
+    let renewal = match unsafe { PROVEN.get(&key) } {
+        Some(&t) if now.wrapping_sub(t) < PROVEN_RENEW_NS => return false,
+        Some(&t) => now.wrapping_sub(t) < PROVEN_TTL_NS,
+        None => false,
+    };
+    if !renewal && !is_v4(src) && !net_has_room(src, now) {
         return false;
     }
     // A full map evicts its least recently used source.
-    let _ = PROVEN.insert(key, now, 0);
+    let _ = PROVEN.insert(&key, &now, 0);
     stamp(PROVED, now);
     true
+}
+
+/// Whether the /64 of the IPv6 source `src` may prove one more address now (and if so, that
+/// one is counted): fewer than [`PROVEN_PER_NET`] in the current span.
+#[inline(always)]
+fn net_has_room(src: &IpKey, now: u64) -> bool {
+    // SAFETY: the first 8 bytes of a 16-byte array.
+    let net = unsafe { core::ptr::read_unaligned(&src.addr as *const [u8; 16] as *const u64) };
+    match PROVEN_NETS.get_ptr_mut(&net) {
+        // SAFETY: a live map value; 8-byte loads and stores (a race between CPUs may let a
+        // proof or two more through, never fewer).
+        Some(p) => unsafe {
+            if now.wrapping_sub(atomic::load(&raw const (*p).since)) >= PROVEN_TTL_NS {
+                atomic::store(&raw mut (*p).since, now);
+                atomic::store(&raw mut (*p).count, 1);
+                return true;
+            }
+            if atomic::load(&raw const (*p).count) >= PROVEN_PER_NET {
+                return false;
+            }
+            atomic::add(&raw mut (*p).count, 1);
+            true
+        },
+        None => {
+            let _ = PROVEN_NETS.insert(
+                &net,
+                &ProvenNet {
+                    since: now,
+                    count: 1,
+                },
+                0,
+            );
+            true
+        }
+    }
 }
 
 /// Whether [`answer`] may answer or pass `pkt`: a TCP SYN (no other of SYN, ACK, RST, FIN),
@@ -262,7 +336,7 @@ fn answer_af<const V4: bool>(ctx: &XdpContext, rl: &RuleLoop, cap: u64) -> u64 {
         return ANSWER_NONE;
     }
     // Only what is addressed to this host: a unicast frame, to an address the host's routes
-    // call local (or on a host that forwards nothing, any address it was sent to).
+    // call local (or on a host that forwards nothing, one of its interfaces' addresses).
     if !for_this_host::<V4>(ctx, b, l3) {
         return ANSWER_NONE;
     }
@@ -335,9 +409,11 @@ fn pass(reason: u32, proved: bool) -> u64 {
 }
 
 /// Whether the packet at `l3` is addressed to this host: a unicast destination MAC, and a
-/// destination the routing table calls local (`BPF_FIB_LKUP_RET_NOT_FWDED`), or any
-/// destination on a device that forwards nothing (`BPF_FIB_LKUP_RET_FWD_DISABLED`: what is
-/// not local is dropped by the stack anyway, and the listener lookup finds only local ones).
+/// destination the routing table calls local (`BPF_FIB_LKUP_RET_NOT_FWDED`), or, on a device
+/// that forwards nothing (`BPF_FIB_LKUP_RET_FWD_DISABLED`: the route lookup says nothing
+/// more there), an address of this host's interfaces ([`LOCAL_ADDRS`], which the daemon
+/// keeps). A listener bound to the wildcard address matches any destination, so the socket
+/// lookup alone would have a SYN to any address that reaches the NIC answered from it.
 /// An IPv4 source the stack would discard as a martian (0/8, 127/8, multicast, reserved,
 /// broadcast) is not answered either.
 #[inline(always)]
@@ -367,6 +443,11 @@ fn for_this_host<const V4: bool>(ctx: &XdpContext, b: *mut CookieBuf, l3: usize)
             (*p).family = 2; // AF_INET
             (*p).__bindgen_anon_3.ipv4_src = ip.field(12);
             (*p).__bindgen_anon_4.ipv4_dst = ip.field(16);
+            // `::ffff:a.b.c.d`, as an `IpKey` holds it.
+            let d = &raw mut (*b).dst as *mut u8;
+            core::ptr::write_unaligned(d as *mut u64, 0);
+            core::ptr::write_unaligned(d.add(8) as *mut u32, u32::from_be(0xffff));
+            core::ptr::write_unaligned(d.add(12) as *mut u32, ip.field::<u32>(16));
         } else {
             let Some(ip) = parse::header(ctx, l3, 40) else {
                 return false;
@@ -374,6 +455,10 @@ fn for_this_host<const V4: bool>(ctx: &XdpContext, b: *mut CookieBuf, l3: usize)
             (*p).family = 10; // AF_INET6
             (*p).__bindgen_anon_3.ipv6_src = ip.field(8);
             (*p).__bindgen_anon_4.ipv6_dst = ip.field(24);
+            core::ptr::write_unaligned(
+                &raw mut (*b).dst as *mut [u32; 4],
+                ip.field::<[u32; 4]>(24),
+            );
         }
         let rc = bpf_fib_lookup(
             ctx.ctx as *mut _,
@@ -381,7 +466,8 @@ fn for_this_host<const V4: bool>(ctx: &XdpContext, b: *mut CookieBuf, l3: usize)
             core::mem::size_of::<FibLookup>() as i32,
             0,
         );
-        rc == BPF_FIB_LKUP_RET_NOT_FWDED as i64 || rc == BPF_FIB_LKUP_RET_FWD_DISABLED as i64
+        rc == BPF_FIB_LKUP_RET_NOT_FWDED as i64
+            || (rc == BPF_FIB_LKUP_RET_FWD_DISABLED as i64 && LOCAL_ADDRS.get(&(*b).dst).is_some())
     }
 }
 

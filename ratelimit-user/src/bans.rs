@@ -443,6 +443,7 @@ fn table_name(table: u32) -> &'static str {
     match table {
         BAN_TABLE_OPERATOR => "operator's",
         BAN_TABLE_RULE => "rules'",
+        BAN_TABLE_REMOTE => "fleet's",
         _ => "passing (preview and exceed_action = pass)",
     }
 }

@@ -98,6 +98,8 @@ pub struct State {
     pub pressure_not_saved: Option<String>,
     /// Whether the data plane holds the level, checked at every sample.
     pub level_sync: pressure::LevelSync,
+    /// The attached interfaces' receive CPUs (`cpu_busy` watches them without `pressure.cpus`).
+    pub rx_cpus: crate::rx_cpus::RxCpus,
     /// Fleet mode (`[fleet]`): where this host's bans are published. `None` without it.
     pub fleet: Option<crate::fleet::Link>,
     /// The origin host of each ban received from the fleet, by prefix (only bans marked
@@ -243,6 +245,7 @@ impl State {
     pub fn view(&self) -> reader::View {
         reader::View {
             rule_names: self.rule_names(),
+            remote_bans_spilled: self.maps.remote_bans_spilled,
             live_rules: self.live_rules(),
             ban_reasons: self.ban_reasons.clone(),
             ban_origins: self.ban_origins.clone(),
@@ -284,7 +287,11 @@ impl State {
             since: wall_of(p.since()),
             last_above: p.last_above().map(wall_of),
             hold_secs: p.marks().hold.as_secs_f64(),
-            cpus: self.cfg.pressure.cpus.clone(),
+            cpus: if self.cfg.pressure.cpus.is_empty() {
+                self.rx_cpus.cached().to_vec()
+            } else {
+                self.cfg.pressure.cpus.clone()
+            },
             signals: p.readings(),
             transitions: p.transitions(),
             not_saved: self.pressure_not_saved.clone(),
@@ -298,14 +305,25 @@ impl State {
         }
     }
 
+    /// The CPUs `cpu_busy` watches: `pressure.cpus`, else the attached interfaces' receive
+    /// CPUs; empty: every CPU.
+    fn watched_cpus(&mut self, now: Instant) -> Vec<u32> {
+        if !self.cfg.pressure.cpus.is_empty() {
+            return self.cfg.pressure.cpus.clone();
+        }
+        let ifaces: Vec<String> = self.dp.attached.iter().map(|a| a.iface.clone()).collect();
+        self.rx_cpus.get(&ifaces, now).to_vec()
+    }
+
     /// The sampler's readings, taken at `at`: the rates since the last ones, and the level.
     pub fn observe_pressure(&mut self, counters: pressure::Counters, at: Instant) {
+        let watched = self.watched_cpus(at);
         let sample = match &self.pressure_counters {
             Some((before, then)) => pressure::Sample::between(
                 before,
                 &counters,
                 at.saturating_duration_since(*then),
-                &self.cfg.pressure.cpus,
+                &watched,
             ),
             None => pressure::Sample::default(),
         };
@@ -528,7 +546,7 @@ impl State {
             if !matches!(self.maps.remove_ban(table, b.prefix_len, &addr), Ok(true)) {
                 continue; // the program lifted it first and reported it
             }
-            if table == BAN_TABLE_OPERATOR {
+            if b.flags & BAN_MANUAL != 0 {
                 self.forget_ban_notes(&crate::apply::net_of(b.prefix_len, &addr).to_string());
             }
             // Capped like the program's own events: rule bans expire by the thousand after
@@ -1227,7 +1245,7 @@ impl State {
     }
 
     /// Apply what the fleet's reader received: other hosts' bans installed (in the
-    /// operator's table, marked [`crate::fleet::BAN_REMOTE`], with their absolute end; where
+    /// remote bans' table, marked [`crate::fleet::BAN_REMOTE`], with their absolute end; where
     /// a ban is in force here already, the later end wins), their `unban`s lifting the bans at
     /// their prefix in the operator's table (never a ban this host's rules issued). The
     /// records come bounded and, with the fleet key, authenticated (`crate::fleet_trust`).
@@ -1278,7 +1296,7 @@ impl State {
                         applied.skipped += 1;
                         continue;
                     }
-                    if let Some(e) = self.maps.ban_at(BAN_TABLE_OPERATOR, plen, &key)
+                    if let Some(e) = self.maps.remote_ban_at(plen, &key)
                         && ratelimit_common::limiter::ban_active(e.expires_ns, now)
                         && (e.expires_ns == 0 || (exp != 0 && e.expires_ns >= exp))
                     {
@@ -1444,6 +1462,9 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
             cfg.daemon.state_dir.display()
         );
     }
+    // The host's addresses before the first packet: the only destinations a SYN is answered
+    // for on a host that forwards nothing (`local_addrs`).
+    maps.refresh_local_addrs();
     for iface in &ifaces {
         dp.attach(iface, mode, &mut maps)?;
     }
@@ -1555,6 +1576,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         pressure_counters: None,
         pressure_not_saved: None,
         level_sync: pressure::LevelSync::default(),
+        rx_cpus: crate::rx_cpus::RxCpus::default(),
         fleet,
         ban_origins: Arc::new(restored.origins),
         fleet_lifts,
@@ -1592,6 +1614,10 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     let h = handle.clone();
     supervise::spawn(&tasks, "pressure", first, move || {
         sample_pressure(h.clone())
+    });
+    let h = handle.clone();
+    supervise::spawn(&tasks, "local_addresses", first, move || {
+        crate::local_addrs::watch(h.clone())
     });
     let mut tasks = tokio::task::JoinSet::new();
     if let Some(l) = http_listener {

@@ -31,8 +31,9 @@ use ratelimit_common::{
     addr::{IpKey, LpmAddr, lpm_prefix},
     caps::{IFSLOT_ARRAY_LEN, RETIRED_SLOT, UNLISTED_SLOT},
     maps::{
-        BAN_TABLES, BanEntry, ClientKey, ClientState, FastEntry, GlobalConfig, HASH_KEY_WORDS,
-        HashKey, ListValue, OverrideKey, OverrideValue, RegionOverrideKey, RuleConfig, ban_table,
+        BAN_REMOTE, BAN_SPILLED, BAN_TABLE_REMOTE, BAN_TABLE_RULE, BAN_TABLES, BanEntry, ClientKey,
+        ClientState, FastEntry, GlobalConfig, HASH_KEY_WORDS, HashKey, ListValue, OverrideKey,
+        OverrideValue, RegionOverrideKey, RuleConfig, ban_table,
     },
     stats::Counter,
 };
@@ -64,7 +65,7 @@ pub struct Maps {
     /// overflow state's pending totals.
     pub ovf_tick: PerCpuArray<MapData, FastEntry>,
     /// The ban tables, indexed by `BAN_TABLE_*` (operator, rule bans that drop, rule bans that
-    /// pass): read and written only through the `Maps` ban methods below.
+    /// pass, the fleet's): read and written only through the `Maps` ban methods below.
     pub bans: [LpmTrie<MapData, LpmAddr, BanEntry>; BAN_TABLES as usize],
     pub stats: PerCpuArray<MapData, Counter>,
     pub ifaces: HashMap<MapData, u32, u32>,
@@ -78,6 +79,12 @@ pub struct Maps {
     /// Per ban table: what this process last wrote to `bans_present` (only the daemon ever
     /// clears it).
     bans_flag_set: [bool; BAN_TABLES as usize],
+    /// Remote bans that found the remote table full and went into the rules' table of bans
+    /// that drop (`BAN_SPILLED`), since this process started.
+    pub remote_bans_spilled: u64,
+    /// The host's addresses, for the program's SYN answers (`RL_LOCAL_ADDRS`): the loaded
+    /// object's (the map is not pinned, so handles opened from the pins have none).
+    pub local_addrs: Option<crate::local_addrs::LocalAddrs>,
     pub events: Option<RingBuf<MapData>>,
 }
 
@@ -269,8 +276,9 @@ pub fn ifindex(iface: &str) -> anyhow::Result<u32> {
 /// whenever one changes (a reordered field included), and when where a key is placed changes
 /// (the per-source store's hash, `known_hash`) or what a value means (an elastic limit without
 /// `elastic` is the limit itself, no longer all zero; global rules' windows on the wall clock;
-/// a global token bucket's counts in `cur`/`prev`); the sizes follow as a check.
-const LAYOUT_VERSION: u32 = 13;
+/// a global token bucket's counts in `cur`/`prev`; a fourth ban table, the fleet's, and
+/// `RL_BANS_PRESENT` with a flag for it); the sizes follow as a check.
+const LAYOUT_VERSION: u32 = 14;
 
 /// File in `daemon.state_dir` recording the layout of the maps pinned in `daemon.bpffs_dir`.
 pub const LAYOUT_FILE: &str = "pinned-layout";
@@ -278,7 +286,7 @@ pub const LAYOUT_FILE: &str = "pinned-layout";
 pub fn layout() -> String {
     use std::mem::size_of;
     format!(
-        "v{LAYOUT_VERSION} client_key={} client_state={} store_set={} shared={} fleet_add={} fast_entry={} global={} rule={} override={} ban={} stats={} hash_key={}",
+        "v{LAYOUT_VERSION} client_key={} client_state={} store_set={} shared={} fleet_add={} fast_entry={} global={} rule={} override={} ban={} ban_tables={} stats={} hash_key={}",
         size_of::<ClientKey>(),
         size_of::<ClientState>(),
         size_of::<ratelimit_common::maps::StoreSet>(),
@@ -289,6 +297,7 @@ pub fn layout() -> String {
         size_of::<RuleConfig>(),
         size_of::<ratelimit_common::maps::OverrideValue>(),
         size_of::<BanEntry>(),
+        BAN_TABLES,
         ratelimit_common::stats::STATS_LEN,
         size_of::<HashKey>(),
     )
@@ -660,12 +669,18 @@ fn typed_maps(
             LpmTrie::try_from(take("RL_BANS_OPERATOR")?)?,
             LpmTrie::try_from(take("RL_BANS")?)?,
             LpmTrie::try_from(take("RL_BANS_PASSING")?)?,
+            LpmTrie::try_from(take("RL_BANS_REMOTE")?)?,
         ],
         stats: PerCpuArray::try_from(take("RL_STATS")?)?,
         ifaces: HashMap::try_from(take("RL_IFACES")?)?,
         ifslots: Array::try_from(take("RL_IFSLOTS")?)?,
         bans_present: Array::try_from(take("RL_BANS_PRESENT")?)?,
         bans_flag_set: [true; BAN_TABLES as usize],
+        remote_bans_spilled: 0,
+        local_addrs: match take("RL_LOCAL_ADDRS") {
+            Ok(m) => Some(crate::local_addrs::LocalAddrs::new(HashMap::try_from(m)?)),
+            Err(_) => None,
+        },
         ban_epoch: Array::try_from(take("RL_BAN_EPOCH")?)?,
         ban_epoch_pending: false,
         events: None,
@@ -695,8 +710,32 @@ impl Maps {
     /// [`Maps::insert_ban_deferred`] that also returns the ban it replaced, for a caller that
     /// may have to put it back. The daemon's one write of a ban into a ban table (the one its
     /// flags name). A new key costs one system call (an insert that must not replace); only
-    /// an existing one is read first.
+    /// an existing one is read first. A remote ban that finds the remote table full goes into
+    /// the rules' table of bans that drop, marked `BAN_SPILLED` (counted in
+    /// [`Maps::remote_bans_spilled`]); if that one is full too, the error is the caller's.
     pub fn replace_ban_deferred(
+        &mut self,
+        entry: BanEntry,
+    ) -> Result<Option<BanEntry>, aya::maps::MapError> {
+        match self.replace_ban_in_table(entry) {
+            Err(aya::maps::MapError::SyscallError(e))
+                if e.io_error.raw_os_error() == Some(libc::ENOSPC)
+                    && ban_table(entry.flags) == BAN_TABLE_REMOTE =>
+            {
+                let spilled = BanEntry {
+                    flags: entry.flags | BAN_SPILLED,
+                    ..entry
+                };
+                let replaced = self.replace_ban_in_table(spilled)?;
+                self.remote_bans_spilled += 1;
+                Ok(replaced)
+            }
+            r => r,
+        }
+    }
+
+    /// [`Maps::replace_ban_deferred`] into the table `entry`'s flags name, or the error.
+    fn replace_ban_in_table(
         &mut self,
         entry: BanEntry,
     ) -> Result<Option<BanEntry>, aya::maps::MapError> {
@@ -728,6 +767,23 @@ impl Maps {
         self.bans[table as usize]
             .get(&ban_key(prefix_len, addr), 0)
             .ok()
+    }
+
+    /// Write this host's addresses into the program's `RL_LOCAL_ADDRS` (see
+    /// [`crate::local_addrs`]); nothing on handles opened from the pins, which have none.
+    pub fn refresh_local_addrs(&mut self) {
+        if let Some(l) = &mut self.local_addrs {
+            l.refresh();
+        }
+    }
+
+    /// The remote ban at exactly `addr/prefix_len`, in the remote table or spilled into the
+    /// rules' table (`BAN_SPILLED`), if any.
+    pub fn remote_ban_at(&self, prefix_len: u32, addr: &IpKey) -> Option<BanEntry> {
+        self.ban_at(BAN_TABLE_REMOTE, prefix_len, addr).or_else(|| {
+            self.ban_at(BAN_TABLE_RULE, prefix_len, addr)
+                .filter(|b| b.flags & BAN_REMOTE != 0)
+        })
     }
 
     /// The bans at exactly `addr/prefix_len`, whatever their table.

@@ -83,9 +83,9 @@ use crate::{
     report, supervise,
 };
 
-/// `BanEntry::flags` of a ban received from the fleet (in the operator's table, with
-/// `BAN_MANUAL`). The program tests only the bits it knows; this one is the daemon's.
-pub const BAN_REMOTE: u32 = 1 << 8;
+/// `BanEntry::flags` of a ban received from the fleet (in the remote bans' table, with
+/// `BAN_MANUAL`).
+pub use ratelimit_common::maps::BAN_REMOTE;
 
 /// The keys' names in the fleet named `default`; a fleet of another name has its own
 /// ([`Keys`], [`fleet_trust::store_name`]).

@@ -339,6 +339,7 @@ fn snapshot(s: &Reports) -> anyhow::Result<(Stats, Gauges)> {
             .collect(),
         saved_bans: view.bans_restore.outcomes(),
         bans_files_set_aside: u64::from(view.bans_restore.set_aside.is_some()),
+        remote_bans_spilled: view.remote_bans_spilled,
         pressure_high: view.pressure.level == crate::pressure::Level::High,
         pressure_signals: view
             .pressure
@@ -394,6 +395,8 @@ pub struct Gauges {
     pub saved_bans: [(&'static str, u64); 5],
     /// Bans files moved aside at start because they could not be read (0 or 1).
     pub bans_files_set_aside: u64,
+    /// Remote bans that found the fleet's ban table full (`datapath::Maps`).
+    pub remote_bans_spilled: u64,
     /// The pressure level is high.
     pub pressure_high: bool,
     /// Each pressure signal: (name, value over the last interval if any, mark).
@@ -854,6 +857,12 @@ pub fn render_metrics(stats: &Stats, gauges: &Gauges) -> String {
             "Bans files found unreadable at start and moved aside (bans.json.bad-<unix time>)",
         )
         .with(vec![], Value::Counter(gauges.bans_files_set_aside)),
+        Family::new(
+            "ratelimit_remote_bans_spilled",
+            Counter,
+            "Bans received from the fleet that found its ban table full and went into the rules' table of bans that drop (enforced from there), since the daemon started",
+        )
+        .with(vec![], Value::Counter(gauges.remote_bans_spilled)),
         Family::new(
             "ratelimit_pressure_high",
             Gauge,
@@ -1363,6 +1372,7 @@ mod tests {
             ("failed", 1),
         ],
         bans_files_set_aside: 1,
+        remote_bans_spilled: 0,
         pressure_high: false,
         pressure_signals: Vec::new(),
         pressure_transitions: 0,

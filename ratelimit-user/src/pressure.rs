@@ -2,12 +2,17 @@
 //! operator's mode (`ratelimit pressure set high|low|auto`).
 //!
 //! Signals, each a rate over the last sampling interval, from two readings of counters:
-//! - **cpu_busy**: the busy share of the watched CPUs, from `/proc/stat`'s per-CPU lines:
-//!   busy = user + nice + system + irq + softirq + steal, out of those plus idle and iowait.
-//!   Steal counts as busy: time the hypervisor gave to someone else is time this host had no
-//!   room. iowait counts as idle (the CPU could have run something). guest time is already
-//!   in user. A CPU missing from either reading (offline) is left out; so is a CPU whose
-//!   counters went backwards (taken offline and brought back between readings).
+//! - **cpu_busy**: the kernel's share of the watched CPUs, from `/proc/stat`'s per-CPU lines:
+//!   busy = system + irq + softirq + steal, out of every column (user, nice, system, idle,
+//!   iowait, irq, softirq, steal). Receiving packets (XDP and the stack run in softirq) and
+//!   serving sockets (system calls) is kernel time; user time is not counted, so no local
+//!   user can raise the level with a busy loop. Steal counts as busy: time the hypervisor
+//!   gave to someone else is time this host had no room. guest time is already in user. The
+//!   watched CPUs are `pressure.cpus`, or else the receive CPUs of the attached interfaces
+//!   (`crate::rx_cpus`: where their interrupts and RPS go), or else, when those are not known
+//!   (a veth, a bridge), every CPU. A CPU missing from either reading (offline) is left out;
+//!   so is a CPU whose counters went backwards (taken offline and brought back between
+//!   readings).
 //! - **listen_overflows_per_sec**: the rate of `TcpExt: ListenDrops` in `/proc/net/netstat`
 //!   (of the daemon's network namespace). The kernel counts every listen-queue overflow in
 //!   `ListenOverflows` *and* in `ListenDrops` (which also counts the other drops of a
@@ -156,15 +161,18 @@ pub fn parse_stat(text: &str) -> BTreeMap<u32, CpuTimes> {
             continue;
         }
         let at = |i: usize| v.get(i).copied().unwrap_or(0);
-        let busy = [0, 1, 2, 5, 6, 7]
+        // The kernel's time (system, irq, softirq) and steal; not user or nice.
+        let busy = [2, 5, 6, 7]
             .iter()
             .fold(0u64, |s, &i| s.wrapping_add(at(i)));
-        let idle = at(3).wrapping_add(at(4));
+        let rest = [0, 1, 3, 4]
+            .iter()
+            .fold(0u64, |s, &i| s.wrapping_add(at(i)));
         cpus.insert(
             n,
             CpuTimes {
                 busy,
-                total: busy.wrapping_add(idle),
+                total: busy.wrapping_add(rest),
             },
         );
     }
@@ -794,25 +802,62 @@ mod tests {
     fn proc_stat_lines_give_busy_and_total_per_cpu() {
         let cpus = parse_stat(STAT);
         assert_eq!(cpus.len(), 2, "the total line is skipped");
-        // busy = user + nice + system + irq + softirq + steal; total adds idle and iowait.
+        // busy = system + irq + softirq + steal; total adds user, nice, idle and iowait.
         assert_eq!(
             cpus[&0],
             CpuTimes {
-                busy: 183,
+                busy: 73,
                 total: 703
             }
         );
         assert_eq!(
             cpus[&1],
             CpuTimes {
-                busy: 450,
+                busy: 150,
                 total: 950
             }
         );
         // An old kernel's 4 columns.
         assert_eq!(
             parse_stat("cpu3 1 2 3 4\n")[&3],
-            CpuTimes { busy: 6, total: 10 }
+            CpuTimes { busy: 3, total: 10 }
+        );
+    }
+
+    /// A local user's busy loop (all user and nice time) is not pressure: only the kernel's
+    /// work on the CPU (system, irq, softirq) and steal count, out of every column.
+    #[test]
+    fn user_and_nice_time_are_not_busy_and_kernel_time_is() {
+        // user nice system idle iowait irq softirq steal guest guest_nice
+        let cpus = parse_stat("cpu0 900 50 20 0 0 5 15 10 0 0\ncpu1 0 0 300 600 0 0 100 0 0 0\n");
+        assert_eq!(
+            cpus[&0],
+            CpuTimes {
+                busy: 50,
+                total: 1000
+            },
+            "a CPU spinning in user space is 5% busy (its kernel time)"
+        );
+        assert_eq!(
+            cpus[&1],
+            CpuTimes {
+                busy: 400,
+                total: 1000
+            },
+            "system and softirq time count whole"
+        );
+        // Two samples of a user busy loop on every CPU: far below any mark.
+        let a = Counters {
+            cpus: parse_stat("cpu0 1000 0 10 0 0 0 5 0 0 0\ncpu1 1000 0 10 0 0 0 5 0 0 0\n"),
+            listen_drops: Some(0),
+        };
+        let b = Counters {
+            cpus: parse_stat("cpu0 1025 0 10 0 0 0 5 0 0 0\ncpu1 1024 0 11 0 0 0 5 0 0 0\n"),
+            listen_drops: Some(0),
+        };
+        assert_eq!(
+            Sample::between(&a, &b, SAMPLE_PERIOD, &[]).cpu_busy,
+            Some(1.0 / 50.0)
         );
     }
 

@@ -47,6 +47,8 @@ pub const CENSUS_MAX_AGE: Duration = Duration::from_secs(3);
 #[derive(Clone, Debug, Default)]
 pub struct View {
     pub rule_names: Vec<String>,
+    /// Remote bans spilled into the rules' table (`datapath::Maps::remote_bans_spilled`).
+    pub remote_bans_spilled: u64,
     /// Rules as the data plane holds them (live `rule set` changes included).
     pub live_rules: Vec<(String, RuleConfig)>,
     pub ban_reasons: Arc<BTreeMap<String, String>>,

@@ -1,6 +1,9 @@
 //! Rule bans made by the lab, for tests that need the rules' ban table full.
 
-use ratelimit_common::{caps::MAX_BANS, maps::BanEntry};
+use ratelimit_common::{
+    caps::{MAX_BANS, MAX_REMOTE_BANS},
+    maps::{BAN_MANUAL, BAN_REMOTE, BanEntry},
+};
 use ratelimit_user::datapath::Maps;
 
 /// The `i`-th of the bans that fill the rules' ban table as a spoofed IPv6 flood would: one
@@ -21,6 +24,19 @@ pub fn fill_rule_ban_table(maps: &mut Maps, rule: u32, now_ns: u64) {
     for i in 0..MAX_BANS {
         maps.insert_ban_deferred(flood_rule_ban(i, rule, now_ns))
             .expect("fill the rules' ban table");
+    }
+    maps.flush_ban_epoch().expect("ban epoch");
+}
+
+/// Fill the fleet's ban table (`caps::MAX_REMOTE_BANS` remote bans, `2001:0:<i>::/64`, as
+/// the daemon installs them) through `maps`.
+pub fn fill_remote_ban_table(maps: &mut Maps, now_ns: u64) {
+    for i in 0..MAX_REMOTE_BANS {
+        let mut e = flood_rule_ban(i, 0, now_ns);
+        e.flags = BAN_MANUAL | BAN_REMOTE;
+        e.rule = ratelimit_common::maps::BAN_RULE_NONE;
+        maps.insert_ban_deferred(e)
+            .expect("fill the fleet's ban table");
     }
     maps.flush_ban_epoch().expect("ban epoch");
 }

@@ -293,6 +293,49 @@ impl Redis {
         .to_string()
     }
 
+    /// Send `commands` (each a list of arguments) to the server at once, through `redis-cli
+    /// --pipe` (the Redis protocol on its standard input): for a test that writes many records
+    /// straight into the store. Returns what redis-cli printed (its summary: `errors: 0,
+    /// replies: N`).
+    pub fn pipe(&self, commands: &[Vec<String>]) -> String {
+        let mut input = Vec::new();
+        for c in commands {
+            input.extend_from_slice(format!("*{}\r\n", c.len()).as_bytes());
+            for a in c {
+                input.extend_from_slice(format!("${}\r\n", a.len()).as_bytes());
+                input.extend_from_slice(a.as_bytes());
+                input.extend_from_slice(b"\r\n");
+            }
+        }
+        let fd = self.ns_fd.try_clone().expect("dup netns fd");
+        let mut cmd = command_in_fd(fd, cli_binary());
+        cmd.arg("-h")
+            .arg(self.probe.ip().to_string())
+            .arg("-p")
+            .arg(self.port.to_string());
+        if let Some(pw) = &self.password {
+            cmd.arg("--no-auth-warning").arg("-a").arg(pw);
+        }
+        cmd.arg("--pipe")
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let mut child = cmd
+            .spawn()
+            .unwrap_or_else(|e| panic!("running `{}`: {e}", describe(&cmd)));
+        let mut stdin = child.stdin.take().expect("stdin");
+        let writer = std::thread::spawn(move || stdin.write_all(&input));
+        let out = child.wait_with_output().expect("redis-cli --pipe");
+        writer.join().unwrap().expect("writing to redis-cli --pipe");
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+        .trim()
+        .to_string()
+    }
+
     /// The running server's process id.
     pub fn pid(&self) -> Option<i32> {
         self.child.as_ref().map(|c| c.id() as i32)

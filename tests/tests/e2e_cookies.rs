@@ -229,7 +229,12 @@ struct Lab {
 
 impl Lab {
     fn new() -> Lab {
-        let mut s = Scenario::new("rlck");
+        Lab::with_policy("rlck", &policy(true))
+    }
+
+    /// The lab in namespaces tagged `tag`, with the daemon on `policy`.
+    fn with_policy(tag: &str, policy: &str) -> Lab {
+        let mut s = Scenario::new(tag);
         let (a, b) = (s.pair.a().clone(), s.pair.b().clone());
         let net = s.pair.index();
         let v4: Vec<IpAddr> = (0..12)
@@ -264,7 +269,7 @@ impl Lab {
         let server6 = SocketAddr::new(IpAddr::V6(b.ipv6), OPEN);
         echo_server(&s.server, server4);
         echo_server(&s.server, server6);
-        s.start(&policy(true));
+        s.start(policy);
         let peer = s.peer_program();
         Lab {
             _peer: peer,
@@ -478,4 +483,80 @@ fn new_tcp_clients_connect_at_once_while_a_flood_spends_the_admission_budget() {
     stop.store(true, Ordering::Relaxed);
     let n = flooding.join().unwrap();
     println!("flood: {n} spoofed SYNs");
+}
+
+/// One handshake proves its own source, not the /64 it is in: under a rule that keys IPv6
+/// sources by the whole address (`ipv6_prefix = 128`), after one client of a /64 proved itself,
+/// a hundred other addresses of that /64 sending SYNs while the flood spends the admission
+/// budget get no state past the budget (before, the proof was kept by /64, and every one of
+/// them was admitted as proven).
+#[test]
+fn one_proof_does_not_admit_the_rest_of_its_64_past_the_admission_budget() {
+    kernel_test!();
+    let policy = policy(true).replace("key = \"ip\"\n", "key = \"ip\"\nipv6_prefix = 128\n");
+    assert!(policy.contains("ipv6_prefix = 128"));
+    let lab = Lab::with_policy("rlck6", &policy);
+    let port = Arc::new(AtomicU16::new(CLOSED));
+    let stop = Arc::new(AtomicBool::new(false));
+    let flooding = flood(&lab.s, port, stop.clone());
+    std::thread::sleep(Duration::from_millis(1500));
+    let st0 = lab.s.stats();
+    assert!(
+        reason(&st0, "admission_refused") > 500,
+        "the flood did not spend the budget: {}",
+        lab.counters()
+    );
+    let d = |a: &Stats, b: &Stats, n: &str| reason(b, n) - reason(a, n);
+    // Client A proves itself (its SYN is handed to the listener, its connection established;
+    // it may also find the budget just refilled: then it needs no proof, so try a few).
+    let mut proven = false;
+    for src in &lab.v6[..4] {
+        let before = lab.s.stats();
+        lab.clients(&[*src], "client A");
+        let t0 = Instant::now();
+        while t0.elapsed() < Duration::from_secs(2) {
+            if d(&before, &lab.s.stats(), "sources_proven") >= 1 {
+                proven = true;
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        if proven {
+            println!("proven: {src}");
+            break;
+        }
+    }
+    assert!(proven, "no client proved itself: {}", lab.counters());
+    // B..: a hundred other addresses, 25 in the /64 of each client tried (the proven one's
+    // among them), SYNs to the closed port while the flood goes on.
+    let st1 = lab.s.stats();
+    let mut tx = lab.s.sender();
+    let (b6, builder) = (lab.s.pair.b().ipv6, lab.s.builder());
+    let mut frames = Vec::new();
+    for v in &lab.v6[..4] {
+        let IpAddr::V6(v) = v else { unreachable!() };
+        let s = v.segments();
+        for i in 0..25u16 {
+            let src = Ipv6Addr::new(s[0], s[1], s[2], s[3], 0xb, 0, 0, 0x100 + i);
+            frames.push(
+                builder
+                    .clone()
+                    .ipv6(src, b6)
+                    .tcp(41000 + i, CLOSED, tcp_flags::SYN)
+                    .build(),
+            );
+        }
+    }
+    let n = frames.len() as u64;
+    tx.send_n(frames.iter(), n, Some(Duration::from_millis(2)));
+    std::thread::sleep(Duration::from_millis(300));
+    let st2 = lab.s.stats();
+    println!("{}", lab.counters());
+    stop.store(true, Ordering::Relaxed);
+    flooding.join().unwrap();
+    let admitted = d(&st1, &st2, "proven_admitted");
+    assert!(
+        admitted == 0,
+        "{admitted} of {n} other addresses of a proven client's /64 were admitted as proven"
+    );
 }

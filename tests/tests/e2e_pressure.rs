@@ -175,3 +175,70 @@ fn pressure_rises_by_itself_when_a_listener_overflows_and_falls_after_the_hold()
     let e = wait_event(&s, "pressure_low", 1);
     assert_eq!(e["cause"], serde_json::to_value(Cause::Hold).unwrap());
 }
+
+/// A local user's busy loop on every CPU is not pressure: `cpu_busy` counts the kernel's time
+/// (system, irq, softirq) on the receive CPUs, not user time (a veth has no receive CPUs of
+/// its own: every CPU is watched, which is the strictest case). Before, user time counted,
+/// and any local user could force the level high.
+#[test]
+fn a_user_busy_loop_on_every_cpu_does_not_raise_pressure() {
+    use std::sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    };
+    kernel_test!();
+    let mut s = Scenario::new("rlpbusy");
+    s.start("[pressure]\ncpu_busy = 0.5\nlisten_overflows_per_sec = 1000000\nhold = \"1s\"\n");
+    wait_for(&s, Duration::from_secs(10), "signal values", |r| {
+        r.signals.iter().all(|x| x.value.is_some())
+    });
+    let stop = Arc::new(AtomicBool::new(false));
+    let cpus = std::thread::available_parallelism().map_or(2, |n| n.get());
+    // Bounded: each spinner stops by itself after 8 s whatever happens to the test.
+    let spinners: Vec<_> = (0..cpus)
+        .map(|_| {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let end = Instant::now() + Duration::from_secs(8);
+                let mut x = 1u64;
+                while !stop.load(Ordering::Relaxed) && Instant::now() < end {
+                    for _ in 0..100_000 {
+                        x = std::hint::black_box(
+                            x.wrapping_mul(6364136223846793005).wrapping_add(1),
+                        );
+                    }
+                }
+                x
+            })
+        })
+        .collect();
+    // Let the spinners take the CPUs, then watch 3 s of samples (12 sampling periods).
+    std::thread::sleep(Duration::from_millis(600));
+    let until = Instant::now() + Duration::from_secs(3);
+    let mut highest = 0.0f64;
+    let mut went_high = None;
+    while Instant::now() < until {
+        let r: Report = s.daemon().cli_as(&["pressure"]);
+        for x in &r.signals {
+            if x.signal == Signal::CpuBusy {
+                highest = highest.max(x.value.unwrap_or(0.0));
+            }
+        }
+        if r.level == Level::High && went_high.is_none() {
+            went_high = Some(r);
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    stop.store(true, Ordering::Relaxed);
+    for t in spinners {
+        t.join().unwrap();
+    }
+    assert!(
+        went_high.is_none(),
+        "a user busy loop raised the pressure level (highest cpu_busy {highest:.3}): {went_high:#?}"
+    );
+    assert!(
+        highest < 0.5,
+        "cpu_busy {highest:.3} under a user busy loop"
+    );
+}

@@ -889,11 +889,11 @@ algorithm = "fixed_window"
     let op_flag = |maps: &Maps| maps.bans_present.get(&BAN_TABLE_OPERATOR, 0).unwrap();
     assert_eq!(
         flags(&maps),
-        [1, 1, 1],
+        [1, 1, 1, 1],
         "set at start, before the daemon has looked"
     );
     maps.refresh_bans_present();
-    assert_eq!(flags(&maps), [0, 0, 0], "cleared: no ban exists");
+    assert_eq!(flags(&maps), [0, 0, 0, 0], "cleared: no ban exists");
 
     // A rule issues a ban: 4 packets cross the ban threshold of 3; the 5th is dropped as banned.
     let frame = v4([198, 18, 9, 9]).udp(40000, 9000).build();
@@ -917,7 +917,7 @@ algorithm = "fixed_window"
         assert!(maps.remove_ban(table, b.prefix_len, &addr).unwrap());
     }
     maps.refresh_bans_present();
-    assert_eq!(flags(&maps), [0, 0, 0]);
+    assert_eq!(flags(&maps), [0, 0, 0, 0]);
     let other = v4([198, 18, 10, 10]).udp(40000, 53).build();
     assert_eq!(dp.test_run(&other, 1).unwrap().0, XDP_PASS);
     let net = ratelimit_user::config::parse_net("198.18.10.0/24").unwrap();
@@ -930,6 +930,102 @@ algorithm = "fixed_window"
     assert_eq!(op_flag(&maps), 1);
     assert_eq!(flag(&maps), 0, "an operator ban is in the operator's table");
     assert_eq!(dp.test_run(&other, 1).unwrap().0, XDP_DROP);
+}
+
+/// Bans received from the fleet have a table of their own (`RL_BANS_REMOTE`): they drop, a
+/// ban that passes never hides one, they expire in the kernel, and its presence flag is its
+/// own. However many the fleet sends, the operator's table stays the operator's: once the
+/// remote table is full, a remote ban goes into the rules' table of bans that drop
+/// (`BAN_SPILLED`, counted) and is enforced from there, and an operator's ban still goes in and
+/// drops.
+#[test]
+fn remote_bans_have_a_table_of_their_own_and_spill_into_the_rules_table_when_it_is_full() {
+    if skip_unless_kernel() {
+        return;
+    }
+    use ratelimit_common::{
+        addr::IpKey,
+        maps::{
+            BAN_MANUAL, BAN_PREVIEW, BAN_REMOTE, BAN_SPILLED, BAN_TABLE_OPERATOR, BAN_TABLE_REMOTE,
+            BAN_TABLE_RULE, BanEntry,
+        },
+    };
+    let pins = Pins::new("fixtures");
+    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
+    let mut maps = dp.take_maps().expect("maps");
+    let cfg = config::parse("empty.toml", "").expect("config");
+    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
+    maps.refresh_bans_present();
+    let rules: Vec<String> = Vec::new();
+    let now = report::mono_ns();
+    let entry = |cidr: &str, flags: u32, expires: u64| -> (u32, IpKey, BanEntry) {
+        let net = ratelimit_user::config::parse_net(cidr).unwrap();
+        let (plen, key) = apply::prefix(&net);
+        let e = BanEntry {
+            flags,
+            ..BanEntry::manual(plen, key.addr, now, expires)
+        };
+        (plen, key, e)
+    };
+    let remote = BAN_MANUAL | BAN_REMOTE;
+
+    // A remote ban: in the remote table, its flag set, and it drops.
+    let (plen, key, e) = entry("198.18.30.0/24", remote, 0);
+    maps.insert_ban(e).unwrap();
+    assert_eq!(maps.ban_at(BAN_TABLE_REMOTE, plen, &key), Some(e));
+    assert_eq!(maps.ban_at(BAN_TABLE_OPERATOR, plen, &key), None);
+    assert_eq!(maps.bans_present.get(&BAN_TABLE_REMOTE, 0).unwrap(), 1);
+    assert_eq!(maps.bans_present.get(&BAN_TABLE_OPERATOR, 0).unwrap(), 0);
+    let banned = v4([198, 18, 30, 7]).udp(40000, 53).build();
+    let before = counters(&maps, &rules);
+    assert_eq!(dp.test_run(&banned, 1).unwrap().0, XDP_DROP);
+    assert_eq!(
+        delta(&before, &counters(&maps, &rules)).get("drop_ban"),
+        Some(&1)
+    );
+    // A longer ban that passes (a preview rule's, here) does not hide it.
+    let (_, _, p) = entry("198.18.30.7/32", BAN_PREVIEW, 0);
+    maps.insert_ban(p).unwrap();
+    assert_eq!(dp.test_run(&banned, 1).unwrap().0, XDP_DROP);
+
+    // It expires in the kernel: gone from its table when a packet meets it after its end.
+    let (plen, key, e) = entry("198.18.31.0/24", remote, now + 200_000_000);
+    maps.insert_ban(e).unwrap();
+    let short = v4([198, 18, 31, 7]).udp(40000, 53).build();
+    assert_eq!(dp.test_run(&short, 1).unwrap().0, XDP_DROP);
+    std::thread::sleep(std::time::Duration::from_millis(400));
+    assert_eq!(dp.test_run(&short, 1).unwrap().0, XDP_PASS);
+    assert_eq!(
+        maps.ban_at(BAN_TABLE_REMOTE, plen, &key),
+        None,
+        "removed by the program"
+    );
+
+    // Fill the remote table as a fleet-wide flood of bans would.
+    ratelimit_tests::bans::fill_remote_ban_table(&mut maps, now);
+    assert_eq!(
+        maps.remote_bans_spilled, 1,
+        "the table held one remote ban already: the fill's last one spilled"
+    );
+    // One more: spilled into the rules' table that drops, counted, and enforced.
+    let (plen, key, e) = entry("198.18.32.0/24", remote, 0);
+    maps.insert_ban(e).unwrap();
+    assert_eq!(maps.remote_bans_spilled, 2);
+    assert_eq!(maps.ban_at(BAN_TABLE_REMOTE, plen, &key), None);
+    let spilled = maps.ban_at(BAN_TABLE_RULE, plen, &key).expect("spilled");
+    assert_eq!(spilled.flags, remote | BAN_SPILLED);
+    assert_eq!(maps.remote_ban_at(plen, &key), Some(spilled));
+    let src = v4([198, 18, 32, 9]).udp(40000, 53).build();
+    assert_eq!(dp.test_run(&src, 1).unwrap().0, XDP_DROP);
+    // The operator's table is untouched: `ban add` goes in and drops.
+    let (plen, key, op) = entry("198.18.33.0/24", BAN_MANUAL, 0);
+    maps.insert_ban(op)
+        .expect("an operator's ban with the remote table full");
+    assert_eq!(maps.ban_at(BAN_TABLE_OPERATOR, plen, &key), Some(op));
+    let src = v4([198, 18, 33, 9]).udp(40000, 53).build();
+    assert_eq!(dp.test_run(&src, 1).unwrap().0, XDP_DROP);
+    // And the first remote ban is still in force.
+    assert_eq!(dp.test_run(&banned, 1).unwrap().0, XDP_DROP);
 }
 
 /// A ban that lets packets through (a preview rule's ban) inside a broader ban that drops does
@@ -3029,9 +3125,30 @@ algorithm = "fixed_window"
         };
         let _l4 = listen(SocketAddr::new(IpAddr::V4(Ipv4Addr::UNSPECIFIED), OPEN));
         let _l6 = listen(SocketAddr::new(IpAddr::V6(Ipv6Addr::UNSPECIFIED), OPEN));
+        // The server's addresses are this namespace's own (which forwards nothing).
+        let ip = |args: &[&str]| {
+            let st = std::process::Command::new("ip")
+                .args(args)
+                .status()
+                .expect("ip");
+            assert!(st.success(), "ip {args:?}");
+        };
+        ip(&["link", "set", "lo", "up"]);
+        ip(&["-4", "addr", "add", &format!("{SERVER4}/32"), "dev", "lo"]);
+        ip(&[
+            "-6",
+            "addr",
+            "add",
+            &format!("{SERVER6}/128"),
+            "dev",
+            "lo",
+            "nodad",
+        ]);
         let pins = Pins::new("fixtures-cookies");
         let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
         let mut maps = dp.take_maps().expect("maps");
+        // As the daemon does before it attaches.
+        maps.refresh_local_addrs();
         let cfg = config::parse("cookies.toml", COOKIE_CONFIG).expect("config");
         apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
         let rules = vec!["tcp".to_string()];
@@ -3185,6 +3302,47 @@ algorithm = "fixed_window"
         let d = delta(&before, &counters(&maps, &rules));
         assert_eq!(d.get("syn_cookies_sent"), None, "{d:?}");
         assert_eq!(d.get("drop_rule"), Some(&4), "{d:?}");
+        // A SYN to an address this host does not own (which reaches the NIC all the same: a
+        // shared segment, a mistaken route) is not answered, though the wildcard listener
+        // matches any destination; dropped as the rule said. One to its own still is.
+        let before = counters(&maps, &rules);
+        let foreign4: IpAddr = Ipv4Addr::new(198, 18, 99, 1).into();
+        let foreign6: IpAddr = "2001:db8:99::1".parse().unwrap();
+        for (i, (src, dst)) in [
+            (IpAddr::from(Ipv4Addr::new(198, 18, 30, 10)), foreign4),
+            ("2001:db8:32::10".parse().unwrap(), foreign6),
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            let f = tcp_segment(
+                src,
+                dst,
+                (40000 + i as u16, OPEN),
+                tcp_flags::SYN,
+                (1, 0),
+                &mss,
+            );
+            let (action, out) = run(&f);
+            assert_eq!(action, XDP_DROP, "a SYN to {dst} was answered: {out:02x?}");
+        }
+        let d = delta(&before, &counters(&maps, &rules));
+        assert_eq!(d.get("syn_cookies_sent"), None, "{d:?}");
+        assert_eq!(d.get("drop_rule"), Some(&2), "{d:?}");
+        assert_eq!(d.get("admission_refused"), Some(&2), "refused state: {d:?}");
+        for src in [
+            IpAddr::from(Ipv4Addr::new(198, 18, 30, 11)),
+            // Another /64 than the one proven above (the rule keys IPv6 sources by /64).
+            "2001:db8:33::11".parse().unwrap(),
+        ] {
+            let before = counters(&maps, &rules);
+            let action = run(&syn(src, OPEN)).0;
+            let d = delta(&before, &counters(&maps, &rules));
+            assert_eq!(
+                action, XDP_TX,
+                "a SYN from {src} to this host's own address: {d:?}"
+            );
+        }
     })
     .join()
     .unwrap();

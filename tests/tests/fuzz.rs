@@ -32,7 +32,7 @@ use std::{
 
 use ratelimit_common::{
     caps::MAX_RULES,
-    maps::{BanEntry, FAST_ENTRIES},
+    maps::{BAN_MANUAL, BAN_REMOTE, BAN_TABLE_REMOTE, BanEntry, FAST_ENTRIES},
     model::{self, Counters, Model, Policy, hex_dump},
     stats::{self, global, rule as rc},
 };
@@ -241,6 +241,11 @@ const CONFIGS: [&str; 2] = [CONFIG_LISTS, CONFIG_NO_LISTS];
 /// Operator bans, inserted as `ratelimit ban add` does (an hour: longer than any epoch).
 const BANS: [&str; 3] = ["198.18.70.0/24", "2001:db8:ba::/48", "198.18.40.77/32"];
 
+/// Bans received from the fleet, inserted as the daemon installs them (`BAN_MANUAL |
+/// BAN_REMOTE`, in the remote bans' table): over sources the rules also ban, with bans that
+/// drop and bans that pass, so the model checks that a passing ban never hides a remote one.
+const REMOTE_BANS: [&str; 3] = ["45.1.0.0/16", "2a00:1450:0:1::/64", "8.2.3.0/24"];
+
 /// A window interval (seconds, at least an hour) whose current window has more than an
 /// epoch left, and began long enough ago that the coarse clock is in it too: every window
 /// meter of the epoch stays in one window, as the model assumes.
@@ -307,6 +312,21 @@ impl Lab {
             let (plen, key) = apply::prefix(&net);
             let entry = BanEntry::manual(plen, key.addr, now, now + 3_600_000_000_000);
             maps.insert_ban(entry).expect("insert a ban");
+            model.insert_ban(entry);
+        }
+        for cidr in REMOTE_BANS {
+            let net = ratelimit_user::config::parse_net(cidr).expect("ban CIDR");
+            let (plen, key) = apply::prefix(&net);
+            let entry = BanEntry {
+                flags: BAN_MANUAL | BAN_REMOTE,
+                ..BanEntry::manual(plen, key.addr, now, now + 3_600_000_000_000)
+            };
+            maps.insert_ban(entry).expect("insert a remote ban");
+            assert_eq!(
+                maps.ban_at(BAN_TABLE_REMOTE, plen, &key),
+                Some(entry),
+                "a remote ban goes into the remote table"
+            );
             model.insert_ban(entry);
         }
         let mut lab = Lab {
