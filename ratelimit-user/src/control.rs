@@ -826,6 +826,12 @@ pub(crate) mod samples {
                         over_since: None,
                         last_error: None,
                     },
+                    peers_total: 1,
+                    resync: None,
+                    duplicate_id: crate::fleet::dup::DuplicateReport {
+                        nonce: "0123456789abcdef".into(),
+                        ..Default::default()
+                    },
                 })),
             ),
             (

@@ -14,6 +14,7 @@ pub mod durable;
 pub mod events;
 pub mod fleet;
 pub mod fleet_key;
+pub mod fleet_key_reads;
 pub mod geoip;
 pub mod global;
 pub mod http;
