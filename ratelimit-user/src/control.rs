@@ -831,6 +831,12 @@ pub(crate) mod samples {
                     records_rejected: [("bad_mac".to_string(), 2)].into(),
                     counts_rejected: Default::default(),
                     bans_clamped: 1,
+                    peers_total: 1,
+                    resync: None,
+                    duplicate_id: crate::fleet::dup::DuplicateReport {
+                        nonce: "0123456789abcdef".into(),
+                        ..Default::default()
+                    },
                 })),
             ),
             (

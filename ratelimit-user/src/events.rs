@@ -113,7 +113,8 @@ pub struct PressureLine {
 #[derive(Serialize, Debug, Clone)]
 pub struct FleetLine {
     pub time: String,
-    /// `fleet_degraded`, `fleet_restored`, `fleet_clock_skew` or `fleet_clock_restored`.
+    /// `fleet_degraded`, `fleet_restored`, `fleet_clock_skew`, `fleet_clock_restored`,
+    /// `fleet_duplicate_id` or `fleet_duplicate_id_cleared`.
     pub event: &'static str,
     pub store: String,
     pub host_id: String,

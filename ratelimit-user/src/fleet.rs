@@ -14,7 +14,8 @@
 //!   entry; a host whose cursor the stream still holds goes on from its cursor.
 //!
 //! - `ratelimit:{bans}:peers`: a hash, host id → that host's [`Heartbeat`], written every
-//!   [`HEARTBEAT`] by each host (`fleet peers`; stale after [`PEER_STALE`]).
+//!   [`HEARTBEAT`] by each host (`fleet peers`; stale after [`PEER_STALE`]), and read within a
+//!   bound however large it is ([`peers`]).
 //!
 //! Every key shares the hash tag `{bans}`, so the script that updates two of them together
 //! stays in one slot of a Redis Cluster (`redis+cluster://`), on one master: losing it with
@@ -58,11 +59,15 @@
 //! a `fleet_clock_restored` one. Bans are shared all the same. Each host's offset goes into
 //! its heartbeat (`fleet peers`).
 //!
+//! ## Duplicate host ids
+//! Each heartbeat carries a random nonce of its process; a host that finds another nonce
+//! writing its host id takes no part in global counting while that lasts ([`dup`]).
+//!
 //! Bans received from the fleet are marked [`BAN_REMOTE`] (and their origin host kept): they
 //! are never published again, so no ban echoes between hosts.
 
 use std::{
-    collections::{BTreeMap, VecDeque},
+    collections::VecDeque,
     path::{Path, PathBuf},
     sync::{
         Arc, Mutex,
@@ -82,6 +87,10 @@ use crate::{
     fleet_trust::{self, Trust},
     report, supervise,
 };
+
+pub mod dup;
+pub mod peers;
+pub mod resync;
 
 /// `BanEntry::flags` of a ban received from the fleet (in the remote bans' table, with
 /// `BAN_MANUAL`).
@@ -426,6 +435,8 @@ pub struct Settings {
     pub trust: Arc<Trust>,
     /// The store's names of the ban stream, the snapshot and the peers.
     pub keys: Keys,
+    /// This process's heartbeat nonce, and whether another process uses its host id.
+    pub id_guard: Arc<dup::IdGuard>,
     client: Client,
 }
 
@@ -667,8 +678,15 @@ impl Settings {
             clock: Arc::new(Clock::new(f.max_clock_skew)),
             keys: Keys::of(&f.name),
             trust,
+            id_guard: Arc::default(),
             client,
         })
+    }
+
+    /// Whether this host takes part in global counting now: its clock within the bound of
+    /// the store's, and its host id its own.
+    pub fn counting(&self) -> bool {
+        self.clock.counting() && !self.id_guard.duplicate()
     }
 
     /// Whether the store is a Redis Cluster.
@@ -821,6 +839,16 @@ pub struct Report {
     /// clamped to it.
     #[serde(default)]
     pub bans_clamped: u64,
+    /// The peers in the store (the peers hash's length as last read; `peers` shows at most
+    /// `peers::PEERS_MAX` of them).
+    #[serde(default)]
+    pub peers_total: u64,
+    /// A resync from the snapshot under way.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resync: Option<resync::Progress>,
+    /// Whether another process writes this host id's heartbeat.
+    #[serde(default)]
+    pub duplicate_id: dup::DuplicateReport,
 }
 
 /// This host's wall clock against the store's, as `fleet status` and `/v1/fleet` show it.
@@ -861,6 +889,9 @@ pub struct Heartbeat {
     /// Its clock minus the store's (ms), as it last measured it.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub clock_offset_ms: Option<f64>,
+    /// A random nonce of the process that wrote it ([`dup`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub nonce: Option<String>,
 }
 
 /// A peer as `fleet peers` and `/v1/fleet` show it.
@@ -950,6 +981,8 @@ struct Inner {
     saved_cursor: Option<String>,
     /// The heartbeats last read from the store.
     peers: Vec<Heartbeat>,
+    /// The duplicate-id watch.
+    id_watch: dup::Watch,
 }
 
 /// What the fleet tasks know, for the reports; and the outbox.
@@ -1003,8 +1036,8 @@ impl Shared {
         r
     }
 
-    /// This host's heartbeat now.
-    fn heartbeat(&self) -> Heartbeat {
+    /// This host's heartbeat now, with its process's `nonce`.
+    fn heartbeat(&self, nonce: &str) -> Heartbeat {
         let i = self.lock();
         Heartbeat {
             host_id: i.report.host_id.clone(),
@@ -1014,6 +1047,7 @@ impl Shared {
             bans_received: i.report.bans_received,
             cursor: i.report.cursor.clone(),
             clock_offset_ms: i.report.clock.offset_ms,
+            nonce: Some(nonce.to_string()),
         }
     }
 
@@ -1316,6 +1350,10 @@ where
                     max_skew_ms: settings.clock.bound().as_millis() as u64,
                     ..ClockReport::default()
                 },
+                duplicate_id: dup::DuplicateReport {
+                    nonce: settings.id_guard.nonce().to_string(),
+                    ..dup::DuplicateReport::default()
+                },
                 ..Report::default()
             },
             saved_cursor: saved.cursor,
@@ -1343,8 +1381,13 @@ where
     supervise::spawn(tasks, "fleet_clock", BACKOFF_FIRST, move || {
         clock_task(s.clone(), sh.clone())
     });
-    // With `share_bans = false` no ban is shared: neither the publisher, the reader nor the
-    // heartbeat runs.
+    // The heartbeat runs whatever `share_bans` says: it finds a duplicate host id, which
+    // global counting depends on (and sweeps the snapshot only when bans are shared).
+    let (s, sh) = (settings.clone(), shared.clone());
+    supervise::spawn(tasks, "fleet_heartbeat", BACKOFF_FIRST, move || {
+        heartbeat(s.clone(), sh.clone())
+    });
+    // With `share_bans = false` no ban is shared: neither the publisher nor the reader runs.
     if settings.share_bans {
         let (s, sh) = (settings.clone(), shared.clone());
         supervise::spawn(tasks, "fleet_publisher", BACKOFF_FIRST, move || {
@@ -1353,10 +1396,6 @@ where
         let (s, sh) = (settings.clone(), shared.clone());
         supervise::spawn(tasks, "fleet_reader", BACKOFF_FIRST, move || {
             reader(s.clone(), sh.clone(), apply.clone())
-        });
-        let (s, sh) = (settings.clone(), shared.clone());
-        supervise::spawn(tasks, "fleet_heartbeat", BACKOFF_FIRST, move || {
-            heartbeat(s.clone(), sh.clone())
         });
     }
     Link {
@@ -1641,18 +1680,20 @@ async fn persist(settings: &Arc<Settings>, shared: &Arc<Shared>, on_disk: &mut u
 }
 
 /// The heartbeat: every [`HEARTBEAT`], this host's [`Heartbeat`] into [`PEERS_KEY`], and the
-/// others' read back; then the next [`SWEEP_COUNT`] fields of the snapshot looked at, and
-/// the stale ones pruned. A failure waits for the next beat (the reader reports the store's
-/// health).
+/// others' read back within a bound ([`peers`]); then, when bans are shared, the next
+/// [`SWEEP_COUNT`] fields of the snapshot looked at, and the stale ones pruned. A failure
+/// waits for the next beat (the reader reports the store's health).
 async fn heartbeat(settings: Arc<Settings>, shared: Arc<Shared>) -> anyhow::Result<()> {
     let mut conn: Option<Conn> = None;
     let mut tick = tokio::time::interval(HEARTBEAT);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut prune = Lua::new(PRUNE_SCRIPT);
     let mut scan: u64 = 0;
+    let mut known = peers::Peers::default();
     loop {
         tick.tick().await;
-        let res = match beat(&settings, &shared, &mut conn).await {
+        let res = match peers::beat(&settings, &shared, &mut conn, &mut known).await {
+            Ok(()) if !settings.share_bans => Ok(()),
             Ok(()) => {
                 let c = conn.as_mut().expect("connected by the beat");
                 sweep_snapshot(&settings.keys, c, &mut prune, &mut scan).await
@@ -1778,44 +1819,6 @@ async fn sweep_snapshot(
         .context("pruning the ban snapshot")
 }
 
-async fn beat(settings: &Settings, shared: &Shared, conn: &mut Option<Conn>) -> anyhow::Result<()> {
-    if conn.is_none() {
-        *conn = Some(settings.connect(REQUEST_TIMEOUT).await?);
-    }
-    let c = conn.as_mut().expect("connected above");
-    let me = shared.heartbeat();
-    let (all,): (BTreeMap<String, String>,) = redis::pipe()
-        .cmd("HSET")
-        .arg(&settings.keys.peers)
-        .arg(&me.host_id)
-        .arg(serde_json::to_string(&me)?)
-        .ignore()
-        .cmd("HGETALL")
-        .arg(&settings.keys.peers)
-        .query_async(c)
-        .await
-        .context("writing the heartbeat")?;
-    let forget_before = me.seen_ms.saturating_sub(PEER_FORGET.as_millis() as u64);
-    let mut peers = Vec::with_capacity(all.len());
-    let mut forget = Vec::new();
-    for (host, json) in all {
-        match serde_json::from_str::<Heartbeat>(&json) {
-            Ok(h) if h.seen_ms >= forget_before => peers.push(h),
-            _ => forget.push(host),
-        }
-    }
-    if !forget.is_empty() {
-        redis::cmd("HDEL")
-            .arg(&settings.keys.peers)
-            .arg(&forget)
-            .query_async::<()>(c)
-            .await
-            .context("forgetting old peers")?;
-    }
-    shared.lock().peers = peers;
-    Ok(())
-}
-
 /// Records of a stream reply: `(last id, records)`.
 type StreamReply = Option<Vec<(String, Vec<(String, Vec<(String, String)>)>)>>;
 
@@ -1899,7 +1902,7 @@ where
         cursor_found = !found.is_empty();
     }
     if !cursor_found {
-        let last = resync(settings, shared, &mut conn, apply).await?;
+        let last = resync::resync(settings, shared, &mut conn, apply).await?;
         save_cursor(settings, shared, &last).await;
         cursor = Some(last);
     }
@@ -1958,65 +1961,6 @@ where
             saved_at = Instant::now();
         }
     }
-}
-
-/// Read the snapshot and the stream's last id; hand the snapshot to the owner. Returns the
-/// cursor to follow the stream from.
-async fn resync<A, Fut>(
-    settings: &Settings,
-    shared: &Shared,
-    conn: &mut Conn,
-    apply: &A,
-) -> anyhow::Result<String>
-where
-    A: Fn(Received) -> Fut + Send + Sync + Clone + 'static,
-    Fut: std::future::Future<Output = anyhow::Result<Applied>> + Send + 'static,
-{
-    let t0 = Instant::now();
-    // The last id first: a record added between the two reads is read again, harmlessly.
-    let last: Vec<(String, Vec<(String, String)>)> = redis::cmd("XREVRANGE")
-        .arg(&settings.keys.stream)
-        .arg("+")
-        .arg("-")
-        .arg("COUNT")
-        .arg(1)
-        .query_async(conn)
-        .await
-        .context("reading the ban stream's last entry")?;
-    let last = last
-        .into_iter()
-        .next()
-        .map(|(id, _)| id)
-        .unwrap_or_else(|| "0-0".into());
-    let snap: BTreeMap<String, String> = redis::cmd("HGETALL")
-        .arg(&settings.keys.snap)
-        .query_async(conn)
-        .await
-        .context("reading the ban snapshot")?;
-    shared.rtt(t0);
-    // Bans that have ended are skipped by the owner; tombstones lift the fleet's bans held
-    // here (this host's own `unban`s too: a ban received before it may still be held).
-    let now_ms = unix_ms(SystemTime::now());
-    let records: Vec<Record> = snap
-        .iter()
-        .filter_map(|(field, v)| settings.trust.snapshot_record(field, v, now_ms))
-        .filter(|r| r.op == Op::Unban || r.host != settings.host_id)
-        .collect();
-    let n = records.len();
-    let applied = apply(Received::Snapshot(records)).await?;
-    {
-        let mut i = shared.lock();
-        i.report.resyncs += 1;
-        i.report.bans_received += applied.bans;
-        i.report.bans_skipped += applied.skipped;
-    }
-    info!(
-        bans = n,
-        installed = applied.bans,
-        stream_end = %last,
-        "fleet bans resynced from the snapshot"
-    );
-    Ok(last)
 }
 
 /// Write the cursor to `state_dir` (a temporary file renamed over the old one, durably).
@@ -2083,6 +2027,7 @@ mod tests {
             bans_received: 4,
             cursor: Some("5-0".into()),
             clock_offset_ms: Some(-2.5),
+            nonce: Some("0123456789abcdef".into()),
         };
         let p = Peer::of(&h, "a", 1_009_999);
         assert!(!p.stale && !p.this_host && p.age_ms == 9_999, "{p:?}");

@@ -1,9 +1,11 @@
 //! `fleet key ADDR`: one client's counts under each global rule, as this host holds them and
 //! as the fleet's store holds them; and the text of `fleet status`'s global thresholds part.
 //!
-//! The store is read on the reports' side (never on the owner task), on a connection of its
-//! own made with the fleet's settings, within [`STORE_READ_TIMEOUT`]. When the store cannot
-//! be read, the answer still has this host's part, with a note saying why.
+//! The store is read on the reports' side (never on the owner task), within
+//! [`STORE_READ_TIMEOUT`], through [`crate::fleet_key_reads`]: one shared connection, a cache
+//! and a rate bound, so that however many clients ask, the store sees a bounded load. When
+//! the store cannot be read, the answer still has this host's part, with a note saying why;
+//! when the rate bound leaves nothing to answer with, it says so (`busy`: HTTP 429).
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -12,13 +14,13 @@ use std::{
     time::Duration,
 };
 
-use anyhow::{Context as _, bail};
+use anyhow::bail;
 use ratelimit_common::maps::{BAN_HELD_MARK, ClientKey, ClientState, KEY_IP, RuleConfig};
 use serde::{Deserialize, Serialize};
 
 use crate::{
     clients::Meter,
-    fleet::Settings,
+    fleet_key_reads::{self, Read, Want},
     global::{self, GlobalReport, GlobalRule},
     reader::Reports,
 };
@@ -35,6 +37,10 @@ pub struct KeyReport {
     pub host_id: String,
     /// One entry per global rule looked at (every global rule keyed `ip`, or the one named).
     pub rules: Vec<RuleKey>,
+    /// The store was not read: the rate bound of `fleet key` was reached and no counts
+    /// recent enough were cached (`/v1/fleet/key` answers 429). Why.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub busy: Option<String>,
 }
 
 /// One client's counts under one global rule.
@@ -62,6 +68,9 @@ pub struct RuleKey {
     /// The fleet's admitted counts of `window` and the window before, from the store; null
     /// when the store could not be read.
     pub fleet: Option<Vec<WindowCounts>>,
+    /// How old `fleet` is (ms): 0 when read for this answer, more when served from the cache.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fleet_age_ms: Option<u64>,
     /// Why part of the answer is missing.
     pub note: Option<String>,
 }
@@ -226,33 +235,10 @@ impl Target {
             window,
             local,
             fleet: None,
+            fleet_age_ms: None,
             note: None,
         }
     }
-}
-
-/// The fleet's admitted counts of each entry's client, in its window and the one before.
-async fn read_store(
-    settings: &Settings,
-    rules: &[RuleKey],
-) -> anyhow::Result<Vec<Vec<WindowCounts>>> {
-    let mut conn = settings.connect_for_counts().await?;
-    let mut out = Vec::with_capacity(rules.len());
-    for r in rules {
-        let mut windows = Vec::with_capacity(2);
-        for window in [r.window, r.window.wrapping_sub(1)] {
-            let hash = global::hash_name(&r.rid, Meter::Admitted, r.bucket, window);
-            let fields: HashMap<String, String> = redis::cmd("HGETALL")
-                .arg(settings.trust.store_name(&hash))
-                .query_async(&mut conn)
-                .await
-                .with_context(|| format!("reading {hash} from {}", settings.store))?;
-            let fields = settings.trust.plain_counts(&hash, &r.key, fields);
-            windows.push(WindowCounts::of(&r.key, window, hash, &fields));
-        }
-        out.push(windows);
-    }
-    Ok(out)
 }
 
 /// The answer to `fleet key` (the reports' side: never on the owner task).
@@ -271,23 +257,91 @@ pub async fn answer(
         .iter()
         .map(|t| t.local(reports.maps().clients.get(&t.key), now_ns))
         .collect();
-    let read = tokio::time::timeout(STORE_READ_TIMEOUT, read_store(settings, &rules)).await;
-    let read = read.unwrap_or_else(|_| {
-        Err(anyhow::anyhow!(
-            "{} did not answer within {STORE_READ_TIMEOUT:?}",
-            settings.store
-        ))
-    });
+    // Each rule's window and the one before.
+    let want: Vec<Want> = rules
+        .iter()
+        .flat_map(|r| {
+            [r.window, r.window.wrapping_sub(1)].map(|w| Want {
+                hash: global::hash_name(&r.rid, Meter::Admitted, r.bucket, w),
+                name: r.key.clone(),
+            })
+        })
+        .collect();
+    // Whose own counts are read: this host, then the peers its heartbeat keeps, most
+    // recently seen first.
+    let mut hosts = vec![settings.host_id.clone()];
+    if let Some(f) = reports.fleet.get() {
+        let mut peers = f.report().peers;
+        peers.sort_by_key(|p| p.age_ms);
+        hosts.extend(
+            peers
+                .into_iter()
+                .filter(|p| p.host_id != settings.host_id)
+                .map(|p| p.host_id),
+        );
+    }
+    let reads = &reports.fleet_key_reads;
+    let read = tokio::time::timeout(STORE_READ_TIMEOUT, reads.read(settings, &want, &hosts))
+        .await
+        .unwrap_or_else(|_| {
+            Read::Failed(format!(
+                "{} did not answer within {STORE_READ_TIMEOUT:?}",
+                settings.store
+            ))
+        });
+    let mut busy = None;
     match read {
-        Ok(counts) => {
-            for (r, c) in rules.iter_mut().zip(counts) {
-                r.fleet = Some(c);
+        Read::Counts(counts, age) => {
+            let mut counts = counts.into_iter();
+            for r in &mut rules {
+                let windows = [r.window, r.window.wrapping_sub(1)]
+                    .into_iter()
+                    .map(|w| {
+                        let c = counts.next().unwrap_or_default();
+                        WindowCounts {
+                            window: w,
+                            hash: global::hash_name(&r.rid, Meter::Admitted, r.bucket, w),
+                            total: c.total,
+                            hosts: c.hosts,
+                        }
+                    })
+                    .collect();
+                r.fleet = Some(windows);
+                r.fleet_age_ms = Some(age.as_millis() as u64);
+                if age >= fleet_key_reads::FRESH {
+                    r.note = Some(format!(
+                        "the fleet's counts as read {} ms ago: the store is read at most {} \
+                         times a second for fleet key",
+                        age.as_millis(),
+                        fleet_key_reads::READS_PER_SEC
+                    ));
+                }
+                if hosts.len() > fleet_key_reads::HOSTS_MAX {
+                    let more = hosts.len() - fleet_key_reads::HOSTS_MAX;
+                    let n = format!(
+                        "each host's own count is read for {} hosts; {more} more are in the \
+                         total only",
+                        fleet_key_reads::HOSTS_MAX
+                    );
+                    r.note = Some(match r.note.take() {
+                        Some(prev) => format!("{prev}; {n}"),
+                        None => n,
+                    });
+                }
             }
         }
-        Err(e) => {
+        Read::Busy(why) => {
             for r in &mut rules {
                 r.note = Some(format!(
-                    "the store could not be read ({e:#}): this host's part only"
+                    "the store was not read ({why}): this host's part only"
+                ));
+            }
+            busy = Some(why);
+        }
+        Read::Failed(e) => {
+            for r in &mut rules {
+                r.note = Some(format!(
+                    "the store could not be read ({e}): this host's part only"
                 ));
             }
         }
@@ -296,6 +350,7 @@ pub async fn answer(
         addr: addr.trim().to_string(),
         host_id: settings.host_id.clone(),
         rules,
+        busy,
     })
 }
 
@@ -303,6 +358,9 @@ pub async fn answer(
 pub fn render_key(k: &KeyReport) -> String {
     let mut s = String::new();
     let _ = writeln!(s, "address {} on host {}", k.addr, k.host_id);
+    if let Some(why) = &k.busy {
+        let _ = writeln!(s, "busy: {why}");
+    }
     for r in &k.rules {
         let _ = writeln!(
             s,
@@ -465,8 +523,10 @@ pub(crate) fn sample() -> KeyReport {
                     hosts: BTreeMap::new(),
                 },
             ]),
+            fleet_age_ms: None,
             note: Some("the store could not be read".into()),
         }],
+        busy: None,
     }
 }
 

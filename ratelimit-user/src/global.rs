@@ -1030,9 +1030,10 @@ pub async fn run<O: Owner>(
                 });
             }
         }
-        // No clients to share, or this host's clock off the store's (`fleet::Clock`):
-        // each global rule holds its threshold here alone.
-        if (synced.is_empty() && shared_keys.is_empty()) || !settings.clock.counting() {
+        // No clients to share, this host's clock off the store's (`fleet::Clock`), or its
+        // host id used by another process too (`fleet::dup`): each global rule holds its
+        // threshold here alone.
+        if (synced.is_empty() && shared_keys.is_empty()) || !settings.counting() {
             continue;
         }
         if conn.is_none() {

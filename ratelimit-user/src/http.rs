@@ -368,6 +368,9 @@ fn snapshot(s: &Reports) -> anyhow::Result<(Stats, Gauges)> {
                 records_rejected: r.records_rejected.clone(),
                 counts_rejected: r.counts_rejected.clone(),
                 bans_clamped: r.bans_clamped,
+                duplicate_id: r.duplicate_id.active,
+                peers_in_store: r.peers_total,
+                key_reads: s.fleet_key_reads.stats(),
             }
         }),
     };
@@ -433,6 +436,12 @@ pub struct FleetGauges {
     pub records_rejected: std::collections::BTreeMap<String, u64>,
     pub counts_rejected: std::collections::BTreeMap<String, u64>,
     pub bans_clamped: u64,
+    /// Another process writes this host id's heartbeat (`fleet::dup`).
+    pub duplicate_id: bool,
+    /// The peers hash's length as last read.
+    pub peers_in_store: u64,
+    /// `fleet key`'s reads of the store.
+    pub key_reads: crate::fleet_key_reads::Stats,
 }
 
 #[derive(Debug)]
@@ -1014,6 +1023,42 @@ fn fleet_families(f: &FleetGauges) -> Vec<Family> {
         )
         .with(vec![], Value::Gauge(u64::from(f.clock_over_bound))),
         Family::new(
+            "ratelimit_fleet_duplicate_id",
+            Gauge,
+            "1 while another process writes this host id's heartbeat (two hosts with one fleet.host_id): this host takes no part in global counting",
+        )
+        .with(vec![], Value::Gauge(u64::from(f.duplicate_id))),
+        Family::new(
+            "ratelimit_fleet_peers_in_store",
+            Gauge,
+            "Heartbeats in the store's peers hash as last read (HLEN), this host's included; at most 256 are kept and shown",
+        )
+        .with(vec![], Value::Gauge(f.peers_in_store)),
+        Family::new(
+            "ratelimit_fleet_key_store_reads",
+            Counter,
+            "Reads of the store for fleet key (/v1/fleet/key): one HMGET per rule and window each, at most 10 a second",
+        )
+        .with(vec![], Value::Counter(f.key_reads.store_reads)),
+        Family::new(
+            "ratelimit_fleet_key_cache_hits",
+            Counter,
+            "fleet key answers served from the cache of the store's counts",
+        )
+        .with(vec![], Value::Counter(f.key_reads.cache_hits)),
+        Family::new(
+            "ratelimit_fleet_key_busy",
+            Counter,
+            "fleet key answers refused as busy (HTTP 429): the store's read rate bound reached, nothing recent enough cached",
+        )
+        .with(vec![], Value::Counter(f.key_reads.busy)),
+        Family::new(
+            "ratelimit_fleet_key_store_errors",
+            Counter,
+            "Failed connections and reads of the store for fleet key",
+        )
+        .with(vec![], Value::Counter(f.key_reads.errors)),
+        Family::new(
             "ratelimit_fleet_global_rules",
             Gauge,
             "Global rules (scope = \"global\") whose counts this host shares",
@@ -1240,9 +1285,22 @@ async fn offenders<B: Backend>(State(app): State<App<B>>, uri: Uri) -> Response 
     }
 }
 
+/// `/v1/fleet/key`: the answer, or 429 (`Retry-After: 1`) when the rate bound of the store's
+/// reads left nothing to answer with (`crate::fleet_key_reads`).
 async fn fleet_key<B: Backend>(State(app): State<App<B>>, uri: Uri) -> Response {
     match parse_key(&uri) {
-        Ok(req) => answer(&app.backend, req).await,
+        Ok(req) => match ask(&app.backend, req).await {
+            Ok(Answer::FleetKey(k)) if k.busy.is_some() => {
+                let mut resp = error(StatusCode::TOO_MANY_REQUESTS, k.busy.unwrap_or_default());
+                resp.headers_mut().insert(
+                    axum::http::header::RETRY_AFTER,
+                    axum::http::HeaderValue::from_static("1"),
+                );
+                resp
+            }
+            Ok(data) => (StatusCode::OK, Json(data)).into_response(),
+            Err(resp) => resp,
+        },
         Err(msg) => error(StatusCode::BAD_REQUEST, msg),
     }
 }
@@ -1420,6 +1478,14 @@ mod tests {
                 records_rejected: [("bad_mac".to_string(), 3)].into(),
                 counts_rejected: Default::default(),
                 bans_clamped: 2,
+                duplicate_id: true,
+                peers_in_store: 200_002,
+                key_reads: crate::fleet_key_reads::Stats {
+                    store_reads: 40,
+                    cache_hits: 900,
+                    busy: 7,
+                    errors: 1,
+                },
             }),
             ..GAUGES
         };
@@ -1466,6 +1532,14 @@ mod tests {
             "ratelimit_fleet_clock_offset_seconds -5.0025",
             "# TYPE ratelimit_fleet_clock_skewed gauge",
             "ratelimit_fleet_clock_skewed 1",
+            "# TYPE ratelimit_fleet_duplicate_id gauge",
+            "ratelimit_fleet_duplicate_id 1",
+            "ratelimit_fleet_peers_in_store 200002",
+            "# TYPE ratelimit_fleet_key_store_reads counter",
+            "ratelimit_fleet_key_store_reads_total 40",
+            "ratelimit_fleet_key_cache_hits_total 900",
+            "ratelimit_fleet_key_busy_total 7",
+            "ratelimit_fleet_key_store_errors_total 1",
         ] {
             assert!(l.contains(&want), "{want} missing from:\n{text}");
         }
@@ -2054,6 +2128,13 @@ mod tests {
                 Request::Top { n, .. } => Answer::Top((0..n as u64).map(samples::client).collect()),
                 Request::Status => Answer::Status(Box::new(samples::status())),
                 Request::Stats => Answer::Stats(Box::new(samples::stats())),
+                Request::FleetKey { addr, .. } => {
+                    let mut k = crate::fleet_key::sample();
+                    if addr == "192.0.2.99" {
+                        k.busy = Some(crate::fleet_key_reads::busy_message());
+                    }
+                    Answer::FleetKey(Box::new(k))
+                }
                 other => panic!("not a report: {other:?}"),
             })
         }
@@ -2206,6 +2287,26 @@ mod tests {
         request_timeout: Duration::from_millis(300),
         max_connection_age: Duration::from_secs(60),
     };
+
+    #[tokio::test]
+    async fn http_fleet_key_beyond_the_store_s_read_bound_is_a_429_with_retry_after() {
+        let listener = bind("127.0.0.1:0".parse().unwrap()).await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let server = serve_fake(listener, Fake::default(), Limits::DEFAULT);
+        let (st, _, body) = exchange(addr, "GET", "/v1/fleet/key?addr=198.51.100.7").await;
+        assert_eq!(st, 200, "{body}");
+        let (st, head, body) = exchange(addr, "GET", "/v1/fleet/key?addr=192.0.2.99").await;
+        assert_eq!(st, 429, "{body}");
+        assert!(head.contains("retry-after: 1"), "{head}");
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert!(
+            v["error"]
+                .as_str()
+                .is_some_and(|e| e.contains("at most 10 times a second")),
+            "{body}"
+        );
+        server.abort();
+    }
 
     #[tokio::test]
     async fn http_connections_over_the_cap_are_closed_at_once_and_idle_ones_in_time() {

@@ -15,6 +15,7 @@ pub mod events;
 pub mod fleet;
 pub mod fleet_key;
 pub mod fleet_trust;
+pub mod fleet_key_reads;
 pub mod geoip;
 pub mod global;
 pub mod http;

@@ -376,10 +376,6 @@ fn print_human(answer: &Answer) -> anyhow::Result<()> {
 }
 
 fn print_peers(f: &ratelimit_user::fleet::Report) {
-    if !f.share_bans {
-        println!("no peers: share_bans = false (the store is not contacted)");
-        return;
-    }
     if f.peers.is_empty() {
         println!("no peers read from the store yet");
         return;
@@ -409,6 +405,14 @@ fn print_peers(f: &ratelimit_user::fleet::Report) {
             p.bans_received,
             p.cursor.as_deref().unwrap_or("-"),
             if p.stale { "  STALE" } else { "" }
+        );
+    }
+    let more = f.peers_total.saturating_sub(f.peers.len() as u64);
+    if more > 0 {
+        println!(
+            "... and {more} more peers in the store, not shown (at most {} are kept: this host \
+             and the most recently seen)",
+            ratelimit_user::fleet::peers::PEERS_MAX
         );
     }
 }
@@ -510,13 +514,34 @@ fn print_fleet(f: &ratelimit_user::fleet::Report) {
             }
         ),
     }
-    if f.share_bans {
-        let stale = f.peers.iter().filter(|p| p.stale).count();
+    let d = &f.duplicate_id;
+    if d.active {
         println!(
-            "peers      {} ({stale} stale; `ratelimit fleet peers`)",
-            f.peers.len()
+            "host id    DUPLICATE HOST ID since {}: another process (nonce {}) writes host id {}'s \
+             heartbeat; global rules are enforced locally (this process's nonce {})",
+            d.since.as_deref().unwrap_or("-"),
+            d.other_nonce.as_deref().unwrap_or("-"),
+            f.host_id,
+            d.nonce
         );
     }
+    if let Some(r) = &f.resync {
+        println!(
+            "resync     under way since {}: {} snapshot fields read in {} pages",
+            r.since, r.fields, r.pages
+        );
+    }
+    let stale = f.peers.iter().filter(|p| p.stale).count();
+    let more = f.peers_total.saturating_sub(f.peers.len() as u64);
+    println!(
+        "peers      {} ({stale} stale{}; `ratelimit fleet peers`)",
+        f.peers.len(),
+        if more > 0 {
+            format!("; {more} more in the store, not shown")
+        } else {
+            String::new()
+        }
+    );
     print!("{}", ratelimit_user::fleet_key::render_global(&f.global));
 }
 

@@ -119,6 +119,8 @@ pub struct Reports {
     /// Fleet mode's store settings (`fleet key` reads the store with them); unset without
     /// `[fleet]`.
     pub fleet_settings: std::sync::OnceLock<Arc<crate::fleet::Settings>>,
+    /// `fleet key`'s reads of the store: one connection, a cache, a rate bound.
+    pub fleet_key_reads: crate::fleet_key_reads::KeyReads,
 }
 
 /// Map handles only read through: `Maps`' writing methods take `&mut`, which this never
@@ -153,6 +155,7 @@ impl Reports {
             known_status,
             fleet: std::sync::OnceLock::new(),
             fleet_settings: std::sync::OnceLock::new(),
+            fleet_key_reads: crate::fleet_key_reads::KeyReads::default(),
         }
     }
 
