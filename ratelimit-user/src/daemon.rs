@@ -1330,12 +1330,13 @@ impl State {
                 Op::Unban => {
                     for entry in self.maps.bans_at(plen, &key) {
                         // Never a ban this host's rules issued (SPEC, "Trust boundaries"):
-                        // only the operator's table, where the fleet's copies are and this
-                        // host's operator bans (`ban del` lifts everywhere); a snapshot's
-                        // tombstone, only the fleet's copies.
-                        if ban_table(entry.flags) != BAN_TABLE_OPERATOR
-                            || (snapshot && entry.flags & BAN_REMOTE == 0)
-                        {
+                        // only the fleet's copies (in the remote bans' table, or spilled into
+                        // the rules' when it was full) and this host's operator bans (`ban
+                        // del` lifts everywhere); a snapshot's tombstone, only the fleet's
+                        // copies.
+                        let fleet_copy = entry.flags & BAN_REMOTE != 0;
+                        let operators = ban_table(entry.flags) == BAN_TABLE_OPERATOR;
+                        if !(fleet_copy || (operators && !snapshot)) {
                             continue;
                         }
                         if let Ok(true) = self.maps.remove_ban(ban_table(entry.flags), plen, &key) {
