@@ -2294,6 +2294,7 @@ BAMCA0kAMEYCIQDAkUz8uowjYDKf94dOXCRkO6eM1rvc03v7OXDTUs6XoAIhAILu
             share_bans: true,
             state_dir: dir.clone(),
             clock: Arc::new(Clock::new(config::DEFAULT_MAX_CLOCK_SKEW)),
+            id_guard: Arc::default(),
             client: Client::Single(redis::Client::open("redis://127.0.0.1:1").unwrap()),
         });
         let shared = Arc::new(Shared {
