@@ -67,7 +67,7 @@
 //! are never published again, so no ban echoes between hosts.
 
 use std::{
-    collections::VecDeque,
+    collections::{BTreeMap, VecDeque},
     path::{Path, PathBuf},
     sync::{
         Arc, Mutex,
@@ -2420,6 +2420,7 @@ BAMCA0kAMEYCIQDAkUz8uowjYDKf94dOXCRkO6eM1rvc03v7OXDTUs6XoAIhAILu
             clock: Arc::new(Clock::new(config::DEFAULT_MAX_CLOCK_SKEW)),
             trust: Arc::new(Trust::new("default", None, Default::default())),
             keys: Keys::of("default"),
+            id_guard: Arc::default(),
             client: Client::Single(redis::Client::open("redis://127.0.0.1:1").unwrap()),
         });
         let shared = Arc::new(Shared {

@@ -37,6 +37,9 @@ pub struct Peers {
     total: u64,
 }
 
+/// An `HSCAN` answer: the cursor to go on from, and the fields and values.
+type ScanPage = (u64, Vec<(String, String)>);
+
 /// What one beat read of the peers hash.
 #[derive(Debug, Default)]
 pub struct BeatRead {
@@ -139,26 +142,25 @@ pub(super) async fn beat(
     let c = conn.as_mut().expect("connected above");
     let me = shared.heartbeat(settings.id_guard.nonce());
     let written = serde_json::to_string(&me)?;
-    let (before, total, (next, page)): (Option<String>, u64, (u64, Vec<(String, String)>)) =
-        redis::pipe()
-            .cmd("HGET")
-            .arg(&settings.keys.peers)
-            .arg(&me.host_id)
-            .cmd("HSET")
-            .arg(&settings.keys.peers)
-            .arg(&me.host_id)
-            .arg(&written)
-            .ignore()
-            .cmd("HLEN")
-            .arg(&settings.keys.peers)
-            .cmd("HSCAN")
-            .arg(&settings.keys.peers)
-            .arg(peers.scan)
-            .arg("COUNT")
-            .arg(PEERS_PAGE)
-            .query_async(c)
-            .await
-            .context("writing the heartbeat")?;
+    let (before, total, (next, page)): (Option<String>, u64, ScanPage) = redis::pipe()
+        .cmd("HGET")
+        .arg(&settings.keys.peers)
+        .arg(&me.host_id)
+        .cmd("HSET")
+        .arg(&settings.keys.peers)
+        .arg(&me.host_id)
+        .arg(&written)
+        .ignore()
+        .cmd("HLEN")
+        .arg(&settings.keys.peers)
+        .cmd("HSCAN")
+        .arg(&settings.keys.peers)
+        .arg(peers.scan)
+        .arg("COUNT")
+        .arg(PEERS_PAGE)
+        .query_async(c)
+        .await
+        .context("writing the heartbeat")?;
     shared.id_beat(settings, before.as_deref(), written);
     let known = peers.known_ids(&me.host_id);
     let refreshed = if known.is_empty() {
