@@ -184,13 +184,21 @@ fn is_v4(src: &IpKey) -> bool {
     }
 }
 
-/// `src`'s address, copied onto the caller's stack (a volatile read, which the compiler
-/// cannot replace with a pointer to `src`): `src` may be a global function's argument, which
-/// the 6.1 verifier takes as no map key (`R2 type=mem expected=fp, ..., map_value`).
+/// A pointer to `src`'s address copied into this CPU's buffer (a map value, which every
+/// kernel takes as a map key, and costs no stack: the rules' global function, where `src` is
+/// an argument the 6.1 verifier takes as no key, has no room left on its stack). `dst` is
+/// free here: [`for_this_host`] writes it anew for each packet before it reads it.
 #[inline(always)]
-fn stack_key(src: &IpKey) -> [u8; 16] {
-    // SAFETY: a read of a live 16-byte array.
-    unsafe { core::ptr::read_volatile(&src.addr) }
+fn key_in_buf(src: &IpKey) -> Option<*const [u8; 16]> {
+    let b = BUF.get_ptr_mut(0)?;
+    // SAFETY: this CPU's buffer; two 8-byte copies from a live 16-byte array.
+    unsafe {
+        let s = &src.addr as *const [u8; 16] as *const u64;
+        let d = &raw mut (*b).dst as *mut u64;
+        core::ptr::write_unaligned(d, core::ptr::read_unaligned(s));
+        core::ptr::write_unaligned(d.add(1), core::ptr::read_unaligned(s.add(1)));
+        Some(&raw const (*b).dst)
+    }
 }
 
 /// Whether `src` was proven within [`PROVEN_TTL_NS`] (looked up only if some source was).
@@ -199,9 +207,11 @@ pub fn is_proven(src: &IpKey, now: u64) -> bool {
     if !recent(PROVED, now, PROVEN_TTL_NS) {
         return false;
     }
-    // SAFETY: a lookup; the value is copied out. The key on this frame's stack
-    // ([`stack_key`]).
-    match unsafe { PROVEN.get(&stack_key(src)) } {
+    let Some(key) = key_in_buf(src) else {
+        return false;
+    };
+    // SAFETY: a lookup with a key in this CPU's buffer; the value is copied out.
+    match unsafe { PROVEN.get(&*key) } {
         Some(&t) => now.wrapping_sub(t) < PROVEN_TTL_NS,
         None => false,
     }
@@ -212,9 +222,11 @@ pub fn is_proven(src: &IpKey, now: u64) -> bool {
 /// over it, the address is not recorded (its packets go on through the admission budget).
 #[inline(always)]
 fn prove(src: &IpKey, now: u64) -> bool {
-    let key = stack_key(src);
-    // SAFETY: a lookup; the value is copied out.
-    let renewal = match unsafe { PROVEN.get(&key) } {
+    let Some(key) = key_in_buf(src) else {
+        return false;
+    };
+    // SAFETY: a lookup with a key in this CPU's buffer; the value is copied out.
+    let renewal = match unsafe { PROVEN.get(&*key) } {
         Some(&t) if now.wrapping_sub(t) < PROVEN_RENEW_NS => return false,
         Some(&t) => now.wrapping_sub(t) < PROVEN_TTL_NS,
         None => false,
@@ -223,7 +235,8 @@ fn prove(src: &IpKey, now: u64) -> bool {
         return false;
     }
     // A full map evicts its least recently used source.
-    let _ = PROVEN.insert(&key, &now, 0);
+    // SAFETY: the key in this CPU's buffer, unchanged since `key_in_buf`.
+    let _ = PROVEN.insert(unsafe { &*key }, &now, 0);
     stamp(PROVED, now);
     true
 }
