@@ -286,7 +286,6 @@ async fn read_counts(
     Ok(out)
 }
 
-
 /// The counts an `HMGET` answered: the total first, then each host's (absent: none).
 pub fn counts_of(values: &[Option<String>], hosts: &[String]) -> Counts {
     let num = |v: &Option<String>| v.as_deref().and_then(|s| s.trim().parse::<u64>().ok());

@@ -164,10 +164,22 @@ mod tests {
             format!(r#"{{"op":"{op}","net":"{net}","exp_ms":0,"at_ms":1,"host":"{host}"}}"#)
         };
         let page = vec![
-            ("192.0.2.1/32".to_string(), format!("0|{}", rec("ban", "192.0.2.1/32", "h1"))),
-            ("192.0.2.2/32".to_string(), format!("0|{}", rec("ban", "192.0.2.2/32", "me"))),
-            ("192.0.2.3/32".to_string(), format!("t5|{}", rec("unban", "192.0.2.3/32", "me"))),
-            ("192.0.2.4/32".to_string(), "not a snapshot value".to_string()),
+            (
+                "192.0.2.1/32".to_string(),
+                format!("0|{}", rec("ban", "192.0.2.1/32", "h1")),
+            ),
+            (
+                "192.0.2.2/32".to_string(),
+                format!("0|{}", rec("ban", "192.0.2.2/32", "me")),
+            ),
+            (
+                "192.0.2.3/32".to_string(),
+                format!("t5|{}", rec("unban", "192.0.2.3/32", "me")),
+            ),
+            (
+                "192.0.2.4/32".to_string(),
+                "not a snapshot value".to_string(),
+            ),
             ("192.0.2.5/32".to_string(), "0|{".to_string()),
         ];
         let trust = Trust::new("default", None, Default::default());
