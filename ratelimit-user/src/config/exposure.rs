@@ -89,6 +89,11 @@ mod tests {
             sync_interval: super::super::DEFAULT_SYNC_INTERVAL,
             share_bans: true,
             max_clock_skew: super::super::DEFAULT_MAX_CLOCK_SKEW,
+            name: "default".into(),
+            key_file: None,
+            remote_ban_min_prefix_v4: super::super::DEFAULT_REMOTE_BAN_MIN_PREFIX_V4,
+            remote_ban_min_prefix_v6: super::super::DEFAULT_REMOTE_BAN_MIN_PREFIX_V6,
+            remote_ban_max_duration: super::super::DEFAULT_REMOTE_BAN_MAX_DURATION,
         }
     }
 

@@ -83,7 +83,7 @@ pub fn aliases_ipv4(net: &IpNet) -> Option<String> {
     if s[..5] != [0; 5] {
         return None;
     }
-    let v4 = std::net::Ipv4Addr::from(u32::from(n.network().to_bits() as u32));
+    let v4 = std::net::Ipv4Addr::from(n.network().to_bits() as u32);
     let as_v4 = format!("{v4}/{}", n.prefix_len() - 96);
     match s[5] {
         0xffff => Some(format!(
