@@ -130,7 +130,7 @@ fn region_name(c: [u8; 2]) -> String {
 }
 
 /// Where an override lands in the maps: two spellings of one prefix (`192.0.2.1` and
-/// `::ffff:192.0.2.1/128`) are one override.
+/// `192.0.2.1/32`) are one override.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 enum Slot {
     Cidr(apply::Prefix),

@@ -87,11 +87,17 @@ pub fn aliases_ipv4(net: &IpNet) -> Option<String> {
     let as_v4 = format!("{v4}/{}", n.prefix_len() - 96);
     match s[5] {
         0xffff => Some(format!(
-            "is inside ::ffff:0:0/96, the IPv4-mapped range: an IPv6 prefix never covers IPv4              clients; write the IPv4 prefix ({as_v4}) to mean those"
+            "is inside ::ffff:0:0/96, the IPv4-mapped range: an IPv6 prefix never covers {}",
+            format_args!("IPv4 clients; write the IPv4 prefix ({as_v4}) to mean those")
         )),
-        0 => Some(format!(
-            "is inside ::/96, the IPv4-compatible range: an IPv6 prefix never covers IPv4              clients; write the IPv4 prefix ({as_v4}) to mean those"
-        )),
+        0 => Some(
+            concat!(
+                "is inside ::/96 (the unspecified, loopback and IPv4-compatible addresses): ",
+                "no packet from it reaches the lists or rules (such sources are bogons), ",
+                "and an IPv6 prefix never covers IPv4 clients"
+            )
+            .to_string(),
+        ),
         _ => None,
     }
 }

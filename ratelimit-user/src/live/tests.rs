@@ -301,7 +301,19 @@ impl Changes {
 fn a_live_override_replaces_the_configs_at_its_key() {
     let dir = Path::new("/nonexistent");
     let file = config(dir, RULES);
-    for key in ["198.51.100.7", "198.51.100.7/32", "::ffff:198.51.100.7/128"] {
+    // An IPv4-mapped spelling is no key of an IPv4 client: a saved change that has one is
+    // dropped, with the reason.
+    let mapped = Changes {
+        rules: BTreeMap::new(),
+        overrides: vec![spec("udp", Some("::ffff:198.51.100.7/128"), None, "50/1h")],
+    };
+    let r = resolve(file.clone(), &mapped);
+    assert!(
+        r.dropped.len() == 1 && r.dropped[0].contains("IPv4-mapped"),
+        "{:?}",
+        r.dropped
+    );
+    for key in ["198.51.100.7", "198.51.100.7/32"] {
         let changes = Changes {
             rules: BTreeMap::new(),
             overrides: vec![spec("udp", Some(key), None, "50/1h")],
