@@ -34,13 +34,15 @@ const STEPS: usize = 7;
 /// for what must not run there (and why). They load the real object and drive it through
 /// BPF_PROG_TEST_RUN, which is what differs between kernels; the end-to-end tests add the
 /// daemon and veth traffic, which do not, and would take an hour under software emulation.
-/// The fixture tests take 40-90 s in a guest. One depends on how fast the guest runs and is
-/// left out there (it runs on the host's kernel); in three runs on each kernel it failed once
-/// in a guest, with no defect behind it:
+/// The fixture tests take 40-150 s in a guest. Two depend on how fast the guest runs and are
+/// left out there (they run on the host's kernel), with no defect behind their failures:
 /// * `overflow_closes_to_new_sources_for_the_tick_exactly` gives one new source a second
 ///   (`new_sources_per_sec = 1`) and expects a loop of 20 policy writes and 1,020 runs to
 ///   finish before the budget admits another; under emulation it can take longer (6.1 guest:
 ///   the 51st run of a round passed).
+/// * `new_states_per_tick_and_cpu_are_capped` needs a round of 192 runs to fit in one jiffy
+///   (4 ms: about 20 us a run) for its exact count; under emulation none of 20 rounds did in
+///   a 6.1 guest (its bound held in each), while on the host's kernel the first round fits.
 ///
 /// The differential fuzz test runs its 100,000 frames in each guest too (about 2,000 frames/s
 /// under emulation: 50 s a kernel), so the program and the model are compared on every kernel
@@ -48,7 +50,10 @@ const STEPS: usize = 7;
 const GUEST_TESTS: &[GuestTest] = &[
     GuestTest {
         name: "fixtures",
-        exclude: &["overflow_closes_to_new_sources_for_the_tick_exactly"],
+        exclude: &[
+            "overflow_closes_to_new_sources_for_the_tick_exactly",
+            "new_states_per_tick_and_cpu_are_capped",
+        ],
         env: &[],
     },
     GuestTest {
