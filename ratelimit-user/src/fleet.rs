@@ -102,6 +102,9 @@ pub const STREAM_KEY: &str = "ratelimit:{bans}:stream";
 pub const SNAP_KEY: &str = "ratelimit:{bans}:snap";
 /// A hash, host id → that host's last [`Heartbeat`] (JSON), written every [`HEARTBEAT`].
 pub const PEERS_KEY: &str = "ratelimit:{bans}:peers";
+/// A sorted set, host id → when it last beat (unix ms): the peers most recently seen, found
+/// in one read however large the peers hash grows ([`peers`]).
+pub const PEERS_SEEN_KEY: &str = "ratelimit:{bans}:peers-seen";
 
 /// The store's names of the ban stream, the snapshot and the peers in this fleet.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -109,6 +112,7 @@ pub struct Keys {
     pub stream: String,
     pub snap: String,
     pub peers: String,
+    pub peers_seen: String,
 }
 
 impl Keys {
@@ -117,6 +121,7 @@ impl Keys {
             stream: fleet_trust::store_name(fleet, STREAM_KEY),
             snap: fleet_trust::store_name(fleet, SNAP_KEY),
             peers: fleet_trust::store_name(fleet, PEERS_KEY),
+            peers_seen: fleet_trust::store_name(fleet, PEERS_SEEN_KEY),
         }
     }
 }

@@ -1,16 +1,20 @@
 //! The peers hash (`Keys::peers`, [`super::PEERS_KEY`] in the fleet `default`) read within a bound, every [`HEARTBEAT`]: whatever its size
 //! (anyone who can write to the store can add fields), a host parses at most
-//! [`PEERS_PAGE`] + [`PEERS_MAX`] heartbeats a beat, and keeps and shows at most
+//! [`PEERS_PAGE`] + 2 × [`PEERS_MAX`] heartbeats a beat, and keeps and shows at most
 //! [`PEERS_MAX`] peers: itself, and the most recently seen of the others.
 //!
 //! Each beat, in one round trip: the value in this host's own field before it is written
-//! (the duplicate-id watch, [`super::dup`]), this host's heartbeat written, the hash's length
-//! (`HLEN`: how many peers there are in all, shown as "N more"), and the next page of the
-//! hash from a cursor kept across beats (`HSCAN ... COUNT PEERS_PAGE`: new peers are found
-//! a page a beat). Then the peers already kept are read again by name (`HMGET`), so they
-//! stay fresh however large the hash is. A heartbeat longer than [`HEARTBEAT_BYTES_MAX`],
-//! one that does not parse or names another host, and one not seen for a day is taken off
-//! the hash (the page's, a bounded number per beat).
+//! (the duplicate-id watch, [`super::dup`]), this host's heartbeat written, its time written
+//! into the recency index (`Keys::peers_seen`, a sorted set kept to [`SEEN_KEEP`] members,
+//! none later than [`SEEN_SKEW_MS`] ahead of this host's clock), the [`PEERS_MAX`] ids most
+//! recently seen in that index, the hash's length (`HLEN`: how many peers there are in all,
+//! shown as "N more"), and the next page of the hash from a cursor kept across beats
+//! (`HSCAN ... COUNT PEERS_PAGE`: peers missing from the index are found a page a beat).
+//! Then the peers already kept and those the index names are read by name (`HMGET`), so a
+//! live host is seen within a beat or two however many fields the hash holds. A heartbeat
+//! longer than [`HEARTBEAT_BYTES_MAX`], one that does not parse or names another host, and
+//! one not seen for a day is taken off the hash and the index (the page's, a bounded number
+//! per beat).
 //!
 //! [`HEARTBEAT`]: super::HEARTBEAT
 
@@ -26,6 +30,11 @@ pub const PEERS_MAX: usize = 256;
 pub const PEERS_PAGE: usize = 500;
 /// A heartbeat longer than this is not parsed (and is taken off the hash).
 pub const HEARTBEAT_BYTES_MAX: usize = 4096;
+/// Members the recency index keeps (the most recent; each beat trims the rest).
+pub const SEEN_KEEP: usize = 4 * PEERS_MAX;
+/// A time in the recency index further ahead of this host's clock than this is taken off
+/// (so nobody holds the top of the index by writing a time to come).
+pub const SEEN_SKEW_MS: u64 = 60_000;
 
 /// The peers kept, and where the walk of the hash is.
 #[derive(Debug, Default)]
@@ -69,8 +78,8 @@ impl Peers {
     }
 
     /// Take in what a beat read (with `me`, this host's heartbeat as written). Returns the
-    /// fields to take off the hash: heartbeats that are not, and those seen before
-    /// `forget_before` (unix ms).
+    /// ids to take off the hash and the recency index: heartbeats that are not, those seen
+    /// before `forget_before` (unix ms), and ids read by name that the hash no longer holds.
     pub fn take(&mut self, me: &Heartbeat, read: BeatRead, forget_before: u64) -> Vec<String> {
         self.total = read.total;
         self.scan = read.next;
@@ -84,7 +93,9 @@ impl Peers {
                 continue;
             }
             let Some(value) = value else {
+                // Gone from the hash: off the recency index too.
                 self.known.remove(&id);
+                forget.push(id);
                 continue;
             };
             match parse(&id, &value) {
@@ -142,37 +153,66 @@ pub(super) async fn beat(
     let c = conn.as_mut().expect("connected above");
     let me = shared.heartbeat(settings.id_guard.nonce());
     let written = serde_json::to_string(&me)?;
-    let (before, total, (next, page)): (Option<String>, u64, ScanPage) = redis::pipe()
-        .cmd("HGET")
-        .arg(&settings.keys.peers)
-        .arg(&me.host_id)
-        .cmd("HSET")
-        .arg(&settings.keys.peers)
-        .arg(&me.host_id)
-        .arg(&written)
-        .ignore()
-        .cmd("HLEN")
-        .arg(&settings.keys.peers)
-        .cmd("HSCAN")
-        .arg(&settings.keys.peers)
-        .arg(peers.scan)
-        .arg("COUNT")
-        .arg(PEERS_PAGE)
-        .query_async(c)
-        .await
-        .context("writing the heartbeat")?;
+    let keys = &settings.keys;
+    let ahead = me.seen_ms.saturating_add(SEEN_SKEW_MS);
+    let (before, recent, total, (next, page)): (Option<String>, Vec<String>, u64, ScanPage) =
+        redis::pipe()
+            .cmd("HGET")
+            .arg(&keys.peers)
+            .arg(&me.host_id)
+            .cmd("HSET")
+            .arg(&keys.peers)
+            .arg(&me.host_id)
+            .arg(&written)
+            .ignore()
+            .cmd("ZADD")
+            .arg(&keys.peers_seen)
+            .arg(me.seen_ms)
+            .arg(&me.host_id)
+            .ignore()
+            .cmd("ZREMRANGEBYSCORE")
+            .arg(&keys.peers_seen)
+            .arg(format!("({ahead}"))
+            .arg("+inf")
+            .ignore()
+            .cmd("ZREMRANGEBYRANK")
+            .arg(&keys.peers_seen)
+            .arg(0)
+            .arg(-(SEEN_KEEP as i64) - 1)
+            .ignore()
+            .cmd("ZREVRANGE")
+            .arg(&keys.peers_seen)
+            .arg(0)
+            .arg(PEERS_MAX - 1)
+            .cmd("HLEN")
+            .arg(&keys.peers)
+            .cmd("HSCAN")
+            .arg(&keys.peers)
+            .arg(peers.scan)
+            .arg("COUNT")
+            .arg(PEERS_PAGE)
+            .query_async(c)
+            .await
+            .context("writing the heartbeat")?;
     shared.id_beat(settings, before.as_deref(), written);
-    let known = peers.known_ids(&me.host_id);
-    let refreshed = if known.is_empty() {
+    let mut by_name = peers.known_ids(&me.host_id);
+    by_name.extend(
+        recent
+            .into_iter()
+            .filter(|id| *id != me.host_id && crate::config::check_host_id(id).is_ok()),
+    );
+    by_name.sort_unstable();
+    by_name.dedup();
+    let refreshed = if by_name.is_empty() {
         Vec::new()
     } else {
         let values: Vec<Option<String>> = redis::cmd("HMGET")
-            .arg(&settings.keys.peers)
-            .arg(&known)
+            .arg(&keys.peers)
+            .arg(&by_name)
             .query_async(c)
             .await
             .context("reading the peers")?;
-        known.into_iter().zip(values).collect()
+        by_name.into_iter().zip(values).collect()
     };
     let forget_before = me
         .seen_ms
@@ -185,9 +225,15 @@ pub(super) async fn beat(
     };
     let forget = peers.take(&me, read, forget_before);
     if !forget.is_empty() {
-        redis::cmd("HDEL")
-            .arg(&settings.keys.peers)
+        redis::pipe()
+            .cmd("HDEL")
+            .arg(&keys.peers)
             .arg(&forget)
+            .ignore()
+            .cmd("ZREM")
+            .arg(&keys.peers_seen)
+            .arg(&forget)
+            .ignore()
             .query_async::<()>(c)
             .await
             .context("forgetting old peers")?;
@@ -287,7 +333,7 @@ mod tests {
             },
             50_000,
         );
-        assert!(forget.is_empty());
+        assert_eq!(forget, ["a"]);
         let list = p.list();
         assert_eq!(list.len(), 2);
         assert_eq!(list[0].seen_ms, 100_001);
