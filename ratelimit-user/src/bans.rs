@@ -86,9 +86,9 @@ pub fn save(
     dir: &Path,
     maps: &Maps,
     rules: &[(String, RuleConfig)],
-    reasons: &BTreeMap<String, String>,
-    origins: &BTreeMap<String, String>,
+    notes: &crate::ban_notes::Notes,
 ) -> anyhow::Result<()> {
+    let (reasons, origins) = (&notes.reasons, &notes.origins);
     let rule_names: Vec<String> = rules.iter().map(|(n, _)| n.clone()).collect();
     let mut list: Vec<SavedBan> = crate::report::active_bans(maps)
         .into_iter()

@@ -75,8 +75,8 @@ pub struct State {
     pub xdp_mode_override: Option<config::XdpMode>,
     pub maps: Maps,
     pub dp: Datapath,
-    /// Shared with the reports' view (copied on the next write after a publish).
-    pub ban_reasons: Arc<BTreeMap<String, String>>,
+    /// The bans' reasons and origins, shared with the reports' view.
+    pub ban_notes: crate::ban_notes::BanNotes,
     /// Where event lines go (a queue to the events writer).
     pub events: Events,
     /// Bans changed since they were last written to `state_dir`.
@@ -102,9 +102,6 @@ pub struct State {
     pub rx_cpus: crate::rx_cpus::RxCpus,
     /// Fleet mode (`[fleet]`): where this host's bans are published. `None` without it.
     pub fleet: Option<crate::fleet::Link>,
-    /// The origin host of each ban received from the fleet, by prefix (only bans marked
-    /// [`crate::fleet::BAN_REMOTE`] are looked up here).
-    pub ban_origins: Arc<BTreeMap<String, String>>,
     /// In fleet mode: when (unix ms) `ban del` last lifted each prefix here, so that a fleet
     /// record issued before (read again from the stream, or from the snapshot at a resync)
     /// does not install it again. At most [`FLEET_LIFTS_MAX`], the latest kept.
@@ -247,8 +244,7 @@ impl State {
             rule_names: self.rule_names(),
             remote_bans_spilled: self.maps.remote_bans_spilled,
             live_rules: self.live_rules(),
-            ban_reasons: self.ban_reasons.clone(),
-            ban_origins: self.ban_origins.clone(),
+            ban_notes: self.ban_notes.clone(),
             ifaces: self.ifaces(),
             attached: self.dp.attached.clone(),
             max_sources: self.cfg.tracking.max_sources,
@@ -462,8 +458,7 @@ impl State {
             dir,
             &self.maps,
             &rules,
-            &self.ban_reasons,
-            &self.ban_origins,
+            &self.ban_notes.read(),
         );
         if saved.is_err() {
             self.bans_dirty = true;
@@ -508,12 +503,7 @@ impl State {
     /// Drop what the daemon keeps beside an operator's ban at `cidr` (its reason, and the
     /// host it came from), once the ban is gone: by expiry, `ban del`, or the fleet's unban.
     fn forget_ban_notes(&mut self, cidr: &str) {
-        for notes in [&mut self.ban_reasons, &mut self.ban_origins] {
-            // Checked first: the reports share the map, and a removal copies it.
-            if notes.contains_key(cidr) {
-                Arc::make_mut(notes).remove(cidr);
-            }
-        }
+        self.ban_notes.write().forget(cidr);
     }
 
     fn sweep_expired_bans_inner(&mut self) -> usize {
@@ -688,15 +678,9 @@ impl State {
                 records.push(r);
             }
             added.push(ban_event(EV_BAN, &entry, now));
-            match &s.reason {
-                Some(r) => {
-                    Arc::make_mut(&mut self.ban_reasons).insert(net.to_string(), r.clone());
-                }
-                None if !self.ban_reasons.is_empty() => {
-                    Arc::make_mut(&mut self.ban_reasons).remove(&net.to_string());
-                }
-                None => {}
-            }
+            self.ban_notes
+                .write()
+                .set_reason(&net.to_string(), s.reason.as_deref());
         }
         self.bans_changed();
         self.events.operator(added);
@@ -1316,15 +1300,9 @@ impl State {
                         self.next_ban_expiry = self.next_ban_expiry.min(exp);
                     }
                     lines.push(line(EV_BAN, &entry, r));
-                    Arc::make_mut(&mut self.ban_origins).insert(cidr.clone(), r.host.clone());
-                    match &r.reason {
-                        Some(why) => {
-                            Arc::make_mut(&mut self.ban_reasons).insert(cidr, why.clone());
-                        }
-                        None => {
-                            Arc::make_mut(&mut self.ban_reasons).remove(&cidr);
-                        }
-                    }
+                    let mut notes = self.ban_notes.write();
+                    notes.origins.insert(cidr.clone(), r.host.clone());
+                    notes.set_reason(&cidr, r.reason.as_deref());
                     applied.bans += 1;
                 }
                 Op::Unban => {
@@ -1566,7 +1544,10 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         xdp_mode_override: opts.xdp_mode,
         maps,
         dp,
-        ban_reasons: Arc::new(restored.reasons),
+        ban_notes: crate::ban_notes::BanNotes::new(crate::ban_notes::Notes {
+            reasons: restored.reasons,
+            origins: restored.origins,
+        }),
         events: events.clone(),
         bans_dirty: false,
         next_ban_expiry: 0,
@@ -1579,7 +1560,6 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         level_sync: pressure::LevelSync::default(),
         rx_cpus: crate::rx_cpus::RxCpus::default(),
         fleet,
-        ban_origins: Arc::new(restored.origins),
         fleet_lifts,
     };
     state.write_dropped(&dropped);
@@ -1872,16 +1852,25 @@ impl NewsBox {
     }
 }
 
-/// Write bans to `state_dir` within a second of a change (and every minute regardless, so
-/// remaining times stay fresh on disk): a job of the owner's each second.
+/// How much longer than a save took the saver waits before the next one: a save of many
+/// bans (say 300,000, a second or more) then takes at most a tenth of the owner's time, and
+/// the fleet's bans, the control requests and the events are not held up behind it.
+const SAVE_SPACING: u32 = 9;
+
+/// Write bans to `state_dir` within a second of a change, or [`SAVE_SPACING`] times the last
+/// save's duration if that is longer (and every minute regardless, so remaining times stay
+/// fresh on disk): a job of the owner's each second.
 async fn persist_bans(handle: Handle) -> anyhow::Result<()> {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let mut n = 0u32;
+    let mut not_before = Instant::now();
     loop {
         tick.tick().await;
         n = n.wrapping_add(1);
         let minute = n.is_multiple_of(60);
-        handle
+        let may_save = Instant::now() >= not_before;
+        let took = handle
             .with(move |s| {
                 s.sweep_expired_bans();
                 s.maps.refresh_bans_present();
@@ -1889,14 +1878,18 @@ async fn persist_bans(handle: Handle) -> anyhow::Result<()> {
                     // Bans issued while events were lost would otherwise never be swept.
                     s.next_ban_expiry = 0;
                 }
-                if s.bans_dirty || minute {
-                    s.save_bans()
+                if (s.bans_dirty && may_save) || minute {
+                    let t0 = Instant::now();
+                    s.save_bans().map(|()| Some(t0.elapsed()))
                 } else {
-                    Ok(())
+                    Ok(None)
                 }
             })
             // A failure ends this run: the supervisor shows it and retries with backoff.
             .await??;
+        if let Some(took) = took {
+            not_before = Instant::now() + took * SAVE_SPACING;
+        }
     }
 }
 

@@ -3,6 +3,7 @@
 //! map layouts through it.
 
 pub mod apply;
+pub mod ban_notes;
 pub mod bans;
 pub mod cli;
 pub mod clients;

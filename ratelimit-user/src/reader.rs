@@ -51,9 +51,8 @@ pub struct View {
     pub remote_bans_spilled: u64,
     /// Rules as the data plane holds them (live `rule set` changes included).
     pub live_rules: Vec<(String, RuleConfig)>,
-    pub ban_reasons: Arc<BTreeMap<String, String>>,
-    /// The origin host of each ban received from the fleet.
-    pub ban_origins: Arc<BTreeMap<String, String>>,
+    /// The bans' reasons and origins (shared with the owner task, which writes them).
+    pub ban_notes: crate::ban_notes::BanNotes,
     /// (counter slot, interface).
     pub ifaces: Vec<(u32, String)>,
     pub attached: Vec<Attached>,
@@ -273,12 +272,7 @@ impl Reports {
                 },
             )?)),
             Request::Bans { limit } => {
-                let mut b = report::bans(
-                    &self.maps,
-                    &view.live_rules,
-                    &view.ban_reasons,
-                    &view.ban_origins,
-                );
+                let mut b = report::bans(&self.maps, &view.live_rules, Some(&view.ban_notes));
                 if let Some(limit) = limit {
                     b.truncate(limit);
                 }
@@ -329,13 +323,7 @@ impl Reports {
     fn take_census(&self, view: &View, mark: (u64, u64)) -> Census {
         let fresh = Census {
             tracked_clients: report::tracked_clients(&self.maps).unwrap_or(0),
-            active_bans: report::bans(
-                &self.maps,
-                &view.live_rules,
-                &BTreeMap::new(),
-                &BTreeMap::new(),
-            )
-            .len() as u64,
+            active_bans: report::bans(&self.maps, &view.live_rules, None).len() as u64,
             mark,
             at: std::time::Instant::now(),
         };

@@ -689,14 +689,20 @@ pub fn active_bans(maps: &Maps) -> Vec<(ipnet::IpNet, BanEntry)> {
 
 /// Every ban in force now: the ban map's, then the aggregate bans of `rules` (see
 /// [`aggregate_bans`]).
+/// Bans in force now, with their reasons and origins from `notes` (none without), read
+/// after the walk of the maps, so the owner task's writes never wait for the walk.
 pub fn bans(
     maps: &Maps,
     rules: &[(String, RuleConfig)],
-    reasons: &BTreeMap<String, String>,
-    origins: &BTreeMap<String, String>,
+    notes: Option<&crate::ban_notes::BanNotes>,
 ) -> Vec<Ban> {
     let now = mono_ns();
-    let mut out: Vec<Ban> = active_bans(maps)
+    let active = active_bans(maps);
+    let none = crate::ban_notes::Notes::default();
+    let guard = notes.map(|n| n.read());
+    let notes = guard.as_deref().unwrap_or(&none);
+    let (reasons, origins) = (&notes.reasons, &notes.origins);
+    let mut out: Vec<Ban> = active
         .into_iter()
         .map(|(net, b)| {
             let cidr = net.to_string();
@@ -722,6 +728,7 @@ pub fn bans(
             }
         })
         .collect();
+    drop(guard);
     out.sort_by(|a, b| a.cidr.cmp(&b.cidr));
     out.extend(aggregate_bans(maps, rules, now));
     out
