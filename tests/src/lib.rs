@@ -9,7 +9,8 @@
 //! serve behind it while hping3 floods it ([`nginx`]).
 //! Every resource is a guard that cleans up on drop, also when a test panics.
 //! Kernel tests start with [`kernel_test!`] ([`env`]), which skips them
-//! outside `cargo xtask test`.
+//! outside `cargo xtask test`. Fixture tests run the real XDP object through
+//! BPF_PROG_TEST_RUN, loaded and configured by one harness ([`fixture`]).
 //!
 //! Use it as `use ratelimit_tests as lab;`.
 
@@ -19,6 +20,7 @@ pub mod daemon;
 pub mod delay;
 pub mod env;
 pub mod faketime;
+pub mod fixture;
 pub mod fleet_lab;
 pub mod fleet_sim;
 pub mod fuzz;

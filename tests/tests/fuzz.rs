@@ -36,12 +36,11 @@ use ratelimit_common::{
     model::{self, Counters, Model, Policy, hex_dump},
     stats::{self, global, rule as rc},
 };
-use ratelimit_tests::{fuzz, kernel_test, pins::Pins};
-use ratelimit_user::{
-    apply, config,
-    datapath::{Datapath, Maps},
-    report,
+use ratelimit_tests::{
+    fixture::{Fixture, HOUR_NS, manual_ban, prefix},
+    fuzz, kernel_test,
 };
+use ratelimit_user::{apply, report};
 
 /// Frames whose counters are read and compared together.
 const BATCH: usize = 64;
@@ -261,9 +260,7 @@ fn window_interval_s(now_ns: u64) -> u64 {
 
 /// One program with the fuzz config applied, and the model of it.
 struct Lab {
-    _pins: Pins,
-    dp: Datapath,
-    maps: Maps,
+    fx: Fixture,
     model: Model,
     now: u64,
     rules: usize,
@@ -275,23 +272,21 @@ struct Lab {
 impl Lab {
     /// A fresh program with `CONFIGS[config]`.
     fn new(config: usize) -> Self {
-        let pins = Pins::new("fuzz");
-        let dp_err = "load the program (are you root, with bpffs at /sys/fs/bpf?)";
-        let mut dp = Datapath::load(&pins.0, MAX_SOURCES).expect(dp_err);
-        let mut maps = dp.take_maps().expect("maps");
         let now = report::mono_ns();
         let interval = window_interval_s(now);
         let text = CONFIGS[config].replace("{I}", &interval.to_string());
-        let cfg = config::parse("fuzz.toml", &text).expect("the fuzz config parses");
-        let plan = apply::plan(&cfg, false);
-        apply::apply(&mut maps, &plan).expect("apply the fuzz config");
+        let mut fx = Fixture::builder()
+            .pins("fuzz")
+            .max_sources(MAX_SOURCES)
+            .load(&text);
         // The pressure level: low (elastic limits in force) where the config says so, high
         // (every limit as configured, elastic or not) otherwise; the model reads it from the
         // global config like the program.
         let relaxed = text.contains("# pressure: low");
-        apply::write_relaxed(&mut maps, relaxed).expect("write the pressure level");
+        apply::write_relaxed(&mut fx.maps, relaxed).expect("write the pressure level");
         // `apply` writes the store's size into the global config.
-        let global = maps.global.get(&0, 0).expect("global config");
+        let global = fx.maps.global.get(&0, 0).expect("global config");
+        let plan = &fx.plan;
         let policy = Policy {
             global,
             rules: plan.rules.clone(),
@@ -308,34 +303,30 @@ impl Lab {
         };
         let mut model = Model::new(policy).expect("the model covers the fuzz config");
         for cidr in BANS {
-            let net = ratelimit_user::config::parse_net(cidr).expect("ban CIDR");
-            let (plen, key) = apply::prefix(&net);
-            let entry = BanEntry::manual(plen, key.addr, now, now + 3_600_000_000_000);
-            maps.insert_ban(entry).expect("insert a ban");
+            let entry = manual_ban(cidr, now, now + HOUR_NS);
+            fx.insert_ban(entry);
             model.insert_ban(entry);
         }
         for cidr in REMOTE_BANS {
-            let net = ratelimit_user::config::parse_net(cidr).expect("ban CIDR");
-            let (plen, key) = apply::prefix(&net);
+            let (plen, key) = prefix(cidr);
             let entry = BanEntry {
                 flags: BAN_MANUAL | BAN_REMOTE,
-                ..BanEntry::manual(plen, key.addr, now, now + 3_600_000_000_000)
+                ..manual_ban(cidr, now, now + HOUR_NS)
             };
-            maps.insert_ban(entry).expect("insert a remote ban");
+            fx.insert_ban(entry);
             assert_eq!(
-                maps.ban_at(BAN_TABLE_REMOTE, plen, &key),
+                fx.maps.ban_at(BAN_TABLE_REMOTE, plen, &key),
                 Some(entry),
                 "a remote ban goes into the remote table"
             );
             model.insert_ban(entry);
         }
+        let rules = fx.rules.len();
         let mut lab = Lab {
-            _pins: pins,
-            dp,
-            maps,
+            fx,
             model,
             now,
-            rules: cfg.rules.len(),
+            rules,
             started: Instant::now(),
             last: Counters::default(),
         };
@@ -347,7 +338,7 @@ impl Lab {
     fn read(&self) -> Counters {
         let mut c = Counters::default();
         let get = |i: u32| -> (u64, u64) {
-            let v = self.maps.stats.get(&i, 0).expect("read a counter");
+            let v = self.fx.maps.stats.get(&i, 0).expect("read a counter");
             v.iter()
                 .fold((0, 0), |a, x| (a.0 + x.packets, a.1 + x.bytes))
         };
@@ -380,15 +371,14 @@ impl Lab {
     }
 
     fn drain_events(&mut self) {
-        if let Some(rb) = self.maps.events.as_mut() {
+        if let Some(rb) = self.fx.maps.events.as_mut() {
             while rb.next().is_some() {}
         }
     }
 
     /// Run one frame through both: (program's action, model's outcome).
     fn step(&mut self, frame: &[u8]) -> (u32, model::Outcome) {
-        let (action, _) = self.dp.test_run(frame, 1).expect("BPF_PROG_TEST_RUN");
-        (action, self.model.run(frame, self.now))
+        (self.fx.run(frame, 1), self.model.run(frame, self.now))
     }
 
     fn expired(&self, frames: u64) -> bool {
@@ -713,7 +703,8 @@ fn program_and_model_agree_on_generated_frames() {
     );
     let fast_entries = (0..FAST_ENTRIES)
         .map(|k| {
-            lab.maps
+            lab.fx
+                .maps
                 .fast
                 .get(&k, 0)
                 .map_or(0, |v| v.iter().filter(|e| e.jiffies != 0).count())
