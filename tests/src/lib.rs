@@ -7,7 +7,9 @@
 //! what arrived with receivers that do not trust the daemon ([`receiver`]).
 //! A real Prometheus server can scrape the daemon there ([`prometheus`]); a real nginx can
 //! serve behind it while hping3 floods it ([`nginx`]).
-//! Every resource is a guard that cleans up on drop, also when a test panics.
+//! Every resource is a guard that cleans up on drop, also when a test panics; every process
+//! the lab keeps running (the daemon, redis-server, nginx, Prometheus, hping3) is one kind of
+//! guard ([`server`]).
 //! Kernel tests start with [`kernel_test!`] ([`env`]), which skips them
 //! outside `cargo xtask test`. Fixture tests run the real XDP object through
 //! BPF_PROG_TEST_RUN, loaded and configured by one harness ([`fixture`]).
@@ -36,6 +38,7 @@ pub mod prometheus;
 pub mod receiver;
 pub mod scenario;
 pub mod sender;
+pub mod server;
 pub mod store;
 pub mod tool;
 pub mod tun;
