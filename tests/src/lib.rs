@@ -36,6 +36,7 @@ pub mod packet;
 pub mod pins;
 pub mod prometheus;
 pub mod receiver;
+pub mod rng;
 pub mod scenario;
 pub mod sender;
 pub mod server;

@@ -28,24 +28,9 @@ use ratelimit_user::{
     report,
 };
 
-const CONFIG: &str = r#"
-[lists]
-allow = ["198.18.50.7/32"]
-deny = ["198.18.50.0/24", "2001:db8:dead::/48", "::/8"]
-
-[[rule]]
-name = "syn80"
-match = { protocol = "tcp", tcp_flags = "syn", dst_ports = ["80"] }
-threshold = { count = 5, interval = "1h" }
-algorithm = "fixed_window"
-
-[[rule]]
-name = "udp-range"
-match = { protocol = "udp", dst_ports = ["8000-8100"] }
-threshold = { count = 3, interval = "1h" }
-algorithm = "fixed_window"
-preview = true
-"#;
+/// The config of the fixture tables: an allow and a deny list, a rule on SYNs to port 80 (5 an
+/// hour) and a preview rule on UDP to ports 8000-8100 (3 an hour).
+const CONFIG: &str = include_str!("../configs/fixture-table.toml");
 
 /// TOML: `[tracking]` with `keys` (the admission budget, the store's size).
 fn tracking(keys: &str) -> String {
