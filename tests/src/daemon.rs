@@ -2,30 +2,28 @@
 //!
 //! End-to-end tests exercise the shipped binary, not a library call, so
 //! config parsing, attach, the control socket and shutdown are all covered.
-//! The guard owns everything the daemon creates: a private temp dir for the
-//! config, logs and (if the config puts it there) the control socket; on drop
-//! it stops the daemon, runs `ratelimit detach` so no XDP program or bpffs
-//! pin outlives the test, and prints the daemon's log if the test is
-//! panicking, because a failed end-to-end test is only debuggable with it.
+//! The guard owns everything the daemon creates: its process and a private temp
+//! dir for the config, logs and (if the config puts it there) the control
+//! socket, both in a [`Server`]; on drop it stops the daemon, runs `ratelimit
+//! detach` so no XDP program or bpffs pin outlives the test, and prints the
+//! daemon's log if the test is panicking, because a failed end-to-end test is
+//! only debuggable with it.
 //!
 //! The daemon is started with [`command_in_fd`] (setns in `pre_exec`), not
 //! `ip netns exec`, which would remount `/sys` and hide `/sys/fs/bpf`.
 
-use std::fs::{File, OpenOptions};
 use std::io::{self, Read};
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Output, Stdio};
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::process::{Command, ExitStatus, Output, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::netns::{NetNs, command_in_fd, describe};
+use crate::server::{Server, Spec};
 use ratelimit_user::{
     reader::Status,
     report::{Ban, Stats},
 };
-
-static DIRS: AtomicU32 = AtomicU32::new(0);
 
 /// How long [`Daemon::start`] waits for the control socket to answer.
 pub const READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -35,14 +33,19 @@ pub const STOP_TIMEOUT: Duration = Duration::from_secs(5);
 /// of hanging it.
 pub const CLI_TIMEOUT: Duration = Duration::from_secs(30);
 
+/// The daemon as the lab runs it: stopped by SIGTERM; its guard prints its logs itself (both
+/// of them, with its exit status).
+const SPEC: Spec = Spec::new("daemon", "daemon.stderr")
+    .ready_within(READY_TIMEOUT, Duration::from_millis(50))
+    .stopped_by(libc::SIGTERM, STOP_TIMEOUT)
+    .quiet();
+
 /// A running `ratelimit run` in a namespace, with its own temp dir.
 #[derive(Debug)]
 pub struct Daemon {
-    child: Option<Child>,
-    dir: PathBuf,
+    server: Server,
     config: PathBuf,
     socket: PathBuf,
-    ns_fd: OwnedFd,
     ns_name: String,
     bin: PathBuf,
     /// Whether the daemon's stdout is a pipe (see [`Daemon::start_in_with_stdout_pipe`]).
@@ -128,16 +131,14 @@ impl Daemon {
     /// The guard with its temp dir and config written, the daemon not started yet.
     fn prepare(ns: &NetNs, make_config: impl FnOnce(&Path) -> String) -> Daemon {
         let bin = crate::env::ratelimit_bin();
-        let dir = make_temp_dir();
-        let toml = make_config(&dir);
-        let config = dir.join("ratelimit.toml");
         // From here on the guard exists, so the dir is removed even on panic.
+        let server = Server::new(SPEC, ns);
+        let toml = make_config(server.dir());
+        let config = server.path("ratelimit.toml");
         let mut d = Daemon {
-            child: None,
+            server,
             socket: PathBuf::new(),
-            dir,
             config,
-            ns_fd: ns.dup_fd(),
             ns_name: ns.name().to_string(),
             bin,
             stdout_pipe: false,
@@ -149,121 +150,82 @@ impl Daemon {
     }
 
     fn launch(&mut self) {
-        assert!(self.child.is_none(), "daemon already running");
-        let log = |name: &str| -> File {
-            let path = self.dir.join(name);
-            OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(&path)
-                .unwrap_or_else(|e| panic!("opening {}: {e}", path.display()))
-        };
         let stdout = if self.stdout_pipe {
             let (read, write) = pipe();
             self.stdout_reader = Some(read);
             Stdio::from(write)
         } else {
-            Stdio::from(log("daemon.stdout"))
+            Stdio::from(
+                std::fs::OpenOptions::new()
+                    .create(true)
+                    .append(true)
+                    .open(self.server.path("daemon.stdout"))
+                    .expect("opening daemon.stdout"),
+            )
         };
-        let stderr = log("daemon.stderr");
-        let mut cmd = self.command();
+        // stderr to the server's log, `daemon.stderr`.
+        let mut cmd = self.server.command(&self.bin);
         cmd.arg("run")
             .arg("--config")
             .arg(&self.config)
-            .current_dir(&self.dir)
             .env("RUST_BACKTRACE", "1")
             .envs(self.env.iter().map(|(k, v)| (k, v)))
-            .stdin(Stdio::null())
-            .stdout(stdout)
-            .stderr(stderr);
-        let child = cmd
-            .spawn()
-            .unwrap_or_else(|e| panic!("starting `{}`: {e}", describe(&cmd)));
-        self.child = Some(child);
+            .stdout(stdout);
+        self.server.spawn(cmd);
     }
 
     /// The binary as a command whose child runs in the daemon's namespace.
     fn command(&self) -> Command {
-        let fd = self
-            .ns_fd
-            .try_clone()
-            .unwrap_or_else(|e| panic!("duplicating the fd of netns {}: {e}", self.ns_name));
-        command_in_fd(fd, &self.bin)
+        command_in_fd(self.server.dup_ns_fd(), &self.bin)
     }
 
     /// Polls until `ratelimit status` succeeds on the control socket.
     /// Err (with the reason) if the daemon exits first or `timeout` passes.
     pub fn wait_ready(&mut self, timeout: Duration) -> Result<(), String> {
-        let give_up = Instant::now() + timeout;
-        let mut last = String::from("control socket does not exist yet");
-        loop {
-            if let Some(status) = self.try_wait() {
-                return Err(format!("daemon exited during startup ({status})"));
-            }
-            if self.socket.exists() {
-                let mut cmd = Command::new(&self.bin);
-                cmd.arg("status").arg("--socket").arg(&self.socket);
-                // One answer may wait behind a walk of a full table (262,144 bans) on a busy
-                // machine: seconds, not the milliseconds it takes on an idle one.
-                match run_with_timeout(&mut cmd, Duration::from_secs(5)) {
-                    Ok(out) if out.status.success() => return Ok(()),
-                    Ok(out) => {
-                        last = format!(
-                            "`ratelimit status` failed ({}): {}",
-                            out.status,
-                            String::from_utf8_lossy(&out.stderr).trim()
-                        );
-                    }
-                    Err(e) => last = e,
-                }
-            }
-            if Instant::now() >= give_up {
+        let (bin, socket) = (&self.bin, &self.socket);
+        self.server.wait_ready(timeout, |_| {
+            if !socket.exists() {
                 return Err(format!(
-                    "not ready after {timeout:?} (socket {}): {last}",
-                    self.socket.display()
+                    "control socket {} does not exist yet",
+                    socket.display()
                 ));
             }
-            std::thread::sleep(Duration::from_millis(50));
-        }
+            let mut cmd = Command::new(bin);
+            cmd.arg("status").arg("--socket").arg(socket);
+            // One answer may wait behind a walk of a full table (262,144 bans) on a busy
+            // machine: seconds, not the milliseconds it takes on an idle one.
+            match run_with_timeout(&mut cmd, Duration::from_secs(5)) {
+                Ok(out) if out.status.success() => Ok(()),
+                Ok(out) => Err(format!(
+                    "`ratelimit status --socket {}` failed ({}): {}",
+                    socket.display(),
+                    out.status,
+                    String::from_utf8_lossy(&out.stderr).trim()
+                )),
+                Err(e) => Err(e),
+            }
+        })
     }
 
     /// Waits up to `timeout` for the daemon to exit on its own.
     pub fn wait_exit(&mut self, timeout: Duration) -> Option<ExitStatus> {
-        let give_up = Instant::now() + timeout;
-        loop {
-            if let Some(s) = self.try_wait() {
-                return Some(s);
-            }
-            if Instant::now() >= give_up {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        self.server.wait_exit(timeout)
     }
 
     /// The exit status if the daemon has exited (None while running or if
     /// it was already reaped by a stop).
     pub fn try_wait(&mut self) -> Option<ExitStatus> {
-        let child = self.child.as_mut()?;
-        match child.try_wait() {
-            Ok(Some(s)) => {
-                self.child = None;
-                Some(s)
-            }
-            Ok(None) => None,
-            Err(e) => panic!("waiting for the daemon: {e}"),
-        }
+        self.server.try_wait()
     }
 
     /// True while the daemon process is alive.
     pub fn is_running(&mut self) -> bool {
-        self.try_wait();
-        self.child.is_some()
+        self.server.is_running()
     }
 
     /// The daemon's pid while it runs.
     pub fn pid(&self) -> Option<u32> {
-        self.child.as_ref().map(Child::id)
+        self.server.pid()
     }
 
     /// Sends `signal` (e.g. `libc::SIGHUP` to reload).
@@ -272,48 +234,21 @@ impl Daemon {
     ///
     /// If the daemon is not running or kill(2) fails.
     pub fn signal(&self, signal: i32) {
-        if let Err(e) = self.try_signal(signal) {
+        if let Err(e) = self.server.signal(signal) {
             panic!("sending signal {signal} to the daemon: {e}");
         }
-    }
-
-    fn try_signal(&self, signal: i32) -> io::Result<()> {
-        let pid = self
-            .pid()
-            .ok_or_else(|| io::Error::other("daemon is not running"))?;
-        let pid = libc::pid_t::try_from(pid).map_err(io::Error::other)?;
-        // SAFETY: kill(2) on our own unreaped child's pid, which cannot be reused.
-        if unsafe { libc::kill(pid, signal) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(())
     }
 
     /// SIGTERM, then SIGKILL after [`STOP_TIMEOUT`]; returns the exit status
     /// (None if it was not running).
     pub fn stop(&mut self) -> Option<ExitStatus> {
-        self.try_wait();
-        self.child.as_ref()?;
-        // Never panics: this runs from Drop, possibly while unwinding.
-        if self.try_signal(libc::SIGTERM).is_ok()
-            && let Some(s) = self.wait_exit(STOP_TIMEOUT)
-        {
-            return Some(s);
-        }
-        eprintln!("daemon ignored SIGTERM for {STOP_TIMEOUT:?}: SIGKILL");
-        self.kill9()
+        self.server.stop()
     }
 
     /// SIGKILL (a crash, for recovery tests: pins and attachments stay).
     /// Returns the exit status (None if it was not running).
     pub fn kill9(&mut self) -> Option<ExitStatus> {
-        let mut child = self.child.take()?;
-        let _ = child.kill();
-        Some(
-            child
-                .wait()
-                .unwrap_or_else(|e| panic!("waiting for the killed daemon: {e}")),
-        )
+        self.server.kill()
     }
 
     /// Stops the daemon if it runs, starts it again with the same config
@@ -349,14 +284,14 @@ impl Daemon {
     ///
     /// If the TOML does not parse or has no `[daemon] control_socket`.
     pub fn write_config(&mut self, config_toml: &str) {
-        self.socket = control_socket(config_toml, &self.dir);
+        self.socket = control_socket(config_toml, self.server.dir());
         std::fs::write(&self.config, config_toml)
             .unwrap_or_else(|e| panic!("writing {}: {e}", self.config.display()));
     }
 
     /// The daemon's private temp dir (removed on drop).
     pub fn config_dir(&self) -> &Path {
-        &self.dir
+        self.server.dir()
     }
 
     /// The config file the daemon runs with.
@@ -456,11 +391,11 @@ impl Daemon {
     /// The daemon's stdout then stderr (all runs, for restarts).
     pub fn logs(&self) -> String {
         let read = |name: &str| {
-            std::fs::read_to_string(self.dir.join(name)).unwrap_or_else(|e| format!("({e})"))
+            std::fs::read_to_string(self.server.path(name)).unwrap_or_else(|e| format!("({e})"))
         };
         format!(
             "----- daemon stdout ({}) -----\n{}\n----- daemon stderr -----\n{}\n----- end of daemon log -----",
-            self.dir.display(),
+            self.server.dir().display(),
             read("daemon.stdout"),
             read("daemon.stderr")
         )
@@ -488,7 +423,7 @@ impl Drop for Daemon {
         if std::thread::panicking() {
             eprintln!("daemon exit status: {status:?}\n{}", self.logs());
         }
-        let _ = std::fs::remove_dir_all(&self.dir);
+        // The server's guard removes the dir.
     }
 }
 
@@ -519,21 +454,6 @@ fn pipe() -> (OwnedFd, OwnedFd) {
     }
     // SAFETY: both fds were just created and are owned by nothing else.
     unsafe { (OwnedFd::from_raw_fd(fds[0]), OwnedFd::from_raw_fd(fds[1])) }
-}
-
-/// A fresh, private `/tmp/ratelimit-lab-PID-N`.
-pub(crate) fn make_temp_dir() -> PathBuf {
-    use std::os::unix::fs::DirBuilderExt;
-    let pid = std::process::id();
-    loop {
-        let n = DIRS.fetch_add(1, Ordering::Relaxed);
-        let dir = std::env::temp_dir().join(format!("ratelimit-lab-{pid}-{n}"));
-        match std::fs::DirBuilder::new().mode(0o700).create(&dir) {
-            Ok(()) => return dir,
-            Err(e) if e.kind() == io::ErrorKind::AlreadyExists => {}
-            Err(e) => panic!("creating {}: {e}", dir.display()),
-        }
-    }
 }
 
 /// Runs `cmd` to completion with piped output, killing it after `timeout`.

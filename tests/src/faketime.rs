@@ -42,7 +42,7 @@ impl FakeClock {
     pub fn new(offset: &str) -> FakeClock {
         library();
         let c = FakeClock {
-            dir: crate::daemon::make_temp_dir(),
+            dir: crate::server::temp_dir(),
         };
         c.set(offset);
         c

@@ -36,33 +36,7 @@ const EPOCH_NS: u64 = 1_800_000_000 * NS;
 /// Background clients' offered share of `L` per window.
 const BACKGROUND_SHARE: f64 = 0.01;
 
-/// splitmix64: small, fast, and the same on every platform.
-#[derive(Clone, Debug)]
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Rng {
-        Rng(seed)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in [0, 1).
-    pub fn unit(&mut self) -> f64 {
-        (self.next_u64() >> 11) as f64 / (1u64 << 53) as f64
-    }
-
-    /// Exponentially distributed with mean `mean`.
-    pub fn exp(&mut self, mean: f64) -> f64 {
-        -(1.0 - self.unit()).ln() * mean
-    }
-}
+pub use crate::rng::Rng;
 
 /// How the hot client's traffic is spread over the hosts that see it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

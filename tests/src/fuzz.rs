@@ -10,45 +10,7 @@
 //! bans, or matches by source list. Sources come from small pools so that thresholds are
 //! reached and bans issued; a few are fully random.
 
-/// splitmix64: a small, fast generator whose output depends only on the seed.
-#[derive(Clone, Debug)]
-pub struct Rng(u64);
-
-impl Rng {
-    pub fn new(seed: u64) -> Self {
-        Self(seed)
-    }
-
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-
-    /// Uniform in `0..n` (n > 0).
-    pub fn below(&mut self, n: u64) -> u64 {
-        self.next_u64() % n
-    }
-
-    /// True with probability `percent`/100.
-    pub fn chance(&mut self, percent: u64) -> bool {
-        self.below(100) < percent
-    }
-
-    pub fn byte(&mut self) -> u8 {
-        self.next_u64() as u8
-    }
-
-    pub fn bytes(&mut self, n: usize) -> Vec<u8> {
-        (0..n).map(|_| self.byte()).collect()
-    }
-
-    pub fn pick<T: Copy>(&mut self, items: &[T]) -> T {
-        items[self.below(items.len() as u64) as usize]
-    }
-}
+pub use crate::rng::Rng;
 
 /// The frame with index `i` of the run seeded `seed`: independent of every other frame, so a
 /// failing frame can be regenerated from (seed, index) alone.
@@ -328,6 +290,23 @@ fn ipv4(rng: &mut Rng) -> Vec<u8> {
     f
 }
 
+/// An extension header's length byte and the rest of its body (`body_len(length)` random
+/// bytes): the length below `rare` one time in ten, else below `usual`.
+fn length_and_body(
+    rng: &mut Rng,
+    (rare, usual): (u64, u64),
+    body_len: impl Fn(usize) -> usize,
+) -> Vec<u8> {
+    let length = if rng.chance(10) {
+        rng.below(rare)
+    } else {
+        rng.below(usual)
+    };
+    let mut b = vec![length as u8];
+    b.extend(rng.bytes(body_len(length as usize)));
+    b
+}
+
 fn ipv6(rng: &mut Rng) -> Vec<u8> {
     let mut f = l2(rng, 0x86dd);
     let (proto, upper) = l4(rng, true);
@@ -354,27 +333,10 @@ fn ipv6(rng: &mut Rng) -> Vec<u8> {
                 b.extend(rng.bytes(4));
                 b
             }
-            51 => {
-                // AH: length in 4-byte words minus 2.
-                let words = if rng.chance(10) {
-                    rng.below(128)
-                } else {
-                    rng.below(4)
-                };
-                let mut b = vec![words as u8];
-                b.extend(rng.bytes((words as usize + 2) * 4 - 2));
-                b
-            }
-            _ => {
-                let units = if rng.chance(10) {
-                    rng.below(64)
-                } else {
-                    rng.below(3)
-                };
-                let mut b = vec![units as u8];
-                b.extend(rng.bytes((units as usize + 1) * 8 - 2));
-                b
-            }
+            // AH: its length in 4-byte words minus 2.
+            51 => length_and_body(rng, (128, 4), |words| (words + 2) * 4 - 2),
+            // The others: in 8-byte units minus 1.
+            _ => length_and_body(rng, (64, 3), |units| (units + 1) * 8 - 2),
         };
         chain.push((t, body));
     }

@@ -7,9 +7,12 @@
 //! what arrived with receivers that do not trust the daemon ([`receiver`]).
 //! A real Prometheus server can scrape the daemon there ([`prometheus`]); a real nginx can
 //! serve behind it while hping3 floods it ([`nginx`]).
-//! Every resource is a guard that cleans up on drop, also when a test panics.
+//! Every resource is a guard that cleans up on drop, also when a test panics; every process
+//! the lab keeps running (the daemon, redis-server, nginx, Prometheus, hping3) is one kind of
+//! guard ([`server`]).
 //! Kernel tests start with [`kernel_test!`] ([`env`]), which skips them
-//! outside `cargo xtask test`.
+//! outside `cargo xtask test`. Fixture tests run the real XDP object through
+//! BPF_PROG_TEST_RUN, loaded and configured by one harness ([`fixture`]).
 //!
 //! Use it as `use ratelimit_tests as lab;`.
 
@@ -19,6 +22,7 @@ pub mod daemon;
 pub mod delay;
 pub mod env;
 pub mod faketime;
+pub mod fixture;
 pub mod fleet_lab;
 pub mod fleet_sim;
 pub mod fuzz;
@@ -32,8 +36,10 @@ pub mod packet;
 pub mod pins;
 pub mod prometheus;
 pub mod receiver;
+pub mod rng;
 pub mod scenario;
 pub mod sender;
+pub mod server;
 pub mod store;
 pub mod tool;
 pub mod tun;

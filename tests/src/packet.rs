@@ -136,6 +136,13 @@ pub struct Frame {
     min_len: usize,
 }
 
+/// A frame's bytes, for what takes frames (a fixture table's rows, say).
+impl From<Frame> for Vec<u8> {
+    fn from(f: Frame) -> Vec<u8> {
+        f.build()
+    }
+}
+
 impl Frame {
     /// Starts a frame; a network layer must be chosen before [`Frame::build`].
     pub fn new(src_mac: [u8; 6], dst_mac: [u8; 6]) -> Self {

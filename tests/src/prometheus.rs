@@ -2,7 +2,7 @@
 //! monitoring reads back, through Prometheus' own parser, storage and PromQL rather than the
 //! lab's reading of the exposition.
 //!
-//! The guard owns the process and a private temp dir (the generated `prometheus.yml`, the
+//! Its [`Server`] guard owns the process and a private temp dir (the generated `prometheus.yml`, the
 //! TSDB, the server's log). On drop it stops the server and removes the dir, also when a test
 //! panics, and then prints the log, which is what a failed scrape is debugged with.
 //!
@@ -11,15 +11,13 @@
 //! system Prometheus (the Debian package's service, on 9090) can answer in its place.
 
 use std::collections::BTreeMap;
-use std::fs::{File, OpenOptions};
 use std::io::{Read as _, Write as _};
 use std::net::{SocketAddr, TcpStream};
-use std::os::fd::{AsFd as _, OwnedFd};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
-use crate::netns::{NetNs, command_in_fd, describe, in_netns};
+use crate::netns::NetNs;
+use crate::server::{Server, Spec};
 
 /// How long [`Prometheus::start`] waits for the server to say it is ready.
 pub const READY_TIMEOUT: Duration = Duration::from_secs(30);
@@ -29,6 +27,11 @@ pub const STOP_TIMEOUT: Duration = Duration::from_secs(10);
 pub const SCRAPE_INTERVAL: Duration = Duration::from_secs(1);
 /// Upper bound on one request to the server's HTTP API.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Prometheus as the lab runs it: stopped by SIGTERM, its log printed when a test fails.
+const SPEC: Spec = Spec::new("prometheus", "prometheus.log")
+    .ready_within(READY_TIMEOUT, Duration::from_millis(100))
+    .stopped_by(libc::SIGTERM, STOP_TIMEOUT);
 
 /// The `prometheus` binary on `PATH` (or in /usr/sbin).
 ///
@@ -50,10 +53,7 @@ pub struct Sample {
 /// A running `prometheus` in a lab namespace, with its own temp dir.
 #[derive(Debug)]
 pub struct Prometheus {
-    child: Option<Child>,
-    dir: PathBuf,
-    ns_fd: OwnedFd,
-    addr: SocketAddr,
+    server: Server,
 }
 
 impl Prometheus {
@@ -67,16 +67,10 @@ impl Prometheus {
     /// [`READY_TIMEOUT`] (the message includes its log).
     pub fn start(ns: &NetNs, listen: SocketAddr, targets: &[SocketAddr]) -> Prometheus {
         let bin = binary();
-        let dir = crate::daemon::make_temp_dir();
         // The guard exists from here on, so the dir is removed even on panic.
-        let mut p = Prometheus {
-            child: None,
-            dir,
-            ns_fd: ns.dup_fd(),
-            addr: listen,
-        };
+        let mut server = Server::listening(SPEC, ns, listen);
         let targets: Vec<String> = targets.iter().map(|t| format!("\"{t}\"")).collect();
-        let config = p.dir.join("prometheus.yml");
+        let config = server.path("prometheus.yml");
         let secs = SCRAPE_INTERVAL.as_secs();
         std::fs::write(
             &config,
@@ -88,105 +82,34 @@ impl Prometheus {
             ),
         )
         .unwrap_or_else(|e| panic!("writing {}: {e}", config.display()));
-        let log = p.log_file();
-        let mut cmd = command_in_fd(p.ns_fd.try_clone().expect("dup netns fd"), &bin);
+        let mut cmd = server.command(&bin);
         cmd.arg(format!("--config.file={}", config.display()))
             .arg(format!(
                 "--storage.tsdb.path={}",
-                p.dir.join("data").display()
+                server.path("data").display()
             ))
-            .arg(format!("--web.listen-address={listen}"))
-            .current_dir(&p.dir)
-            .stdin(Stdio::null())
-            .stdout(log.try_clone().expect("dup log file"))
-            .stderr(log);
-        p.child = Some(
-            cmd.spawn()
-                .unwrap_or_else(|e| panic!("starting `{}`: {e}", describe(&cmd))),
-        );
-        if let Err(e) = p.wait_ready(READY_TIMEOUT) {
-            panic!("prometheus did not become ready: {e}\n{}", p.log());
-        }
-        p
-    }
-
-    fn log_file(&self) -> File {
-        let path = self.dir.join("prometheus.log");
-        OpenOptions::new()
-            .create(true)
-            .append(true)
-            .open(&path)
-            .unwrap_or_else(|e| panic!("opening {}: {e}", path.display()))
+            .arg(format!("--web.listen-address={listen}"));
+        server.launch(cmd, |server| match get(server, "/-/ready") {
+            Ok((200, _)) => Ok(()),
+            Ok((code, body)) => Err(format!("/-/ready answered {code}: {}", body.trim())),
+            Err(e) => Err(e),
+        });
+        Prometheus { server }
     }
 
     /// The server's log so far.
     pub fn log(&self) -> String {
-        let path = self.dir.join("prometheus.log");
-        format!(
-            "----- prometheus log ({}) -----\n{}\n----- end of prometheus log -----",
-            path.display(),
-            std::fs::read_to_string(&path).unwrap_or_else(|e| format!("({e})"))
-        )
+        self.server.log()
     }
 
     /// The server's temp dir (config, TSDB, log; removed on drop).
     pub fn dir(&self) -> &Path {
-        &self.dir
+        self.server.dir()
     }
 
-    fn wait_ready(&mut self, timeout: Duration) -> Result<(), String> {
-        let give_up = Instant::now() + timeout;
-        loop {
-            if let Some(child) = self.child.as_mut()
-                && let Ok(Some(status)) = child.try_wait()
-            {
-                self.child = None;
-                return Err(format!("prometheus exited during startup ({status})"));
-            }
-            let last = match self.get("/-/ready") {
-                Ok((200, _)) => return Ok(()),
-                Ok((code, body)) => format!("/-/ready answered {code}: {}", body.trim()),
-                Err(e) => e,
-            };
-            if Instant::now() >= give_up {
-                return Err(format!(
-                    "not ready after {timeout:?} on {}: {last}",
-                    self.addr
-                ));
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    }
-
-    /// `GET path` from the server, from inside its namespace: (status, body).
+    /// `GET path` from the server (see [`get`]).
     fn get(&self, path: &str) -> Result<(u16, String), String> {
-        let addr = self.addr;
-        let path = path.to_string();
-        in_netns(
-            self.ns_fd.as_fd(),
-            move || -> Result<(u16, String), String> {
-                let mut c = TcpStream::connect_timeout(&addr, REQUEST_TIMEOUT)
-                    .map_err(|e| format!("connecting to prometheus at {addr}: {e}"))?;
-                c.set_read_timeout(Some(REQUEST_TIMEOUT))
-                    .and_then(|()| c.set_write_timeout(Some(REQUEST_TIMEOUT)))
-                    .map_err(|e| e.to_string())?;
-                // HTTP/1.0: the answer comes whole, not chunked, and the server closes after it.
-                write!(c, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")
-                    .map_err(|e| format!("GET {path}: {e}"))?;
-                let mut raw = String::new();
-                c.read_to_string(&mut raw)
-                    .map_err(|e| format!("GET {path}: reading the answer: {e}"))?;
-                let (head, body) = raw
-                    .split_once("\r\n\r\n")
-                    .ok_or_else(|| format!("GET {path}: no end of headers in {raw:?}"))?;
-                let status = head
-                    .split(' ')
-                    .nth(1)
-                    .and_then(|s| s.parse().ok())
-                    .ok_or_else(|| format!("GET {path}: no status in {head:?}"))?;
-                Ok((status, body.to_string()))
-            },
-        )
+        get(&self.server, path)
     }
 
     /// The instant vector of `promql` at the server's now (`/api/v1/query`).
@@ -277,26 +200,36 @@ impl Prometheus {
 
     /// SIGTERM, then SIGKILL after [`STOP_TIMEOUT`].
     pub fn stop(&mut self) {
-        let Some(mut child) = self.child.take() else {
-            return;
-        };
-        if crate::tool::terminate(&mut child, STOP_TIMEOUT) {
-            return;
-        }
-        eprintln!("prometheus ignored SIGTERM for {STOP_TIMEOUT:?}: SIGKILL");
-        let _ = child.kill();
-        let _ = child.wait();
+        self.server.stop();
     }
 }
 
-impl Drop for Prometheus {
-    fn drop(&mut self) {
-        self.stop();
-        if std::thread::panicking() {
-            eprintln!("{}", self.log());
-        }
-        let _ = std::fs::remove_dir_all(&self.dir);
-    }
+/// `GET path` from `server`, from inside its namespace: (status, body).
+fn get(server: &Server, path: &str) -> Result<(u16, String), String> {
+    let addr = server.addr();
+    let path = path.to_string();
+    server.in_netns(move || -> Result<(u16, String), String> {
+        let mut c = TcpStream::connect_timeout(&addr, REQUEST_TIMEOUT)
+            .map_err(|e| format!("connecting to prometheus at {addr}: {e}"))?;
+        c.set_read_timeout(Some(REQUEST_TIMEOUT))
+            .and_then(|()| c.set_write_timeout(Some(REQUEST_TIMEOUT)))
+            .map_err(|e| e.to_string())?;
+        // HTTP/1.0: the answer comes whole, not chunked, and the server closes after it.
+        write!(c, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n")
+            .map_err(|e| format!("GET {path}: {e}"))?;
+        let mut raw = String::new();
+        c.read_to_string(&mut raw)
+            .map_err(|e| format!("GET {path}: reading the answer: {e}"))?;
+        let (head, body) = raw
+            .split_once("\r\n\r\n")
+            .ok_or_else(|| format!("GET {path}: no end of headers in {raw:?}"))?;
+        let status = head
+            .split(' ')
+            .nth(1)
+            .and_then(|s| s.parse().ok())
+            .ok_or_else(|| format!("GET {path}: no status in {head:?}"))?;
+        Ok((status, body.to_string()))
+    })
 }
 
 /// `s` as a URL query value: every byte but the unreserved ones percent-encoded.

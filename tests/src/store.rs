@@ -1,9 +1,9 @@
 //! A real `redis-server`, the fleet's store, run in a lab namespace on its own port and
 //! directory (no persistence: `--save ""`, `--appendonly no`).
 //!
-//! The guard owns the process and a private temp dir (the server's log). On drop it kills the
-//! server (continuing it first if the test stopped it) and removes the dir, also when a test
-//! panics. Tests can kill it, start it again on the same port, and stop or continue it
+//! Its [`Server`] guard owns the process and a private temp dir (the server's log). On drop it
+//! kills the server (continuing it first if the test stopped it) and removes the dir, also
+//! when a test panics. Tests can kill it, start it again on the same port, and stop or continue it
 //! (SIGSTOP, SIGCONT) to see what the daemons do without their store.
 //!
 //! [`Cluster`] runs three such servers as a Redis Cluster of three masters and no replicas
@@ -21,13 +21,21 @@ use std::io::{Read as _, Write as _};
 use std::net::{SocketAddr, TcpStream};
 use std::os::fd::OwnedFd;
 use std::path::PathBuf;
-use std::process::{Child, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use crate::netns::{NetNs, command_in_fd, describe, in_netns};
+use crate::netns::{NetNs, command_in_fd, describe};
+use crate::server::{Server, Spec};
 
 /// How long a start waits for the server to answer `PING`.
 pub const READY_TIMEOUT: Duration = Duration::from_secs(20);
+
+/// `redis-server` as the lab runs it: the store's data never matters after a test, so it is
+/// killed (SIGKILL) on drop.
+const SPEC: Spec = Spec::new("redis-server", "redis.log")
+    .ready_within(READY_TIMEOUT, Duration::from_millis(20))
+    .stopped_by(libc::SIGKILL, Duration::from_secs(5))
+    .quiet();
 
 /// The `redis-server` binary on `PATH` (or in /usr/sbin).
 ///
@@ -38,15 +46,15 @@ pub fn binary() -> PathBuf {
     crate::tool::find_binary("redis-server", "redis-server")
 }
 
-/// A running `redis-server` in a lab namespace.
+/// A running `redis-server` in a lab namespace. Its guard listens on an address of the
+/// server in its namespace, the one the readiness check and `redis-cli` use.
 pub struct Redis {
-    child: Option<Child>,
-    dir: PathBuf,
-    ns_fd: OwnedFd,
-    port: u16,
-    /// An address of the server in its namespace, for the readiness check.
-    probe: SocketAddr,
-    stopped: bool,
+    server: Server,
+    setup: Setup,
+}
+
+/// How a [`Redis`] is started again, and how `redis-cli` reaches it.
+struct Setup {
     /// More `redis-server` arguments (the cluster's).
     extra: Vec<String>,
     /// TLS only, with these files: the server's, and the client's for `redis-cli`.
@@ -101,16 +109,13 @@ impl Redis {
             extra.extend(["--requirepass".to_string(), pw.to_string()]);
         }
         let mut r = Redis {
-            child: None,
-            dir: crate::daemon::make_temp_dir(),
-            ns_fd: ns.dup_fd(),
-            port,
-            probe: SocketAddr::new(probe, port),
-            stopped: false,
-            extra,
-            tls,
-            sentinel_conf: None,
-            password: password.map(str::to_string),
+            server: Server::listening(SPEC, ns, SocketAddr::new(probe, port)),
+            setup: Setup {
+                extra,
+                tls,
+                sentinel_conf: None,
+                password: password.map(str::to_string),
+            },
         };
         r.launch();
         r
@@ -146,42 +151,39 @@ impl Redis {
         tls: Option<&TlsServer>,
         password: Option<&str>,
     ) -> Redis {
-        let dir = crate::daemon::make_temp_dir();
-        let file = dir.join("sentinel.conf");
+        let server = Server::listening(SPEC, ns, SocketAddr::new(probe, port));
+        let file = server.path("sentinel.conf");
         std::fs::write(&file, conf).expect("writing sentinel.conf");
         let mut r = Redis {
-            child: None,
-            dir,
-            ns_fd: ns.dup_fd(),
-            port,
-            probe: SocketAddr::new(probe, port),
-            stopped: false,
-            extra: if tls.is_some() {
-                vec!["--tls-replication".into(), "yes".into()]
-            } else {
-                Vec::new()
+            server,
+            setup: Setup {
+                extra: if tls.is_some() {
+                    vec!["--tls-replication".into(), "yes".into()]
+                } else {
+                    Vec::new()
+                },
+                tls: tls.cloned(),
+                sentinel_conf: Some(file),
+                password: password.map(str::to_string),
             },
-            tls: tls.cloned(),
-            sentinel_conf: Some(file),
-            password: password.map(str::to_string),
         };
         r.launch();
         r
     }
 
     fn launch(&mut self) {
-        assert!(self.child.is_none(), "redis-server already running");
-        let log = self.dir.join("redis.log");
-        let mut cmd = command_in_fd(self.ns_fd.try_clone().expect("dup netns fd"), binary());
-        if let Some(conf) = &self.sentinel_conf {
+        let (server, setup) = (&mut self.server, &self.setup);
+        let mut cmd = server.command(binary());
+        if let Some(conf) = &setup.sentinel_conf {
             cmd.arg(conf).arg("--sentinel");
         }
-        match &self.tls {
+        let port = server.port().to_string();
+        match &setup.tls {
             None => {
-                cmd.args(["--port", &self.port.to_string()]);
+                cmd.args(["--port", &port]);
             }
             Some(t) => {
-                cmd.args(["--port", "0", "--tls-port", &self.port.to_string()])
+                cmd.args(["--port", "0", "--tls-port", &port])
                     .arg("--tls-cert-file")
                     .arg(&t.cert)
                     .arg("--tls-key-file")
@@ -200,97 +202,31 @@ impl Redis {
             .args(["--appendonly", "no"])
             .args(["--daemonize", "no"])
             .arg("--dir")
-            .arg(&self.dir)
+            .arg(server.dir())
             .arg("--logfile")
-            .arg(&log)
-            .args(&self.extra)
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::null());
-        self.child = Some(
-            cmd.spawn()
-                .unwrap_or_else(|e| panic!("starting `{}`: {e}", describe(&cmd))),
-        );
-        self.stopped = false;
-        let give_up = Instant::now() + READY_TIMEOUT;
-        loop {
-            if self.ping() {
-                return;
+            .arg(server.path(SPEC.log))
+            .args(&setup.extra);
+        server.launch(cmd, |server| {
+            if setup.ping(server) {
+                Ok(())
+            } else {
+                Err(format!("no answer to PING at {}", server.addr()))
             }
-            if let Some(c) = self.child.as_mut()
-                && let Ok(Some(status)) = c.try_wait()
-            {
-                panic!("redis-server exited ({status}):\n{}", self.log());
-            }
-            if Instant::now() > give_up {
-                panic!(
-                    "redis-server did not answer PING within {READY_TIMEOUT:?}:\n{}",
-                    self.log()
-                );
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        });
     }
 
     /// Whether the server answers `PING` within a second.
     pub fn ping(&self) -> bool {
-        if self.tls.is_some() || self.password.is_some() {
-            return self.cli(&["PING"]) == "PONG";
-        }
-        let addr = self.probe;
-        in_netns(self.ns_fd_borrow(), move || {
-            let Ok(mut c) = TcpStream::connect_timeout(&addr, Duration::from_secs(1)) else {
-                return false;
-            };
-            let _ = c.set_read_timeout(Some(Duration::from_secs(1)));
-            if c.write_all(b"PING\r\n").is_err() {
-                return false;
-            }
-            let mut buf = [0u8; 16];
-            matches!(c.read(&mut buf), Ok(n) if buf[..n].starts_with(b"+PONG"))
-        })
-    }
-
-    fn ns_fd_borrow(&self) -> std::os::fd::BorrowedFd<'_> {
-        use std::os::fd::AsFd as _;
-        self.ns_fd.as_fd()
+        self.setup.ping(&self.server)
     }
 
     pub fn port(&self) -> u16 {
-        self.port
+        self.server.port()
     }
 
     /// `redis-cli` against this server: its output (stdout and stderr), trimmed.
     pub fn cli(&self, args: &[&str]) -> String {
-        let fd = self.ns_fd.try_clone().expect("dup netns fd");
-        let mut cmd = command_in_fd(fd, cli_binary());
-        cmd.arg("-h")
-            .arg(self.probe.ip().to_string())
-            .arg("-p")
-            .arg(self.port.to_string());
-        if let Some(t) = &self.tls {
-            cmd.arg("--tls")
-                .arg("--cacert")
-                .arg(&t.ca)
-                .arg("--cert")
-                .arg(&t.client_cert)
-                .arg("--key")
-                .arg(&t.client_key);
-        }
-        if let Some(pw) = &self.password {
-            cmd.arg("--no-auth-warning").arg("-a").arg(pw);
-        }
-        cmd.args(args).stdin(Stdio::null());
-        let out = cmd
-            .output()
-            .unwrap_or_else(|e| panic!("running `{}`: {e}", describe(&cmd)));
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        )
-        .trim()
-        .to_string()
+        self.setup.cli(&self.server, args)
     }
 
     /// Send `commands` (each a list of arguments) to the server at once, through `redis-cli
@@ -307,15 +243,7 @@ impl Redis {
                 input.extend_from_slice(b"\r\n");
             }
         }
-        let fd = self.ns_fd.try_clone().expect("dup netns fd");
-        let mut cmd = command_in_fd(fd, cli_binary());
-        cmd.arg("-h")
-            .arg(self.probe.ip().to_string())
-            .arg("-p")
-            .arg(self.port.to_string());
-        if let Some(pw) = &self.password {
-            cmd.arg("--no-auth-warning").arg("-a").arg(pw);
-        }
+        let mut cmd = self.setup.cli_command(&self.server, false);
         cmd.arg("--pipe")
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
@@ -327,31 +255,17 @@ impl Redis {
         let writer = std::thread::spawn(move || stdin.write_all(&input));
         let out = child.wait_with_output().expect("redis-cli --pipe");
         writer.join().unwrap().expect("writing to redis-cli --pipe");
-        format!(
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        )
-        .trim()
-        .to_string()
+        output_text(&out)
     }
 
     /// The running server's process id.
     pub fn pid(&self) -> Option<i32> {
-        self.child.as_ref().map(|c| c.id() as i32)
+        self.server.pid().map(|p| p as i32)
     }
 
     /// SIGKILL, and wait for it: the store is gone (with its data).
     pub fn kill(&mut self) {
-        if let Some(mut c) = self.child.take() {
-            if self.stopped {
-                // SAFETY: signalling our own child.
-                unsafe { libc::kill(c.id() as i32, libc::SIGCONT) };
-            }
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-        self.stopped = false;
+        self.server.kill();
     }
 
     /// Start it again on the same port, empty.
@@ -362,38 +276,88 @@ impl Redis {
 
     /// SIGSTOP: the server keeps its sockets but answers nothing.
     pub fn freeze(&mut self) {
-        if let Some(pid) = self.pid() {
-            // SAFETY: signalling our own child.
-            unsafe { libc::kill(pid, libc::SIGSTOP) };
-            self.stopped = true;
-        }
+        self.server.freeze();
     }
 
     /// SIGCONT after [`Redis::freeze`].
     pub fn thaw(&mut self) {
-        if let Some(pid) = self.pid() {
-            // SAFETY: signalling our own child.
-            unsafe { libc::kill(pid, libc::SIGCONT) };
-            self.stopped = false;
-        }
+        self.server.thaw();
     }
 
     /// The server's log so far.
     pub fn log(&self) -> String {
-        let path = self.dir.join("redis.log");
-        format!(
-            "----- redis log ({}) -----\n{}\n----- end of redis log -----",
-            path.display(),
-            std::fs::read_to_string(&path).unwrap_or_else(|e| format!("({e})"))
-        )
+        self.server.log()
     }
 }
 
-impl Drop for Redis {
-    fn drop(&mut self) {
-        self.kill();
-        let _ = std::fs::remove_dir_all(&self.dir);
+impl Setup {
+    /// Whether `server` answers `PING` within a second.
+    fn ping(&self, server: &Server) -> bool {
+        if self.tls.is_some() || self.password.is_some() {
+            return self.cli(server, &["PING"]) == "PONG";
+        }
+        let addr = server.addr();
+        server.in_netns(move || {
+            let Ok(mut c) = TcpStream::connect_timeout(&addr, Duration::from_secs(1)) else {
+                return false;
+            };
+            let _ = c.set_read_timeout(Some(Duration::from_secs(1)));
+            if c.write_all(b"PING\r\n").is_err() {
+                return false;
+            }
+            let mut buf = [0u8; 16];
+            matches!(c.read(&mut buf), Ok(n) if buf[..n].starts_with(b"+PONG"))
+        })
     }
+
+    /// `redis-cli` against `server`: its output (stdout and stderr), trimmed.
+    fn cli(&self, server: &Server, args: &[&str]) -> String {
+        let mut cmd = self.cli_command(server, true);
+        cmd.args(args).stdin(Stdio::null());
+        let out = cmd
+            .output()
+            .unwrap_or_else(|e| panic!("running `{}`: {e}", describe(&cmd)));
+        output_text(&out)
+    }
+
+    /// `redis-cli -h IP -p PORT` in `server`'s namespace, with its TLS files if `tls` (and the
+    /// server speaks it) and its password.
+    fn cli_command(&self, server: &Server, tls: bool) -> Command {
+        let mut cmd = command_in_fd(server.dup_ns_fd(), cli_binary());
+        cmd.arg("-h")
+            .arg(server.addr().ip().to_string())
+            .arg("-p")
+            .arg(server.port().to_string());
+        if let Some(t) = self.tls.as_ref().filter(|_| tls) {
+            tls_args(&mut cmd, t);
+        }
+        if let Some(pw) = &self.password {
+            cmd.arg("--no-auth-warning").arg("-a").arg(pw);
+        }
+        cmd
+    }
+}
+
+/// `redis-cli`'s options for a TLS server.
+fn tls_args(cmd: &mut Command, t: &TlsServer) {
+    cmd.arg("--tls")
+        .arg("--cacert")
+        .arg(&t.ca)
+        .arg("--cert")
+        .arg(&t.client_cert)
+        .arg("--key")
+        .arg(&t.client_key);
+}
+
+/// What a command printed, stdout then stderr, trimmed.
+fn output_text(out: &std::process::Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    )
+    .trim()
+    .to_string()
 }
 
 /// The `redis-cli` binary beside `redis-server`.
@@ -501,13 +465,7 @@ impl Cluster {
         cmd.args(["-s", "KILL", &READY_TIMEOUT.as_secs().to_string()])
             .arg(cli_binary());
         if let Some(t) = &self.tls {
-            cmd.arg("--tls")
-                .arg("--cacert")
-                .arg(&t.ca)
-                .arg("--cert")
-                .arg(&t.client_cert)
-                .arg("--key")
-                .arg(&t.client_key);
+            tls_args(&mut cmd, t);
         }
         cmd.args(args).stdin(Stdio::null());
         cmd.output()
@@ -558,17 +516,7 @@ impl Cluster {
 
     /// The nodes' `host:port`s, as a `redis+cluster://` address lists them.
     pub fn url(&self) -> String {
-        let nodes: Vec<String> = self
-            .nodes
-            .iter()
-            .map(|n| format!("{}:{}", self.announce, n.port()))
-            .collect();
-        let scheme = if self.tls.is_some() {
-            "rediss"
-        } else {
-            "redis"
-        };
-        format!("{scheme}+cluster://{}", nodes.join(","))
+        url("cluster", self.tls.is_some(), self.announce, &self.nodes)
     }
 
     /// The keys node `i` holds.
@@ -593,7 +541,7 @@ impl TlsFiles {
     /// Makes every file with `openssl` (panics, saying what failed, if it cannot).
     pub fn generate(server_ips: &[std::net::IpAddr]) -> TlsFiles {
         let files = TlsFiles {
-            dir: crate::daemon::make_temp_dir(),
+            dir: crate::server::temp_dir(),
         };
         let d = &files.dir;
         let openssl = |args: &[&str]| {
@@ -842,13 +790,8 @@ impl Sentinels {
 
     /// `redis+sentinel://IP:PORT,IP:PORT,IP:PORT/NAME`.
     pub fn url(&self) -> String {
-        let nodes: Vec<String> = self
-            .sentinels
-            .iter()
-            .map(|s| format!("{}:{}", self.ip, s.port()))
-            .collect();
-        let scheme = if self.tls { "rediss" } else { "redis" };
-        format!("{scheme}+sentinel://{}/{SENTINEL_MASTER}", nodes.join(","))
+        let nodes = url("sentinel", self.tls, self.ip, &self.sentinels);
+        format!("{nodes}/{SENTINEL_MASTER}")
     }
 
     /// The master's port as sentinel `i` names it.
@@ -856,6 +799,16 @@ impl Sentinels {
         let out = self.sentinels[i].cli(&["sentinel", "get-master-addr-by-name", SENTINEL_MASTER]);
         out.lines().nth(1)?.trim().parse().ok()
     }
+}
+
+/// `redis[s]+KIND://IP:PORT,...`: the address of `servers`, every one on `ip`.
+fn url(kind: &str, tls: bool, ip: std::net::Ipv4Addr, servers: &[Redis]) -> String {
+    let hosts: Vec<String> = servers
+        .iter()
+        .map(|s| format!("{ip}:{}", s.port()))
+        .collect();
+    let scheme = if tls { "rediss" } else { "redis" };
+    format!("{scheme}+{kind}://{}", hosts.join(","))
 }
 
 /// The value after the line `name` in `redis-cli`'s output of a flat array (a number).

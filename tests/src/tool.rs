@@ -1,9 +1,7 @@
 //! The external programs the lab runs (servers and traffic tools from Debian's packages):
-//! finding their binaries, and stopping them.
+//! finding their binaries. [`crate::server`] runs and stops them.
 
 use std::path::PathBuf;
-use std::process::Child;
-use std::time::{Duration, Instant};
 
 /// `name` on `PATH`, or in `/usr/sbin` and `/sbin` (not on every root PATH).
 ///
@@ -23,21 +21,4 @@ pub fn find_binary(name: &str, package: &str) -> PathBuf {
                  installs the Debian package {package} (or `apt-get install {package}`)"
             )
         })
-}
-
-/// SIGTERM to `child`, then up to `timeout` for it to exit: whether it did (reaped). If not,
-/// it is still running, for the caller to SIGKILL (with whatever else it must kill).
-pub fn terminate(child: &mut Child, timeout: Duration) -> bool {
-    if let Ok(pid) = libc::pid_t::try_from(child.id()) {
-        // SAFETY: kill(2) on our own unreaped child's pid, which cannot be reused.
-        unsafe { libc::kill(pid, libc::SIGTERM) };
-    }
-    let give_up = Instant::now() + timeout;
-    while Instant::now() < give_up {
-        if let Ok(Some(_)) = child.try_wait() {
-            return true;
-        }
-        std::thread::sleep(Duration::from_millis(50));
-    }
-    false
 }

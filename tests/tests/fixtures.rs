@@ -9,111 +9,96 @@ use std::{
     sync::atomic::Ordering,
 };
 
+use ratelimit_common::maps::BanEntry;
 use ratelimit_tests::{
-    env::skip_unless_kernel,
-    packet::{Frame, tcp_flags, truncate},
-    pins::Pins,
+    fixture::{
+        self, Fixture, HOUR_NS, XDP_DROP, XDP_PASS, XDP_TX, case, coarse_ns,
+        frames::{
+            CLIENT_MAC, SERVER_MAC, SERVER4, SERVER6, eth_only, ihl, segment, set_u16, tcp_segment,
+            v4, v6, version,
+        },
+        key_v4, manual_ban, parse, prefix, v6_source,
+    },
+    kernel_test,
+    packet::{Frame, arp_request, checksum, tcp_flags, truncate},
 };
 use ratelimit_user::{
-    apply, config,
-    control::BanSpec,
-    datapath::{Datapath, Maps},
+    apply::{self, Plan},
+    datapath::Maps,
     report,
 };
 
-const XDP_DROP: u32 = 1;
-const XDP_PASS: u32 = 2;
-const XDP_TX: u32 = 3;
+/// The config of the fixture tables: an allow and a deny list, a rule on SYNs to port 80 (5 an
+/// hour) and a preview rule on UDP to ports 8000-8100 (3 an hour).
+const CONFIG: &str = include_str!("../configs/fixture-table.toml");
 
-const CLIENT_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 1];
-const SERVER_MAC: [u8; 6] = [0x02, 0, 0, 0, 0, 2];
-const SERVER4: Ipv4Addr = Ipv4Addr::new(198, 18, 0, 1);
-const SERVER6: Ipv6Addr = Ipv6Addr::new(0x2001, 0xdb8, 0, 0, 0, 0, 0, 1);
+/// TOML: `[tracking]` with `keys` (the admission budget, the store's size).
+fn tracking(keys: &str) -> String {
+    format!("[tracking]\n{keys}\n")
+}
 
-const CONFIG: &str = r#"
-[lists]
-allow = ["198.18.50.7/32"]
-deny = ["198.18.50.0/24", "2001:db8:dead::/48", "::/8"]
+/// TOML: the admission budget, `per_sec` new sources a second with a burst of `burst`.
+fn budget(per_sec: u64, burst: u64) -> String {
+    tracking(&format!(
+        "new_sources_per_sec = {per_sec}\nnew_sources_burst = {burst}"
+    ))
+}
 
+/// TOML: a rule named `name` on UDP port `port`, `count` packets each `interval` by
+/// `algorithm`, then `more` keys of the rule (and keys written after it are the rule's too).
+fn rule(
+    name: &str,
+    port: u16,
+    (count, interval): (u64, &str),
+    algorithm: &str,
+    more: &str,
+) -> String {
+    format!(
+        r#"
 [[rule]]
-name = "syn80"
-match = { protocol = "tcp", tcp_flags = "syn", dst_ports = ["80"] }
-threshold = { count = 5, interval = "1h" }
-algorithm = "fixed_window"
-
-[[rule]]
-name = "udp-range"
-match = { protocol = "udp", dst_ports = ["8000-8100"] }
-threshold = { count = 3, interval = "1h" }
-algorithm = "fixed_window"
-preview = true
-"#;
-
-fn v4(src: [u8; 4]) -> Frame {
-    Frame::new(CLIENT_MAC, SERVER_MAC).ipv4(Ipv4Addr::from(src), SERVER4)
+name = "{name}"
+match = {{ protocol = "udp", dst_ports = ["{port}"] }}
+threshold = {{ count = {count}, interval = "{interval}" }}
+algorithm = "{algorithm}"
+{more}"#
+    )
 }
 
-fn v6(src: &str) -> Frame {
-    Frame::new(CLIENT_MAC, SERVER_MAC).ipv6(src.parse().unwrap(), SERVER6)
+/// TOML: a rule named `name` on UDP port `port` (9000: where most fixtures' clients send),
+/// `count` packets an hour in fixed windows.
+fn udp_rule(name: &str, port: u16, count: u64) -> String {
+    rule(name, port, (count, "1h"), "fixed_window", "")
 }
 
-/// Flat counter map: verdicts and reasons by name, rule counters as `rule/counter`.
-fn counters(maps: &Maps, rules: &[String]) -> BTreeMap<String, u64> {
-    let s = report::stats(maps, &[], rules).expect("stats");
-    let mut m = BTreeMap::new();
-    for (k, v) in s.all.verdicts.iter().chain(s.all.reasons.iter()) {
-        m.insert(k.to_string(), v.packets);
-    }
-    for r in &s.rules {
-        for (k, v) in &r.counters {
-            m.insert(format!("{}/{}", r.name, k), v.packets);
-        }
-    }
-    m
+/// TOML: a `rate_based_ban` rule named `name` on UDP port 9000 in fixed windows of
+/// `interval`: `count` packets a window, and a ban once `ban_count` came in one, for
+/// `duration`.
+fn ban_rule(name: &str, (count, ban_count): (u64, u64), interval: &str, duration: &str) -> String {
+    let ban = format!(
+        "action = \"rate_based_ban\"\n\
+         ban_threshold = {{ count = {ban_count}, interval = \"{interval}\" }}\n\
+         ban_duration = \"{duration}\"\n"
+    );
+    rule(name, 9000, (count, interval), "fixed_window", &ban)
 }
 
-fn delta(before: &BTreeMap<String, u64>, after: &BTreeMap<String, u64>) -> BTreeMap<String, u64> {
-    after
-        .iter()
-        .filter_map(|(k, v)| {
-            let d = v - before.get(k).copied().unwrap_or(0);
-            (d != 0).then(|| (k.clone(), d))
-        })
-        .collect()
-}
-
-struct Case {
-    what: &'static str,
-    frame: Vec<u8>,
-    repeat: u32,
-    action: u32,
-    deltas: &'static [(&'static str, u64)],
-}
-
-fn case(
-    what: &'static str,
-    frame: Vec<u8>,
-    action: u32,
-    deltas: &'static [(&'static str, u64)],
-) -> Case {
-    Case {
-        what,
-        frame,
-        repeat: 1,
-        action,
-        deltas,
-    }
+/// TOML: a token bucket rule "udp" on UDP port 9000, `count` packets each `interval` with a
+/// burst of `burst`.
+fn bucket_rule(count: u64, interval: &str, burst: u64) -> String {
+    rule(
+        "udp",
+        9000,
+        (count, interval),
+        "token_bucket",
+        &format!("burst = {burst}\n"),
+    )
 }
 
 #[test]
 fn fixture_table() {
-    if skip_unless_kernel() {
-        return;
-    }
-    let pins = Pins::new("fixtures");
-    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
-    let mut maps = dp.take_maps().expect("maps");
-    let (xlated, verified) = dp.program_info().expect("program info");
+    kernel_test!();
+    let mut fx = Fixture::load(CONFIG);
+    let (xlated, verified) = fx.dp.program_info().expect("program info");
     println!("program: {xlated} translated instructions, {verified} verified instructions");
     // A guard against verifier blow-ups: far below the kernel's 1M budget. Verifiers before
     // 6.8 prune fewer states (6.1 walks 3-4x what 6.12 walks for the same object), so they
@@ -134,562 +119,158 @@ fn fixture_table() {
         "the verifier of {} walked {verified} instructions (guard {guard})",
         release.trim()
     );
-    let cfg = config::parse("fixtures.toml", CONFIG).expect("config");
-    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
-    let rules: Vec<String> = cfg.rules.iter().map(|r| r.name.clone()).collect();
 
     // A manual ban, inserted exactly as `ratelimit ban add` does.
-    ban(&mut maps, "198.18.60.0/24");
+    fx.ban("198.18.60.0/24");
 
     let syn = tcp_flags::SYN;
     let dq = |f: Frame| f.vlan(0x8100, 10);
     let qinq = |f: Frame| f.vlan(0x88a8, 100).vlan(0x8100, 10);
+    #[rustfmt::skip]
     let cases = vec![
         // --- not IP, or not parseable: pass, counted by reason.
-        case(
-            "ARP passes as non-IP",
-            ratelimit_tests::packet::arp_request(CLIENT_MAC, Ipv4Addr::new(198, 18, 0, 2), SERVER4),
-            XDP_PASS,
-            &[("pass_non_ip", 1)],
-        ),
-        case(
-            "unknown ethertype",
-            Frame::new(CLIENT_MAC, SERVER_MAC)
-                .ethertype_raw(0x88b5)
-                .payload(&[0; 46])
-                .build(),
-            XDP_PASS,
-            &[("pass_non_ip", 1)],
-        ),
+        case("ARP passes as non-IP", XDP_PASS, "pass_non_ip",
+             arp_request(CLIENT_MAC, Ipv4Addr::new(198, 18, 0, 2), SERVER4)),
+        case("unknown ethertype", XDP_PASS, "pass_non_ip",
+             Frame::new(CLIENT_MAC, SERVER_MAC).ethertype_raw(0x88b5).payload(&[0; 46])),
         // (BPF_PROG_TEST_RUN refuses frames shorter than an Ethernet header, so the shortest
         // runt testable here is a bare header announcing a VLAN tag or IPv4.)
-        case(
-            "bare Ethernet header announcing a VLAN",
-            eth_only(0x8100),
-            XDP_PASS,
-            &[("pass_malformed", 1), ("malformed_l2", 1)],
-        ),
-        case(
-            "bare Ethernet header announcing IPv4",
-            eth_only(0x0800),
-            XDP_PASS,
-            &[("pass_malformed", 1), ("malformed_ipv4", 1)],
-        ),
-        case(
-            "truncated VLAN tag",
-            truncate(&dq(v4([198, 18, 1, 1]).udp(1, 53)).build(), 16),
-            XDP_PASS,
-            &[("pass_malformed", 1), ("malformed_l2", 1)],
-        ),
+        case("bare Ethernet header announcing a VLAN", XDP_PASS, "pass_malformed malformed_l2",
+             eth_only(0x8100)),
+        case("bare Ethernet header announcing IPv4", XDP_PASS, "pass_malformed malformed_ipv4",
+             eth_only(0x0800)),
+        case("truncated VLAN tag", XDP_PASS, "pass_malformed malformed_l2",
+             truncate(&dq(v4([198, 18, 1, 1]).udp(1, 53)).build(), 16)),
         // More tags than a valid frame has: counted as malformed, but judged by its source,
         // so a tag more cannot carry a denied or banned source past the lists and bans.
-        case(
-            "three VLAN tags",
-            v4([198, 18, 1, 1])
-                .vlan(0x88a8, 1)
-                .vlan(0x8100, 2)
-                .vlan(0x8100, 3)
-                .udp(1, 53)
-                .build(),
-            XDP_PASS,
-            &[("pass", 1), ("malformed_l2", 1)],
-        ),
-        case(
-            "three VLAN tags from a denied source",
-            v4([198, 18, 50, 1])
-                .vlan(0x88a8, 1)
-                .vlan(0x8100, 2)
-                .vlan(0x8100, 3)
-                .udp(1, 53)
-                .build(),
-            XDP_DROP,
-            &[("drop_deny", 1), ("malformed_l2", 1)],
-        ),
-        case(
-            "three VLAN tags from a banned source",
-            v4([198, 18, 60, 1])
-                .vlan(0x88a8, 1)
-                .vlan(0x8100, 2)
-                .vlan(0x8100, 3)
-                .udp(1, 53)
-                .build(),
-            XDP_DROP,
-            &[("drop_ban", 1), ("malformed_l2", 1)],
-        ),
-        case(
-            "four VLAN tags: no source to read",
-            (0..4)
-                .fold(v4([198, 18, 50, 1]), |f, i| f.vlan(0x8100, i + 1))
-                .udp(1, 53)
-                .build(),
-            XDP_PASS,
-            &[("pass_malformed", 1), ("malformed_l2", 1)],
-        ),
-        case(
-            "IPv4 truncated header",
-            truncate(&v4([198, 18, 1, 1]).udp(1, 53).build(), 14 + 12),
-            XDP_PASS,
-            &[("pass_malformed", 1), ("malformed_ipv4", 1)],
-        ),
+        case("three VLAN tags", XDP_PASS, "pass malformed_l2",
+             v4([198, 18, 1, 1]).vlan(0x88a8, 1).vlan(0x8100, 2).vlan(0x8100, 3).udp(1, 53)),
+        case("three VLAN tags from a denied source", XDP_DROP, "drop_deny malformed_l2",
+             v4([198, 18, 50, 1]).vlan(0x88a8, 1).vlan(0x8100, 2).vlan(0x8100, 3).udp(1, 53)),
+        case("three VLAN tags from a banned source", XDP_DROP, "drop_ban malformed_l2",
+             v4([198, 18, 60, 1]).vlan(0x88a8, 1).vlan(0x8100, 2).vlan(0x8100, 3).udp(1, 53)),
+        case("four VLAN tags: no source to read", XDP_PASS, "pass_malformed malformed_l2",
+             (0..4).fold(v4([198, 18, 50, 1]), |f, i| f.vlan(0x8100, i + 1)).udp(1, 53)),
+        case("IPv4 truncated header", XDP_PASS, "pass_malformed malformed_ipv4",
+             truncate(&v4([198, 18, 1, 1]).udp(1, 53).build(), 14 + 12)),
         // A bad IHL, total length or version: the L4 header cannot be found, so every L4
         // condition counts as met (as for a cut-off header), and the source decides.
-        case(
-            "IPv4 IHL < 5",
-            ihl(v4([198, 18, 7, 7]).udp(1, 53).build(), 4),
-            XDP_PASS,
-            &[
-                ("pass", 1),
-                ("malformed_ipv4", 1),
-                ("state_created", 1),
-                ("udp-range/matched", 1),
-                ("udp-range/admitted", 1),
-            ],
-        ),
-        case(
-            "IPv4 IHL < 5 from a denied source",
-            ihl(v4([198, 18, 50, 2]).udp(1, 53).build(), 4),
-            XDP_DROP,
-            &[("drop_deny", 1), ("malformed_ipv4", 1)],
-        ),
-        case(
-            "IPv4 total length < header from a banned source",
-            set_u16(v4([198, 18, 60, 2]).udp(1, 53).build(), 14 + 2, 19),
-            XDP_DROP,
-            &[("drop_ban", 1), ("malformed_ipv4", 1)],
-        ),
-        case(
-            "IPv4 ethertype, version 6, from a denied source",
-            version(v4([198, 18, 50, 4]).udp(1, 53).build(), 6),
-            XDP_DROP,
-            &[("drop_deny", 1), ("malformed_ipv4", 1)],
-        ),
-        case(
-            "IPv6 ethertype, version 4, from a denied source",
-            version(v6("2001:db8:dead::7").udp(1, 53).build(), 4),
-            XDP_DROP,
-            &[("drop_deny", 1), ("malformed_ipv6", 1)],
-        ),
+        case("IPv4 IHL < 5", XDP_PASS,
+             "pass malformed_ipv4 state_created udp-range/matched udp-range/admitted",
+             ihl(v4([198, 18, 7, 7]).udp(1, 53).build(), 4)),
+        case("IPv4 IHL < 5 from a denied source", XDP_DROP, "drop_deny malformed_ipv4",
+             ihl(v4([198, 18, 50, 2]).udp(1, 53).build(), 4)),
+        case("IPv4 total length < header from a banned source", XDP_DROP, "drop_ban malformed_ipv4",
+             set_u16(v4([198, 18, 60, 2]).udp(1, 53).build(), 14 + 2, 19)),
+        case("IPv4 ethertype, version 6, from a denied source", XDP_DROP,
+             "drop_deny malformed_ipv4",
+             version(v4([198, 18, 50, 4]).udp(1, 53).build(), 6)),
+        case("IPv6 ethertype, version 4, from a denied source", XDP_DROP,
+             "drop_deny malformed_ipv6",
+             version(v6("2001:db8:dead::7").udp(1, 53).build(), 4)),
         // IPv6 bogon sources: dropped before any list, ban or state (`::ffff:a.b.c.d` would
         // otherwise be the IPv4 client a.b.c.d to every per-source key).
-        case(
-            "IPv6 from ::1",
-            v6("::1").udp(1, 8000).build(),
-            XDP_DROP,
-            &[("drop_bogon", 1)],
-        ),
-        case(
-            "IPv6 from ::",
-            v6("::").udp(1, 8000).build(),
-            XDP_DROP,
-            &[("drop_bogon", 1)],
-        ),
-        case(
-            "IPv6 from an IPv4-mapped address",
-            v6("::ffff:198.18.1.1").udp(1, 8000).build(),
-            XDP_DROP,
-            &[("drop_bogon", 1)],
-        ),
-        case(
-            "IPv6 from an IPv4-compatible address",
-            v6("::198.18.1.1").udp(1, 8000).build(),
-            XDP_DROP,
-            &[("drop_bogon", 1)],
-        ),
-        case(
-            "IPv6 from a multicast address",
-            v6("ff02::1").udp(1, 8000).build(),
-            XDP_DROP,
-            &[("drop_bogon", 1)],
-        ),
-        case(
-            "IPv6 from ::ffff:198.18.50.1 is a bogon, not the denied IPv4 client",
-            v6("::ffff:198.18.50.1").udp(1, 53).build(),
-            XDP_DROP,
-            &[("drop_bogon", 1)],
-        ),
+        case("IPv6 from ::1", XDP_DROP, "drop_bogon", v6("::1").udp(1, 8000)),
+        case("IPv6 from ::", XDP_DROP, "drop_bogon", v6("::").udp(1, 8000)),
+        case("IPv6 from an IPv4-mapped address", XDP_DROP, "drop_bogon",
+             v6("::ffff:198.18.1.1").udp(1, 8000)),
+        case("IPv6 from an IPv4-compatible address", XDP_DROP, "drop_bogon",
+             v6("::198.18.1.1").udp(1, 8000)),
+        case("IPv6 from a multicast address", XDP_DROP, "drop_bogon", v6("ff02::1").udp(1, 8000)),
+        case("IPv6 from ::ffff:198.18.50.1 is a bogon, not the denied IPv4 client", XDP_DROP,
+             "drop_bogon",
+             v6("::ffff:198.18.50.1").udp(1, 53)),
         // `deny = ["::/8"]` (a common IPv6 bogon entry) covers IPv6 sources only.
-        case(
-            "IPv6 in ::/8 (not a bogon) is denied by ::/8",
-            v6("::1:0:0:1").udp(1, 53).build(),
-            XDP_DROP,
-            &[("drop_deny", 1)],
-        ),
-        case(
-            "IPv4 options cut off",
-            truncate(
-                &v4([198, 18, 1, 1])
-                    .ipv4_options(&[1; 12])
-                    .raw_l4(47)
-                    .build(),
-                14 + 24,
-            ),
-            XDP_PASS,
-            // Once the fixed L3 header is valid the source is known: the packet is judged
-            // (lists, bans, rules) and the problem counted as a reason.
-            &[("pass", 1), ("malformed_ipv4", 1)],
-        ),
-        case(
-            "IPv4 TCP header cut off counts against a SYN rule",
-            truncate(&v4([198, 18, 1, 1]).tcp(1, 80, syn).build(), 14 + 20 + 10),
-            XDP_PASS,
-            &[
-                ("pass", 1),
-                ("malformed_l4", 1),
-                ("state_created", 1),
-                ("syn80/matched", 1),
-                ("syn80/admitted", 1),
-            ],
-        ),
-        case(
-            "denied source with a cut-off TCP header",
-            truncate(&v4([198, 18, 50, 3]).tcp(1, 80, syn).build(), 14 + 20 + 8),
-            XDP_DROP,
-            &[("drop_deny", 1), ("malformed_l4", 1)],
-        ),
-        case(
-            "IPv6 truncated header",
-            truncate(&v6("2001:db8:1::1").udp(1, 53).build(), 14 + 30),
-            XDP_PASS,
-            &[("pass_malformed", 1), ("malformed_ipv6", 1)],
-        ),
-        case(
-            "IPv6 extension header cut off",
-            truncate(
-                &v6("2001:db8:1::1").ipv6_ext(0, &[0; 14]).udp(1, 53).build(),
-                14 + 40 + 4,
-            ),
-            XDP_PASS,
-            &[
-                ("pass", 1),
-                ("malformed_ipv6", 1),
-                ("state_created", 1),
-                ("udp-range/matched", 1),
-                ("udp-range/admitted", 1),
-            ],
-        ),
-        case(
-            "denied IPv6 with a cut-off extension header",
-            truncate(
-                &v6("2001:db8:dead::3")
-                    .ipv6_ext(0, &[0; 14])
-                    .udp(1, 53)
-                    .build(),
-                14 + 40 + 4,
-            ),
-            XDP_DROP,
-            &[("drop_deny", 1), ("malformed_ipv6", 1)],
-        ),
+        case("IPv6 in ::/8 (not a bogon) is denied by ::/8", XDP_DROP, "drop_deny",
+             v6("::1:0:0:1").udp(1, 53)),
+        // Once the fixed L3 header is valid the source is known: the packet is judged
+        // (lists, bans, rules) and the problem counted as a reason.
+        case("IPv4 options cut off", XDP_PASS, "pass malformed_ipv4",
+             truncate(&v4([198, 18, 1, 1]).ipv4_options(&[1; 12]).raw_l4(47).build(), 14 + 24)),
+        case("IPv4 TCP header cut off counts against a SYN rule", XDP_PASS,
+             "pass malformed_l4 state_created syn80/matched syn80/admitted",
+             truncate(&v4([198, 18, 1, 1]).tcp(1, 80, syn).build(), 14 + 20 + 10)),
+        case("denied source with a cut-off TCP header", XDP_DROP, "drop_deny malformed_l4",
+             truncate(&v4([198, 18, 50, 3]).tcp(1, 80, syn).build(), 14 + 20 + 8)),
+        case("IPv6 truncated header", XDP_PASS, "pass_malformed malformed_ipv6",
+             truncate(&v6("2001:db8:1::1").udp(1, 53).build(), 14 + 30)),
+        case("IPv6 extension header cut off", XDP_PASS,
+             "pass malformed_ipv6 state_created udp-range/matched udp-range/admitted",
+             truncate(&v6("2001:db8:1::1").ipv6_ext(0, &[0; 14]).udp(1, 53).build(), 14 + 40 + 4)),
+        case("denied IPv6 with a cut-off extension header", XDP_DROP, "drop_deny malformed_ipv6",
+             truncate(&v6("2001:db8:dead::3").ipv6_ext(0, &[0; 14]).udp(1, 53).build(),
+                      14 + 40 + 4)),
         // --- clean frames of every kind pass.
-        case(
-            "IPv4 UDP",
-            v4([198, 18, 1, 1]).udp(1, 53).build(),
-            XDP_PASS,
-            &[("pass", 1)],
-        ),
-        case(
-            "IPv4 ICMP echo",
-            v4([198, 18, 1, 1]).icmp_echo(1, 1).build(),
-            XDP_PASS,
-            &[("pass", 1)],
-        ),
-        case(
-            "IPv4 with options, TCP ACK",
-            v4([198, 18, 1, 1])
-                .ipv4_options(&[1, 1, 1, 0])
-                .tcp(1, 80, tcp_flags::ACK)
-                .build(),
-            XDP_PASS,
-            &[("pass", 1)],
-        ),
-        case(
-            "IPv4 GRE (no L4 parse)",
-            v4([198, 18, 1, 1]).raw_l4(47).payload(&[0; 8]).build(),
-            XDP_PASS,
-            &[("pass", 1)],
-        ),
+        case("IPv4 UDP", XDP_PASS, "pass", v4([198, 18, 1, 1]).udp(1, 53)),
+        case("IPv4 ICMP echo", XDP_PASS, "pass", v4([198, 18, 1, 1]).icmp_echo(1, 1)),
+        case("IPv4 with options, TCP ACK", XDP_PASS, "pass",
+             v4([198, 18, 1, 1]).ipv4_options(&[1, 1, 1, 0]).tcp(1, 80, tcp_flags::ACK)),
+        case("IPv4 GRE (no L4 parse)", XDP_PASS, "pass",
+             v4([198, 18, 1, 1]).raw_l4(47).payload(&[0; 8])),
         // Non-first fragments carry no ports: they count against port rules of their protocol.
-        case(
-            "IPv4 non-first fragment",
-            v4([198, 18, 1, 1])
-                .ipv4_fragment(false, 100)
-                .udp(1, 53)
-                .payload(&[0; 16])
-                .build(),
-            XDP_PASS,
-            &[
-                ("pass", 1),
-                ("fragments", 1),
-                ("state_created", 1),
-                ("udp-range/matched", 1),
-                ("udp-range/admitted", 1),
-            ],
-        ),
-        case(
-            "IPv6 UDP",
-            v6("2001:db8:1::1").udp(1, 53).build(),
-            XDP_PASS,
-            &[("pass", 1)],
-        ),
-        case(
-            "IPv6 ICMPv6 echo",
-            v6("2001:db8:1::1").icmp_echo(1, 1).build(),
-            XDP_PASS,
-            &[("pass", 1)],
-        ),
-        case(
-            "IPv6 hop-by-hop, routing, dest-opts, AH, TCP",
-            v6("2001:db8:1::1")
-                .ipv6_ext(0, &[0; 6])
-                .ipv6_ext(43, &[0; 6])
-                .ipv6_ext(60, &[0; 6])
-                .ipv6_ext(51, &[0; 14])
-                .tcp(1, 443, tcp_flags::ACK)
-                .build(),
-            XDP_PASS,
-            &[("pass", 1)],
-        ),
-        case(
-            "IPv6 non-first fragment",
-            v6("2001:db8:1::1")
-                .ipv6_fragment(false, 10, 7)
-                .udp(1, 53)
-                .payload(&[0; 16])
-                .build(),
-            XDP_PASS,
-            &[
-                ("pass", 1),
-                ("fragments", 1),
-                ("udp-range/matched", 1),
-                ("udp-range/admitted", 1),
-            ],
-        ),
+        case("IPv4 non-first fragment", XDP_PASS,
+             "pass fragments state_created udp-range/matched udp-range/admitted",
+             v4([198, 18, 1, 1]).ipv4_fragment(false, 100).udp(1, 53).payload(&[0; 16])),
+        case("IPv6 UDP", XDP_PASS, "pass", v6("2001:db8:1::1").udp(1, 53)),
+        case("IPv6 ICMPv6 echo", XDP_PASS, "pass", v6("2001:db8:1::1").icmp_echo(1, 1)),
+        case("IPv6 hop-by-hop, routing, dest-opts, AH, TCP", XDP_PASS, "pass",
+             v6("2001:db8:1::1").ipv6_ext(0, &[0; 6]).ipv6_ext(43, &[0; 6]).ipv6_ext(60, &[0; 6])
+                 .ipv6_ext(51, &[0; 14]).tcp(1, 443, tcp_flags::ACK)),
+        case("IPv6 non-first fragment", XDP_PASS,
+             "pass fragments udp-range/matched udp-range/admitted",
+             v6("2001:db8:1::1").ipv6_fragment(false, 10, 7).udp(1, 53).payload(&[0; 16])),
         // The walk stops at a non-first fragment: its payload is never read as headers.
-        case(
-            "IPv6 non-first fragment whose next header is dest-opts",
-            v6("2001:db8:1::2")
-                .ipv6_fragment(false, 10, 7)
-                .raw_l4(60)
-                .payload(&[17, 200, 0, 0, 0, 0, 0, 0])
-                .build(),
-            XDP_PASS,
-            &[("pass", 1), ("fragments", 1)],
-        ),
-        case(
-            "IPv6 chain longer than the walk",
-            v6("2001:db8:1::1")
-                .ipv6_ext(0, &[0; 6])
-                .ipv6_ext(60, &[0; 6])
-                .ipv6_ext(60, &[0; 6])
-                .ipv6_ext(60, &[0; 6])
-                .ipv6_ext(60, &[0; 6])
-                .ipv6_ext(60, &[0; 6])
-                .ipv6_ext(60, &[0; 6])
-                .udp(1, 53)
-                .build(),
-            XDP_PASS,
-            &[("pass", 1), ("ipv6_ext_limit", 1)],
-        ),
-        case(
-            "802.1Q IPv4 UDP",
-            dq(v4([198, 18, 1, 1])).udp(1, 53).build(),
-            XDP_PASS,
-            &[("pass", 1)],
-        ),
+        case("IPv6 non-first fragment whose next header is dest-opts", XDP_PASS, "pass fragments",
+             v6("2001:db8:1::2").ipv6_fragment(false, 10, 7).raw_l4(60)
+                 .payload(&[17, 200, 0, 0, 0, 0, 0, 0])),
+        case("IPv6 chain longer than the walk", XDP_PASS, "pass ipv6_ext_limit",
+             v6("2001:db8:1::1").ipv6_ext(0, &[0; 6]).ipv6_ext(60, &[0; 6]).ipv6_ext(60, &[0; 6])
+                 .ipv6_ext(60, &[0; 6]).ipv6_ext(60, &[0; 6]).ipv6_ext(60, &[0; 6])
+                 .ipv6_ext(60, &[0; 6]).udp(1, 53)),
+        case("802.1Q IPv4 UDP", XDP_PASS, "pass", dq(v4([198, 18, 1, 1])).udp(1, 53)),
         // --- lists and bans, whatever the L4 protocol, behind VLAN tags too.
-        case(
-            "denied IPv4",
-            v4([198, 18, 50, 1]).udp(1, 53).build(),
-            XDP_DROP,
-            &[("drop_deny", 1)],
-        ),
-        case(
-            "denied IPv4 behind 802.1Q",
-            dq(v4([198, 18, 50, 1])).icmp_echo(1, 1).build(),
-            XDP_DROP,
-            &[("drop_deny", 1)],
-        ),
-        case(
-            "denied IPv6 behind 802.1ad+802.1Q",
-            qinq(v6("2001:db8:dead::9")).tcp(1, 22, syn).build(),
-            XDP_DROP,
-            &[("drop_deny", 1)],
-        ),
-        case(
-            "denied non-first fragment",
-            v4([198, 18, 50, 1])
-                .ipv4_fragment(false, 8)
-                .udp(1, 53)
-                .payload(&[0; 8])
-                .build(),
-            XDP_DROP,
-            &[("drop_deny", 1), ("fragments", 1)],
-        ),
-        case(
-            "denied GRE",
-            v4([198, 18, 50, 1]).raw_l4(47).payload(&[0; 8]).build(),
-            XDP_DROP,
-            &[("drop_deny", 1)],
-        ),
-        case(
-            "allow wins over deny",
-            v4([198, 18, 50, 7]).udp(1, 53).build(),
-            XDP_PASS,
-            &[("pass_allow", 1)],
-        ),
-        case(
-            "banned source",
-            v4([198, 18, 60, 9]).udp(1, 53).build(),
-            XDP_DROP,
-            &[("drop_ban", 1)],
-        ),
-        case(
-            "banned source behind QinQ",
-            qinq(v4([198, 18, 60, 9])).tcp(1, 80, syn).build(),
-            XDP_DROP,
-            &[("drop_ban", 1)],
-        ),
+        case("denied IPv4", XDP_DROP, "drop_deny", v4([198, 18, 50, 1]).udp(1, 53)),
+        case("denied IPv4 behind 802.1Q", XDP_DROP, "drop_deny",
+             dq(v4([198, 18, 50, 1])).icmp_echo(1, 1)),
+        case("denied IPv6 behind 802.1ad+802.1Q", XDP_DROP, "drop_deny",
+             qinq(v6("2001:db8:dead::9")).tcp(1, 22, syn)),
+        case("denied non-first fragment", XDP_DROP, "drop_deny fragments",
+             v4([198, 18, 50, 1]).ipv4_fragment(false, 8).udp(1, 53).payload(&[0; 8])),
+        case("denied GRE", XDP_DROP, "drop_deny", v4([198, 18, 50, 1]).raw_l4(47).payload(&[0; 8])),
+        case("allow wins over deny", XDP_PASS, "pass_allow", v4([198, 18, 50, 7]).udp(1, 53)),
+        case("banned source", XDP_DROP, "drop_ban", v4([198, 18, 60, 9]).udp(1, 53)),
+        case("banned source behind QinQ", XDP_DROP, "drop_ban",
+             qinq(v4([198, 18, 60, 9])).tcp(1, 80, syn)),
         // --- rule matching.
-        case(
-            "SYN to 80 matches syn80",
-            v4([198, 18, 2, 1]).tcp(1, 80, syn).build(),
-            XDP_PASS,
-            &[
-                ("pass", 1),
-                ("state_created", 1),
-                ("syn80/matched", 1),
-                ("syn80/admitted", 1),
-            ],
-        ),
-        case(
-            "SYN+ACK does not match 'syn'",
-            v4([198, 18, 2, 1]).tcp(1, 80, syn | tcp_flags::ACK).build(),
-            XDP_PASS,
-            &[("pass", 1)],
-        ),
-        case(
-            "SYN to 81 does not match",
-            v4([198, 18, 2, 1]).tcp(1, 81, syn).build(),
-            XDP_PASS,
-            &[("pass", 1)],
-        ),
-        case(
-            "UDP to 8050 matches the range",
-            v4([198, 18, 2, 1]).udp(1, 8050).build(),
-            XDP_PASS,
-            &[
-                ("pass", 1),
-                ("state_created", 1),
-                ("udp-range/matched", 1),
-                ("udp-range/admitted", 1),
-            ],
-        ),
-        case(
-            "UDP to 8101 is outside it",
-            v4([198, 18, 2, 1]).udp(1, 8101).build(),
-            XDP_PASS,
-            &[("pass", 1)],
-        ),
-        case(
-            "UDP fragment counts against a port rule",
-            v4([198, 18, 2, 1])
-                .ipv4_fragment(false, 8)
-                .udp(1, 9999)
-                .payload(&[0; 8])
-                .build(),
-            XDP_PASS,
-            &[
-                ("pass", 1),
-                ("fragments", 1),
-                ("udp-range/matched", 1),
-                ("udp-range/admitted", 1),
-            ],
-        ),
-        case(
-            "SYN over VLAN matches",
-            dq(v4([198, 18, 2, 1])).tcp(1, 80, syn).build(),
-            XDP_PASS,
-            &[("pass", 1), ("syn80/matched", 1), ("syn80/admitted", 1)],
-        ),
+        case("SYN to 80 matches syn80", XDP_PASS, "pass state_created syn80/matched syn80/admitted",
+             v4([198, 18, 2, 1]).tcp(1, 80, syn)),
+        case("SYN+ACK does not match 'syn'", XDP_PASS, "pass",
+             v4([198, 18, 2, 1]).tcp(1, 80, syn | tcp_flags::ACK)),
+        case("SYN to 81 does not match", XDP_PASS, "pass", v4([198, 18, 2, 1]).tcp(1, 81, syn)),
+        case("UDP to 8050 matches the range", XDP_PASS,
+             "pass state_created udp-range/matched udp-range/admitted",
+             v4([198, 18, 2, 1]).udp(1, 8050)),
+        case("UDP to 8101 is outside it", XDP_PASS, "pass", v4([198, 18, 2, 1]).udp(1, 8101)),
+        case("UDP fragment counts against a port rule", XDP_PASS,
+             "pass fragments udp-range/matched udp-range/admitted",
+             v4([198, 18, 2, 1]).ipv4_fragment(false, 8).udp(1, 9999).payload(&[0; 8])),
+        case("SYN over VLAN matches", XDP_PASS, "pass syn80/matched syn80/admitted",
+             dq(v4([198, 18, 2, 1])).tcp(1, 80, syn)),
         // --- repeat drives the bucket: 5 per hour, 2 already used by 198.18.2.1 above.
-        Case {
-            what: "10 SYNs: 3 admitted, 7 dropped",
-            frame: v4([198, 18, 2, 1]).tcp(1, 80, syn).build(),
-            repeat: 10,
-            action: XDP_DROP,
-            deltas: &[
-                ("pass", 3),
-                ("drop_rule", 7),
-                ("syn80/matched", 10),
-                ("syn80/admitted", 3),
-                ("syn80/dropped", 7),
-            ],
-        },
-        case(
-            "another client has its own bucket",
-            v4([198, 18, 2, 2]).tcp(1, 80, syn).build(),
-            XDP_PASS,
-            &[
-                ("pass", 1),
-                ("state_created", 1),
-                ("syn80/matched", 1),
-                ("syn80/admitted", 1),
-            ],
-        ),
+        case("10 SYNs: 3 admitted, 7 dropped", XDP_DROP,
+             "pass=3 drop_rule=7 syn80/matched=10 syn80/admitted=3 syn80/dropped=7",
+             v4([198, 18, 2, 1]).tcp(1, 80, syn)).times(10),
+        case("another client has its own bucket", XDP_PASS,
+             "pass state_created syn80/matched syn80/admitted",
+             v4([198, 18, 2, 2]).tcp(1, 80, syn)),
         // Preview rule: 3 per hour, 1 used above by 198.18.2.1 (8050) and 1 by the fragment.
-        Case {
-            what: "preview never drops",
-            frame: v4([198, 18, 2, 1]).udp(1, 8000).build(),
-            repeat: 4,
-            action: XDP_PASS,
-            deltas: &[
-                ("pass", 4),
-                ("udp-range/matched", 4),
-                ("udp-range/admitted", 1),
-                ("udp-range/would_drop", 3),
-                ("preview_would_drop", 3),
-            ],
-        },
+        case("preview never drops", XDP_PASS,
+             "pass=4 udp-range/matched=4 udp-range/admitted udp-range/would_drop=3 \
+              preview_would_drop=3",
+             v4([198, 18, 2, 1]).udp(1, 8000)).times(4),
     ];
 
-    run_cases(&mut dp, &maps, &rules, "ratelimit", &cases);
-}
-
-/// Run every case through `program`, then fail with the list of those whose action or counter
-/// deltas were not as expected.
-fn run_cases(dp: &mut Datapath, maps: &Maps, rules: &[String], program: &str, cases: &[Case]) {
-    let mut failures = Vec::new();
-    for c in cases {
-        let before = counters(maps, rules);
-        let (action, _) = dp
-            .test_run_program(program, &c.frame, c.repeat)
-            .unwrap_or_else(|e| panic!("{}: {e:#}", c.what));
-        let after = counters(maps, rules);
-        let got = delta(&before, &after);
-        let want: BTreeMap<String, u64> = c
-            .deltas
-            .iter()
-            .map(|(k, v)| {
-                (
-                    k.to_string(),
-                    *v * if c.repeat > 1 { 1 } else { c.repeat as u64 },
-                )
-            })
-            .collect();
-        if action != c.action || got != want {
-            failures.push(format!(
-                "{}: action {action} (want {}), deltas {got:?} (want {want:?})",
-                c.what, c.action
-            ));
-        }
-    }
-    assert!(
-        failures.is_empty(),
-        "{} of {} fixtures failed:\n{}",
-        failures.len(),
-        cases.len(),
-        failures.join("\n")
-    );
-    println!("{} fixtures passed through {program}", cases.len());
+    fx.run_table("ratelimit", &cases);
 }
 
 /// The L3 entry (`ratelimit_l3`, for tun, wireguard and ip tunnels) reads the IP header at
@@ -697,162 +278,41 @@ fn run_cases(dp: &mut Datapath, maps: &Maps, rules: &[String], program: &str, ca
 /// lists, bans and rules in both families, malformed headers counted, anything else non-IP.
 #[test]
 fn l3_entry_fixture_table() {
-    if skip_unless_kernel() {
-        return;
-    }
-    let pins = Pins::new("fixtures");
-    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
-    let mut maps = dp.take_maps().expect("maps");
-    let cfg = config::parse("fixtures.toml", CONFIG).expect("config");
-    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
-    let rules: Vec<String> = cfg.rules.iter().map(|r| r.name.clone()).collect();
-    ban(&mut maps, "198.18.60.0/24");
+    kernel_test!();
+    let mut fx = Fixture::load(CONFIG);
+    fx.ban("198.18.60.0/24");
     // BPF_PROG_TEST_RUN takes no frame shorter than an Ethernet header (14 bytes).
     let ip = |f: Frame| f.build()[14..].to_vec();
     let syn = tcp_flags::SYN;
+    #[rustfmt::skip]
     let cases = vec![
-        case(
-            "IPv4 UDP",
-            ip(v4([198, 18, 1, 1]).udp(1, 53)),
-            XDP_PASS,
-            &[("pass", 1)],
-        ),
-        case(
-            "IPv6 UDP",
-            ip(v6("2001:db8:1::1").udp(1, 53)),
-            XDP_PASS,
-            &[("pass", 1)],
-        ),
-        case(
-            "IPv6 extension chain, TCP",
-            ip(v6("2001:db8:1::1")
-                .ipv6_ext(0, &[0; 6])
-                .ipv6_ext(60, &[0; 6])
-                .tcp(1, 443, tcp_flags::ACK)),
-            XDP_PASS,
-            &[("pass", 1)],
-        ),
-        case(
-            "denied IPv4",
-            ip(v4([198, 18, 50, 1]).udp(1, 53)),
-            XDP_DROP,
-            &[("drop_deny", 1)],
-        ),
-        case(
-            "denied IPv6",
-            ip(v6("2001:db8:dead::9").tcp(1, 22, syn)),
-            XDP_DROP,
-            &[("drop_deny", 1)],
-        ),
-        case(
-            "banned IPv4 ICMP",
-            ip(v4([198, 18, 60, 4]).icmp_echo(1, 1)),
-            XDP_DROP,
-            &[("drop_ban", 1)],
-        ),
-        case(
-            "denied non-first fragment",
-            ip(v4([198, 18, 50, 1])
-                .ipv4_fragment(false, 8)
-                .udp(1, 53)
-                .payload(&[0; 8])),
-            XDP_DROP,
-            &[("drop_deny", 1), ("fragments", 1)],
-        ),
-        case(
-            "IPv4 header cut at 14 bytes",
-            truncate(&ip(v4([198, 18, 1, 1]).udp(1, 53)), 14),
-            XDP_PASS,
-            &[("pass_malformed", 1), ("malformed_ipv4", 1)],
-        ),
-        case(
-            "IPv6 header cut at 16 bytes",
-            truncate(&ip(v6("2001:db8:1::1").udp(1, 53)), 16),
-            XDP_PASS,
-            &[("pass_malformed", 1), ("malformed_ipv6", 1)],
-        ),
-        case(
-            "IPv6 header cut at 30 bytes",
-            truncate(&ip(v6("2001:db8:1::1").udp(1, 53)), 30),
-            XDP_PASS,
-            &[("pass_malformed", 1), ("malformed_ipv6", 1)],
-        ),
-        case(
-            "denied source with a cut-off TCP header",
-            truncate(&ip(v4([198, 18, 50, 3]).tcp(1, 80, syn)), 20 + 8),
-            XDP_DROP,
-            &[("drop_deny", 1), ("malformed_l4", 1)],
-        ),
-        case(
-            "IP version 5 is not IP",
-            {
-                let mut p = ip(v4([198, 18, 50, 1]).udp(1, 53));
-                p[0] = 0x55;
-                p
-            },
-            XDP_PASS,
-            &[("pass_non_ip", 1)],
-        ),
-        case(
-            "an Ethernet frame is not read as IP (version nibble 0 of its MAC)",
-            v4([198, 18, 50, 1]).udp(1, 53).build(),
-            XDP_PASS,
-            &[("pass_non_ip", 1)],
-        ),
-        Case {
-            what: "8 SYNs to port 80: 5 admitted, 3 dropped",
-            frame: ip(v4([198, 18, 2, 1]).tcp(1, 80, syn)),
-            repeat: 8,
-            action: XDP_DROP,
-            deltas: &[
-                ("pass", 5),
-                ("drop_rule", 3),
-                ("state_created", 1),
-                ("syn80/matched", 8),
-                ("syn80/admitted", 5),
-                ("syn80/dropped", 3),
-            ],
-        },
+        case("IPv4 UDP", XDP_PASS, "pass", ip(v4([198, 18, 1, 1]).udp(1, 53))),
+        case("IPv6 UDP", XDP_PASS, "pass", ip(v6("2001:db8:1::1").udp(1, 53))),
+        case("IPv6 extension chain, TCP", XDP_PASS, "pass",
+             ip(v6("2001:db8:1::1").ipv6_ext(0, &[0; 6]).ipv6_ext(60, &[0; 6])
+                 .tcp(1, 443, tcp_flags::ACK))),
+        case("denied IPv4", XDP_DROP, "drop_deny", ip(v4([198, 18, 50, 1]).udp(1, 53))),
+        case("denied IPv6", XDP_DROP, "drop_deny", ip(v6("2001:db8:dead::9").tcp(1, 22, syn))),
+        case("banned IPv4 ICMP", XDP_DROP, "drop_ban", ip(v4([198, 18, 60, 4]).icmp_echo(1, 1))),
+        case("denied non-first fragment", XDP_DROP, "drop_deny fragments",
+             ip(v4([198, 18, 50, 1]).ipv4_fragment(false, 8).udp(1, 53).payload(&[0; 8]))),
+        case("IPv4 header cut at 14 bytes", XDP_PASS, "pass_malformed malformed_ipv4",
+             truncate(&ip(v4([198, 18, 1, 1]).udp(1, 53)), 14)),
+        case("IPv6 header cut at 16 bytes", XDP_PASS, "pass_malformed malformed_ipv6",
+             truncate(&ip(v6("2001:db8:1::1").udp(1, 53)), 16)),
+        case("IPv6 header cut at 30 bytes", XDP_PASS, "pass_malformed malformed_ipv6",
+             truncate(&ip(v6("2001:db8:1::1").udp(1, 53)), 30)),
+        case("denied source with a cut-off TCP header", XDP_DROP, "drop_deny malformed_l4",
+             truncate(&ip(v4([198, 18, 50, 3]).tcp(1, 80, syn)), 20 + 8)),
+        case("IP version 5 is not IP", XDP_PASS, "pass_non_ip",
+             { let mut p = ip(v4([198, 18, 50, 1]).udp(1, 53)); p[0] = 0x55; p }),
+        case("an Ethernet frame is not read as IP (version nibble 0 of its MAC)", XDP_PASS,
+             "pass_non_ip", v4([198, 18, 50, 1]).udp(1, 53)),
+        case("8 SYNs to port 80: 5 admitted, 3 dropped", XDP_DROP,
+             "pass=5 drop_rule=3 state_created syn80/matched=8 syn80/admitted=5 syn80/dropped=3",
+             ip(v4([198, 18, 2, 1]).tcp(1, 80, syn))).times(8),
     ];
-    run_cases(&mut dp, &maps, &rules, "ratelimit_l3", &cases);
-}
-
-fn eth_only(ethertype: u16) -> Vec<u8> {
-    let mut f = Vec::from(SERVER_MAC);
-    f.extend_from_slice(&CLIENT_MAC);
-    f.extend_from_slice(&ethertype.to_be_bytes());
-    f
-}
-
-/// Overwrite the IPv4 IHL nibble (checksum left as is: the parser does not check it).
-fn ihl(mut frame: Vec<u8>, ihl: u8) -> Vec<u8> {
-    frame[14] = 0x40 | ihl;
-    frame
-}
-
-/// The IP version nibble of an untagged frame set to `v`.
-fn version(mut frame: Vec<u8>, v: u8) -> Vec<u8> {
-    frame[14] = (v << 4) | (frame[14] & 0x0f);
-    frame
-}
-
-fn set_u16(mut frame: Vec<u8>, at: usize, value: u16) -> Vec<u8> {
-    frame[at..at + 2].copy_from_slice(&value.to_be_bytes());
-    frame
-}
-
-fn ban(maps: &mut Maps, cidr: &str) {
-    let net = ratelimit_user::config::parse_net(cidr).unwrap();
-    let (plen, key) = apply::prefix(&net);
-    let now = report::mono_ns();
-    let entry =
-        ratelimit_common::maps::BanEntry::manual(plen, key.addr, now, now + 3_600_000_000_000);
-    maps.insert_ban(entry).unwrap();
-    let _ = BanSpec {
-        cidr: cidr.into(),
-        duration_ms: None,
-        reason: None,
-    };
+    fx.run_table("ratelimit_l3", &cases);
 }
 
 /// The program skips the ban lookup while `RL_BANS_PRESENT` is clear. The daemon clears it
@@ -860,25 +320,9 @@ fn ban(maps: &mut Maps, cidr: &str) {
 /// and the very next packet of the banned source is dropped as banned.
 #[test]
 fn bans_flag_follows_the_ban_map() {
-    if skip_unless_kernel() {
-        return;
-    }
-    const BAN_CONFIG: &str = r#"
-[[rule]]
-name = "udp-ban"
-action = "rate_based_ban"
-match = { protocol = "udp", dst_ports = ["9000"] }
-threshold = { count = 2, interval = "1h" }
-ban_threshold = { count = 3, interval = "1h" }
-ban_duration = "1h"
-algorithm = "fixed_window"
-"#;
-    let pins = Pins::new("fixtures");
-    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
-    let mut maps = dp.take_maps().expect("maps");
-    let cfg = config::parse("bans.toml", BAN_CONFIG).expect("config");
-    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
-    let rules = vec!["udp-ban".to_string()];
+    kernel_test!();
+    let config = ban_rule("udp-ban", (2, 3), "1h", "1h");
+    let mut fx = Fixture::load(&config);
     use ratelimit_common::maps::{BAN_TABLE_OPERATOR, BAN_TABLE_RULE, BAN_TABLES};
     let flags = |maps: &Maps| -> Vec<u64> {
         (0..BAN_TABLES)
@@ -888,48 +332,41 @@ algorithm = "fixed_window"
     let flag = |maps: &Maps| maps.bans_present.get(&BAN_TABLE_RULE, 0).unwrap();
     let op_flag = |maps: &Maps| maps.bans_present.get(&BAN_TABLE_OPERATOR, 0).unwrap();
     assert_eq!(
-        flags(&maps),
+        flags(&fx.maps),
         [1, 1, 1, 1],
         "set at start, before the daemon has looked"
     );
-    maps.refresh_bans_present();
-    assert_eq!(flags(&maps), [0, 0, 0, 0], "cleared: no ban exists");
+    fx.maps.refresh_bans_present();
+    assert_eq!(flags(&fx.maps), [0, 0, 0, 0], "cleared: no ban exists");
 
     // A rule issues a ban: 4 packets cross the ban threshold of 3; the 5th is dropped as banned.
     let frame = v4([198, 18, 9, 9]).udp(40000, 9000).build();
-    let before = counters(&maps, &rules);
-    for _ in 0..4 {
-        dp.test_run(&frame, 1).unwrap();
-    }
-    assert_eq!(flag(&maps), 1, "the program set it with its ban");
-    let (action, _) = dp.test_run(&frame, 1).unwrap();
-    assert_eq!(action, XDP_DROP);
-    let d = delta(&before, &counters(&maps, &rules));
-    assert_eq!(d.get("bans_issued"), Some(&1), "{d:?}");
-    assert_eq!(d.get("drop_ban"), Some(&1), "{d:?}");
-    maps.refresh_bans_present();
-    assert_eq!(flag(&maps), 1, "kept: a ban exists");
+    let before = fx.counters();
+    fx.run_singly(&frame, 4);
+    assert_eq!(flag(&fx.maps), 1, "the program set it with its ban");
+    assert_eq!(fx.run(&frame, 1), XDP_DROP);
+    fx.delta(&before).assert("bans_issued=1 drop_ban=1");
+    fx.maps.refresh_bans_present();
+    assert_eq!(flag(&fx.maps), 1, "kept: a ban exists");
 
     // Remove the ban: the flag clears; an operator ban sets it again and is enforced.
-    for b in maps.all_bans() {
+    for b in fx.maps.all_bans() {
         let table = ratelimit_common::maps::ban_table(b.flags);
         let addr = ratelimit_common::addr::IpKey { addr: b.addr };
-        assert!(maps.remove_ban(table, b.prefix_len, &addr).unwrap());
+        assert!(fx.maps.remove_ban(table, b.prefix_len, &addr).unwrap());
     }
-    maps.refresh_bans_present();
-    assert_eq!(flags(&maps), [0, 0, 0, 0]);
+    fx.maps.refresh_bans_present();
+    assert_eq!(flags(&fx.maps), [0, 0, 0, 0]);
     let other = v4([198, 18, 10, 10]).udp(40000, 53).build();
-    assert_eq!(dp.test_run(&other, 1).unwrap().0, XDP_PASS);
-    let net = ratelimit_user::config::parse_net("198.18.10.0/24").unwrap();
-    let (plen, key) = apply::prefix(&net);
-    let now = report::mono_ns();
-    maps.insert_ban(ratelimit_common::maps::BanEntry::manual(
-        plen, key.addr, now, 0,
-    ))
-    .unwrap();
-    assert_eq!(op_flag(&maps), 1);
-    assert_eq!(flag(&maps), 0, "an operator ban is in the operator's table");
-    assert_eq!(dp.test_run(&other, 1).unwrap().0, XDP_DROP);
+    assert_eq!(fx.run(&other, 1), XDP_PASS);
+    fx.insert_ban(manual_ban("198.18.10.0/24", report::mono_ns(), 0));
+    assert_eq!(op_flag(&fx.maps), 1);
+    assert_eq!(
+        flag(&fx.maps),
+        0,
+        "an operator ban is in the operator's table"
+    );
+    assert_eq!(fx.run(&other, 1), XDP_DROP);
 }
 
 /// Bans received from the fleet have a table of their own (`RL_BANS_REMOTE`): they drop, a
@@ -940,30 +377,22 @@ algorithm = "fixed_window"
 /// drops.
 #[test]
 fn remote_bans_have_a_table_of_their_own_and_spill_into_the_rules_table_when_it_is_full() {
-    if skip_unless_kernel() {
-        return;
-    }
+    kernel_test!();
     use ratelimit_common::{
         addr::IpKey,
         maps::{
             BAN_MANUAL, BAN_PREVIEW, BAN_REMOTE, BAN_SPILLED, BAN_TABLE_OPERATOR, BAN_TABLE_REMOTE,
-            BAN_TABLE_RULE, BanEntry,
+            BAN_TABLE_RULE,
         },
     };
-    let pins = Pins::new("fixtures");
-    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
-    let mut maps = dp.take_maps().expect("maps");
-    let cfg = config::parse("empty.toml", "").expect("config");
-    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
-    maps.refresh_bans_present();
-    let rules: Vec<String> = Vec::new();
+    let mut fx = Fixture::load("");
+    fx.maps.refresh_bans_present();
     let now = report::mono_ns();
     let entry = |cidr: &str, flags: u32, expires: u64| -> (u32, IpKey, BanEntry) {
-        let net = ratelimit_user::config::parse_net(cidr).unwrap();
-        let (plen, key) = apply::prefix(&net);
+        let (plen, key) = prefix(cidr);
         let e = BanEntry {
             flags,
-            ..BanEntry::manual(plen, key.addr, now, expires)
+            ..manual_ban(cidr, now, expires)
         };
         (plen, key, e)
     };
@@ -971,91 +400,80 @@ fn remote_bans_have_a_table_of_their_own_and_spill_into_the_rules_table_when_it_
 
     // A remote ban: in the remote table, its flag set, and it drops.
     let (plen, key, e) = entry("198.18.30.0/24", remote, 0);
-    maps.insert_ban(e).unwrap();
-    assert_eq!(maps.ban_at(BAN_TABLE_REMOTE, plen, &key), Some(e));
-    assert_eq!(maps.ban_at(BAN_TABLE_OPERATOR, plen, &key), None);
-    assert_eq!(maps.bans_present.get(&BAN_TABLE_REMOTE, 0).unwrap(), 1);
-    assert_eq!(maps.bans_present.get(&BAN_TABLE_OPERATOR, 0).unwrap(), 0);
+    fx.insert_ban(e);
+    assert_eq!(fx.maps.ban_at(BAN_TABLE_REMOTE, plen, &key), Some(e));
+    assert_eq!(fx.maps.ban_at(BAN_TABLE_OPERATOR, plen, &key), None);
+    assert_eq!(fx.maps.bans_present.get(&BAN_TABLE_REMOTE, 0).unwrap(), 1);
+    assert_eq!(fx.maps.bans_present.get(&BAN_TABLE_OPERATOR, 0).unwrap(), 0);
     let banned = v4([198, 18, 30, 7]).udp(40000, 53).build();
-    let before = counters(&maps, &rules);
-    assert_eq!(dp.test_run(&banned, 1).unwrap().0, XDP_DROP);
-    assert_eq!(
-        delta(&before, &counters(&maps, &rules)).get("drop_ban"),
-        Some(&1)
-    );
+    fx.expect(&banned, 1, XDP_DROP, "drop_ban=1");
     // A longer ban that passes (a preview rule's, here) does not hide it.
     let (_, _, p) = entry("198.18.30.7/32", BAN_PREVIEW, 0);
-    maps.insert_ban(p).unwrap();
-    assert_eq!(dp.test_run(&banned, 1).unwrap().0, XDP_DROP);
+    fx.insert_ban(p);
+    assert_eq!(fx.run(&banned, 1), XDP_DROP);
 
     // It expires in the kernel: gone from its table when a packet meets it after its end.
     let (plen, key, e) = entry("198.18.31.0/24", remote, now + 200_000_000);
-    maps.insert_ban(e).unwrap();
+    fx.insert_ban(e);
     let short = v4([198, 18, 31, 7]).udp(40000, 53).build();
-    assert_eq!(dp.test_run(&short, 1).unwrap().0, XDP_DROP);
+    assert_eq!(fx.run(&short, 1), XDP_DROP);
     std::thread::sleep(std::time::Duration::from_millis(400));
-    assert_eq!(dp.test_run(&short, 1).unwrap().0, XDP_PASS);
+    assert_eq!(fx.run(&short, 1), XDP_PASS);
     assert_eq!(
-        maps.ban_at(BAN_TABLE_REMOTE, plen, &key),
+        fx.maps.ban_at(BAN_TABLE_REMOTE, plen, &key),
         None,
         "removed by the program"
     );
 
     // Fill the remote table as a fleet-wide flood of bans would.
-    ratelimit_tests::bans::fill_remote_ban_table(&mut maps, now);
+    ratelimit_tests::bans::fill_remote_ban_table(&mut fx.maps, now);
     assert_eq!(
-        maps.remote_bans_spilled, 1,
+        fx.maps.remote_bans_spilled, 1,
         "the table held one remote ban already: the fill's last one spilled"
     );
     // One more: spilled into the rules' table that drops, counted, and enforced.
     let (plen, key, e) = entry("198.18.32.0/24", remote, 0);
-    maps.insert_ban(e).unwrap();
-    assert_eq!(maps.remote_bans_spilled, 2);
-    assert_eq!(maps.ban_at(BAN_TABLE_REMOTE, plen, &key), None);
-    let spilled = maps.ban_at(BAN_TABLE_RULE, plen, &key).expect("spilled");
+    fx.insert_ban(e);
+    assert_eq!(fx.maps.remote_bans_spilled, 2);
+    assert_eq!(fx.maps.ban_at(BAN_TABLE_REMOTE, plen, &key), None);
+    let spilled = fx.maps.ban_at(BAN_TABLE_RULE, plen, &key).expect("spilled");
     assert_eq!(spilled.flags, remote | BAN_SPILLED);
-    assert_eq!(maps.remote_ban_at(plen, &key), Some(spilled));
+    assert_eq!(fx.maps.remote_ban_at(plen, &key), Some(spilled));
     let src = v4([198, 18, 32, 9]).udp(40000, 53).build();
-    assert_eq!(dp.test_run(&src, 1).unwrap().0, XDP_DROP);
+    assert_eq!(fx.run(&src, 1), XDP_DROP);
     // The operator's table is untouched: `ban add` goes in and drops.
     let (plen, key, op) = entry("198.18.33.0/24", BAN_MANUAL, 0);
-    maps.insert_ban(op)
+    fx.maps
+        .insert_ban(op)
         .expect("an operator's ban with the remote table full");
-    assert_eq!(maps.ban_at(BAN_TABLE_OPERATOR, plen, &key), Some(op));
+    assert_eq!(fx.maps.ban_at(BAN_TABLE_OPERATOR, plen, &key), Some(op));
     let src = v4([198, 18, 33, 9]).udp(40000, 53).build();
-    assert_eq!(dp.test_run(&src, 1).unwrap().0, XDP_DROP);
+    assert_eq!(fx.run(&src, 1), XDP_DROP);
     // And the first remote ban is still in force.
-    assert_eq!(dp.test_run(&banned, 1).unwrap().0, XDP_DROP);
+    assert_eq!(fx.run(&banned, 1), XDP_DROP);
 }
 
 /// A ban that lets packets through (a preview rule's ban) inside a broader ban that drops does
 /// not shadow it: the address is dropped. Outside the broad ban the preview ban only counts.
 #[test]
 fn a_passing_ban_does_not_hide_a_broader_dropping_ban() {
-    if skip_unless_kernel() {
-        return;
-    }
-    let pins = Pins::new("fixtures");
-    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
-    let mut maps = dp.take_maps().expect("maps");
-    let cfg = config::parse("empty.toml", "").expect("config");
-    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
-    let now = report::mono_ns();
-    let mut put = |cidr: &str, flags: u32| {
-        let net = ratelimit_user::config::parse_net(cidr).unwrap();
-        let (plen, key) = apply::prefix(&net);
-        let mut e = ratelimit_common::maps::BanEntry::manual(plen, key.addr, now, 0);
-        e.flags = flags;
-        maps.insert_ban(e).unwrap();
-    };
+    kernel_test!();
     use ratelimit_common::maps::{BAN_EXCEED_PASS, BAN_MANUAL, BAN_PREVIEW};
-    put("198.18.20.0/24", BAN_MANUAL);
-    put("198.18.20.5/32", BAN_PREVIEW);
-    put("198.18.20.6/32", BAN_EXCEED_PASS);
-    put("198.18.21.5/32", BAN_PREVIEW);
-    let rules: Vec<String> = Vec::new();
-    let before = counters(&maps, &rules);
-    let run = |src: [u8; 4]| dp.test_run(&v4(src).udp(40000, 53).build(), 1).unwrap().0;
+    let mut fx = Fixture::load("");
+    let now = report::mono_ns();
+    for (cidr, flags) in [
+        ("198.18.20.0/24", BAN_MANUAL),
+        ("198.18.20.5/32", BAN_PREVIEW),
+        ("198.18.20.6/32", BAN_EXCEED_PASS),
+        ("198.18.21.5/32", BAN_PREVIEW),
+    ] {
+        fx.insert_ban(BanEntry {
+            flags,
+            ..manual_ban(cidr, now, 0)
+        });
+    }
+    let before = fx.counters();
+    let run = |src: [u8; 4]| fx.run(&v4(src).udp(40000, 53).build(), 1);
     assert_eq!(
         run([198, 18, 20, 5]),
         XDP_DROP,
@@ -1072,26 +490,7 @@ fn a_passing_ban_does_not_hide_a_broader_dropping_ban() {
         XDP_PASS,
         "a preview ban alone passes"
     );
-    let d = delta(&before, &counters(&maps, &rules));
-    assert_eq!(d.get("drop_ban"), Some(&3), "{d:?}");
-    assert_eq!(d.get("preview_would_drop"), Some(&1), "{d:?}");
-}
-
-fn coarse_ns() -> (u64, u64) {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    let mut res = ts;
-    // SAFETY: valid out-pointers.
-    unsafe {
-        libc::clock_gettime(libc::CLOCK_MONOTONIC_COARSE, &mut ts);
-        libc::clock_getres(libc::CLOCK_MONOTONIC_COARSE, &mut res);
-    }
-    (
-        ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64,
-        res.tv_sec as u64 * 1_000_000_000 + res.tv_nsec as u64,
-    )
+    fx.delta(&before).assert("drop_ban=3 preview_would_drop=1");
 }
 
 /// Rules on the coarse clock read it once per timer tick and CPU and reuse it within the
@@ -1099,22 +498,9 @@ fn coarse_ns() -> (u64, u64) {
 /// reads it around the run (give or take one tick), and it moves on with the ticks.
 #[test]
 fn rules_see_the_coarse_clock_tick_by_tick() {
-    if skip_unless_kernel() {
-        return;
-    }
-    const CLOCK_CONFIG: &str = r#"
-[[rule]]
-name = "udp"
-match = { protocol = "udp", dst_ports = ["9000"] }
-threshold = { count = 1000000, interval = "1h" }
-algorithm = "fixed_window"
-"#;
-    let pins = Pins::new("fixtures");
-    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
-    let mut maps = dp.take_maps().expect("maps");
-    let cfg = config::parse("clock.toml", CLOCK_CONFIG).expect("config");
-    let plan = apply::plan(&cfg, false);
-    apply::apply(&mut maps, &plan).expect("apply");
+    kernel_test!();
+    let config = udp_rule("udp", 9000, 1_000_000);
+    let fx = Fixture::load(&config);
     let frame = v4([198, 18, 11, 11]).udp(40000, 9000).build();
     let last_seen = |maps: &Maps| {
         let mut seen = None;
@@ -1130,9 +516,9 @@ algorithm = "fixed_window"
     for _ in 0..40 {
         let (before, tick) = coarse_ns();
         // A burst within the tick (the cached value), then one more stamp to read.
-        assert_eq!(dp.test_run(&frame, 1000).unwrap().0, XDP_PASS);
+        assert_eq!(fx.run(&frame, 1000), XDP_PASS);
         let (after, _) = coarse_ns();
-        let stamp = last_seen(&maps);
+        let stamp = last_seen(&fx.maps);
         assert!(
             stamp + tick >= before && stamp <= after,
             "stamp {stamp} outside [{before} - {tick}, {after}]"
@@ -1156,35 +542,18 @@ algorithm = "fixed_window"
 /// by the rule's threshold as one bucket, and cleared when the rule's position changes hands.
 #[test]
 fn refused_sources_share_the_rules_overflow_state() {
-    if skip_unless_kernel() {
-        return;
-    }
-    const OVERFLOW_CONFIG: &str = r#"
-[tracking]
-new_sources_per_sec = 1
-new_sources_burst = 1
-
-[[rule]]
-name = "udp"
-match = { protocol = "udp", dst_ports = ["9000"] }
-threshold = { count = 3, interval = "1h" }
-algorithm = "fixed_window"
-"#;
-    let pins = Pins::new("fixtures");
-    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
-    let mut maps = dp.take_maps().expect("maps");
-    let cfg = config::parse("overflow.toml", OVERFLOW_CONFIG).expect("config");
-    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
-    let rules = vec!["udp".to_string()];
-    let before = counters(&maps, &rules);
+    kernel_test!();
+    let config = budget(1, 1) + &udp_rule("udp", 9000, 3);
+    let mut fx = Fixture::load(&config);
+    let before = fx.counters();
     // The first source takes the budget's one state; eight more sources are refused and share
     // one bucket of 3: the first 3 of their packets pass, the other 5 are dropped.
     let first = v4([198, 18, 12, 1]).udp(40000, 9000).build();
-    assert_eq!(dp.test_run(&first, 1).unwrap().0, XDP_PASS);
+    assert_eq!(fx.run(&first, 1), XDP_PASS);
     let mut actions = Vec::new();
     for i in 2..10u8 {
         let f = v4([198, 18, 12, i]).udp(40000, 9000).build();
-        actions.push(dp.test_run(&f, 1).unwrap().0);
+        actions.push(fx.run(&f, 1));
     }
     assert_eq!(
         actions,
@@ -1192,9 +561,8 @@ algorithm = "fixed_window"
             XDP_PASS, XDP_PASS, XDP_PASS, XDP_DROP, XDP_DROP, XDP_DROP, XDP_DROP, XDP_DROP
         ]
     );
-    let d = delta(&before, &counters(&maps, &rules));
-    assert_eq!(d.get("admission_refused"), Some(&8), "{d:?}");
-    assert_eq!(d.get("state_created"), Some(&1), "{d:?}");
+    fx.delta(&before)
+        .assert("admission_refused=8 state_created=1");
     let clients = |maps: &Maps| {
         let mut v = Vec::new();
         report::for_each_client(maps, |k, s| {
@@ -1204,35 +572,10 @@ algorithm = "fixed_window"
         v.sort();
         v
     };
-    assert_eq!(clients(&maps), [("ip", 1, 0), ("overflow", 8, 5)]);
+    assert_eq!(clients(&fx.maps), [("ip", 1, 0), ("overflow", 8, 5)]);
     // The rule's position goes to another rule: its overflow state goes with its clients.
-    ratelimit_user::daemon::retire_rule_slots(&mut maps, &rules, &["other".to_string()]);
-    assert_eq!(clients(&maps), []);
-}
-
-/// Pending fast-drop counts still in the per-CPU table.
-fn fast_pending_total(maps: &Maps) -> u64 {
-    (0..ratelimit_common::maps::FAST_ENTRIES)
-        .map(|i| {
-            maps.fast
-                .get(&i, 0)
-                .unwrap()
-                .iter()
-                .map(|e| e.pending_packets)
-                .sum::<u64>()
-        })
-        .sum()
-}
-
-/// Per client (by address bytes 12..16 and rule): (packets, drops), pending counts included.
-fn client_totals(maps: &Maps) -> BTreeMap<(u8, [u8; 4]), (u64, u64)> {
-    let mut m = BTreeMap::new();
-    report::for_each_client(maps, |k, s| {
-        let a = [k.addr[12], k.addr[13], k.addr[14], k.addr[15]];
-        m.insert((k.rule, a), (s.packets, s.drop_count()));
-    })
-    .unwrap();
-    m
+    ratelimit_user::daemon::retire_rule_slots(&mut fx.maps, &fx.rules, &["other".to_string()]);
+    assert_eq!(clients(&fx.maps), []);
 }
 
 /// Within a timer tick, a refused packet's like packets are dropped from the per-CPU
@@ -1242,98 +585,59 @@ fn client_totals(maps: &Maps) -> BTreeMap<(u8, [u8; 4]), (u64, u64)> {
 /// once, and a refusal by a rule that was not the first to match is never remembered.
 #[test]
 fn fast_drops_within_a_tick_are_exact() {
-    if skip_unless_kernel() {
-        return;
-    }
-    const FAST_CONFIG: &str = r#"
-[[rule]]
-name = "udp9000"
-match = { protocol = "udp", dst_ports = ["9000"] }
-threshold = { count = 5, interval = "1h" }
-algorithm = "fixed_window"
-
-[[rule]]
-name = "udp-any"
-match = { protocol = "udp", dst_ports = ["9001"] }
-threshold = { count = 1000000, interval = "1h" }
-algorithm = "fixed_window"
-
-[[rule]]
-name = "udp9001-strict"
-match = { protocol = "udp", dst_ports = ["9001"] }
-threshold = { count = 2, interval = "1h" }
-algorithm = "fixed_window"
-"#;
-    let pins = Pins::new("fixtures");
-    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
-    let mut maps = dp.take_maps().expect("maps");
-    let cfg = config::parse("fast.toml", FAST_CONFIG).expect("config");
-    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
-    let rules: Vec<String> = cfg.rules.iter().map(|r| r.name.clone()).collect();
+    kernel_test!();
+    let fast = |count| {
+        udp_rule("udp9000", 9000, count)
+            + &udp_rule("udp-any", 9001, 1_000_000)
+            + &udp_rule("udp9001-strict", 9001, 2)
+    };
+    let mut fx = Fixture::load(&fast(5));
     let src = [198, 18, 13, 1];
     let frame = v4(src).udp(40000, 9000).build();
 
     // 1000 runs back to back: 5 admitted, 995 dropped, most of them by the fast table.
-    let before = counters(&maps, &rules);
-    assert_eq!(dp.test_run(&frame, 1000).unwrap().0, XDP_DROP);
-    let d = delta(&before, &counters(&maps, &rules));
-    assert_eq!(d.get("udp9000/matched"), Some(&1000), "{d:?}");
-    assert_eq!(d.get("udp9000/admitted"), Some(&5), "{d:?}");
-    assert_eq!(d.get("udp9000/dropped"), Some(&995), "{d:?}");
-    assert_eq!(d.get("drop_rule"), Some(&995), "{d:?}");
-    assert_eq!(d.get("pass"), Some(&5), "{d:?}");
-    assert_eq!(client_totals(&maps)[&(0, src)], (1000, 995));
+    fx.expect(
+        &frame,
+        1000,
+        XDP_DROP,
+        "udp9000/matched=1000 udp9000/admitted=5 udp9000/dropped=995 drop_rule=995 pass=5",
+    );
+    assert_eq!(fx.client_totals()[&(0, src)], (1000, 995));
     // (The table was used: the last tick's drops are still pending in it.)
-    assert!(fast_pending_total(&maps) > 0, "no fast-drop entry was used");
+    assert!(fx.fast_pending() > 0, "no fast-drop entry was used");
 
     // Another port of the same source, matched by no rule: passes at once.
     let other = v4(src).udp(40000, 53).build();
-    assert_eq!(dp.test_run(&other, 1).unwrap().0, XDP_PASS);
+    assert_eq!(fx.run(&other, 1), XDP_PASS);
 
     // Every policy write is a new generation.
-    let raised = FAST_CONFIG.replacen("count = 5,", "count = 100000,", 1);
-    let strict = config::parse("fast.toml", FAST_CONFIG).unwrap();
-    let loose = apply::plan(&config::parse("fast.toml", &raised).unwrap(), false);
+    let strict = fx.plan.clone();
+    let loose = apply::plan(&parse(&fast(100_000)), false);
     let generation = |maps: &Maps| maps.global.get(&0, 0).unwrap().generation;
-    let g = generation(&maps);
-    apply::apply(&mut maps, &apply::plan(&strict, false)).unwrap();
-    assert_eq!(generation(&maps), g.wrapping_add(1));
+    let g = generation(&fx.maps);
+    fx.apply_plan(&strict);
+    assert_eq!(generation(&fx.maps), g.wrapping_add(1));
     // A new generation voids the table at once: raise the threshold and the very next like
-    // packet is admitted. (The rule and the generation are written here as `apply` writes
-    // them last, two map writes apart, and the runs are single: a repeated run waits for an
-    // RCU grace period at its start and end, long enough for the tick to move on.)
-    for _ in 0..20 {
-        apply::apply(&mut maps, &apply::plan(&strict, false)).unwrap();
-        assert_eq!(dp.test_run(&frame, 50).unwrap().0, XDP_DROP);
-        // Refused in this tick: the entry is made (or hit).
-        assert_eq!(dp.test_run(&frame, 1).unwrap().0, XDP_DROP);
-        let mut global = maps.global.get(&0, 0).unwrap();
-        global.generation = global.generation.wrapping_add(1);
-        maps.rules.set(0, loose.rules[0], 0).unwrap();
-        maps.global.set(0, global, 0).unwrap();
-        assert_eq!(
-            dp.test_run(&frame, 1).unwrap().0,
-            XDP_PASS,
-            "a fast-drop entry outlived the policy it was made under"
-        );
-    }
+    // packet is admitted.
+    let voided = "a fast-drop entry outlived the policy it was made under";
+    a_policy_write_voids_the_tick(&mut fx, (&strict, &loose), &frame, voided);
 
     // Port 9001: rule 1 matches and admits, rule 2 refuses after 2. Rule 1 must count every
     // packet (its clients' totals too), so nothing is remembered for the fast table.
-    apply::apply(&mut maps, &apply::plan(&strict, false)).unwrap();
+    fx.apply_plan(&strict);
     let frame9001 = v4(src).udp(40000, 9001).build();
-    let before = counters(&maps, &rules);
-    assert_eq!(dp.test_run(&frame9001, 500).unwrap().0, XDP_DROP);
-    let d = delta(&before, &counters(&maps, &rules));
-    assert_eq!(d.get("udp-any/matched"), Some(&500), "{d:?}");
-    assert_eq!(d.get("udp-any/admitted"), Some(&500), "{d:?}");
-    assert_eq!(d.get("udp9001-strict/admitted"), Some(&2), "{d:?}");
-    assert_eq!(d.get("udp9001-strict/dropped"), Some(&498), "{d:?}");
-    assert_eq!(client_totals(&maps)[&(1, src)], (500, 0));
-    assert_eq!(client_totals(&maps)[&(2, src)], (500, 498));
+    fx.expect(
+        &frame9001,
+        500,
+        XDP_DROP,
+        "udp-any/matched=500 udp-any/admitted=500 \
+         udp9001-strict/admitted=2 udp9001-strict/dropped=498",
+    );
+    assert_eq!(fx.client_totals()[&(1, src)], (500, 0));
+    assert_eq!(fx.client_totals()[&(2, src)], (500, 498));
 
     // Rule 0's position changes hands: its clients go, and so do their pending counts.
-    assert_eq!(dp.test_run(&frame, 100).unwrap().0, XDP_DROP);
+    assert_eq!(fx.run(&frame, 100), XDP_DROP);
     let pending_of_rule0 = |maps: &Maps| {
         (0..ratelimit_common::maps::FAST_ENTRIES)
             .flat_map(|i| {
@@ -1348,12 +652,38 @@ algorithm = "fixed_window"
             .map(|e| e.pending_packets)
             .sum::<u64>()
     };
-    assert!(pending_of_rule0(&maps) > 0);
-    let renamed = vec!["other".to_string(), rules[1].clone(), rules[2].clone()];
-    ratelimit_user::daemon::retire_rule_slots(&mut maps, &rules, &renamed);
-    assert_eq!(pending_of_rule0(&maps), 0);
-    assert!(client_totals(&maps).keys().all(|&(rule, _)| rule != 0));
-    assert_eq!(client_totals(&maps)[&(2, src)], (500, 498));
+    assert!(pending_of_rule0(&fx.maps) > 0);
+    let renamed = vec![
+        "other".to_string(),
+        fx.rules[1].clone(),
+        fx.rules[2].clone(),
+    ];
+    ratelimit_user::daemon::retire_rule_slots(&mut fx.maps, &fx.rules, &renamed);
+    assert_eq!(pending_of_rule0(&fx.maps), 0);
+    assert!(fx.client_totals().keys().all(|&(rule, _)| rule != 0));
+    assert_eq!(fx.client_totals()[&(2, src)], (500, 498));
+}
+
+/// Twenty times over: under `strict`, `frame` is refused within a tick (which makes, or hits,
+/// what the program remembers for the tick: a fast-drop entry, a closed overflow state), then
+/// rule 0 of `loose` and a new generation are written, as `apply` writes them last, and the
+/// very next `frame` is admitted (else panics with `voided`). The writes are two map writes
+/// apart, and the runs after them single: a repeated run waits for an RCU grace period at its
+/// start and end, long enough for the tick to move on.
+fn a_policy_write_voids_the_tick(
+    fx: &mut Fixture,
+    (strict, loose): (&Plan, &Plan),
+    frame: &[u8],
+    voided: &str,
+) {
+    for _ in 0..20 {
+        fx.apply_plan(strict);
+        assert_eq!(fx.run(frame, 50), XDP_DROP);
+        // Refused in this tick: what it remembers is made (or hit).
+        assert_eq!(fx.run(frame, 1), XDP_DROP);
+        fx.write_rule(0, loose.rules[0]);
+        assert_eq!(fx.run(frame, 1), XDP_PASS, "{voided}");
+    }
 }
 
 /// The known-sources filter: off until the first rebuild; then a source with no state skips
@@ -1362,76 +692,55 @@ algorithm = "fixed_window"
 /// rebuild clears it, and states inserted while a rebuild walks the map are never hidden.
 #[test]
 fn known_filter_skips_untracked_sources_and_never_hides_a_tracked_one() {
-    if skip_unless_kernel() {
-        return;
-    }
-    const KNOWN_CONFIG: &str = r#"
-[tracking]
-new_sources_per_sec = 1
-new_sources_burst = 3
-
-[[rule]]
-name = "udp"
-match = { protocol = "udp", dst_ports = ["9000"] }
-threshold = { count = 1000, interval = "1h" }
-algorithm = "fixed_window"
-"#;
-    let pins = Pins::new("fixtures");
-    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
-    let mut maps = dp.take_maps().expect("maps");
-    let known = dp.take_known().expect("known filter");
+    kernel_test!();
+    let config = budget(1, 3) + &udp_rule("udp", 9000, 1000);
+    let mut fx = Fixture::load(&config);
+    let known = fx.dp.take_known().expect("known filter");
     known.disable();
-    let cfg = config::parse("known.toml", KNOWN_CONFIG).expect("config");
-    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
-    let rules = vec!["udp".to_string()];
-    let send = |dp: &Datapath, a: [u8; 4]| {
+    let send = |fx: &Fixture, a: [u8; 4]| {
         let f = v4(a).udp(40000, 9000).build();
-        assert_eq!(dp.test_run(&f, 1).unwrap().0, XDP_PASS);
+        assert_eq!(fx.run(&f, 1), XDP_PASS);
     };
     let tracked = [198, 18, 14, 1];
 
     // Off: the first source is looked up (and gets state).
-    let before = counters(&maps, &rules);
-    send(&dp, tracked);
-    let d = delta(&before, &counters(&maps, &rules));
-    assert_eq!(d.get("state_created"), Some(&1), "{d:?}");
-    assert_eq!(d.get("lookup_skipped"), None, "{d:?}");
+    let before = fx.counters();
+    send(&fx, tracked);
+    fx.delta(&before).assert("state_created=1 lookup_skipped=0");
 
     // On: the one state is in the active half.
-    let r = known.rebuild(&maps.clients).expect("rebuild");
+    let r = known.rebuild(&fx.maps.clients).expect("rebuild");
     assert_eq!((r.states, r.bits_set, r.bits), (1, 1, 4096 * 8));
     assert!(known.enabled());
 
     // The tracked source is looked up and counted in its own state; 40 new sources skip the
     // lookup: the budget's 2 remaining states go to the first two, 38 are refused.
-    let before = counters(&maps, &rules);
-    send(&dp, tracked);
+    let before = fx.counters();
+    send(&fx, tracked);
     let fresh: Vec<[u8; 4]> = (1..=40u8).map(|i| [198, 18, 15, i]).collect();
     for &a in &fresh {
-        send(&dp, a);
+        send(&fx, a);
     }
-    let d = delta(&before, &counters(&maps, &rules));
-    assert_eq!(d.get("lookup_skipped"), Some(&40), "{d:?}");
-    assert_eq!(d.get("state_created"), Some(&2), "{d:?}");
-    assert_eq!(d.get("admission_refused"), Some(&38), "{d:?}");
+    fx.delta(&before)
+        .assert("lookup_skipped=40 state_created=2 admission_refused=38");
 
     // The two new states' bits were set with their insert: their next packets find them.
-    let before = counters(&maps, &rules);
-    send(&dp, fresh[0]);
-    send(&dp, fresh[1]);
-    send(&dp, fresh[2]);
-    let d = delta(&before, &counters(&maps, &rules));
+    let before = fx.counters();
+    send(&fx, fresh[0]);
+    send(&fx, fresh[1]);
+    send(&fx, fresh[2]);
+    let d = fx.delta(&before);
     assert_eq!(
         d.get("lookup_skipped"),
         Some(&1),
         "only the refused one: {d:?}"
     );
-    assert_eq!(d.get("admission_refused"), Some(&1), "{d:?}");
-    let totals = client_totals(&maps);
+    d.assert("admission_refused=1");
+    let totals = fx.client_totals();
     assert_eq!(totals[&(0, tracked)], (2, 0));
     assert_eq!(totals[&(0, fresh[0])], (2, 0));
     assert_eq!(totals[&(0, fresh[1])], (2, 0));
-    for k in maps.clients.keys().unwrap() {
+    for k in fx.maps.clients.keys().unwrap() {
         assert!(
             known.may_be_tracked(&k),
             "a tracked state's bit is clear: {k:?}"
@@ -1440,65 +749,55 @@ algorithm = "fixed_window"
 
     // A state removed (as an eviction would) keeps its bit until the next rebuild: looked up,
     // found missing, judged new.
-    let key = maps
-        .clients
-        .keys()
-        .unwrap()
-        .into_iter()
-        .find(|k| k.addr[12..] == tracked)
-        .unwrap();
-    assert!(maps.clients.remove(&key));
-    let before = counters(&maps, &rules);
-    send(&dp, tracked);
-    let d = delta(&before, &counters(&maps, &rules));
-    assert_eq!(d.get("lookup_skipped"), None, "{d:?}");
+    let state_of = |fx: &Fixture| {
+        let keys = fx.maps.clients.keys().unwrap();
+        keys.into_iter().find(|k| k.addr[12..] == tracked)
+    };
+    assert!(fx.maps.clients.remove(&state_of(&fx).unwrap()));
+    let before = fx.counters();
+    send(&fx, tracked);
+    let d = fx.delta(&before);
+    d.assert("lookup_skipped=0");
     assert_eq!(
         d.get("admission_refused").or(d.get("state_created")),
         Some(&1),
         "{d:?}"
     );
-    if let Some(k) = maps
-        .clients
-        .keys()
-        .unwrap()
-        .into_iter()
-        .find(|k| k.addr[12..] == tracked)
-    {
-        assert!(maps.clients.remove(&k));
+    if let Some(k) = state_of(&fx) {
+        assert!(fx.maps.clients.remove(&k));
     }
-    let r = known.rebuild(&maps.clients).expect("rebuild");
+    let r = known.rebuild(&fx.maps.clients).expect("rebuild");
     assert_eq!((r.states, r.bits_set), (2, 2));
-    let before = counters(&maps, &rules);
-    send(&dp, tracked);
-    let d = delta(&before, &counters(&maps, &rules));
-    assert_eq!(d.get("lookup_skipped"), Some(&1), "{d:?}");
+    let before = fx.counters();
+    send(&fx, tracked);
+    fx.delta(&before).assert("lookup_skipped=1");
 
     // Rebuilds racing inserts: with no budget, every packet of 20k new sources inserts a
     // state while the filter is rebuilt over and over; no state may end up with a clear bit.
-    let mut unlimited = cfg.clone();
+    let mut unlimited = fx.config.clone();
     unlimited.tracking.new_sources_per_sec = 0;
     unlimited.tracking.new_sources_burst = 0;
-    apply::apply(&mut maps, &apply::plan(&unlimited, false)).expect("apply");
+    fx.apply_config(&unlimited);
     let done = std::sync::atomic::AtomicBool::new(false);
     let rebuilds = std::thread::scope(|sc| {
         let h = sc.spawn(|| {
             let mut n = 0;
             while !done.load(Ordering::Relaxed) {
-                known.rebuild(&maps.clients).expect("rebuild");
+                known.rebuild(&fx.maps.clients).expect("rebuild");
                 n += 1;
             }
             n
         });
         for i in 0..20_000u32 {
             let b = (0x0a00_0000 | i).to_be_bytes();
-            send(&dp, b);
+            send(&fx, b);
         }
         done.store(true, Ordering::Relaxed);
         h.join().unwrap()
     });
     let mut hidden = 0;
     let mut states = 0;
-    for k in maps.clients.keys().unwrap() {
+    for k in fx.maps.clients.keys().unwrap() {
         states += 1;
         hidden += usize::from(!known.may_be_tracked(&k));
     }
@@ -1508,20 +807,6 @@ algorithm = "fixed_window"
     assert_eq!(hidden, 0);
 }
 
-/// Pending counts of the overflow states still on the CPUs (`RL_OVF_TICK`).
-fn ovf_pending_total(maps: &Maps) -> u64 {
-    (0..ratelimit_common::caps::MAX_RULES)
-        .map(|r| {
-            maps.ovf_tick
-                .get(&r, 0)
-                .unwrap()
-                .iter()
-                .map(|e| e.pending_packets)
-                .sum::<u64>()
-        })
-        .sum()
-}
-
 /// Once the admission budget and then the rule's overflow state have refused a new source in
 /// a tick, the tick's other new sources of that rule are dropped without either (a random-
 /// source flood's common case): counters and the overflow state's totals are what the full
@@ -1529,37 +814,16 @@ fn ovf_pending_total(maps: &Maps) -> u64 {
 /// refused sources may have different thresholds) never takes the shortcut.
 #[test]
 fn overflow_closes_to_new_sources_for_the_tick_exactly() {
-    if skip_unless_kernel() {
-        return;
-    }
-    const OVF_CONFIG: &str = r#"
-[tracking]
-new_sources_per_sec = 1
-new_sources_burst = 1
-
-[[rule]]
-name = "udp"
-match = { protocol = "udp", dst_ports = ["9000"] }
-threshold = { count = 3, interval = "1h" }
-algorithm = "fixed_window"
-
-[[rule]]
-name = "udp-overrides"
-match = { protocol = "udp", dst_ports = ["9001"] }
-threshold = { count = 3, interval = "1h" }
-algorithm = "fixed_window"
-
-[[rule.override]]
-cidr = "198.19.0.0/16"
-threshold = { count = 5, interval = "1h" }
-"#;
-    let pins = Pins::new("fixtures");
-    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
-    let mut maps = dp.take_maps().expect("maps");
-    let cfg = config::parse("ovf.toml", OVF_CONFIG).expect("config");
-    let plan = apply::plan(&cfg, false);
-    apply::apply(&mut maps, &plan).expect("apply");
-    let rules: Vec<String> = cfg.rules.iter().map(|r| r.name.clone()).collect();
+    kernel_test!();
+    let ovf = |count| {
+        budget(1, 1)
+            + &udp_rule("udp", 9000, count)
+            + &udp_rule("udp-overrides", 9001, 3)
+            + "[[rule.override]]\ncidr = \"198.19.0.0/16\"\n\
+               threshold = { count = 5, interval = \"1h\" }\n"
+    };
+    let mut fx = Fixture::load(&ovf(3));
+    let plan = fx.plan.clone();
     let overflow = |maps: &Maps, rule: u8| {
         let mut got = None;
         report::for_each_client(maps, |k, s| {
@@ -1574,68 +838,45 @@ threshold = { count = 5, interval = "1h" }
     // The budget's one state goes to the first source; a second source's 1000 packets are
     // each a new source refused state: 3 pass on the overflow state, 997 are dropped.
     let first = v4([198, 18, 16, 1]).udp(40000, 9000).build();
-    assert_eq!(dp.test_run(&first, 1).unwrap().0, XDP_PASS);
-    let before = counters(&maps, &rules);
+    assert_eq!(fx.run(&first, 1), XDP_PASS);
+    let before = fx.counters();
     let new = v4([198, 18, 16, 2]).udp(40000, 9000).build();
-    assert_eq!(dp.test_run(&new, 1000).unwrap().0, XDP_DROP);
-    let d = delta(&before, &counters(&maps, &rules));
-    assert_eq!(d.get("udp/matched"), Some(&1000), "{d:?}");
-    assert_eq!(d.get("udp/admitted"), Some(&3), "{d:?}");
-    assert_eq!(d.get("udp/dropped"), Some(&997), "{d:?}");
-    assert_eq!(d.get("admission_refused"), Some(&1000), "{d:?}");
-    assert_eq!(d.get("drop_rule"), Some(&997), "{d:?}");
-    assert_eq!(d.get("pass"), Some(&3), "{d:?}");
-    assert_eq!(d.get("state_created"), None, "{d:?}");
-    assert_eq!(overflow(&maps, 0), Some((1000, 997)));
-    // (The shortcut was taken: the last tick's drops are still pending.)
-    assert!(
-        ovf_pending_total(&maps) > 0,
-        "the overflow state was never closed"
+    assert_eq!(fx.run(&new, 1000), XDP_DROP);
+    fx.delta(&before).assert(
+        "udp/matched=1000 udp/admitted=3 udp/dropped=997 \
+         admission_refused=1000 drop_rule=997 pass=3 state_created=0",
     );
+    assert_eq!(overflow(&fx.maps, 0), Some((1000, 997)));
+    // (The shortcut was taken: the last tick's drops are still pending.)
+    assert!(fx.ovf_pending() > 0, "the overflow state was never closed");
 
     // A policy write voids it at once: raise the threshold and the very next new source is
     // admitted by the overflow state.
-    let raised = OVF_CONFIG.replacen("count = 3,", "count = 100000,", 1);
-    let loose = apply::plan(&config::parse("ovf.toml", &raised).unwrap(), false);
-    for _ in 0..20 {
-        apply::apply(&mut maps, &plan).unwrap();
-        assert_eq!(dp.test_run(&new, 50).unwrap().0, XDP_DROP);
-        assert_eq!(dp.test_run(&new, 1).unwrap().0, XDP_DROP);
-        let mut global = maps.global.get(&0, 0).unwrap();
-        global.generation = global.generation.wrapping_add(1);
-        maps.rules.set(0, loose.rules[0], 0).unwrap();
-        maps.global.set(0, global, 0).unwrap();
-        assert_eq!(
-            dp.test_run(&new, 1).unwrap().0,
-            XDP_PASS,
-            "a closed overflow state outlived the policy it was closed under"
-        );
-    }
-    apply::apply(&mut maps, &plan).unwrap();
+    let loose = apply::plan(&parse(&ovf(100_000)), false);
+    let voided = "a closed overflow state outlived the policy it was closed under";
+    a_policy_write_voids_the_tick(&mut fx, (&plan, &loose), &new, voided);
+    fx.apply_plan(&plan);
 
     // Per-CIDR overrides: sources refused state share the overflow state but may have other
     // thresholds, so it is never closed: every packet is judged, and a source under the
     // override's 5 passes after one under the rule's 3 was refused.
-    let pending = ovf_pending_total(&maps);
-    let before = counters(&maps, &rules);
+    let pending = fx.ovf_pending();
+    let before = fx.counters();
     let plain = v4([198, 18, 17, 1]).udp(40000, 9001).build();
     let wide = v4([198, 19, 17, 1]).udp(40000, 9001).build();
-    assert_eq!(dp.test_run(&plain, 100).unwrap().0, XDP_DROP);
-    assert_eq!(dp.test_run(&wide, 1).unwrap().0, XDP_PASS);
-    assert_eq!(dp.test_run(&wide, 1).unwrap().0, XDP_PASS);
-    assert_eq!(dp.test_run(&wide, 1).unwrap().0, XDP_DROP);
-    let d = delta(&before, &counters(&maps, &rules));
-    assert_eq!(d.get("udp-overrides/admitted"), Some(&5), "{d:?}");
-    assert_eq!(d.get("udp-overrides/dropped"), Some(&98), "{d:?}");
-    assert_eq!(overflow(&maps, 1), Some((103, 98)));
-    assert!(
-        ovf_pending_total(&maps) <= pending,
-        "rule 1's overflow was closed"
-    );
+    assert_eq!(fx.run(&plain, 100), XDP_DROP);
+    assert_eq!(fx.run(&wide, 1), XDP_PASS);
+    assert_eq!(fx.run(&wide, 1), XDP_PASS);
+    assert_eq!(fx.run(&wide, 1), XDP_DROP);
+    fx.delta(&before)
+        .assert("udp-overrides/admitted=5 udp-overrides/dropped=98");
+    assert_eq!(overflow(&fx.maps, 1), Some((103, 98)));
+    assert!(fx.ovf_pending() <= pending, "rule 1's overflow was closed");
     assert_eq!(
         (0..ratelimit_common::caps::MAX_RULES)
             .filter(|&r| r != 0)
-            .map(|r| maps
+            .map(|r| fx
+                .maps
                 .ovf_tick
                 .get(&r, 0)
                 .unwrap()
@@ -1648,9 +889,9 @@ threshold = { count = 5, interval = "1h" }
     );
 
     // The rule's position changes hands: its overflow state and pending counts go with it.
-    ratelimit_user::daemon::retire_rule_slots(&mut maps, &rules, &["other".to_string()]);
-    assert_eq!(overflow(&maps, 0), None);
-    assert_eq!(ovf_pending_total(&maps), 0);
+    ratelimit_user::daemon::retire_rule_slots(&mut fx.maps, &fx.rules, &["other".to_string()]);
+    assert_eq!(overflow(&fx.maps, 0), None);
+    assert_eq!(fx.ovf_pending(), 0);
 }
 
 /// The fast-drop table is checked before the lists and bans (an entry is made only for a
@@ -1660,44 +901,29 @@ threshold = { count = 5, interval = "1h" }
 /// counted against it.
 #[test]
 fn fast_drops_give_way_to_a_new_ban_at_once() {
-    if skip_unless_kernel() {
-        return;
-    }
-    const CFG: &str = r#"
-[lists]
-deny = ["198.18.99.0/24"]
-
-[[rule]]
-name = "udp9000"
-match = { protocol = "udp", dst_ports = ["9000"] }
-threshold = { count = 5, interval = "1h" }
-algorithm = "fixed_window"
-"#;
-    let pins = Pins::new("fixtures");
-    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
-    let mut maps = dp.take_maps().expect("maps");
-    let cfg = config::parse("fastban.toml", CFG).expect("config");
-    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
-    let rules: Vec<String> = cfg.rules.iter().map(|r| r.name.clone()).collect();
+    kernel_test!();
+    let config =
+        "[lists]\ndeny = [\"198.18.99.0/24\"]\n".to_owned() + &udp_rule("udp9000", 9000, 5);
+    let mut fx = Fixture::load(&config);
 
     // A ban added between two packets of one tick: the second is banned.
     let mut banned_at_once = 0;
     for i in 0..20u8 {
         let src = [198, 18, 20, i];
         let frame = v4(src).udp(40000, 9000).build();
-        assert_eq!(dp.test_run(&frame, 50).unwrap().0, XDP_DROP);
+        assert_eq!(fx.run(&frame, 50), XDP_DROP);
         // Refused in this tick: the entry is made (or hit).
-        assert_eq!(dp.test_run(&frame, 1).unwrap().0, XDP_DROP);
-        let before = counters(&maps, &rules);
-        ban(&mut maps, &format!("198.18.20.{i}/32"));
-        assert_eq!(dp.test_run(&frame, 1).unwrap().0, XDP_DROP);
-        let d = delta(&before, &counters(&maps, &rules));
+        assert_eq!(fx.run(&frame, 1), XDP_DROP);
+        let before = fx.counters();
+        fx.ban(&format!("198.18.20.{i}/32"));
+        assert_eq!(fx.run(&frame, 1), XDP_DROP);
+        let d = fx.delta(&before);
         assert_eq!(
             d.get("drop_rule"),
             None,
             "a fast-drop entry outlived a new ban: {d:?}"
         );
-        assert_eq!(d.get("drop_ban"), Some(&1), "{d:?}");
+        d.assert("drop_ban=1");
         banned_at_once += 1;
     }
     assert_eq!(banned_at_once, 20);
@@ -1705,33 +931,21 @@ algorithm = "fixed_window"
     // A preview ban passes packets on to the rules: no entry is made, every packet is
     // counted against the ban as well as the rule.
     let src = [198, 18, 21, 1];
-    let net = ratelimit_user::config::parse_net("198.18.21.1/32").unwrap();
-    let (plen, key) = apply::prefix(&net);
     let now = report::mono_ns();
-    let mut entry =
-        ratelimit_common::maps::BanEntry::manual(plen, key.addr, now, now + 3_600_000_000_000);
+    let mut entry = manual_ban("198.18.21.1/32", now, now + HOUR_NS);
     entry.flags |= ratelimit_common::maps::BAN_PREVIEW;
-    maps.insert_ban(entry).unwrap();
-    let pending = fast_pending_total(&maps);
-    let before = counters(&maps, &rules);
+    fx.insert_ban(entry);
+    let pending = fx.fast_pending();
+    let before = fx.counters();
     let frame = v4(src).udp(40000, 9000).build();
-    assert_eq!(dp.test_run(&frame, 1000).unwrap().0, XDP_DROP);
-    let d = delta(&before, &counters(&maps, &rules));
-    assert_eq!(d.get("ban_pass"), Some(&1000), "{d:?}");
-    assert_eq!(d.get("preview_would_drop"), Some(&1000), "{d:?}");
-    assert_eq!(d.get("udp9000/dropped"), Some(&995), "{d:?}");
-    assert_eq!(
-        fast_pending_total(&maps),
-        pending,
-        "an entry was made under a ban"
-    );
+    assert_eq!(fx.run(&frame, 1000), XDP_DROP);
+    fx.delta(&before)
+        .assert("ban_pass=1000 preview_would_drop=1000 udp9000/dropped=995");
+    assert_eq!(fx.fast_pending(), pending, "an entry was made under a ban");
 
     // The deny list still decides for a listed source (never given an entry).
     let denied = v4([198, 18, 99, 1]).udp(40000, 9000).build();
-    let before = counters(&maps, &rules);
-    assert_eq!(dp.test_run(&denied, 100).unwrap().0, XDP_DROP);
-    let d = delta(&before, &counters(&maps, &rules));
-    assert_eq!(d.get("drop_deny"), Some(&100), "{d:?}");
+    fx.expect(&denied, 100, XDP_DROP, "drop_deny=100");
 }
 
 /// A budget's burst is spread over timer ticks: one CPU inserts at most
@@ -1739,39 +953,22 @@ algorithm = "fixed_window"
 /// share the overflow state; the next tick admits again.
 #[test]
 fn new_states_per_tick_and_cpu_are_capped() {
-    if skip_unless_kernel() {
-        return;
-    }
-    const CFG: &str = r#"
-[tracking]
-new_sources_per_sec = 1000
-new_sources_burst = 100000
-
-[[rule]]
-name = "udp"
-match = { protocol = "udp", dst_ports = ["9000"] }
-threshold = { count = 1000000, interval = "1h" }
-algorithm = "fixed_window"
-"#;
+    kernel_test!();
+    let config = budget(1000, 100000) + &udp_rule("udp", 9000, 1_000_000);
     ratelimit_tests::sender::pin_current_thread(0).expect("pin");
-    let pins = Pins::new("fixtures");
-    let mut dp = Datapath::load(&pins.0, 65536).expect("load program");
-    let mut maps = dp.take_maps().expect("maps");
-    let cfg = config::parse("cap.toml", CFG).expect("config");
-    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
-    let cap = maps.global.get(&0, 0).unwrap().admission_tick_cap as u64;
+    let mut fx = Fixture::builder().max_sources(65536).load(&config);
+    let cap = fx.maps.global.get(&0, 0).unwrap().admission_tick_cap as u64;
     let tick_ns = coarse_ns().1;
     assert_eq!(
         cap,
         ratelimit_common::maps::admission_tick_cap(1000, tick_ns) as u64
     );
     assert_eq!(cap, 64, "1000/s is under 64 a tick at any HZ");
-    let rules = vec!["udp".to_string()];
     // The tick as the program saw it (`RL_TICK`: this CPU's last jiffies), not the coarse
     // clock: the program caps per jiffy, and the coarse clock can move a moment apart from
     // jiffies, which a busy machine makes likely over 20 rounds.
     let tick_map: aya::maps::PerCpuArray<_, [u64; 2]> =
-        aya::maps::PerCpuArray::try_from(dp.ebpf_mut().take_map("RL_TICK").expect("RL_TICK"))
+        aya::maps::PerCpuArray::try_from(fx.dp.ebpf_mut().take_map("RL_TICK").expect("RL_TICK"))
             .expect("RL_TICK is a per-CPU array");
     let jiffies = || tick_map.get(&0, 0).expect("RL_TICK")[0][0];
     // 192 new sources as fast as one thread sends them: within one tick, exactly 64 get
@@ -1785,16 +982,16 @@ algorithm = "fixed_window"
                 v4(b).udp(40000, 9000).build()
             })
             .collect();
-        let before = counters(&maps, &rules);
-        dp.test_run(&frames[0], 1).unwrap();
+        let before = fx.counters();
+        fx.run(&frames[0], 1);
         let j0 = jiffies();
         for f in &frames[1..] {
-            dp.test_run(f, 1).unwrap();
+            fx.run(f, 1);
         }
         let ticks = jiffies() - j0;
-        let d = delta(&before, &counters(&maps, &rules));
-        let created = d.get("state_created").copied().unwrap_or(0);
-        let refused = d.get("admission_refused").copied().unwrap_or(0);
+        let d = fx.delta(&before);
+        let created = d.of("state_created");
+        let refused = d.of("admission_refused");
         assert_eq!(created + refused, frames.len() as u64, "{d:?}");
         assert!(
             created <= cap * (ticks + 1),
@@ -1820,45 +1017,28 @@ algorithm = "fixed_window"
 /// counted once, a client's and an overflow state's alike.
 #[test]
 fn a_report_racing_the_programs_own_addition_counts_each_packet_once() {
-    if skip_unless_kernel() {
-        return;
-    }
-    const RACE_CONFIG: &str = r#"
-[tracking]
-new_sources_per_sec = 1
-new_sources_burst = 1
-
-[[rule]]
-name = "udp"
-match = { protocol = "udp", dst_ports = ["9000"] }
-threshold = { count = 5, interval = "1h" }
-algorithm = "fixed_window"
-"#;
+    kernel_test!();
+    let config = budget(1, 1) + &udp_rule("udp", 9000, 5);
     use ratelimit_common::maps::{KEY_IP, KEY_OVERFLOW};
-    use report::ReportPoint;
+    use report::ReportPoint::{self, PendingRead, StatesRead};
     // The fast-drop entries are per CPU: every run on one, so the racing packet meets them.
     ratelimit_tests::sender::pin_current_thread(0).expect("pin");
-    let pins = Pins::new("fixtures");
-    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
-    let mut maps = dp.take_maps().expect("maps");
-    let cfg = config::parse("race.toml", RACE_CONFIG).expect("config");
-    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
+    let mut fx = Fixture::load(&config);
     // One new state an hour, so none comes free while the test runs.
-    let hour = 3_600_000_000_000;
-    let mut g = maps.global.get(&0, 0).unwrap();
+    let hour = HOUR_NS;
+    let mut g = fx.maps.global.get(&0, 0).unwrap();
     g.admission_inc_ns = ratelimit_common::limiter::gcra_increment(1, 1, hour);
     g.admission_burst_ns = ratelimit_common::limiter::gcra_burst_ns(1, 1, hour);
-    maps.global.set(0, g, 0).unwrap();
-    let maps = maps;
+    fx.maps.global.set(0, g, 0).unwrap();
     // The budget's one state goes to the client; every later source shares the overflow.
     let client = v4([198, 18, 17, 1]).udp(40000, 9000).build();
     let newcomer = v4([198, 18, 17, 2]).udp(40000, 9000).build();
     // (packets, drops) of the client and of the overflow state, with the program running
     // `frame` once in a later tick at `point`.
-    let report = |dp: &mut Datapath, point: ReportPoint, frame: &[u8]| {
+    let report = |point: ReportPoint, frame: &[u8]| {
         let (mut ip, mut ovf) = ((0, 0), (0, 0));
         report::for_each_client_raced(
-            &maps,
+            &fx.maps,
             &mut |k, s| match k.kind {
                 KEY_IP => ip = (s.packets, s.drop_count()),
                 KEY_OVERFLOW => ovf = (s.packets, s.drop_count()),
@@ -1867,94 +1047,34 @@ algorithm = "fixed_window"
             &mut |p| {
                 if p == point {
                     std::thread::sleep(std::time::Duration::from_millis(30));
-                    assert_eq!(dp.test_run(frame, 1).unwrap().0, XDP_DROP);
+                    assert_eq!(fx.run(frame, 1), XDP_DROP);
                 }
             },
         )
         .unwrap();
         (ip, ovf)
     };
-    assert_eq!(dp.test_run(&client, 100).unwrap().0, XDP_DROP);
-    assert_eq!(dp.test_run(&newcomer, 100).unwrap().0, XDP_DROP);
-    assert!(fast_pending_total(&maps) > 0 && ovf_pending_total(&maps) > 0);
+    assert_eq!(fx.run(&client, 100), XDP_DROP);
+    assert_eq!(fx.run(&newcomer, 100), XDP_DROP);
+    assert!(fx.fast_pending() > 0 && fx.ovf_pending() > 0);
     // A client's packet in a later tick adds its pending counts to its state.
-    assert_eq!(
-        report(&mut dp, ReportPoint::PendingRead, &client),
-        ((101, 96), (100, 95))
-    );
-    assert_eq!(dp.test_run(&client, 50).unwrap().0, XDP_DROP);
-    assert!(fast_pending_total(&maps) > 0);
-    assert_eq!(
-        report(&mut dp, ReportPoint::StatesRead, &client),
-        ((152, 147), (100, 95))
-    );
+    assert_eq!(report(PendingRead, &client), ((101, 96), (100, 95)));
+    assert_eq!(fx.run(&client, 50), XDP_DROP);
+    assert!(fx.fast_pending() > 0);
+    assert_eq!(report(StatesRead, &client), ((152, 147), (100, 95)));
     // And a new source's packet the overflow state's.
-    assert_eq!(
-        report(&mut dp, ReportPoint::PendingRead, &newcomer),
-        ((152, 147), (101, 96))
-    );
-    assert_eq!(dp.test_run(&newcomer, 50).unwrap().0, XDP_DROP);
-    assert!(ovf_pending_total(&maps) > 0);
-    assert_eq!(
-        report(&mut dp, ReportPoint::StatesRead, &newcomer),
-        ((152, 147), (152, 147))
-    );
+    assert_eq!(report(PendingRead, &newcomer), ((152, 147), (101, 96)));
+    assert_eq!(fx.run(&newcomer, 50), XDP_DROP);
+    assert!(fx.ovf_pending() > 0);
+    assert_eq!(report(StatesRead, &newcomer), ((152, 147), (152, 147)));
     // Quiet now: a plain report agrees.
     let mut plain = Vec::new();
-    report::for_each_client(&maps, |k, s| {
+    report::for_each_client(&fx.maps, |k, s| {
         plain.push((k.kind, s.packets, s.drop_count()))
     })
     .unwrap();
     plain.sort();
     assert_eq!(plain, [(KEY_IP, 152, 147), (KEY_OVERFLOW, 152, 147)]);
-}
-
-/// Rule 0's key of IPv4 source `a` (a /32: 128 bits of the mapped address).
-fn key_v4(a: [u8; 4]) -> ratelimit_common::maps::ClientKey {
-    ratelimit_common::maps::ClientKey {
-        rule: 0,
-        kind: ratelimit_common::maps::KEY_IP,
-        _pad: [0; 2],
-        prefix_len: 128,
-        addr: ratelimit_common::addr::IpKey::from_v4(a).addr,
-    }
-}
-
-/// IPv6 source `2001:db8:<n>::1`, and rule 0's key of it (its /64, the default prefix).
-fn v6_source(n: u32) -> (String, ratelimit_common::maps::ClientKey) {
-    let src = format!("2001:db8:{:x}:{:x}::1", n >> 16, n & 0xffff);
-    let mut addr = [0u8; 16];
-    addr[..8].copy_from_slice(&src.parse::<Ipv6Addr>().unwrap().octets()[..8]);
-    let key = ratelimit_common::maps::ClientKey {
-        prefix_len: 64,
-        addr,
-        ..key_v4([0; 4])
-    };
-    (src, key)
-}
-
-/// The two sets the program places `key` in, under the key of the loaded maps.
-fn sets_of(maps: &Maps, key: &ratelimit_common::maps::ClientKey) -> (u32, u32) {
-    ratelimit_common::maps::store_sets_of(maps.clients.hash(key), maps.clients.sets())
-}
-
-/// The first `n` IPv6 sources (`v6_source`) whose two sets are the two distinct `sets`:
-/// what an attacker who knew the placement hash (with a fixed hash, anyone) would send to
-/// take a client's slots. Each of them sees the same 16 slots.
-fn colliding(
-    maps: &Maps,
-    sets: (u32, u32),
-    n: usize,
-) -> Vec<(String, ratelimit_common::maps::ClientKey)> {
-    assert_ne!(sets.0, sets.1);
-    (1..)
-        .map(v6_source)
-        .filter(|(_, k)| {
-            let (x, y) = sets_of(maps, k);
-            (x, y) == sets || (y, x) == sets
-        })
-        .take(n)
-        .collect()
 }
 
 /// The per-source store, against a model of it: in a store of 4 sets of 8 slots, each new
@@ -1968,34 +1088,16 @@ fn colliding(
 /// `state_protected` are the model's counts.
 #[test]
 fn the_store_evicts_the_state_idle_longest_in_a_new_sources_two_sets() {
-    if skip_unless_kernel() {
-        return;
-    }
+    kernel_test!();
     use ratelimit_common::maps::{STORE_WAYS, slot_tag};
     // A token bucket whose burst (one packet) refills in 10 ms: judged on the precise clock,
     // so every packet's last-seen time is its own; a second packet within 10 ms is refused.
-    const STORE_CONFIG: &str = r#"
-[tracking]
-new_sources_per_sec = 0
-max_sources = 32
-
-[[rule]]
-name = "udp"
-match = { protocol = "udp", dst_ports = ["9000"] }
-threshold = { count = 1000, interval = "10s" }
-algorithm = "token_bucket"
-burst = 1
-"#;
-    let pins = Pins::new("fixtures");
-    let mut dp = Datapath::load(&pins.0, 32).expect("load program");
-    let mut maps = dp.take_maps().expect("maps");
-    let cfg = config::parse("store.toml", STORE_CONFIG).expect("config");
-    let plan = apply::plan(&cfg, false);
-    assert_eq!(plan.rules[0].protect_ms, 20_000);
-    apply::apply(&mut maps, &plan).expect("apply");
-    let sets = maps.clients.sets();
-    assert_eq!((sets, maps.clients.capacity()), (4, 32));
-    let rules = vec!["udp".to_string()];
+    let config =
+        tracking("new_sources_per_sec = 0\nmax_sources = 32") + &bucket_rule(1000, "10s", 1);
+    let fx = Fixture::builder().max_sources(32).load(&config);
+    assert_eq!(fx.plan.rules[0].protect_ms, 20_000);
+    let sets = fx.maps.clients.sets();
+    assert_eq!((sets, fx.maps.clients.capacity()), (4, 32));
 
     // The model: per slot, (source, time of its last packet, protected).
     type Model = Vec<Option<([u8; 4], u64, bool)>>;
@@ -2007,7 +1109,7 @@ burst = 1
             s.1 = now;
             return true;
         }
-        let (x, y) = sets_of(&maps, &key_v4(a));
+        let (x, y) = fx.sets_of(&key_v4(a));
         let ways = |set: u32| (set as usize * STORE_WAYS)..(set as usize + 1) * STORE_WAYS;
         let scan: Vec<std::ops::Range<usize>> = if x == y {
             vec![ways(x)]
@@ -2044,15 +1146,11 @@ burst = 1
         true
     };
 
-    let send = |dp: &Datapath, a: [u8; 4]| {
-        let f = v4(a).udp(40000, 9000).build();
-        dp.test_run(&f, 1).unwrap().0
-    };
-    let before = counters(&maps, &rules);
+    let before = fx.counters();
     let mut now = 0u64;
     let mut packet = |model: &mut Model, a: [u8; 4]| {
         now += 1;
-        let verdict = send(&dp, a);
+        let verdict = fx.run(&v4(a).udp(40000, 9000).build(), 1);
         assert!(verdict == XDP_PASS || verdict == XDP_DROP, "{verdict}");
         if model_packet(model, a, now) && verdict == XDP_DROP {
             // Refused by its own bucket: throttled, so protected.
@@ -2072,24 +1170,22 @@ burst = 1
             }
         }
     }
-    let d = delta(&before, &counters(&maps, &rules));
+    let d = fx.delta(&before);
     let mut got: Vec<Option<[u8; 4]>> = vec![None; 32];
-    maps.clients
+    fx.maps
+        .clients
         .walk_slots(&mut |i, tag, s| {
             let a = [s.addr[12], s.addr[13], s.addr[14], s.addr[15]];
-            assert_eq!(tag, slot_tag(0, 128, maps.clients.hash(&key_v4(a))));
+            assert_eq!(tag, slot_tag(0, 128, fx.maps.clients.hash(&key_v4(a))));
             got[i as usize] = Some(a);
         })
         .unwrap();
     let want: Vec<Option<[u8; 4]>> = model.iter().map(|s| s.map(|s| s.0)).collect();
     assert_eq!(got, want);
-    assert_eq!(d.get("state_created"), Some(&created), "{d:?}");
-    assert_eq!(d.get("state_evicted"), Some(&evicted), "{d:?}");
-    assert_eq!(
-        d.get("state_protected"),
-        (protected != 0).then_some(&protected)
-    );
-    assert_eq!(d.get("state_insert_failed"), None, "{d:?}");
+    d.assert(&format!(
+        "state_created={created} state_evicted={evicted} state_protected={protected} \
+         state_insert_failed=0"
+    ));
     let kept = model.iter().flatten().filter(|s| s.2).count();
     assert!(
         evicted > 100 && kept >= 8,
@@ -2101,7 +1197,7 @@ burst = 1
     );
     // The 32 states, and the overflow state if a source was refused one.
     assert_eq!(
-        report::tracked_clients(&maps).unwrap(),
+        report::tracked_clients(&fx.maps).unwrap(),
         32 + u64::from(protected != 0)
     );
 }
@@ -2113,42 +1209,24 @@ burst = 1
 /// throttled: its bucket (10 an hour) refuses every packet.
 #[test]
 fn a_flood_aimed_at_a_throttled_clients_sets_does_not_reset_it() {
-    if skip_unless_kernel() {
-        return;
-    }
-    const ATTACK_CONFIG: &str = r#"
-[tracking]
-new_sources_per_sec = 0
-max_sources = 32
-
-[[rule]]
-name = "udp"
-match = { protocol = "udp", dst_ports = ["9000"] }
-threshold = { count = 10, interval = "1h" }
-algorithm = "token_bucket"
-burst = 10
-"#;
-    let pins = Pins::new("fixtures");
-    let mut dp = Datapath::load(&pins.0, 32).expect("load program");
-    let mut maps = dp.take_maps().expect("maps");
-    let cfg = config::parse("attack.toml", ATTACK_CONFIG).expect("config");
-    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
-    let rules = vec!["udp".to_string()];
+    kernel_test!();
+    let config = tracking("new_sources_per_sec = 0\nmax_sources = 32") + &bucket_rule(10, "1h", 10);
+    let fx = Fixture::builder().max_sources(32).load(&config);
     // A client whose two sets differ (with 4 sets, 1 in 4 have one set twice).
     let client = (7u8..)
         .map(|i| [198, 51, 100, i])
         .find(|&a| {
-            let (x, y) = sets_of(&maps, &key_v4(a));
+            let (x, y) = fx.sets_of(&key_v4(a));
             x != y
         })
         .unwrap();
     let ck = key_v4(client);
-    let sets = sets_of(&maps, &ck);
-    let flood = colliding(&maps, sets, 24);
-    let run = |dp: &Datapath, f: &[u8], n: u32| {
+    let sets = fx.sets_of(&ck);
+    let flood = fx.colliding(sets, 24);
+    let run = |f: &[u8], n: u32| {
         let mut v = (0, 0);
         for _ in 0..n {
-            match dp.test_run(f, 1).unwrap().0 {
+            match fx.run(f, 1) {
                 XDP_PASS => v.0 += 1,
                 XDP_DROP => v.1 += 1,
                 x => panic!("verdict {x}"),
@@ -2157,29 +1235,30 @@ burst = 10
         v
     };
     let cf = v4(client).udp(40000, 9000).build();
-    let before = counters(&maps, &rules);
-    assert_eq!(run(&dp, &cf, 15), (10, 5), "the client is throttled");
+    let before = fx.counters();
+    assert_eq!(run(&cf, 15), (10, 5), "the client is throttled");
     // The client pauses: the flood's states are younger than its own (more than a tick, the
     // coarse clock's step).
     std::thread::sleep(std::time::Duration::from_millis(50));
     for (src, _) in &flood {
         let f = v6(src).udp(40000, 9000).build();
-        assert_eq!(run(&dp, &f, 1), (1, 0), "{src}");
+        assert_eq!(run(&f, 1), (1, 0), "{src}");
     }
     assert_eq!(
-        run(&dp, &cf, 5),
+        run(&cf, 5),
         (0, 5),
         "the client came back with a fresh state"
     );
-    let d = delta(&before, &counters(&maps, &rules));
     // The client and 24 sources in 16 slots: from the 16th flood source on, each evicts one
     // of the flood's own states, never the client's.
-    assert_eq!(d.get("state_created"), Some(&25), "{d:?}");
-    assert_eq!(d.get("state_evicted"), Some(&9), "{d:?}");
-    assert_eq!(d.get("state_protected"), None, "{d:?}");
+    fx.delta(&before)
+        .assert("state_created=25 state_evicted=9 state_protected=0");
     // Its totals, what the fast-drop table still holds for it included.
-    assert_eq!(client_totals(&maps).get(&(0, client)), Some(&(20, 10)));
-    assert_ne!(maps.clients.get(&ck).expect("its state").last_exceed_ns, 0);
+    assert_eq!(fx.client_totals().get(&(0, client)), Some(&(20, 10)));
+    assert_ne!(
+        fx.maps.clients.get(&ck).expect("its state").last_exceed_ns,
+        0
+    );
 }
 
 /// When every state in a new source's two sets is protected (here a ban rule's meter holds
@@ -2188,45 +1267,25 @@ burst = 10
 /// after a state's last packet: a source that never returns), the oldest is evicted again.
 #[test]
 fn protected_states_refuse_a_new_source_until_their_protection_lapses() {
-    if skip_unless_kernel() {
-        return;
-    }
-    const BAN_CONFIG: &str = r#"
-[tracking]
-new_sources_per_sec = 0
-max_sources = 32
-
-[[rule]]
-name = "udp"
-match = { protocol = "udp", dst_ports = ["9000"] }
-action = "rate_based_ban"
-threshold = { count = 1000, interval = "2s" }
-algorithm = "fixed_window"
-ban_threshold = { count = 1000, interval = "2s" }
-ban_duration = "1m"
-"#;
-    let pins = Pins::new("fixtures");
-    let mut dp = Datapath::load(&pins.0, 32).expect("load program");
-    let mut maps = dp.take_maps().expect("maps");
-    let cfg = config::parse("ban.toml", BAN_CONFIG).expect("config");
-    let plan = apply::plan(&cfg, false);
-    assert_eq!(plan.rules[0].protect_ms, 4000);
-    apply::apply(&mut maps, &plan).expect("apply");
-    let rules = vec!["udp".to_string()];
+    kernel_test!();
+    let config = tracking("new_sources_per_sec = 0\nmax_sources = 32")
+        + &ban_rule("udp", (1000, 1000), "2s", "1m");
+    let fx = Fixture::builder().max_sources(32).load(&config);
+    assert_eq!(fx.plan.rules[0].protect_ms, 4000);
     // A pair of distinct sets, and 16 + 4 sources in them.
     let (_, first) = v6_source(0x7000);
-    let mut sets = sets_of(&maps, &first);
+    let mut sets = fx.sets_of(&first);
     let mut n = 0x7000;
     while sets.0 == sets.1 {
         n += 1;
-        sets = sets_of(&maps, &v6_source(n).1);
+        sets = fx.sets_of(&v6_source(n).1);
     }
-    let sources = colliding(&maps, sets, 20);
+    let sources = fx.colliding(sets, 20);
     let send = |src: &str| {
         let f = v6(src).udp(40000, 9000).build();
-        assert_eq!(dp.test_run(&f, 1).unwrap().0, XDP_PASS, "{src}");
+        assert_eq!(fx.run(&f, 1), XDP_PASS, "{src}");
     };
-    let before = counters(&maps, &rules);
+    let before = fx.counters();
     let t = std::time::Instant::now();
     for (i, (src, _)) in sources[..16].iter().enumerate() {
         send(src);
@@ -2239,32 +1298,27 @@ ban_duration = "1m"
         send(src);
     }
     let elapsed = t.elapsed();
-    let d = delta(&before, &counters(&maps, &rules));
+    let d = fx.delta(&before);
     assert!(
         elapsed < std::time::Duration::from_secs(3),
         "19 packets took {elapsed:?}: the machine is too slow for this test's 4 s protection"
     );
-    assert_eq!(d.get("state_created"), Some(&16), "{d:?}");
-    assert_eq!(d.get("state_evicted"), None, "{d:?}");
-    assert_eq!(d.get("state_protected"), Some(&3), "{d:?}");
-    assert_eq!(d.get("state_insert_failed"), None, "{d:?}");
+    d.assert("state_created=16 state_evicted=0 state_protected=3 state_insert_failed=0");
     // The three went to the overflow state.
-    let ovf = maps.overflow.get(&0, 0).unwrap();
+    let ovf = fx.maps.overflow.get(&0, 0).unwrap();
     assert_eq!(ovf.packets, 3);
     for (_, k) in &sources[16..19] {
-        assert!(maps.clients.get(k).is_none());
+        assert!(fx.maps.clients.get(k).is_none());
     }
 
     // Past the protection (4 s after the last packet, and a tick of the coarse clock), the
     // state idle longest, the first source's, makes way for a new one.
     std::thread::sleep(std::time::Duration::from_millis(4500));
     send(&sources[19].0);
-    let d = delta(&before, &counters(&maps, &rules));
-    assert_eq!(d.get("state_created"), Some(&17), "{d:?}");
-    assert_eq!(d.get("state_evicted"), Some(&1), "{d:?}");
-    assert_eq!(d.get("state_protected"), Some(&3), "{d:?}");
-    assert!(maps.clients.get(&sources[0].1).is_none());
-    assert!(maps.clients.get(&sources[19].1).is_some());
+    fx.delta(&before)
+        .assert("state_created=17 state_evicted=1 state_protected=3");
+    assert!(fx.maps.clients.get(&sources[0].1).is_none());
+    assert!(fx.maps.clients.get(&sources[19].1).is_some());
 }
 
 /// The placement hash is keyed per load: two loads draw different keys, and the same 64
@@ -2273,28 +1327,15 @@ ban_duration = "1m"
 /// state, its packet counted in its own) and in the daemon's reader.
 #[test]
 fn the_placement_key_differs_per_load_and_survives_adoption() {
-    if skip_unless_kernel() {
-        return;
-    }
-    const KEY_CONFIG: &str = r#"
-[tracking]
-new_sources_per_sec = 0
-max_sources = 1024
-
-[[rule]]
-name = "udp"
-match = { protocol = "udp", dst_ports = ["9000"] }
-threshold = { count = 1000, interval = "1h" }
-algorithm = "fixed_window"
-"#;
-    let cfg = config::parse("key.toml", KEY_CONFIG).expect("config");
-    let rules = vec!["udp".to_string()];
+    kernel_test!();
+    let config =
+        tracking("new_sources_per_sec = 0\nmax_sources = 1024") + &udp_rule("udp", 9000, 1000);
     let sources: Vec<[u8; 4]> = (0..64u32)
         .map(|i| (0xc633_6400u32 + i).to_be_bytes())
         .collect();
-    let send = |dp: &Datapath, a: [u8; 4]| {
+    let send = |fx: &Fixture, a: [u8; 4]| {
         let f = v4(a).udp(40000, 9000).build();
-        assert_eq!(dp.test_run(&f, 1).unwrap().0, XDP_PASS);
+        assert_eq!(fx.run(&f, 1), XDP_PASS);
     };
     // Where each source's state sits, by set.
     let placement = |maps: &Maps| {
@@ -2309,23 +1350,17 @@ algorithm = "fixed_window"
         at
     };
 
-    let pins_a = Pins::new("fixtures");
-    let pins_b = Pins::new("fixtures");
-    let mut a = Datapath::load(&pins_a.0, 1024).expect("load a");
-    let mut b = Datapath::load(&pins_b.0, 1024).expect("load b");
-    assert!(!a.adopted && !b.adopted);
-    assert_ne!(a.hash_key, [0; ratelimit_common::maps::HASH_KEY_WORDS]);
-    assert_ne!(a.hash_key, b.hash_key, "two loads drew the same key");
-    let mut maps_a = a.take_maps().expect("maps a");
-    let mut maps_b = b.take_maps().expect("maps b");
-    assert_eq!(maps_a.clients.hash_key(), a.hash_key);
-    apply::apply(&mut maps_a, &apply::plan(&cfg, false)).expect("apply a");
-    apply::apply(&mut maps_b, &apply::plan(&cfg, false)).expect("apply b");
+    let load = || Fixture::builder().max_sources(1024).load(&config);
+    let (a, b) = (load(), load());
+    assert!(!a.dp.adopted && !b.dp.adopted);
+    assert_ne!(a.dp.hash_key, [0; ratelimit_common::maps::HASH_KEY_WORDS]);
+    assert_ne!(a.dp.hash_key, b.dp.hash_key, "two loads drew the same key");
+    assert_eq!(a.maps.clients.hash_key(), a.dp.hash_key);
     for &s in &sources {
         send(&a, s);
         send(&b, s);
     }
-    let (at_a, at_b) = (placement(&maps_a), placement(&maps_b));
+    let (at_a, at_b) = (placement(&a.maps), placement(&b.maps));
     let moved = sources.iter().filter(|s| at_a[*s] != at_b[*s]).count();
     // Under independent keys a source keeps its set with a chance of about 1 in 64 (either
     // of its two sets of 128, either way round): 64 sources keep about 1.
@@ -2333,29 +1368,24 @@ algorithm = "fixed_window"
     println!("two loads: {moved} of 64 sources in another set");
 
     // A restart: the program reloaded against the pinned maps.
-    let key = a.hash_key;
-    let before = counters(&maps_a, &rules);
-    drop(maps_a);
-    drop(a);
-    let mut a2 = Datapath::load(&pins_a.0, 1024).expect("reload a");
-    assert!(a2.adopted);
-    assert_eq!(a2.hash_key, key, "the adopted maps' key");
-    let mut maps_a2 = a2.take_maps().expect("maps a2");
-    apply::apply(&mut maps_a2, &apply::plan(&cfg, false)).expect("apply a2");
-    assert_eq!(placement(&maps_a2), at_a);
+    let key = a.dp.hash_key;
+    let before = a.counters();
+    let a2 = a.reload();
+    assert!(a2.dp.adopted);
+    assert_eq!(a2.dp.hash_key, key, "the adopted maps' key");
+    assert_eq!(placement(&a2.maps), at_a);
     for &s in &sources {
         send(&a2, s);
-        let st = maps_a2
+        let st = a2
+            .maps
             .clients
             .get(&key_v4(s))
             .expect("the state, found by the daemon");
         assert_eq!(st.packets, 2, "{s:?}");
     }
-    let d = delta(&before, &counters(&maps_a2, &rules));
-    assert_eq!(d.get("state_created"), None, "{d:?}");
-    assert_eq!(d.get("pass"), Some(&64), "{d:?}");
+    a2.delta(&before).assert("state_created=0 pass=64");
     // The daemon's second handle (its known-sources thread) reads the same key from the pins.
-    let reader = a2.open_clients().expect("open clients");
+    let reader = a2.dp.open_clients().expect("open clients");
     assert_eq!(reader.hash_key(), key);
 }
 
@@ -2364,29 +1394,13 @@ algorithm = "fixed_window"
 /// insert, `state_insert_failed`) the rule's overflow state.
 #[test]
 fn two_cpus_inserting_the_same_sources_keep_one_state_each() {
-    if skip_unless_kernel() {
-        return;
-    }
-    const RACE_CONFIG: &str = r#"
-[tracking]
-new_sources_per_sec = 0
-
-[[rule]]
-name = "udp"
-match = { protocol = "udp", dst_ports = ["9000"] }
-threshold = { count = 1000000, interval = "1h" }
-algorithm = "fixed_window"
-"#;
+    kernel_test!();
+    let config = tracking("new_sources_per_sec = 0") + &udp_rule("udp", 9000, 1_000_000);
     if std::thread::available_parallelism().map_or(1, |n| n.get()) < 2 {
         eprintln!("skipped: one CPU");
         return;
     }
-    let pins = Pins::new("fixtures");
-    let mut dp = Datapath::load(&pins.0, 65536).expect("load program");
-    let mut maps = dp.take_maps().expect("maps");
-    let cfg = config::parse("race.toml", RACE_CONFIG).expect("config");
-    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
-    let rules = vec!["udp".to_string()];
+    let fx = Fixture::builder().max_sources(65536).load(&config);
     const N: u32 = 4000;
     let frames: Vec<Vec<u8>> = (0..N)
         .map(|i| {
@@ -2395,24 +1409,24 @@ algorithm = "fixed_window"
                 .build()
         })
         .collect();
-    let before = counters(&maps, &rules);
+    let before = fx.counters();
     let go = std::sync::Barrier::new(2);
     std::thread::scope(|sc| {
         for cpu in 0..2 {
-            let (dp, frames, go) = (&dp, &frames, &go);
+            let (dp, frames, go) = (&fx.dp, &frames, &go);
             sc.spawn(move || {
                 ratelimit_tests::sender::pin_current_thread(cpu).expect("pin");
                 go.wait();
                 for f in frames {
-                    assert_eq!(dp.test_run(f, 1).unwrap().0, XDP_PASS);
+                    assert_eq!(fixture::run(dp, f, 1), XDP_PASS);
                 }
             });
         }
     });
-    let d = delta(&before, &counters(&maps, &rules));
+    let d = fx.delta(&before);
     let mut seen = std::collections::HashMap::new();
     let (mut own, mut overflow) = (0u64, 0u64);
-    report::for_each_client(&maps, |k, s| {
+    report::for_each_client(&fx.maps, |k, s| {
         if k.kind == ratelimit_common::maps::KEY_OVERFLOW {
             overflow += s.packets;
         } else {
@@ -2425,16 +1439,8 @@ algorithm = "fixed_window"
     let twice = seen.values().filter(|&&n| n > 1).count();
     assert_eq!(twice, 0, "{twice} sources hold two slots");
     assert_eq!(own + overflow, 2 * N as u64, "{own} + {overflow}");
-    assert_eq!(
-        d.get("state_created").copied().unwrap_or(0),
-        seen.len() as u64,
-        "{d:?}"
-    );
-    assert_eq!(
-        d.get("state_insert_failed").copied().unwrap_or(0),
-        overflow,
-        "{d:?}"
-    );
+    assert_eq!(d.of("state_created"), seen.len() as u64, "{d:?}");
+    assert_eq!(d.of("state_insert_failed"), overflow, "{d:?}");
     println!(
         "{} sources tracked, {overflow} packets gave way to the other CPU's insert",
         seen.len()
@@ -2448,110 +1454,65 @@ algorithm = "fixed_window"
 /// `0.0.0.0/0` each stay in their own family.
 #[test]
 fn ipv6_bans_and_sources_never_cover_ipv4_clients() {
-    if skip_unless_kernel() {
-        return;
-    }
-    const CONFIG: &str = r#"
-[[rule]]
-name = "udp-ban"
-action = "rate_based_ban"
-match = { protocol = "udp", dst_ports = ["9000"] }
-threshold = { count = 10, interval = "1h" }
-ban_threshold = { count = 20, interval = "1h" }
-ban_duration = "1h"
-algorithm = "fixed_window"
-ipv6_prefix = 64
-"#;
-    let pins = Pins::new("fixtures");
-    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
-    let mut maps = dp.take_maps().expect("maps");
-    let cfg = config::parse("families.toml", CONFIG).expect("config");
-    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
-    let rules = vec!["udp-ban".to_string()];
+    kernel_test!();
+    let config = ban_rule("udp-ban", (10, 20), "1h", "1h") + "ipv6_prefix = 64\n";
+    let mut fx = Fixture::load(&config);
     let v4a = v4([198, 18, 40, 1]).udp(40000, 9000).build();
     let v4b = v4([203, 0, 113, 9]).udp(40000, 9000).build();
 
     // The reported attack: 30 packets each from ::1 and ::ffff:203.0.113.9.
-    let before = counters(&maps, &rules);
+    let before = fx.counters();
     for src in ["::1", "::ffff:203.0.113.9"] {
         let f = v6(src).udp(40000, 9000).build();
-        assert_eq!(dp.test_run(&f, 30).unwrap().0, XDP_DROP);
+        assert_eq!(fx.run(&f, 30), XDP_DROP);
     }
-    let d = delta(&before, &counters(&maps, &rules));
-    assert_eq!(d.get("drop_bogon"), Some(&60), "{d:?}");
-    assert_eq!(d.get("bans_issued"), None, "{d:?}");
-    assert_eq!(d.get("state_created"), None, "{d:?}");
-    assert!(maps.all_bans().is_empty());
+    fx.delta(&before)
+        .assert("drop_bogon=60 bans_issued=0 state_created=0");
+    assert!(fx.maps.all_bans().is_empty());
 
     // A real IPv6 source in ::/64 crosses the ban threshold: `::/64` is banned.
-    let before = counters(&maps, &rules);
+    let before = fx.counters();
     let f = v6("::1:0:0:1").udp(40000, 9000).build();
-    assert_eq!(dp.test_run(&f, 30).unwrap().0, XDP_DROP);
-    let d = delta(&before, &counters(&maps, &rules));
-    assert_eq!(d.get("bans_issued"), Some(&1), "{d:?}");
-    let bans = maps.all_bans();
+    assert_eq!(fx.run(&f, 30), XDP_DROP);
+    fx.delta(&before).assert("bans_issued=1");
+    let bans = fx.maps.all_bans();
     assert_eq!(bans.len(), 1);
     assert_eq!(bans[0].prefix_len, 64);
     assert_eq!(bans[0].addr, [0; 16]);
     // Every IPv4 client still passes; another IPv6 source in ::/64 is banned.
-    let before = counters(&maps, &rules);
-    assert_eq!(dp.test_run(&v4a, 3).unwrap().0, XDP_PASS);
-    assert_eq!(dp.test_run(&v4b, 3).unwrap().0, XDP_PASS);
+    let before = fx.counters();
+    assert_eq!(fx.run(&v4a, 3), XDP_PASS);
+    assert_eq!(fx.run(&v4b, 3), XDP_PASS);
     let other6 = v6("::2:0:0:2").udp(40000, 53).build();
-    assert_eq!(dp.test_run(&other6, 1).unwrap().0, XDP_DROP);
-    let d = delta(&before, &counters(&maps, &rules));
-    assert_eq!(d.get("pass"), Some(&6), "{d:?}");
-    assert_eq!(d.get("drop_ban"), Some(&1), "{d:?}");
+    assert_eq!(fx.run(&other6, 1), XDP_DROP);
+    fx.delta(&before).assert("pass=6 drop_ban=1");
 
     // Operator bans of a whole family: ::/0 spares IPv4, 0.0.0.0/0 spares IPv6.
-    ban(&mut maps, "::/0");
+    fx.ban("::/0");
     let v6c = v6("2001:db8:7::1").udp(40000, 53).build();
     let v4c = v4([198, 18, 41, 1]).udp(40000, 53).build();
-    assert_eq!(dp.test_run(&v6c, 1).unwrap().0, XDP_DROP);
-    assert_eq!(dp.test_run(&v4c, 1).unwrap().0, XDP_PASS);
-    let net = ratelimit_user::config::parse_net("::/0").unwrap();
-    let (plen, key) = apply::prefix(&net);
-    assert!(
-        maps.remove_ban(ratelimit_common::maps::BAN_TABLE_OPERATOR, plen, &key)
-            .unwrap()
-    );
-    ban(&mut maps, "0.0.0.0/0");
-    assert_eq!(dp.test_run(&v4c, 1).unwrap().0, XDP_DROP);
-    assert_eq!(dp.test_run(&v6c, 1).unwrap().0, XDP_PASS);
+    assert_eq!(fx.run(&v6c, 1), XDP_DROP);
+    assert_eq!(fx.run(&v4c, 1), XDP_PASS);
+    assert!(fx.unban(ratelimit_common::maps::BAN_TABLE_OPERATOR, "::/0"));
+    fx.ban("0.0.0.0/0");
+    assert_eq!(fx.run(&v4c, 1), XDP_DROP);
+    assert_eq!(fx.run(&v6c, 1), XDP_PASS);
 }
 
 /// Per-CIDR overrides and rule source lists keep the families apart too: an override of
 /// `::/0` raises no IPv4 client's threshold.
 #[test]
 fn an_ipv6_override_never_applies_to_an_ipv4_client() {
-    if skip_unless_kernel() {
-        return;
-    }
-    const CONFIG: &str = r#"
-[[rule]]
-name = "udp"
-match = { protocol = "udp", dst_ports = ["9000"] }
-threshold = { count = 2, interval = "1h" }
-algorithm = "fixed_window"
-
-[[rule.override]]
-cidr = "::/0"
-threshold = { count = 1000, interval = "1h" }
-"#;
-    let pins = Pins::new("fixtures");
-    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
-    let mut maps = dp.take_maps().expect("maps");
-    let cfg = config::parse("overrides.toml", CONFIG).expect("config");
-    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
-    let rules = vec!["udp".to_string()];
-    let before = counters(&maps, &rules);
-    dp.test_run(&v4([198, 18, 42, 1]).udp(40000, 9000).build(), 10)
-        .unwrap();
-    dp.test_run(&v6("2001:db8:42::1").udp(40000, 9000).build(), 10)
-        .unwrap();
-    let d = delta(&before, &counters(&maps, &rules));
+    kernel_test!();
+    let config = udp_rule("udp", 9000, 2)
+        + "[[rule.override]]\ncidr = \"::/0\"\nthreshold = { count = 1000, interval = \"1h\" }\n";
+    let fx = Fixture::load(&config);
+    let before = fx.counters();
+    fx.run(&v4([198, 18, 42, 1]).udp(40000, 9000).build(), 10);
+    fx.run(&v6("2001:db8:42::1").udp(40000, 9000).build(), 10);
+    let d = fx.delta(&before);
     assert_eq!(d.get("udp/admitted"), Some(&12), "2 IPv4 + 10 IPv6: {d:?}");
-    assert_eq!(d.get("udp/dropped"), Some(&8), "{d:?}");
+    d.assert("udp/dropped=8");
 }
 
 /// The strictest ban in force wins: a preview rule's ban of a client does not stop an
@@ -2560,78 +1521,37 @@ threshold = { count = 1000, interval = "1h" }
 /// deeper than any walk bound never hide a wider ban that drops.
 #[test]
 fn a_preview_ban_never_blocks_or_hides_an_enforcing_one() {
-    if skip_unless_kernel() {
-        return;
-    }
-    const CONFIG: &str = r#"
-[[rule]]
-name = "watch"
-action = "rate_based_ban"
-match = { protocol = "udp", dst_ports = ["9000"] }
-threshold = { count = 100, interval = "1h" }
-ban_threshold = { count = 2, interval = "1h" }
-ban_duration = "1h"
-algorithm = "fixed_window"
-preview = true
-
-[[rule]]
-name = "enforce"
-action = "rate_based_ban"
-match = { protocol = "udp", dst_ports = ["9000"] }
-threshold = { count = 100, interval = "1h" }
-ban_threshold = { count = 5, interval = "1h" }
-ban_duration = "1h"
-algorithm = "fixed_window"
-"#;
-    let pins = Pins::new("fixtures");
-    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
-    let mut maps = dp.take_maps().expect("maps");
-    let cfg = config::parse("strictest.toml", CONFIG).expect("config");
-    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
-    let rules = vec!["watch".to_string(), "enforce".to_string()];
+    kernel_test!();
+    let config = ban_rule("watch", (100, 2), "1h", "1h")
+        + "preview = true\n"
+        + &ban_rule("enforce", (100, 5), "1h", "1h");
+    let mut fx = Fixture::load(&config);
     let f = v4([198, 18, 43, 1]).udp(40000, 9000).build();
-    let before = counters(&maps, &rules);
     // Packets 1-2: under both. 3: "watch" issues its preview ban. 4-5: banned in preview,
     // counted by both rules. 6: "enforce" crosses 5 and bans.
-    for _ in 0..6 {
-        dp.test_run(&f, 1).unwrap();
-    }
-    let d = delta(&before, &counters(&maps, &rules));
-    assert_eq!(d.get("watch/bans"), Some(&1), "{d:?}");
-    assert_eq!(d.get("enforce/bans"), Some(&1), "{d:?}");
-    assert_eq!(d.get("bans_issued"), Some(&2), "{d:?}");
+    fx.delta_of(|fx| fx.run_singly(&f, 6))
+        .assert("watch/bans=1 enforce/bans=1 bans_issued=2");
     // From now on every packet is dropped as banned, whatever the meters say.
-    let before = counters(&maps, &rules);
-    assert_eq!(dp.test_run(&f, 50).unwrap().0, XDP_DROP);
-    let d = delta(&before, &counters(&maps, &rules));
-    assert_eq!(d.get("drop_ban"), Some(&50), "{d:?}");
-    assert_eq!(d.get("enforce/matched"), None, "{d:?}");
+    fx.expect(&f, 50, XDP_DROP, "drop_ban=50 enforce/matched=0");
 
     // Passing bans at /128 down to /122 (seven, deeper than any walk bound) inside a /120
     // that drops: the /120 wins.
     let now = report::mono_ns();
     for len in 122..=128u8 {
         let low = 0xffu16 & (0xffffu16 << (128 - len as u32));
-        let net =
-            ratelimit_user::config::parse_net(&format!("2001:db8:44::{low:x}/{len}")).unwrap();
-        let (plen, key) = apply::prefix(&net);
-        let mut e = ratelimit_common::maps::BanEntry::manual(plen, key.addr, now, 0);
-        e.flags = ratelimit_common::maps::BAN_PREVIEW;
-        e.rule = 0;
-        maps.insert_ban(e).unwrap();
+        fx.insert_ban(BanEntry {
+            flags: ratelimit_common::maps::BAN_PREVIEW,
+            rule: 0,
+            ..manual_ban(&format!("2001:db8:44::{low:x}/{len}"), now, 0)
+        });
     }
-    let mut e = {
-        let (plen, key) = apply::prefix(&"2001:db8:44::/120".parse().unwrap());
-        ratelimit_common::maps::BanEntry::manual(plen, key.addr, now, 0)
-    };
-    e.flags = 0;
-    e.rule = 1;
-    maps.insert_ban(e).unwrap();
+    fx.insert_ban(BanEntry {
+        flags: 0,
+        rule: 1,
+        ..manual_ban("2001:db8:44::/120", now, 0)
+    });
     let g = v6("2001:db8:44::ff").udp(40000, 53).build();
-    let before = counters(&maps, &rules);
-    assert_eq!(dp.test_run(&g, 1).unwrap().0, XDP_DROP);
-    let d = delta(&before, &counters(&maps, &rules));
-    assert_eq!(d.get("drop_ban"), Some(&1), "{d:?}");
+    fx.expect(&g, 1, XDP_DROP, "drop_ban=1");
 }
 
 /// Rules filling their ban table never lock the operator out, and a rule ban that finds the
@@ -2639,57 +1559,26 @@ algorithm = "fixed_window"
 /// counted as `ban_held_in_state`), then lets it start clean.
 #[test]
 fn a_full_rule_ban_table_holds_bans_in_state_and_leaves_the_operator_room() {
-    if skip_unless_kernel() {
-        return;
-    }
-    const CONFIG: &str = r#"
-[[rule]]
-name = "udp-ban"
-action = "rate_based_ban"
-match = { protocol = "udp", dst_ports = ["9000"] }
-threshold = { count = 100, interval = "1h" }
-ban_threshold = { count = 3, interval = "1h" }
-ban_duration = "3s"
-algorithm = "fixed_window"
-"#;
-    let pins = Pins::new("fixtures");
-    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
-    let mut maps = dp.take_maps().expect("maps");
-    let cfg = config::parse("full.toml", CONFIG).expect("config");
-    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
-    let rules = vec!["udp-ban".to_string()];
+    kernel_test!();
+    let config = ban_rule("udp-ban", (100, 3), "1h", "3s");
+    let mut fx = Fixture::load(&config);
     // Fill the rules' table as a spoofed IPv6 flood would: one /64 ban each.
     let now = report::mono_ns();
-    ratelimit_tests::bans::fill_rule_ban_table(&mut maps, 0, now);
+    ratelimit_tests::bans::fill_rule_ban_table(&mut fx.maps, 0, now);
     // The operator can still ban.
-    ban(&mut maps, "198.18.45.0/24");
+    fx.ban("198.18.45.0/24");
     assert_eq!(
-        dp.test_run(&v4([198, 18, 45, 1]).udp(40000, 53).build(), 1)
-            .unwrap()
-            .0,
+        fx.run(&v4([198, 18, 45, 1]).udp(40000, 53).build(), 1),
         XDP_DROP
     );
     // A client crosses the ban threshold with the table full: banned all the same.
     let f = v4([198, 18, 46, 1]).udp(40000, 9000).build();
-    let before = counters(&maps, &rules);
-    for _ in 0..4 {
-        dp.test_run(&f, 1).unwrap();
-    }
-    let d = delta(&before, &counters(&maps, &rules));
-    assert_eq!(d.get("bans_issued"), Some(&1), "{d:?}");
-    assert_eq!(d.get("ban_held_in_state"), Some(&1), "{d:?}");
-    assert_eq!(d.get("udp-ban/dropped"), Some(&1), "{d:?}");
-    let before = counters(&maps, &rules);
-    assert_eq!(dp.test_run(&f, 20).unwrap().0, XDP_DROP);
-    let d = delta(&before, &counters(&maps, &rules));
-    assert_eq!(d.get("udp-ban/banned_dropped"), Some(&20), "{d:?}");
-    assert_eq!(d.get("bans_issued"), None, "{d:?}");
+    fx.delta_of(|fx| fx.run_singly(&f, 4))
+        .assert("bans_issued=1 ban_held_in_state=1 udp-ban/dropped=1");
+    fx.expect(&f, 20, XDP_DROP, "udp-ban/banned_dropped=20 bans_issued=0");
     // After ban_duration (3 s; the coarse clock is at most a tick behind) it starts clean.
     std::thread::sleep(std::time::Duration::from_millis(3_500));
-    let before = counters(&maps, &rules);
-    assert_eq!(dp.test_run(&f, 3).unwrap().0, XDP_PASS);
-    let d = delta(&before, &counters(&maps, &rules));
-    assert_eq!(d.get("udp-ban/admitted"), Some(&3), "{d:?}");
+    fx.expect(&f, 3, XDP_PASS, "udp-ban/admitted=3");
 }
 
 /// A ban held in a client's state (the rules' ban table was full) lasts its whole
@@ -2698,87 +1587,26 @@ algorithm = "fixed_window"
 /// ban).
 #[test]
 fn a_ban_held_in_state_is_never_evicted_before_it_ends() {
-    if skip_unless_kernel() {
-        return;
-    }
-    const CONFIG: &str = r#"
-[tracking]
-new_sources_per_sec = 0
-
-[[rule]]
-name = "udp-ban"
-action = "rate_based_ban"
-match = { protocol = "udp", dst_ports = ["9000"] }
-threshold = { count = 100, interval = "1s" }
-ban_threshold = { count = 3, interval = "1s" }
-ban_duration = "1h"
-algorithm = "fixed_window"
-"#;
-    let pins = Pins::new("fixtures");
+    kernel_test!();
+    let config = tracking("new_sources_per_sec = 0") + &ban_rule("udp-ban", (100, 3), "1s", "1h");
     // One set of 8 slots: every new source competes for the held client's slot.
-    let mut dp = Datapath::load(&pins.0, 8).expect("load program");
-    let mut maps = dp.take_maps().expect("maps");
-    let cfg = config::parse("held.toml", CONFIG).expect("config");
-    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
-    let rules = vec!["udp-ban".to_string()];
+    let mut fx = Fixture::builder().max_sources(8).load(&config);
     let now = report::mono_ns();
-    ratelimit_tests::bans::fill_rule_ban_table(&mut maps, 0, now);
+    ratelimit_tests::bans::fill_rule_ban_table(&mut fx.maps, 0, now);
     let held = v4([198, 18, 47, 1]).udp(40000, 9000).build();
-    let before = counters(&maps, &rules);
-    for _ in 0..4 {
-        dp.test_run(&held, 1).unwrap();
-    }
-    let d = delta(&before, &counters(&maps, &rules));
-    assert_eq!(d.get("ban_held_in_state"), Some(&1), "{d:?}");
+    fx.delta_of(|fx| fx.run_singly(&held, 4))
+        .assert("ban_held_in_state=1");
     // Quiet for longer than the rule remembers a packet (two ban intervals: 2 s).
     std::thread::sleep(std::time::Duration::from_millis(2_500));
     // Eight new sources: seven take the free slots, the eighth finds the set full.
-    let before = counters(&maps, &rules);
+    let before = fx.counters();
     for i in 0..8u8 {
-        dp.test_run(&v4([198, 18, 48, i]).udp(40000, 9000).build(), 1)
-            .unwrap();
+        fx.run(&v4([198, 18, 48, i]).udp(40000, 9000).build(), 1);
     }
-    let d = delta(&before, &counters(&maps, &rules));
-    assert_eq!(d.get("state_created"), Some(&7), "{d:?}");
-    assert_eq!(d.get("state_evicted"), None, "{d:?}");
-    assert_eq!(d.get("state_protected"), Some(&1), "{d:?}");
+    fx.delta(&before)
+        .assert("state_created=7 state_evicted=0 state_protected=1");
     // The held client is still banned.
-    let before = counters(&maps, &rules);
-    assert_eq!(dp.test_run(&held, 5).unwrap().0, XDP_DROP);
-    let d = delta(&before, &counters(&maps, &rules));
-    assert_eq!(d.get("udp-ban/banned_dropped"), Some(&5), "{d:?}");
-}
-
-/// The lines the program wrote through aya-log, as the daemon's forwarder would get them.
-#[derive(Clone, Default)]
-struct Lines(std::sync::Arc<std::sync::Mutex<Vec<(log::Level, String)>>>);
-
-impl log::Log for Lines {
-    fn enabled(&self, _: &log::Metadata<'_>) -> bool {
-        true
-    }
-    fn log(&self, record: &log::Record<'_>) {
-        let line = record.args().to_string();
-        self.0.lock().unwrap().push((record.level(), line));
-    }
-    fn flush(&self) {}
-}
-
-impl Lines {
-    /// The lines starting with `what`, with the count each stands for (the number after it).
-    fn counts(&self, what: &str) -> Vec<(u64, String)> {
-        self.0
-            .lock()
-            .unwrap()
-            .iter()
-            .filter_map(|(level, line)| {
-                let rest = line.strip_prefix(what)?;
-                assert_eq!(*level, log::Level::Warn, "{line}");
-                let n = rest.split(' ').next()?.parse().ok()?;
-                Some((n, line.clone()))
-            })
-            .collect()
-    }
+    fx.expect(&held, 5, XDP_DROP, "udp-ban/banned_dropped=5");
 }
 
 /// A full rule ban table reaches the log through aya-log, never per packet: the first held ban
@@ -2786,53 +1614,28 @@ impl Lines {
 /// number of bans it stands for, the last rule and family. The lines add up to the counter.
 #[test]
 fn a_full_rule_ban_table_is_logged_at_most_once_a_second_with_its_count() {
-    if skip_unless_kernel() {
-        return;
-    }
+    kernel_test!();
     use std::time::{Duration, Instant};
-    const CONFIG: &str = r#"
-[[rule]]
-name = "tcp-other"
-match = { protocol = "tcp", dst_ports = ["1"] }
-threshold = { count = 100, interval = "1h" }
-
-[[rule]]
-name = "udp-ban"
-action = "rate_based_ban"
-match = { protocol = "udp", dst_ports = ["9000"] }
-threshold = { count = 100, interval = "1h" }
-ban_threshold = { count = 3, interval = "1h" }
-ban_duration = "1h"
-algorithm = "fixed_window"
-"#;
+    let tcp_other = "[[rule]]\nname = \"tcp-other\"\n\
+                     match = { protocol = \"tcp\", dst_ports = [\"1\"] }\n\
+                     threshold = { count = 100, interval = \"1h\" }\n";
+    let config = tcp_other.to_owned() + &ban_rule("udp-ban", (100, 3), "1h", "1h");
     const WHAT: &str = "rule ban table full: ";
     ratelimit_tests::sender::pin_current_thread(0).expect("pin");
-    let pins = Pins::new("fixtures");
-    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
-    let lines = Lines::default();
-    let mut logger =
-        ratelimit_user::kernel_log::open(dp.ebpf_mut(), lines.clone()).expect("open the log ring");
-    let mut flush = || {
-        if let Some(l) = logger.as_mut() {
-            l.flush();
-        }
-    };
-    let mut maps = dp.take_maps().expect("maps");
-    let cfg = config::parse("full.toml", CONFIG).expect("config");
-    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
-    let rules = vec!["udp-ban".to_string()];
+    let mut fx = Fixture::load(&config);
+    let mut log = fx.kernel_log();
     let now = report::mono_ns();
-    ratelimit_tests::bans::fill_rule_ban_table(&mut maps, 1, now);
-    let before = counters(&maps, &rules);
+    ratelimit_tests::bans::fill_rule_ban_table(&mut fx.maps, 1, now);
+    let before = fx.counters();
     // 30 IPv4 clients cross the ban threshold (4 packets each): 30 held bans, one line.
     let t0 = Instant::now();
     for i in 0..30u8 {
         let f = v4([198, 18, 46, i]).udp(40000, 9000).build();
-        assert_eq!(dp.test_run(&f, 4).unwrap().0, XDP_DROP);
+        assert_eq!(fx.run(&f, 4), XDP_DROP);
     }
     let burst1 = t0.elapsed();
-    flush();
-    let got = lines.counts(WHAT);
+    log.flush();
+    let got = log.counts(WHAT);
     // Timing tolerance: a burst slower than 0.9 s (a very busy machine) may see a line for
     // every second it spans (give or take the coarse clock's tick).
     if burst1 < Duration::from_millis(900) {
@@ -2851,11 +1654,11 @@ algorithm = "fixed_window"
         let f = v6(&format!("2001:db8:46:{i:x}::1"))
             .udp(40000, 9000)
             .build();
-        assert_eq!(dp.test_run(&f, 4).unwrap().0, XDP_DROP);
+        assert_eq!(fx.run(&f, 4), XDP_DROP);
     }
     let burst2 = t1.elapsed();
-    flush();
-    let got2 = lines.counts(WHAT);
+    log.flush();
+    let got2 = log.counts(WHAT);
     if burst1 < Duration::from_millis(900) && burst2 < Duration::from_millis(900) {
         assert_eq!(got2.len(), 2, "{got2:?}");
         assert_eq!(got2[1].0, 29, "{got2:?}");
@@ -2863,11 +1666,10 @@ algorithm = "fixed_window"
     }
     std::thread::sleep(Duration::from_millis(1_200));
     let plain = v4([198, 18, 47, 1]).udp(40000, 9000).build();
-    assert_eq!(dp.test_run(&plain, 1).unwrap().0, XDP_PASS);
-    flush();
-    let all = lines.counts(WHAT);
-    let d = delta(&before, &counters(&maps, &rules));
-    assert_eq!(d.get("ban_held_in_state"), Some(&40), "{d:?}");
+    assert_eq!(fx.run(&plain, 1), XDP_PASS);
+    log.flush();
+    let all = log.counts(WHAT);
+    fx.delta(&before).assert("ban_held_in_state=40");
     assert_eq!(
         all.iter().map(|(n, _)| n).sum::<u64>(),
         40,
@@ -2886,37 +1688,17 @@ algorithm = "fixed_window"
 /// `state_insert_failed`, and reaches the log at most once a second with its count.
 #[test]
 fn a_full_shared_state_map_fails_open_counts_each_packet_once_and_is_logged() {
-    if skip_unless_kernel() {
-        return;
-    }
+    kernel_test!();
     use ratelimit_common::{
         caps::MAX_SHARED_STATES,
         maps::{ClientKey, KEY_REGION, SharedState},
     };
     use std::time::{Duration, Instant};
-    const CONFIG: &str = r#"
-[[rule]]
-name = "all"
-key = "all"
-match = { protocol = "udp", dst_ports = ["9000"] }
-threshold = { count = 5, interval = "1h" }
-algorithm = "fixed_window"
-"#;
+    let config = udp_rule("all", 9000, 5) + "key = \"all\"\n";
     const WHAT: &str = "shared-key state map refused a key: ";
     ratelimit_tests::sender::pin_current_thread(0).expect("pin");
-    let pins = Pins::new("fixtures");
-    let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
-    let lines = Lines::default();
-    let mut logger =
-        ratelimit_user::kernel_log::open(dp.ebpf_mut(), lines.clone()).expect("open the log ring");
-    let mut flush = || {
-        if let Some(l) = logger.as_mut() {
-            l.flush();
-        }
-    };
-    let mut maps = dp.take_maps().expect("maps");
-    let cfg = config::parse("shared.toml", CONFIG).expect("config");
-    apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
+    let mut fx = Fixture::load(&config);
+    let mut log = fx.kernel_log();
     // Fill the shared keys' map with region keys of a rule slot no rule uses.
     for i in 0..MAX_SHARED_STATES {
         let mut addr = [0u8; 16];
@@ -2928,29 +1710,27 @@ algorithm = "fixed_window"
             prefix_len: 0,
             addr,
         };
-        maps.clients
+        fx.maps
+            .clients
             .shared
             .insert(key, SharedState::default(), 0)
             .expect("fill the shared map");
     }
-    let rules = vec!["all".to_string()];
     let f = v4([198, 18, 48, 1]).udp(40000, 9000).build();
-    let before = counters(&maps, &rules);
+    let before = fx.counters();
     let t0 = Instant::now();
-    assert_eq!(dp.test_run(&f, 50).unwrap().0, XDP_PASS);
+    assert_eq!(fx.run(&f, 50), XDP_PASS);
     let took = t0.elapsed();
-    let d = delta(&before, &counters(&maps, &rules));
-    assert_eq!(d.get("pass"), Some(&50), "{d:?}");
-    assert_eq!(d.get("state_insert_failed"), Some(&50), "{d:?}");
-    flush();
+    fx.delta(&before).assert("pass=50 state_insert_failed=50");
+    log.flush();
     if took < Duration::from_millis(900) {
-        assert_eq!(lines.counts(WHAT).len(), 1, "{:?}", lines.counts(WHAT));
+        assert_eq!(log.counts(WHAT).len(), 1, "{:?}", log.counts(WHAT));
     }
-    assert_eq!(lines.counts(WHAT)[0].0, 1, "{:?}", lines.counts(WHAT));
+    assert_eq!(log.counts(WHAT)[0].0, 1, "{:?}", log.counts(WHAT));
     std::thread::sleep(Duration::from_millis(1_200));
-    assert_eq!(dp.test_run(&f, 1).unwrap().0, XDP_PASS);
-    flush();
-    let got = lines.counts(WHAT);
+    assert_eq!(fx.run(&f, 1), XDP_PASS);
+    log.flush();
+    let got = log.counts(WHAT);
     assert_eq!(
         got.iter().map(|(n, _)| n).sum::<u64>(),
         51,
@@ -2960,127 +1740,6 @@ algorithm = "fixed_window"
     println!("{got:#?}");
 }
 
-/// A TCP segment in an Ethernet frame, by hand (seq, ack and options are the point here):
-/// from `src` to `dst`, IPv4 or IPv6 by the addresses' family, checksums computed.
-fn tcp_segment(
-    src: std::net::IpAddr,
-    dst: std::net::IpAddr,
-    (sport, dport): (u16, u16),
-    flags: u8,
-    (seq, ack): (u32, u32),
-    options: &[u8],
-) -> Vec<u8> {
-    use std::net::IpAddr;
-    assert_eq!(options.len() % 4, 0);
-    let mut tcp = Vec::new();
-    tcp.extend_from_slice(&sport.to_be_bytes());
-    tcp.extend_from_slice(&dport.to_be_bytes());
-    tcp.extend_from_slice(&seq.to_be_bytes());
-    tcp.extend_from_slice(&ack.to_be_bytes());
-    tcp.push(((20 + options.len()) as u8 / 4) << 4);
-    tcp.push(flags);
-    tcp.extend_from_slice(&[0xff, 0xff, 0, 0, 0, 0]);
-    tcp.extend_from_slice(options);
-    let mut f = Vec::new();
-    f.extend_from_slice(&SERVER_MAC);
-    f.extend_from_slice(&CLIENT_MAC);
-    let mut pseudo = Vec::new();
-    match (src, dst) {
-        (IpAddr::V4(s), IpAddr::V4(d)) => {
-            f.extend_from_slice(&[0x08, 0x00]);
-            let mut ip = vec![0x45, 0];
-            ip.extend_from_slice(&((20 + tcp.len()) as u16).to_be_bytes());
-            ip.extend_from_slice(&[0, 0, 0x40, 0, 64, 6, 0, 0]);
-            ip.extend_from_slice(&s.octets());
-            ip.extend_from_slice(&d.octets());
-            let c = ratelimit_tests::packet::checksum(&ip);
-            ip[10..12].copy_from_slice(&c.to_be_bytes());
-            f.extend_from_slice(&ip);
-            pseudo.extend_from_slice(&s.octets());
-            pseudo.extend_from_slice(&d.octets());
-            pseudo.extend_from_slice(&[0, 6]);
-            pseudo.extend_from_slice(&(tcp.len() as u16).to_be_bytes());
-        }
-        (IpAddr::V6(s), IpAddr::V6(d)) => {
-            f.extend_from_slice(&[0x86, 0xdd]);
-            f.extend_from_slice(&[0x60, 0, 0, 0]);
-            f.extend_from_slice(&(tcp.len() as u16).to_be_bytes());
-            f.extend_from_slice(&[6, 64]);
-            f.extend_from_slice(&s.octets());
-            f.extend_from_slice(&d.octets());
-            pseudo.extend_from_slice(&s.octets());
-            pseudo.extend_from_slice(&d.octets());
-            pseudo.extend_from_slice(&(tcp.len() as u32).to_be_bytes());
-            pseudo.extend_from_slice(&[0, 0, 0, 6]);
-        }
-        _ => panic!("mixed families"),
-    }
-    pseudo.extend_from_slice(&tcp);
-    let c = ratelimit_tests::packet::checksum(&pseudo);
-    tcp[16..18].copy_from_slice(&c.to_be_bytes());
-    f.extend_from_slice(&tcp);
-    f
-}
-
-/// A frame's IP addresses, TCP header and whether both checksums hold (the IPv4 header's and
-/// the segment's over its pseudo-header).
-struct Segment {
-    src: std::net::IpAddr,
-    dst: std::net::IpAddr,
-    sport: u16,
-    dport: u16,
-    seq: u32,
-    ack: u32,
-    flags: u8,
-    options: Vec<u8>,
-    checksums_hold: bool,
-}
-
-fn segment(f: &[u8]) -> Segment {
-    use std::net::IpAddr;
-    let (src, dst, l4, mut ok, pseudo_head): (IpAddr, IpAddr, usize, bool, Vec<u8>) =
-        match u16::from_be_bytes([f[12], f[13]]) {
-            0x0800 => {
-                let s: [u8; 4] = f[26..30].try_into().unwrap();
-                let d: [u8; 4] = f[30..34].try_into().unwrap();
-                let len = u16::from_be_bytes([f[16], f[17]]) as usize - 20;
-                let mut p = [&s[..], &d[..], &[0, 6]].concat();
-                p.extend_from_slice(&(len as u16).to_be_bytes());
-                (
-                    s.into(),
-                    d.into(),
-                    34,
-                    ratelimit_tests::packet::checksum(&f[14..34]) == 0,
-                    p,
-                )
-            }
-            0x86dd => {
-                let s: [u8; 16] = f[22..38].try_into().unwrap();
-                let d: [u8; 16] = f[38..54].try_into().unwrap();
-                let len = u16::from_be_bytes([f[18], f[19]]) as u32;
-                let mut p = [&s[..], &d[..]].concat();
-                p.extend_from_slice(&len.to_be_bytes());
-                p.extend_from_slice(&[0, 0, 0, 6]);
-                (s.into(), d.into(), 54, true, p)
-            }
-            t => panic!("ethertype {t:#x}"),
-        };
-    let t = &f[l4..];
-    let doff = (t[12] >> 4) as usize * 4;
-    ok &= ratelimit_tests::packet::checksum(&[&pseudo_head[..], t].concat()) == 0;
-    Segment {
-        src,
-        dst,
-        sport: u16::from_be_bytes([t[0], t[1]]),
-        dport: u16::from_be_bytes([t[2], t[3]]),
-        seq: u32::from_be_bytes(t[4..8].try_into().unwrap()),
-        ack: u32::from_be_bytes(t[8..12].try_into().unwrap()),
-        flags: t[13],
-        options: t[20..doff].to_vec(),
-        checksums_hold: ok,
-    }
-}
-
 /// Handshake-proven admission through BPF_PROG_TEST_RUN, in a network namespace of its own with
 /// `tcp_syncookies = 2` (the kernel makes cookies for a listener whatever its queue): a SYN
 /// from a source refused state is answered with a SYN-ACK whose cookie is the listener's, the
@@ -3088,24 +1747,15 @@ fn segment(f: &[u8]) -> Segment {
 /// packet gets state without the admission budget; a SYN to a closed port is dropped.
 #[test]
 fn syn_cookies_from_xdp_are_the_listeners_own() {
-    if skip_unless_kernel() {
-        return;
-    }
+    kernel_test!();
     use std::net::{IpAddr, SocketAddr};
     const OPEN: u16 = 8443;
     const CLOSED: u16 = 8444;
-    const COOKIE_CONFIG: &str = r#"
-[tracking]
-new_sources_per_sec = 1
-new_sources_burst = 1
-
-[[rule]]
-name = "tcp"
-match = { protocol = "tcp", dst_ports = ["8443-8444"] }
-threshold = { count = 1, interval = "1h" }
-algorithm = "fixed_window"
-"#;
-    std::thread::spawn(|| {
+    let config = budget(1, 1)
+        + "[[rule]]\nname = \"tcp\"\n\
+           match = { protocol = \"tcp\", dst_ports = [\"8443-8444\"] }\n\
+           threshold = { count = 1, interval = \"1h\" }\nalgorithm = \"fixed_window\"\n";
+    std::thread::spawn(move || {
         // SAFETY: unshare(2) of this thread's network namespace; no pointer involved.
         assert_eq!(unsafe { libc::unshare(libc::CLONE_NEWNET) }, 0, "unshare");
         std::fs::write("/proc/sys/net/ipv4/tcp_syncookies", "2").expect("tcp_syncookies");
@@ -3144,14 +1794,9 @@ algorithm = "fixed_window"
             "lo",
             "nodad",
         ]);
-        let pins = Pins::new("fixtures-cookies");
-        let mut dp = Datapath::load(&pins.0, 4096).expect("load program");
-        let mut maps = dp.take_maps().expect("maps");
+        let mut fx = Fixture::builder().pins("fixtures-cookies").load(&config);
         // As the daemon does before it attaches.
-        maps.refresh_local_addrs();
-        let cfg = config::parse("cookies.toml", COOKIE_CONFIG).expect("config");
-        apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
-        let rules = vec!["tcp".to_string()];
+        fx.maps.refresh_local_addrs();
         let mss = [2, 4, 0x05, 0xb4]; // 1460
         let server = |v6: bool| -> IpAddr { if v6 { SERVER6.into() } else { SERVER4.into() } };
         let syn = |src: IpAddr, dport: u16| {
@@ -3164,10 +1809,10 @@ algorithm = "fixed_window"
                 &mss,
             )
         };
-        let run = |f: &[u8]| dp.test_run_out(f).unwrap();
+        let run = |f: &[u8]| fx.run_out(f);
         // The first source takes the budget's one state, the second the overflow state's one
         // packet; from the third on, sources are refused and the overflow state is spent.
-        let before = counters(&maps, &rules);
+        let before = fx.counters();
         assert_eq!(
             run(&syn(Ipv4Addr::new(198, 18, 30, 1).into(), OPEN)).0,
             XDP_PASS
@@ -3181,8 +1826,8 @@ algorithm = "fixed_window"
             run(&syn(Ipv4Addr::new(198, 18, 30, 3).into(), CLOSED)).0,
             XDP_DROP
         );
-        let d = delta(&before, &counters(&maps, &rules));
-        assert_eq!(d.get("syn_cookies_sent"), None, "{d:?}");
+        let d = fx.delta(&before);
+        d.assert("syn_cookies_sent=0");
         for (i, client) in [
             IpAddr::from(Ipv4Addr::new(198, 18, 30, 4)),
             "2001:db8:30::4".parse().unwrap(),
@@ -3190,7 +1835,7 @@ algorithm = "fixed_window"
         .into_iter()
         .enumerate()
         {
-            let before = counters(&maps, &rules);
+            let before = fx.counters();
             let frame = syn(client, OPEN);
             let (action, out) = run(&frame);
             assert_eq!(action, XDP_TX, "{client}");
@@ -3234,7 +1879,7 @@ algorithm = "fixed_window"
                 &[],
             );
             assert_eq!(run(&data).0, XDP_PASS, "{client}");
-            let d = delta(&before, &counters(&maps, &rules));
+            let d = fx.delta(&before);
             assert_eq!(d.get("syn_cookies_sent"), Some(&1), "{i}: {d:?}");
             assert_eq!(d.get("sources_proven"), Some(&1), "{i}: {d:?}");
             assert_eq!(d.get("proven_admitted"), Some(&1), "{i}: {d:?}");
@@ -3274,11 +1919,11 @@ algorithm = "fixed_window"
         assert_eq!(u16::from_be_bytes([out[52], out[53]]), 0, "urgent pointer");
         // Not answered, and dropped as the rule said: a first fragment (more fragments set),
         // a SYN signed with TCP-MD5, one to a broadcast MAC, one from a martian source.
-        let before = counters(&maps, &rules);
+        let before = fx.counters();
         let mut first_fragment = syn(Ipv4Addr::new(198, 18, 30, 6).into(), OPEN);
         first_fragment[20] |= 0x20;
         first_fragment[24..26].copy_from_slice(&[0, 0]);
-        let c = ratelimit_tests::packet::checksum(&first_fragment[14..34]);
+        let c = checksum(&first_fragment[14..34]);
         first_fragment[24..26].copy_from_slice(&c.to_be_bytes());
         let md5 = tcp_segment(
             Ipv4Addr::new(198, 18, 30, 7).into(),
@@ -3299,13 +1944,12 @@ algorithm = "fixed_window"
         ] {
             assert_eq!(run(f).0, XDP_DROP, "{what}");
         }
-        let d = delta(&before, &counters(&maps, &rules));
-        assert_eq!(d.get("syn_cookies_sent"), None, "{d:?}");
-        assert_eq!(d.get("drop_rule"), Some(&4), "{d:?}");
+        let d = fx.delta(&before);
+        d.assert("syn_cookies_sent=0 drop_rule=4");
         // A SYN to an address this host does not own (which reaches the NIC all the same: a
         // shared segment, a mistaken route) is not answered, though the wildcard listener
         // matches any destination; dropped as the rule said. One to its own still is.
-        let before = counters(&maps, &rules);
+        let before = fx.counters();
         let foreign4: IpAddr = Ipv4Addr::new(198, 18, 99, 1).into();
         let foreign6: IpAddr = "2001:db8:99::1".parse().unwrap();
         for (i, (src, dst)) in [
@@ -3326,18 +1970,17 @@ algorithm = "fixed_window"
             let (action, out) = run(&f);
             assert_eq!(action, XDP_DROP, "a SYN to {dst} was answered: {out:02x?}");
         }
-        let d = delta(&before, &counters(&maps, &rules));
-        assert_eq!(d.get("syn_cookies_sent"), None, "{d:?}");
-        assert_eq!(d.get("drop_rule"), Some(&2), "{d:?}");
+        let d = fx.delta(&before);
+        d.assert("syn_cookies_sent=0 drop_rule=2");
         assert_eq!(d.get("admission_refused"), Some(&2), "refused state: {d:?}");
         for src in [
             IpAddr::from(Ipv4Addr::new(198, 18, 30, 11)),
             // Another /64 than the one proven above (the rule keys IPv6 sources by /64).
             "2001:db8:33::11".parse().unwrap(),
         ] {
-            let before = counters(&maps, &rules);
+            let before = fx.counters();
             let action = run(&syn(src, OPEN)).0;
-            let d = delta(&before, &counters(&maps, &rules));
+            let d = fx.delta(&before);
             assert_eq!(
                 action, XDP_TX,
                 "a SYN from {src} to this host's own address: {d:?}"

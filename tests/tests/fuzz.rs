@@ -36,12 +36,11 @@ use ratelimit_common::{
     model::{self, Counters, Model, Policy, hex_dump},
     stats::{self, global, rule as rc},
 };
-use ratelimit_tests::{fuzz, kernel_test, pins::Pins};
-use ratelimit_user::{
-    apply, config,
-    datapath::{Datapath, Maps},
-    report,
+use ratelimit_tests::{
+    fixture::{Fixture, HOUR_NS, manual_ban, prefix},
+    fuzz, kernel_test,
 };
+use ratelimit_user::{apply, report};
 
 /// Frames whose counters are read and compared together.
 const BATCH: usize = 64;
@@ -66,99 +65,7 @@ const MAX_SOURCES: u32 = 1 << 18;
 /// kept by `fuzz-regressions/aliasing-bogons-malformed.hex`). The pressure level is low: the
 /// SYN ban rule, the token bucket and the override are elastic, and meter against their
 /// elastic limits.
-const CONFIG_LISTS: &str = r#"
-# pressure: low (the elastic limits are in force)
-[tracking]
-max_sources = 262144
-new_sources_per_sec = 0
-
-[lists]
-allow = ["198.18.50.0/28", "2001:db8:a11::/48"]
-deny = ["198.18.60.0/24", "2001:db8:dead::/48"]
-
-[[rule]]
-name = "syn-ban"
-match = { protocol = "tcp", tcp_flags = "syn", dst_ports = ["80", "443"] }
-key = "ip"
-ipv4_prefix = 32
-ipv6_prefix = 124
-action = "rate_based_ban"
-threshold = { count = 2, interval = "{I}s" }
-algorithm = "fixed_window"
-ban_threshold = { count = 4, interval = "{I}s" }
-ban_duration = "1h"
-elastic = 2
-
-[[rule]]
-name = "dns-bucket"
-match = { protocol = "udp", dst_ports = ["53", "5000-5100"] }
-key = "ip"
-threshold = { count = 3, interval = "1h" }
-algorithm = "token_bucket"
-burst = 5
-elastic = 2
-
-[[rule]]
-name = "icmp-all"
-match = { protocol = "icmp" }
-key = "all"
-threshold = { count = 400, interval = "{I}s" }
-algorithm = "sliding_window"
-
-[[rule]]
-name = "udp-preview-ban"
-match = { protocol = "udp", dst_ports = ["7000-7999"] }
-key = "ip"
-action = "rate_based_ban"
-threshold = { count = 4, interval = "{I}s" }
-algorithm = "sliding_window"
-ban_threshold = { count = 6, interval = "{I}s" }
-ban_duration = "1h"
-preview = true
-
-[[rule]]
-name = "ssh-pass-ban"
-match = { protocol = "tcp", dst_ports = ["22"] }
-key = "ip"
-ipv6_prefix = 120
-action = "rate_based_ban"
-threshold = { count = 3, interval = "{I}s" }
-algorithm = "fixed_window"
-ban_duration = "1h"
-exceed_action = "pass"
-
-[[rule]]
-name = "src-list"
-match = { src = ["198.18.40.0/24", "2001:db8:40::/48"] }
-key = "ip"
-ipv6_prefix = 48
-threshold = { count = 12, interval = "{I}s" }
-algorithm = "fixed_window"
-
-[[rule.override]]
-cidr = "198.18.40.128/25"
-threshold = { count = 30, interval = "{I}s" }
-elastic = 1.5
-
-[[rule]]
-name = "tcp-bytes"
-match = { protocol = "tcp" }
-key = "ip"
-ipv4_prefix = 2
-ipv6_prefix = 2
-threshold = { bytes = 65536, interval = "{I}s" }
-algorithm = "fixed_window"
-
-[[rule]]
-name = "icmpv6-all-ban"
-match = { protocol = "icmpv6" }
-key = "all"
-action = "rate_based_ban"
-threshold = { count = 300, interval = "{I}s" }
-algorithm = "fixed_window"
-ban_threshold = { count = 500, interval = "{I}s" }
-ban_duration = "1h"
-"#;
+const CONFIG_LISTS: &str = include_str!("../configs/fuzz-lists.toml");
 
 /// The second config, used by every other epoch: no allow or deny list (so a source-list
 /// rule looks its sources up itself), a key = all rule on SYN-ACK flags with an override, a
@@ -166,74 +73,7 @@ ban_duration = "1h"
 /// a token bucket of burst 1 per /28 and /100, a preview rule that matches every packet, an
 /// ICMP ban rule on bytes with an override, and a catch-all shared bucket. The pressure level
 /// is high: the SYN-ACK rule and its override are elastic, and held to their thresholds.
-const CONFIG_NO_LISTS: &str = r#"
-[tracking]
-max_sources = 262144
-new_sources_per_sec = 0
-
-[[rule]]
-name = "synack-all"
-match = { protocol = "tcp", tcp_flags = "syn,ack,!rst" }
-key = "all"
-threshold = { count = 150, interval = "{I}s" }
-algorithm = "fixed_window"
-elastic = 3
-
-[[rule.override]]
-cidr = "2001:db8:40::/48"
-threshold = { count = 1000, interval = "{I}s" }
-elastic = 1.25
-
-[[rule]]
-name = "udp-ports-bytes"
-match = { protocol = "udp", dst_ports = ["53", "123", "5000-5010", "5020-5030", "5040-5050", "7000-7100", "7200", "9999-65535"] }
-key = "ip"
-ipv4_prefix = 1
-ipv6_prefix = 1
-threshold = { bytes = 65536, interval = "{I}s" }
-algorithm = "sliding_window"
-exceed_action = "pass"
-
-[[rule]]
-name = "src-list-bucket"
-match = { src = ["198.18.50.0/28", "198.18.60.0/24", "2001:db8:dead::/48", "10.0.0.0/8"] }
-key = "ip"
-ipv4_prefix = 28
-ipv6_prefix = 100
-threshold = { count = 3, interval = "1h" }
-algorithm = "token_bucket"
-burst = 1
-
-[[rule]]
-name = "any-preview"
-key = "ip"
-threshold = { count = 8, interval = "{I}s" }
-algorithm = "fixed_window"
-preview = true
-
-[[rule]]
-name = "icmp-ban-bytes"
-match = { protocol = "icmp" }
-key = "ip"
-ipv4_prefix = 2
-ipv6_prefix = 2
-action = "rate_based_ban"
-threshold = { bytes = 65536, interval = "{I}s" }
-ban_threshold = { bytes = 98304, interval = "{I}s" }
-ban_duration = "1h"
-algorithm = "fixed_window"
-
-[[rule.override]]
-cidr = "10.0.0.0/8"
-threshold = { bytes = 65536, interval = "{I}s" }
-ban_threshold = { bytes = 70000, interval = "{I}s" }
-
-[[rule]]
-name = "everything-shared"
-key = "all"
-threshold = { count = 5000, interval = "{I}s" }
-algorithm = "sliding_window"
-"#;
+const CONFIG_NO_LISTS: &str = include_str!("../configs/fuzz-no-lists.toml");
 
 /// The configs epochs take in turn.
 const CONFIGS: [&str; 2] = [CONFIG_LISTS, CONFIG_NO_LISTS];
@@ -261,9 +101,7 @@ fn window_interval_s(now_ns: u64) -> u64 {
 
 /// One program with the fuzz config applied, and the model of it.
 struct Lab {
-    _pins: Pins,
-    dp: Datapath,
-    maps: Maps,
+    fx: Fixture,
     model: Model,
     now: u64,
     rules: usize,
@@ -275,23 +113,21 @@ struct Lab {
 impl Lab {
     /// A fresh program with `CONFIGS[config]`.
     fn new(config: usize) -> Self {
-        let pins = Pins::new("fuzz");
-        let dp_err = "load the program (are you root, with bpffs at /sys/fs/bpf?)";
-        let mut dp = Datapath::load(&pins.0, MAX_SOURCES).expect(dp_err);
-        let mut maps = dp.take_maps().expect("maps");
         let now = report::mono_ns();
         let interval = window_interval_s(now);
         let text = CONFIGS[config].replace("{I}", &interval.to_string());
-        let cfg = config::parse("fuzz.toml", &text).expect("the fuzz config parses");
-        let plan = apply::plan(&cfg, false);
-        apply::apply(&mut maps, &plan).expect("apply the fuzz config");
+        let mut fx = Fixture::builder()
+            .pins("fuzz")
+            .max_sources(MAX_SOURCES)
+            .load(&text);
         // The pressure level: low (elastic limits in force) where the config says so, high
         // (every limit as configured, elastic or not) otherwise; the model reads it from the
         // global config like the program.
         let relaxed = text.contains("# pressure: low");
-        apply::write_relaxed(&mut maps, relaxed).expect("write the pressure level");
+        apply::write_relaxed(&mut fx.maps, relaxed).expect("write the pressure level");
         // `apply` writes the store's size into the global config.
-        let global = maps.global.get(&0, 0).expect("global config");
+        let global = fx.maps.global.get(&0, 0).expect("global config");
+        let plan = &fx.plan;
         let policy = Policy {
             global,
             rules: plan.rules.clone(),
@@ -308,34 +144,30 @@ impl Lab {
         };
         let mut model = Model::new(policy).expect("the model covers the fuzz config");
         for cidr in BANS {
-            let net = ratelimit_user::config::parse_net(cidr).expect("ban CIDR");
-            let (plen, key) = apply::prefix(&net);
-            let entry = BanEntry::manual(plen, key.addr, now, now + 3_600_000_000_000);
-            maps.insert_ban(entry).expect("insert a ban");
+            let entry = manual_ban(cidr, now, now + HOUR_NS);
+            fx.insert_ban(entry);
             model.insert_ban(entry);
         }
         for cidr in REMOTE_BANS {
-            let net = ratelimit_user::config::parse_net(cidr).expect("ban CIDR");
-            let (plen, key) = apply::prefix(&net);
+            let (plen, key) = prefix(cidr);
             let entry = BanEntry {
                 flags: BAN_MANUAL | BAN_REMOTE,
-                ..BanEntry::manual(plen, key.addr, now, now + 3_600_000_000_000)
+                ..manual_ban(cidr, now, now + HOUR_NS)
             };
-            maps.insert_ban(entry).expect("insert a remote ban");
+            fx.insert_ban(entry);
             assert_eq!(
-                maps.ban_at(BAN_TABLE_REMOTE, plen, &key),
+                fx.maps.ban_at(BAN_TABLE_REMOTE, plen, &key),
                 Some(entry),
                 "a remote ban goes into the remote table"
             );
             model.insert_ban(entry);
         }
+        let rules = fx.rules.len();
         let mut lab = Lab {
-            _pins: pins,
-            dp,
-            maps,
+            fx,
             model,
             now,
-            rules: cfg.rules.len(),
+            rules,
             started: Instant::now(),
             last: Counters::default(),
         };
@@ -347,7 +179,7 @@ impl Lab {
     fn read(&self) -> Counters {
         let mut c = Counters::default();
         let get = |i: u32| -> (u64, u64) {
-            let v = self.maps.stats.get(&i, 0).expect("read a counter");
+            let v = self.fx.maps.stats.get(&i, 0).expect("read a counter");
             v.iter()
                 .fold((0, 0), |a, x| (a.0 + x.packets, a.1 + x.bytes))
         };
@@ -380,15 +212,14 @@ impl Lab {
     }
 
     fn drain_events(&mut self) {
-        if let Some(rb) = self.maps.events.as_mut() {
+        if let Some(rb) = self.fx.maps.events.as_mut() {
             while rb.next().is_some() {}
         }
     }
 
     /// Run one frame through both: (program's action, model's outcome).
     fn step(&mut self, frame: &[u8]) -> (u32, model::Outcome) {
-        let (action, _) = self.dp.test_run(frame, 1).expect("BPF_PROG_TEST_RUN");
-        (action, self.model.run(frame, self.now))
+        (self.fx.run(frame, 1), self.model.run(frame, self.now))
     }
 
     fn expired(&self, frames: u64) -> bool {
@@ -713,7 +544,8 @@ fn program_and_model_agree_on_generated_frames() {
     );
     let fast_entries = (0..FAST_ENTRIES)
         .map(|k| {
-            lab.maps
+            lab.fx
+                .maps
                 .fast
                 .get(&k, 0)
                 .map_or(0, |v| v.iter().filter(|e| e.jiffies != 0).count())
