@@ -1,4 +1,4 @@
-//! Handshake-proven admission (`tracking.syn_cookies`, README "Handshake-proven admission"):
+//! Handshake-proven admission (`tracking.syn_cookies`; docs/rules-and-semantics.md):
 //! while a random-source flood spends the admission budget and empties its rule's overflow
 //! state, a new legitimate TCP client still connects in a round trip, and gets state of its
 //! own once its handshake proves its address.

@@ -7,7 +7,7 @@
 //! be served worse with the rate limiter than without it. The daemon runs the default config
 //! (admission on: `new_sources_per_sec = "auto"`) plus the rule. With admission off every
 //! spoofed source takes the insert path, the veth's ring overflows and legitimate SYNs are
-//! lost before any verdict (README, "Under a real SYN flood").
+//! lost before any verdict (docs/measurements.md, "Under a real SYN flood").
 //!
 //! Each phase prints where packets went: the veth ends' `ethtool -S` and drop counters, the
 //! server namespace's TcpExt (listen queue, SYN cookies), the clients' retransmissions, the
@@ -518,8 +518,8 @@ fn nginx_clients_under_hping3_syn_flood_are_served_no_worse_with_the_default_con
     assert_ran(&ours);
     assert_no_worse(&none, &ours);
     // New clients too: each is served without waiting for a SYN retransmission (1 s), its
-    // SYN handed to nginx's listener or answered with a cookie from XDP (README,
-    // "A new TCP client proves itself by its handshake").
+    // SYN handed to nginx's listener or answered with a cookie from XDP
+    // (docs/rules-and-semantics.md, "Handshake-proven admission").
     for (i, l) in ours.late.iter().enumerate() {
         assert!(
             l.is_some_and(|d| d < Duration::from_millis(200)),

@@ -5,6 +5,8 @@
 
 mod bench;
 mod demo;
+#[cfg(test)]
+mod docs;
 mod fuzz;
 mod run;
 mod setup;

@@ -2,7 +2,7 @@
 //!
 //! fmt, clippy, host tests, the daemon build, then the kernel end-to-end tests (root, `ip`,
 //! bpffs), then the tests that load the real program ([`GUEST_TESTS`]) on each of the other
-//! kernels the README promises, booted under qemu ([`vm`]). Without their preconditions the
+//! kernels docs/kernels.md promises, booted under qemu ([`vm`]). Without their preconditions the
 //! kernel tests are skipped, except under CI where that is a failure.
 
 use std::path::{Path, PathBuf};
@@ -46,7 +46,7 @@ const STEPS: usize = 7;
 ///
 /// The differential fuzz test runs its 100,000 frames in each guest too (about 2,000 frames/s
 /// under emulation: 50 s a kernel), so the program and the model are compared on every kernel
-/// the README promises, not only on the host's.
+/// docs/kernels.md promises, not only on the host's.
 const GUEST_TESTS: &[GuestTest] = &[
     GuestTest {
         name: "fixtures",

@@ -31,7 +31,7 @@ use crate::{setup, util};
 /// Where a kernel comes from.
 #[derive(Debug, Clone, Copy)]
 enum Package {
-    /// This exact image package: its numbers in the README are for this build.
+    /// This exact image package: its numbers in docs/kernels.md are for this build.
     Exact(&'static str),
     /// Whatever image package `linux-image-amd64` of the suite depends on today.
     Newest,
@@ -47,7 +47,7 @@ pub struct Kernel {
     package: Package,
 }
 
-/// The kernels `cargo xtask test` boots: the oldest the README promises (Debian 12's own),
+/// The kernels `cargo xtask test` boots: the oldest docs/kernels.md promises (Debian 12's own),
 /// Debian 12's newer one, and the newest Debian ships at all.
 pub const KERNELS: &[Kernel] = &[
     Kernel {
