@@ -21,9 +21,9 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     apply::prefix,
+    clock::{mono_ns, wall_of},
     config::MAX_BAN_DURATION,
     datapath::Maps,
-    report::{mono_ns, wall_of},
 };
 
 pub const FILE: &str = "bans.json";
@@ -103,7 +103,7 @@ pub fn save(
                 preview: b.flags & BAN_PREVIEW != 0,
                 exceed_pass: b.flags & BAN_EXCEED_PASS != 0,
                 reason: reasons.get(&cidr).cloned(),
-                origin: (b.flags & crate::fleet::BAN_REMOTE != 0)
+                origin: (b.flags & ratelimit_common::maps::BAN_REMOTE != 0)
                     .then(|| origins.get(&cidr).cloned())
                     .flatten(),
                 cidr,
@@ -408,7 +408,7 @@ fn restore_one(
     if b.manual {
         flags |= BAN_MANUAL;
         if b.origin.is_some() {
-            flags |= crate::fleet::BAN_REMOTE;
+            flags |= ratelimit_common::maps::BAN_REMOTE;
         }
     }
     if b.preview {

@@ -101,7 +101,7 @@ pub struct Fleet {
     /// How far this host's wall clock may be off the store's before it stops taking part in
     /// global counting (`crate::fleet::Clock`).
     pub max_clock_skew: Duration,
-    /// The fleet's name: every key in the store is under it (`crate::fleet_trust`).
+    /// The fleet's name: every key in the store is under it (`crate::fleet::trust`).
     pub name: String,
     /// A file holding the fleet key (not the store's password): records and counts are
     /// authenticated with it. Read at start.
@@ -127,6 +127,37 @@ pub const DEFAULT_MAX_CLOCK_SKEW: Duration = Duration::from_millis(250);
 /// The range `fleet.max_clock_skew` may take.
 pub const MIN_MAX_CLOCK_SKEW: Duration = Duration::from_millis(10);
 pub const MAX_MAX_CLOCK_SKEW: Duration = Duration::from_secs(60);
+/// Default of `daemon.events_per_sec`: about 200 KB/s of lines at most, which a disk and a
+/// log shipper keep up with, and more than an attack's distinct offenders per second that an
+/// L7 system can act on.
+pub const EVENTS_PER_SEC_DEFAULT: u32 = 1000;
+/// Largest `daemon.events_per_sec`.
+pub const EVENTS_PER_SEC_MAX: u32 = 1_000_000;
+
+/// `fleet.name`'s default: keys as before fleet names existed.
+pub const FLEET_DEFAULT_NAME: &str = "default";
+/// The longest `fleet.name`.
+pub const MAX_FLEET_NAME_LEN: usize = 64;
+
+/// Whether `name` can name a fleet: 1 to [`MAX_FLEET_NAME_LEN`] letters, digits, `.`, `-`, `_`.
+pub fn check_fleet_name(name: &str) -> Result<(), String> {
+    if name.is_empty() {
+        return Err("must not be empty".into());
+    }
+    if name.len() > MAX_FLEET_NAME_LEN {
+        return Err(format!("must be at most {MAX_FLEET_NAME_LEN} characters"));
+    }
+    if let Some(c) = name
+        .chars()
+        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_')))
+    {
+        return Err(format!(
+            "{name:?}: {c:?} is not allowed (letters, digits, '.', '-' and '_' are)"
+        ));
+    }
+    Ok(())
+}
+
 /// The longest `fleet.host_id`.
 pub const MAX_HOST_ID_LEN: usize = 64;
 
@@ -297,7 +328,7 @@ impl Default for Daemon {
             http_listen: Some(DEFAULT_HTTP_LISTEN),
             state_dir: PathBuf::from(DEFAULT_STATE_DIR),
             events: None,
-            events_per_sec: crate::events::DEFAULT_PER_SEC,
+            events_per_sec: EVENTS_PER_SEC_DEFAULT,
             bpffs_dir: PathBuf::from(DEFAULT_BPFFS_DIR),
         }
     }
@@ -448,7 +479,7 @@ pub enum Scope {
     #[default]
     Local,
     /// The threshold holds across the fleet: each host adds the other hosts' counts of a
-    /// client, shared through the `[fleet]` store, into its own (`crate::global`).
+    /// client, shared through the `[fleet]` store, into its own (`crate::fleet::global`).
     Global,
 }
 

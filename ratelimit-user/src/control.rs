@@ -19,9 +19,9 @@ use crate::{
         OverrideAdded, OverrideAt, OverrideEntry, OverrideRemoved, OverrideSpec, RuleChanged,
         RuleEntry,
     },
-    reader::Status,
     report::{Ban, Client, Key, Stats},
     ruleset::RuleChanges,
+    status::Status,
 };
 
 #[derive(Serialize, Deserialize, Debug, Clone)]
@@ -416,12 +416,12 @@ pub(crate) mod samples {
                 slot: 1,
                 entry: Entry::Ethernet,
             }],
-            program: Some(crate::reader::Program {
+            program: Some(crate::status::Program {
                 xlated_insns: 9000,
                 verified_insns: 120_000,
             }),
             rules: vec!["syn-per-client".into()],
-            thresholds: vec![crate::reader::RuleThreshold {
+            thresholds: vec![crate::status::RuleThreshold {
                 rule: "syn-per-client".into(),
                 threshold: "2000/20m".into(),
                 elastic: Some(1.5),
@@ -429,7 +429,7 @@ pub(crate) mod samples {
             }],
             tracked_clients: 12,
             max_sources: 1 << 20,
-            admission: crate::reader::Admission {
+            admission: crate::status::Admission {
                 new_sources_per_sec: 17_477,
                 new_sources_burst: 17_477,
                 auto: true,
@@ -803,7 +803,7 @@ pub(crate) mod samples {
                         cursor: Some("1767323045000-0".into()),
                         clock_offset_ms: Some(-1.5),
                     }],
-                    global: crate::global::GlobalReport {
+                    global: crate::fleet::global::GlobalReport {
                         rules: vec!["syn-per-client".into()],
                         synced_keys: 12,
                         shared_keys: 0,

@@ -164,15 +164,17 @@ pub struct Handle {
     pub reports: Arc<Reports>,
 }
 
-impl crate::global::Owner for Handle {
-    async fn rules(&self) -> anyhow::Result<Vec<crate::global::GlobalRule>> {
-        self.with(|s| crate::global::GlobalRule::of(&s.live_rules()))
+impl crate::fleet::global::Owner for Handle {
+    async fn rules(&self) -> anyhow::Result<Vec<crate::fleet::global::GlobalRule>> {
+        self.with(|s| crate::fleet::global::GlobalRule::of(&s.live_rules()))
             .await
     }
 
     async fn check_clock(&self) -> anyhow::Result<bool> {
-        self.with(|s| apply::refresh_wall_offset(&mut s.maps, crate::global::CLOCK_TOLERANCE_NS))
-            .await?
+        self.with(|s| {
+            apply::refresh_wall_offset(&mut s.maps, crate::fleet::global::CLOCK_TOLERANCE_NS)
+        })
+        .await?
     }
 }
 
@@ -201,6 +203,17 @@ impl Handle {
         self.with(move |s| s.handle(req))
             .await
             .unwrap_or_else(|e| Response::err(format!("{e:#}")))
+    }
+}
+
+/// The HTTP listener's routes answer through the daemon's handle.
+impl crate::http::Backend for Handle {
+    async fn request(&self, req: Request) -> control::Response {
+        Handle::request(self, req).await
+    }
+
+    async fn snapshot(&self) -> anyhow::Result<(crate::report::Stats, crate::http::Gauges)> {
+        self.reports.with_turn(crate::http::snapshot).await?
     }
 }
 
@@ -275,7 +288,7 @@ impl State {
     pub fn pressure_report(&self) -> pressure::Report {
         let p = &self.pressure;
         let (mono, wall) = (Instant::now(), SystemTime::now());
-        let wall_of = |t: Instant| report::rfc3339(wall - mono.saturating_duration_since(t));
+        let wall_of = |t: Instant| crate::clock::rfc3339(wall - mono.saturating_duration_since(t));
         pressure::Report {
             level: p.level(),
             mode: p.mode(),
@@ -370,7 +383,7 @@ impl State {
             t.level.name()
         );
         self.events.pressure(events::PressureLine {
-            time: report::rfc3339(SystemTime::now()),
+            time: crate::clock::rfc3339(SystemTime::now()),
             event: match t.level {
                 pressure::Level::High => "pressure_high",
                 pressure::Level::Low => "pressure_low",
@@ -454,12 +467,7 @@ impl State {
         }
         self.bans_dirty = false;
         let rules = self.live_rules();
-        let saved = bans::save(
-            dir,
-            &self.maps,
-            &rules,
-            &self.ban_notes.read(),
-        );
+        let saved = bans::save(dir, &self.maps, &rules, &self.ban_notes.read());
         if saved.is_err() {
             self.bans_dirty = true;
         }
@@ -471,7 +479,7 @@ impl State {
         if dropped.is_empty() {
             return;
         }
-        let time = report::rfc3339(SystemTime::now());
+        let time = crate::clock::rfc3339(SystemTime::now());
         let mut lines = Vec::with_capacity(dropped.len());
         for d in dropped {
             lines.push(events::EventLine {
@@ -507,7 +515,7 @@ impl State {
     }
 
     fn sweep_expired_bans_inner(&mut self) -> usize {
-        let now = report::mono_ns();
+        let now = crate::clock::mono_ns();
         if self.next_ban_expiry == u64::MAX || now < self.next_ban_expiry {
             return 0;
         }
@@ -648,7 +656,7 @@ impl State {
             }
             parsed.push((net, s));
         }
-        let now = report::mono_ns();
+        let now = crate::clock::mono_ns();
         let mut undo = Vec::new();
         let inserted = self.insert_bans(&parsed, now, &mut undo);
         if inserted.is_err() {
@@ -755,7 +763,7 @@ impl State {
                     Ok(true) => {
                         found = true;
                         undo.push((table, plen, key, Some(entry)));
-                        lifted.push(ban_event(EV_UNBAN, &entry, report::mono_ns()));
+                        lifted.push(ban_event(EV_UNBAN, &entry, crate::clock::mono_ns()));
                     }
                     // Expired and lifted by the program since the lookup: not an error.
                     Ok(false) => {}
@@ -876,7 +884,7 @@ impl State {
             (_, Some(_)) => bail!("rule {rule:?} is keyed all: it has one ban, no --region"),
             (_, None) => {}
         }
-        let now = crate::report::mono_ns();
+        let now = crate::clock::mono_ns();
         let what = match region {
             Some(cc) => format!("rule {rule:?} in region {}", cc.to_ascii_uppercase()),
             None => format!("rule {rule:?}"),
@@ -992,9 +1000,9 @@ impl State {
         // Commit the maps. A write that fails midway is undone by writing the old config's
         // maps again.
         let old_names = self.rule_names();
-        let held = bans::aggregates_by_name(&self.maps, &old_names, report::mono_ns());
+        let held = bans::aggregates_by_name(&self.maps, &old_names, crate::clock::mono_ns());
         // Bans issued from here on name the new rules' positions.
-        let cut = report::mono_ns();
+        let cut = crate::clock::mono_ns();
         let applied = apply::apply(&mut self.maps, &plan).and_then(|()| match &regions {
             Some(table) => crate::geoip::apply(&mut self.maps.regions, table).map(drop),
             None => Ok(()),
@@ -1207,7 +1215,7 @@ impl State {
             return;
         };
         let names = self.rule_names();
-        let now = report::mono_ns();
+        let now = crate::clock::mono_ns();
         let mut records = Vec::new();
         for &(plen, addr, rule) in seen {
             let key = IpKey { addr };
@@ -1232,7 +1240,7 @@ impl State {
     /// remote bans' table, marked [`crate::fleet::BAN_REMOTE`], with their absolute end; where
     /// a ban is in force here already, the later end wins), their `unban`s lifting the bans at
     /// their prefix in the operator's table (never a ban this host's rules issued). The
-    /// records come bounded and, with the fleet key, authenticated (`crate::fleet_trust`).
+    /// records come bounded and, with the fleet key, authenticated (`crate::fleet::trust`).
     /// Nothing applied here is published again.
     pub fn apply_fleet(
         &mut self,
@@ -1245,12 +1253,12 @@ impl State {
             Received::Snapshot(r) => (r, true),
         };
         let mut applied = crate::fleet::Applied::default();
-        let now = report::mono_ns();
+        let now = crate::clock::mono_ns();
         // The event lines of what was applied, with the issuing host as `origin`, so whoever
         // follows this host's events sees every ban of the fleet.
         let mut lines = Vec::new();
         let mut time = |ns: u64| {
-            report::rfc3339(
+            crate::clock::rfc3339(
                 std::time::UNIX_EPOCH
                     + Duration::from_millis(crate::fleet::unix_ms_of_mono(ns.max(1))),
             )
@@ -1400,7 +1408,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     let adopted_rules = if dp.adopted {
         load_rule_names(&cfg.daemon.state_dir).map(|old| {
             (
-                bans::aggregates_by_name(&maps, &old, report::mono_ns()),
+                bans::aggregates_by_name(&maps, &old, crate::clock::mono_ns()),
                 old,
             )
         })
@@ -1408,7 +1416,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         None
     };
     // Bans issued from here on (the pinned program still runs) name the new rules' positions.
-    let cut = report::mono_ns();
+    let cut = crate::clock::mono_ns();
     // Policy first, then attach: the program never runs against empty policy maps.
     let plan = apply::plan(&cfg, opts.preview);
     apply::apply(&mut maps, &plan)?;
@@ -1510,7 +1518,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
                     "fleet_global",
                     Duration::from_millis(100),
                     move || {
-                        crate::global::run(
+                        crate::fleet::global::run(
                             settings.clone(),
                             every,
                             store.clone(),
@@ -1598,7 +1606,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     });
     let h = handle.clone();
     supervise::spawn(&tasks, "local_addresses", first, move || {
-        crate::local_addrs::watch(h.clone())
+        watch_local_addrs(h.clone())
     });
     let mut tasks = tokio::task::JoinSet::new();
     if let Some(l) = http_listener {
@@ -1890,6 +1898,16 @@ async fn persist_bans(handle: Handle) -> anyhow::Result<()> {
         if let Some(took) = took {
             not_before = Instant::now() + took * SAVE_SPACING;
         }
+    }
+}
+
+/// Follow the host's addresses: [`crate::local_addrs::LocalAddrs::refresh`] every [`crate::local_addrs::REFRESH`], on the owner.
+async fn watch_local_addrs(handle: Handle) -> anyhow::Result<()> {
+    let mut tick = tokio::time::interval(crate::local_addrs::REFRESH);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        handle.with(|s| s.maps.refresh_local_addrs()).await?;
     }
 }
 

@@ -47,16 +47,15 @@ use tokio::sync::watch;
 use tracing::{error, info, warn};
 
 use crate::{
+    clock::{mono_ns, rfc3339},
     config::EventsSink,
-    report::{client_label, key_name, mono_ns, rfc3339},
+    report::{client_label, key_name},
 };
 
-/// Default of `daemon.events_per_sec`: about 200 KB/s of lines at most, which a disk and a
-/// log shipper keep up with, and more than an attack's distinct offenders per second that an
-/// L7 system can act on.
-pub const DEFAULT_PER_SEC: u32 = 1000;
-/// Largest `daemon.events_per_sec`.
-pub const MAX_PER_SEC: u32 = 1_000_000;
+/// `daemon.events_per_sec`'s default and bound (the config's).
+pub use crate::config::{
+    EVENTS_PER_SEC_DEFAULT as DEFAULT_PER_SEC, EVENTS_PER_SEC_MAX as MAX_PER_SEC,
+};
 /// The `event` of the summary line written for a second in which events were suppressed:
 /// `{"time":"<the second>","event":"suppressed","count":N,"threshold":<events_per_sec>,
 /// "events":{"<event>":n,...}}`, `count` being the sum of `events`.

@@ -24,7 +24,7 @@
 //! These are the names in the fleet named `default`; another fleet's are under its name
 //! ([`Keys`]). With the fleet key (`fleet.key_file`) each stream entry carries a field `m`,
 //! the MAC of its record, and each snapshot value ends in `|<MAC>`; what is read is dropped
-//! unless it verifies, and every record read is bounded (`crate::fleet_trust`).
+//! unless it verifies, and every record read is bounded (`crate::fleet::trust`).
 //!
 //! ## Tasks, and who waits for whom
 //! Nothing on the packet path or the control API waits for the store. The owner task hands
@@ -82,22 +82,22 @@ use serde::{Deserialize, Serialize};
 use tokio::sync::mpsc;
 use tracing::{info, warn};
 
-use crate::{
-    config, events,
-    fleet_trust::{self, Trust},
-    report, supervise,
-};
+use crate::{config, events, supervise};
 
 pub mod dup;
+pub mod global;
 pub mod peers;
 pub mod resync;
+pub mod trust;
+
+use trust::Trust;
 
 /// `BanEntry::flags` of a ban received from the fleet (in the remote bans' table, with
 /// `BAN_MANUAL`).
 pub use ratelimit_common::maps::BAN_REMOTE;
 
 /// The keys' names in the fleet named `default`; a fleet of another name has its own
-/// ([`Keys`], [`fleet_trust::store_name`]).
+/// ([`Keys`], [`trust::store_name`]).
 pub const STREAM_KEY: &str = "ratelimit:{bans}:stream";
 pub const SNAP_KEY: &str = "ratelimit:{bans}:snap";
 /// A hash, host id → that host's last [`Heartbeat`] (JSON), written every [`HEARTBEAT`].
@@ -118,10 +118,10 @@ pub struct Keys {
 impl Keys {
     pub fn of(fleet: &str) -> Keys {
         Keys {
-            stream: fleet_trust::store_name(fleet, STREAM_KEY),
-            snap: fleet_trust::store_name(fleet, SNAP_KEY),
-            peers: fleet_trust::store_name(fleet, PEERS_KEY),
-            peers_seen: fleet_trust::store_name(fleet, PEERS_SEEN_KEY),
+            stream: trust::store_name(fleet, STREAM_KEY),
+            snap: trust::store_name(fleet, SNAP_KEY),
+            peers: trust::store_name(fleet, PEERS_KEY),
+            peers_seen: trust::store_name(fleet, PEERS_SEEN_KEY),
         }
     }
 }
@@ -206,7 +206,7 @@ pub fn mono_of_unix_ms(ms: u64) -> Option<u64> {
         return None;
     }
     Some(
-        report::mono_ns()
+        crate::clock::mono_ns()
             .saturating_add((ms - now_ms).saturating_mul(1_000_000))
             .max(1),
     )
@@ -217,7 +217,7 @@ pub fn unix_ms_of_mono(ns: u64) -> u64 {
     if ns == 0 {
         return 0;
     }
-    let now = report::mono_ns();
+    let now = crate::clock::mono_ns();
     let now_ms = unix_ms(SystemTime::now());
     if ns >= now {
         now_ms + (ns - now).div_ceil(1_000_000)
@@ -227,7 +227,7 @@ pub fn unix_ms_of_mono(ns: u64) -> u64 {
 }
 
 /// This host's wall clock against the store's: whether this host takes part in global
-/// counting (read by `crate::global` before every round). Not before the first trusted
+/// counting (read by `crate::fleet::global` before every round). Not before the first trusted
 /// measurement, nor while the offset is beyond `bound` (`fleet.max_clock_skew`).
 #[derive(Debug)]
 pub struct Clock {
@@ -419,10 +419,7 @@ pub fn check_files(f: &config::Fleet) -> anyhow::Result<()> {
         .map(|p| read_password_of(p, "fleet.sentinel_password_file"))
         .transpose()?;
     read_tls(f)?;
-    f.key_file
-        .as_deref()
-        .map(fleet_trust::read_key)
-        .transpose()?;
+    f.key_file.as_deref().map(trust::read_key).transpose()?;
     Ok(())
 }
 
@@ -592,15 +589,11 @@ impl Settings {
             }
         };
         let password = f.password_file.as_deref().map(read_password).transpose()?;
-        let key = f
-            .key_file
-            .as_deref()
-            .map(fleet_trust::read_key)
-            .transpose()?;
+        let key = f.key_file.as_deref().map(trust::read_key).transpose()?;
         let trust = Arc::new(Trust::new(
             &f.name,
             key,
-            fleet_trust::Bounds {
+            trust::Bounds {
                 min_prefix_v4: f.remote_ban_min_prefix_v4,
                 min_prefix_v6: f.remote_ban_min_prefix_v6,
                 max_duration: f.remote_ban_max_duration,
@@ -823,7 +816,7 @@ pub struct Report {
     pub peers: Vec<Peer>,
     /// Global thresholds (`scope = "global"` rules): what is shared.
     #[serde(default)]
-    pub global: crate::global::GlobalReport,
+    pub global: global::GlobalReport,
     /// This host's clock against the store's.
     #[serde(default)]
     pub clock: ClockReport,
@@ -834,7 +827,7 @@ pub struct Report {
     /// it the store is trusted.
     #[serde(default)]
     pub authenticated: bool,
-    /// Stream records and snapshot entries dropped, by reason (`crate::fleet_trust::Reject`).
+    /// Stream records and snapshot entries dropped, by reason (`crate::fleet::trust::Reject`).
     #[serde(default)]
     pub records_rejected: BTreeMap<String, u64>,
     /// Other hosts' counts of global rules dropped, by reason.
@@ -928,7 +921,7 @@ impl Peer {
         Peer {
             host_id: h.host_id.clone(),
             version: h.version.clone(),
-            last_seen: report::rfc3339(UNIX_EPOCH + Duration::from_millis(h.seen_ms)),
+            last_seen: crate::clock::rfc3339(UNIX_EPOCH + Duration::from_millis(h.seen_ms)),
             age_ms,
             stale: age_ms >= PEER_STALE.as_millis() as u64,
             this_host: h.host_id == me,
@@ -1000,7 +993,7 @@ pub struct Shared {
     /// Held while the cursor file is written (by the reader, or at shutdown).
     cursor_file: Mutex<()>,
     events: events::Events,
-    global: Arc<crate::global::Shared>,
+    global: Arc<global::Shared>,
     trust: Arc<Trust>,
 }
 
@@ -1079,11 +1072,11 @@ impl Shared {
         let now = SystemTime::now();
         i.report.connected = false;
         i.report.connected_since = None;
-        i.report.degraded_since = Some(report::rfc3339(now));
+        i.report.degraded_since = Some(crate::clock::rfc3339(now));
         i.down_at = Some(Instant::now());
         warn!(store = %i.report.store, "fleet store unreachable, enforcing locally: {why}");
         self.events.fleet(events::FleetLine {
-            time: report::rfc3339(now),
+            time: crate::clock::rfc3339(now),
             event: "fleet_degraded",
             store: i.report.store.clone(),
             host_id: i.report.host_id.clone(),
@@ -1124,7 +1117,7 @@ impl Shared {
         let was_over = c.over_bound;
         c.offset_ms = Some(offset_ms);
         c.rtt_ms = Some(rtt as f64 / 1e6);
-        c.measured_at = Some(report::rfc3339(now));
+        c.measured_at = Some(crate::clock::rfc3339(now));
         c.last_error = None;
         let over = verdict == ClockVerdict::Over;
         c.over_bound = over;
@@ -1134,7 +1127,7 @@ impl Shared {
         let bound_s = config::format_duration(bound);
         let (store, host_id) = (i.report.store.clone(), i.report.host_id.clone());
         if over && (first || !was_over) {
-            i.report.clock.over_since = Some(report::rfc3339(now));
+            i.report.clock.over_since = Some(crate::clock::rfc3339(now));
             let why = format!(
                 "this host's clock is {:.0} ms {how} the store's, beyond fleet.max_clock_skew \
                  ({bound_s}): global rules are enforced locally",
@@ -1143,7 +1136,7 @@ impl Shared {
             warn!(offset_ms, rtt_ms = rtt as f64 / 1e6, "{why}");
             let since = i.report.clock.over_since.clone();
             self.events.fleet(events::FleetLine {
-                time: report::rfc3339(now),
+                time: crate::clock::rfc3339(now),
                 event: "fleet_clock_skew",
                 store,
                 host_id,
@@ -1162,7 +1155,7 @@ impl Shared {
                  again: global counting resumes"
             );
             self.events.fleet(events::FleetLine {
-                time: report::rfc3339(now),
+                time: crate::clock::rfc3339(now),
                 event: "fleet_clock_restored",
                 store,
                 host_id,
@@ -1192,12 +1185,12 @@ impl Shared {
         let now = SystemTime::now();
         let was_down = i.report.degraded_since.take();
         i.report.connected = true;
-        i.report.connected_since = Some(report::rfc3339(now));
+        i.report.connected_since = Some(crate::clock::rfc3339(now));
         let down_for = i.down_at.take().map(|t| t.elapsed().as_millis() as u64);
         if let Some(since) = was_down {
             info!(store = %i.report.store, "fleet store reachable again");
             self.events.fleet(events::FleetLine {
-                time: report::rfc3339(now),
+                time: crate::clock::rfc3339(now),
                 event: "fleet_restored",
                 store: i.report.store.clone(),
                 host_id: i.report.host_id.clone(),
@@ -1219,8 +1212,8 @@ impl Shared {
 pub struct Link {
     pub settings: Arc<Settings>,
     pub shared: Arc<Shared>,
-    /// Global thresholds' task state (`crate::global`).
-    pub global: Arc<crate::global::Shared>,
+    /// Global thresholds' task state (`crate::fleet::global`).
+    pub global: Arc<global::Shared>,
     tx: mpsc::UnboundedSender<Record>,
 }
 
@@ -1538,7 +1531,7 @@ async fn publish_batch(
     lua.run(conn, batch, |cmd, r| {
         let json = serde_json::to_string(r)?;
         let snap_mac = trust.snapshot_mac(r, &json);
-        let mac = trust.sign(fleet_trust::Kind::Record, &[json.as_bytes()]);
+        let mac = trust.sign(trust::Kind::Record, &[json.as_bytes()]);
         cmd.arg(2)
             .arg(&settings.keys.stream)
             .arg(&settings.keys.snap)
@@ -1742,12 +1735,12 @@ async fn measure_clock(
     let c = conn.as_mut().expect("connected above");
     let mut samples = Vec::with_capacity(CLOCK_SAMPLES);
     for _ in 0..CLOCK_SAMPLES {
-        let sent_ns = report::wall_ns() as i64;
+        let sent_ns = crate::clock::wall_ns() as i64;
         let (secs, micros): (i64, i64) = redis::cmd("TIME")
             .query_async(c)
             .await
             .context("reading the store's clock (TIME)")?;
-        let recv_ns = report::wall_ns() as i64;
+        let recv_ns = crate::clock::wall_ns() as i64;
         samples.push(ClockSample {
             sent_ns,
             recv_ns,
@@ -2278,7 +2271,7 @@ BAMCA0kAMEYCIQDAkUz8uowjYDKf94dOXCRkO6eM1rvc03v7OXDTUs6XoAIhAILu
             sync_interval: config::DEFAULT_SYNC_INTERVAL,
             share_bans: true,
             max_clock_skew: config::DEFAULT_MAX_CLOCK_SKEW,
-            name: crate::fleet_trust::DEFAULT_NAME.into(),
+            name: crate::fleet::trust::DEFAULT_NAME.into(),
             key_file: None,
             remote_ban_min_prefix_v4: config::DEFAULT_REMOTE_BAN_MIN_PREFIX_V4,
             remote_ban_min_prefix_v6: config::DEFAULT_REMOTE_BAN_MIN_PREFIX_V6,

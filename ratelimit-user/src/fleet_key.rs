@@ -20,9 +20,7 @@ use serde::{Deserialize, Serialize};
 
 use crate::{
     clients::Meter,
-    fleet_key_reads::{self, Read, Want},
-    global::{self, GlobalReport, GlobalRule},
-    reader::Reports,
+    fleet::global::{self, GlobalReport, GlobalRule},
 };
 
 /// How long the store's counts are waited for, connecting included.
@@ -239,119 +237,6 @@ impl Target {
             note: None,
         }
     }
-}
-
-/// The answer to `fleet key` (the reports' side: never on the owner task).
-pub async fn answer(
-    reports: &Reports,
-    addr: &str,
-    rule: Option<&str>,
-) -> anyhow::Result<KeyReport> {
-    let Some(settings) = reports.fleet_settings.get() else {
-        bail!("fleet mode is off: the config has no [fleet] section");
-    };
-    let view = reports.view();
-    let targets = targets(&view.live_rules, addr, rule)?;
-    let now_ns = crate::report::wall_ns();
-    let mut rules: Vec<RuleKey> = targets
-        .iter()
-        .map(|t| t.local(reports.maps().clients.get(&t.key), now_ns))
-        .collect();
-    // Each rule's window and the one before.
-    let want: Vec<Want> = rules
-        .iter()
-        .flat_map(|r| {
-            [r.window, r.window.wrapping_sub(1)].map(|w| Want {
-                hash: global::hash_name(&r.rid, Meter::Admitted, r.bucket, w),
-                name: r.key.clone(),
-            })
-        })
-        .collect();
-    // Whose own counts are read: this host, then the peers its heartbeat keeps, most
-    // recently seen first.
-    let mut hosts = vec![settings.host_id.clone()];
-    if let Some(f) = reports.fleet.get() {
-        let mut peers = f.report().peers;
-        peers.sort_by_key(|p| p.age_ms);
-        hosts.extend(
-            peers
-                .into_iter()
-                .filter(|p| p.host_id != settings.host_id)
-                .map(|p| p.host_id),
-        );
-    }
-    let reads = &reports.fleet_key_reads;
-    let read = tokio::time::timeout(STORE_READ_TIMEOUT, reads.read(settings, &want, &hosts))
-        .await
-        .unwrap_or_else(|_| {
-            Read::Failed(format!(
-                "{} did not answer within {STORE_READ_TIMEOUT:?}",
-                settings.store
-            ))
-        });
-    let mut busy = None;
-    match read {
-        Read::Counts(counts, age) => {
-            let mut counts = counts.into_iter();
-            for r in &mut rules {
-                let windows = [r.window, r.window.wrapping_sub(1)]
-                    .into_iter()
-                    .map(|w| {
-                        let c = counts.next().unwrap_or_default();
-                        WindowCounts {
-                            window: w,
-                            hash: global::hash_name(&r.rid, Meter::Admitted, r.bucket, w),
-                            total: c.total,
-                            hosts: c.hosts,
-                        }
-                    })
-                    .collect();
-                r.fleet = Some(windows);
-                r.fleet_age_ms = Some(age.as_millis() as u64);
-                if age >= fleet_key_reads::FRESH {
-                    r.note = Some(format!(
-                        "the fleet's counts as read {} ms ago: the store is read at most {} \
-                         times a second for fleet key",
-                        age.as_millis(),
-                        fleet_key_reads::READS_PER_SEC
-                    ));
-                }
-                if hosts.len() > fleet_key_reads::HOSTS_MAX {
-                    let more = hosts.len() - fleet_key_reads::HOSTS_MAX;
-                    let n = format!(
-                        "each host's own count is read for {} hosts; {more} more are in the \
-                         total only",
-                        fleet_key_reads::HOSTS_MAX
-                    );
-                    r.note = Some(match r.note.take() {
-                        Some(prev) => format!("{prev}; {n}"),
-                        None => n,
-                    });
-                }
-            }
-        }
-        Read::Busy(why) => {
-            for r in &mut rules {
-                r.note = Some(format!(
-                    "the store was not read ({why}): this host's part only"
-                ));
-            }
-            busy = Some(why);
-        }
-        Read::Failed(e) => {
-            for r in &mut rules {
-                r.note = Some(format!(
-                    "the store could not be read ({e}): this host's part only"
-                ));
-            }
-        }
-    }
-    Ok(KeyReport {
-        addr: addr.trim().to_string(),
-        host_id: settings.host_id.clone(),
-        rules,
-        busy,
-    })
 }
 
 /// The text of `fleet key`.

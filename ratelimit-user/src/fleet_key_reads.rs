@@ -240,7 +240,7 @@ impl KeyReads {
 
 /// One `HMGET` per wanted entry: the client's total and its count on each of `hosts`, or,
 /// with the fleet key, the entry's authenticated field, of which only the counts that verify
-/// are taken (`fleet_trust::Trust::plain_counts`).
+/// are taken (`crate::fleet::trust::Trust::plain_counts`).
 async fn read_counts(
     settings: &Settings,
     conn: &mut Conn,

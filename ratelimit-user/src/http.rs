@@ -51,7 +51,6 @@ use tracing::{info, warn};
 
 use crate::{
     control::{self, Answer, Request, TopBy},
-    daemon::Handle,
     events,
     http_slots::Slots,
     reader::Reports,
@@ -106,7 +105,7 @@ pub async fn bind(addr: SocketAddr) -> anyhow::Result<TcpListener> {
 }
 
 /// Serve the listener until the task is dropped.
-pub async fn serve(listener: TcpListener, state: Handle) -> anyhow::Result<()> {
+pub async fn serve<B: Backend>(listener: TcpListener, state: B) -> anyhow::Result<()> {
     serve_with(listener, state, Limits::DEFAULT).await
 }
 
@@ -288,21 +287,11 @@ async fn answer_in_time(
 }
 
 /// What the routes need from the daemon. A trait so the routing can be tested without maps.
-trait Backend: Clone + Send + Sync + 'static {
+pub trait Backend: Clone + Send + Sync + 'static {
     /// The control API's answer to a (read-only) request.
     fn request(&self, req: Request) -> impl Future<Output = control::Response> + Send;
     /// What `/metrics` shows, read from the maps now (the listener's own counts aside).
     fn snapshot(&self) -> impl Future<Output = anyhow::Result<(Stats, Gauges)>> + Send;
-}
-
-impl Backend for Handle {
-    async fn request(&self, req: Request) -> control::Response {
-        Handle::request(self, req).await
-    }
-
-    async fn snapshot(&self) -> anyhow::Result<(Stats, Gauges)> {
-        self.reports.with_turn(snapshot).await?
-    }
 }
 
 /// The router's state: the daemon, and the listener's counts for `/metrics`.
@@ -313,7 +302,7 @@ struct App<B> {
 }
 
 /// Read everything `/metrics` shows, in one go, on the reports' own map handles.
-fn snapshot(s: &Reports) -> anyhow::Result<(Stats, Gauges)> {
+pub fn snapshot(s: &Reports) -> anyhow::Result<(Stats, Gauges)> {
     use anyhow::Context as _;
     let view = s.view();
     let stats =
@@ -425,7 +414,7 @@ pub struct FleetGauges {
     pub peers_stale: u64,
     pub latency: crate::fleet::Latency,
     /// Global thresholds' counts (`ratelimit_fleet_global_*`).
-    pub global: crate::global::GlobalReport,
+    pub global: crate::fleet::global::GlobalReport,
     /// This host's clock minus the store's (seconds), once measured; and whether that is
     /// beyond `fleet.max_clock_skew`.
     pub clock_offset_seconds: Option<f64>,
@@ -929,7 +918,7 @@ fn fleet_families(f: &FleetGauges) -> Vec<Family> {
     let by_reason = |name: &'static str,
                      help: &'static str,
                      m: &std::collections::BTreeMap<String, u64>| {
-        crate::fleet_trust::Reject::ALL
+        crate::fleet::trust::Reject::ALL
             .iter()
             .fold(Family::new(name, Counter, help), |fam, r| {
                 let n = m.get(r.as_str()).copied().unwrap_or(0);
@@ -1459,7 +1448,7 @@ mod tests {
                 peers: 2,
                 peers_stale: 1,
                 latency,
-                global: crate::global::GlobalReport {
+                global: crate::fleet::global::GlobalReport {
                     rules: vec!["udp-global".into()],
                     synced_keys: 4,
                     shared_keys: 1,
@@ -1546,7 +1535,7 @@ mod tests {
         // Before the first round: no duration.
         let mut idle = gauges.clone();
         if let Some(f) = idle.fleet.as_mut() {
-            f.global = crate::global::GlobalReport::default();
+            f.global = crate::fleet::global::GlobalReport::default();
             (f.clock_offset_seconds, f.clock_over_bound) = (None, false);
         }
         let text = render_metrics(&synthetic(), &idle);

@@ -130,16 +130,6 @@ impl LocalAddrs {
     }
 }
 
-/// Follow the host's addresses: [`LocalAddrs::refresh`] every [`REFRESH`], on the owner.
-pub async fn watch(handle: crate::daemon::Handle) -> anyhow::Result<()> {
-    let mut tick = tokio::time::interval(REFRESH);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tick.tick().await;
-        handle.with(|s| s.maps.refresh_local_addrs()).await?;
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

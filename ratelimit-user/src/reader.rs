@@ -7,7 +7,6 @@
 //! the events reader nor ban persistence.
 
 use std::{
-    collections::BTreeMap,
     sync::{
         Arc, RwLock,
         atomic::{AtomicU64, Ordering},
@@ -16,8 +15,8 @@ use std::{
 };
 
 use ratelimit_common::{maps::RuleConfig, stats::global};
-use serde::{Deserialize, Serialize};
 
+pub use crate::status::{Admission, Program, RuleThreshold, Status};
 use crate::{
     bans,
     control::{Answer, Request, Response, TopBy},
@@ -71,20 +70,6 @@ pub struct View {
     pub pressure: crate::pressure::Report,
     /// Each rule's threshold in force now.
     pub thresholds: Vec<RuleThreshold>,
-}
-
-/// A rule's threshold in force now, for `status`.
-#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
-pub struct RuleThreshold {
-    pub rule: String,
-    /// As configured (or set live).
-    pub threshold: String,
-    /// `elastic = F`, if the rule has it.
-    #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub elastic: Option<f64>,
-    /// The threshold times F while the pressure level is low, the threshold itself while it
-    /// is high (or without elastic).
-    pub threshold_now: String,
 }
 
 /// Counts that take a walk over maps: kept for `status` and `/metrics` while still true.
@@ -207,7 +192,7 @@ impl Reports {
         // `fleet key` reads the store: it waits for it here (bounded), on no turn of the
         // blocking pool.
         if let Request::FleetKey { addr, rule } = &req {
-            return match crate::fleet_key::answer(self, addr, rule.as_deref()).await {
+            return match fleet_key_answer(self, addr, rule.as_deref()).await {
                 Ok(k) => Response::ok(Answer::FleetKey(Box::new(k))),
                 Err(e) => Response::err(format!("{e:#}")),
             };
@@ -377,7 +362,7 @@ impl Reports {
         Status {
             version: env!("CARGO_PKG_VERSION").to_string(),
             pid: std::process::id(),
-            started: report::rfc3339(self.started),
+            started: crate::clock::rfc3339(self.started),
             config: view.config.clone(),
             adopted_pinned_state: view.adopted,
             bpffs_dir: view.bpffs_dir.clone(),
@@ -412,73 +397,123 @@ impl Reports {
     }
 }
 
-/// The answer to `status`: the daemon, its program and interfaces, and the counts that take a
-/// walk (from the latest census).
-#[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
-pub struct Status {
-    pub version: String,
-    pub pid: u32,
-    /// When the daemon started (RFC 3339).
-    pub started: String,
-    /// The config file, if the daemon was started with one.
-    pub config: Option<String>,
-    /// The daemon took over the maps and program a previous daemon pinned.
-    pub adopted_pinned_state: bool,
-    pub bpffs_dir: String,
-    /// `ratelimit run --preview`: nothing is dropped.
-    pub preview_all: bool,
-    pub interfaces: Vec<Attached>,
-    pub program: Option<Program>,
-    /// The rules, in evaluation order.
-    pub rules: Vec<String>,
-    /// Each rule's threshold and elastic factor, and the threshold in force now.
-    #[serde(default)]
-    pub thresholds: Vec<RuleThreshold>,
-    pub tracked_clients: u64,
-    pub max_sources: u32,
-    /// The new-source admission budget in force (`[tracking]`).
-    #[serde(default)]
-    pub admission: Admission,
-    pub active_bans: u64,
-    /// The known-sources filter's last rebuild.
-    pub known_filter: Option<crate::known::Rebuilt>,
-    pub events: crate::events::Status,
-    /// The supervised background tasks, by name.
-    pub tasks: BTreeMap<String, supervise::TaskHealth>,
-    pub bans_restore: bans::RestoreReport,
-    pub live_changes: crate::live::Report,
-    /// The pressure level and its signals.
-    #[serde(default)]
-    pub pressure: crate::pressure::Report,
-}
+/// The answer to `fleet key` (the reports' side: never on the owner task).
+pub async fn fleet_key_answer(
+    reports: &Reports,
+    addr: &str,
+    rule: Option<&str>,
+) -> anyhow::Result<crate::fleet_key::KeyReport> {
+    use anyhow::bail;
 
-/// The new-source admission budget in force: at most `new_sources_per_sec` never-seen sources a
-/// second get state of their own (bursts of `new_sources_burst`); 0 for no budget. `auto`:
-/// derived from `max_sources` (`new_sources_per_sec = "auto"`, the default).
-#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct Admission {
-    pub new_sources_per_sec: u64,
-    pub new_sources_burst: u64,
-    pub auto: bool,
-}
-
-impl From<&crate::config::Tracking> for Admission {
-    fn from(t: &crate::config::Tracking) -> Self {
-        Admission {
-            new_sources_per_sec: t.new_sources_per_sec,
-            new_sources_burst: if t.new_sources_per_sec == 0 {
-                0
-            } else {
-                t.new_sources_burst
-            },
-            auto: t.new_sources_auto,
+    use crate::{
+        clients::Meter,
+        fleet::global,
+        fleet_key::{KeyReport, RuleKey, STORE_READ_TIMEOUT, WindowCounts, targets},
+        fleet_key_reads::{self, Read, Want},
+    };
+    let Some(settings) = reports.fleet_settings.get() else {
+        bail!("fleet mode is off: the config has no [fleet] section");
+    };
+    let view = reports.view();
+    let targets = targets(&view.live_rules, addr, rule)?;
+    let now_ns = crate::clock::wall_ns();
+    let mut rules: Vec<RuleKey> = targets
+        .iter()
+        .map(|t| t.local(reports.maps().clients.get(&t.key), now_ns))
+        .collect();
+    // Each rule's window and the one before.
+    let want: Vec<Want> = rules
+        .iter()
+        .flat_map(|r| {
+            [r.window, r.window.wrapping_sub(1)].map(|w| Want {
+                hash: global::hash_name(&r.rid, Meter::Admitted, r.bucket, w),
+                name: r.key.clone(),
+            })
+        })
+        .collect();
+    // Whose own counts are read: this host, then the peers its heartbeat keeps, most
+    // recently seen first.
+    let mut hosts = vec![settings.host_id.clone()];
+    if let Some(f) = reports.fleet.get() {
+        let mut peers = f.report().peers;
+        peers.sort_by_key(|p| p.age_ms);
+        hosts.extend(
+            peers
+                .into_iter()
+                .filter(|p| p.host_id != settings.host_id)
+                .map(|p| p.host_id),
+        );
+    }
+    let reads = &reports.fleet_key_reads;
+    let read = tokio::time::timeout(STORE_READ_TIMEOUT, reads.read(settings, &want, &hosts))
+        .await
+        .unwrap_or_else(|_| {
+            Read::Failed(format!(
+                "{} did not answer within {STORE_READ_TIMEOUT:?}",
+                settings.store
+            ))
+        });
+    let mut busy = None;
+    match read {
+        Read::Counts(counts, age) => {
+            let mut counts = counts.into_iter();
+            for r in &mut rules {
+                let windows = [r.window, r.window.wrapping_sub(1)]
+                    .into_iter()
+                    .map(|w| {
+                        let c = counts.next().unwrap_or_default();
+                        WindowCounts {
+                            window: w,
+                            hash: global::hash_name(&r.rid, Meter::Admitted, r.bucket, w),
+                            total: c.total,
+                            hosts: c.hosts,
+                        }
+                    })
+                    .collect();
+                r.fleet = Some(windows);
+                r.fleet_age_ms = Some(age.as_millis() as u64);
+                if age >= fleet_key_reads::FRESH {
+                    r.note = Some(format!(
+                        "the fleet's counts as read {} ms ago: the store is read at most {} \
+                         times a second for fleet key",
+                        age.as_millis(),
+                        fleet_key_reads::READS_PER_SEC
+                    ));
+                }
+                if hosts.len() > fleet_key_reads::HOSTS_MAX {
+                    let more = hosts.len() - fleet_key_reads::HOSTS_MAX;
+                    let n = format!(
+                        "each host's own count is read for {} hosts; {more} more are in the \
+                         total only",
+                        fleet_key_reads::HOSTS_MAX
+                    );
+                    r.note = Some(match r.note.take() {
+                        Some(prev) => format!("{prev}; {n}"),
+                        None => n,
+                    });
+                }
+            }
+        }
+        Read::Busy(why) => {
+            for r in &mut rules {
+                r.note = Some(format!(
+                    "the store was not read ({why}): this host's part only"
+                ));
+            }
+            busy = Some(why);
+        }
+        Read::Failed(e) => {
+            for r in &mut rules {
+                r.note = Some(format!(
+                    "the store could not be read ({e}): this host's part only"
+                ));
+            }
         }
     }
-}
-
-/// The loaded program's size, as the verifier saw it.
-#[derive(Serialize, Deserialize, Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Program {
-    pub xlated_insns: u32,
-    pub verified_insns: u32,
+    Ok(KeyReport {
+        addr: addr.trim().to_string(),
+        host_id: settings.host_id.clone(),
+        rules,
+        busy,
+    })
 }

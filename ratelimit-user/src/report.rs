@@ -1,10 +1,7 @@
 //! Reading the data plane back: counters, per-client state, bans. Pure functions over the maps
 //! (plus the clock), shared by the control API, the metrics endpoint and the CLI's tables.
 
-use std::{
-    collections::BTreeMap,
-    time::{Duration, SystemTime},
-};
+use std::collections::BTreeMap;
 
 use ratelimit_common::{
     addr::IpKey,
@@ -15,40 +12,11 @@ use ratelimit_common::{
 };
 use serde::{Deserialize, Serialize};
 
-use crate::{apply::net_of, datapath::Maps};
-
-/// CLOCK_MONOTONIC now, the clock of `bpf_ktime_get_ns`.
-pub fn mono_ns() -> u64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
-    // SAFETY: valid out-pointer.
-    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
-    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
-}
-
-/// The wall clock (CLOCK_REALTIME) now, in ns since the Unix epoch (0 before it).
-pub fn wall_ns() -> u64 {
-    SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos() as u64)
-}
-
-/// Wall-clock time of a CLOCK_MONOTONIC timestamp.
-pub fn wall_of(mono: u64) -> SystemTime {
-    let now_mono = mono_ns();
-    let now = SystemTime::now();
-    if mono >= now_mono {
-        now + Duration::from_nanos(mono - now_mono)
-    } else {
-        now - Duration::from_nanos(now_mono - mono)
-    }
-}
-
-pub fn rfc3339(t: SystemTime) -> String {
-    humantime::format_rfc3339_millis(t).to_string()
-}
+use crate::{
+    apply::net_of,
+    clock::{mono_ns, rfc3339, wall_of},
+    datapath::Maps,
+};
 
 #[derive(Serialize, Deserialize, Clone, Copy, Default, Debug, PartialEq, Eq)]
 pub struct Pb {
@@ -718,7 +686,7 @@ pub fn bans(
                 expires: (b.expires_ns != 0).then(|| rfc3339(wall_of(b.expires_ns))),
                 remaining_secs: (b.expires_ns != 0).then(|| (b.expires_ns - now) as f64 / 1e9),
                 reason: reasons.get(&cidr).cloned(),
-                origin: (b.flags & crate::fleet::BAN_REMOTE != 0)
+                origin: (b.flags & ratelimit_common::maps::BAN_REMOTE != 0)
                     .then(|| origins.get(&cidr).cloned())
                     .flatten(),
                 cidr: Some(cidr),

@@ -80,8 +80,8 @@ impl Tasks {
             h.up = false;
             h.restarts += 1;
             h.last_error = Some(why.to_string());
-            h.last_failure = Some(crate::report::rfc3339(now));
-            h.restarts_at = Some(crate::report::rfc3339(now + wait));
+            h.last_failure = Some(crate::clock::rfc3339(now));
+            h.restarts_at = Some(crate::clock::rfc3339(now + wait));
             restarts = h.restarts;
         });
         restarts

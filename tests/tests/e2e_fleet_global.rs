@@ -594,7 +594,7 @@ fn on_a_cluster_each_key_is_global_and_a_lost_master_takes_only_its_own_keys_loc
     }
     assert!(!rid.is_empty(), "no counts of udp-global on any node");
     let owner_of = |s: &Ipv4Addr| {
-        let b = ratelimit_user::global::bucket_of(&rid, &format!("{s}/32"));
+        let b = ratelimit_user::fleet::global::bucket_of(&rid, &format!("{s}/32"));
         *bucket_owner
             .get(&b)
             .unwrap_or_else(|| panic!("no node holds bucket {b} of {s}: {bucket_owner:?}"))

@@ -86,7 +86,7 @@ fn remote_bans_beyond_their_table_leave_ban_add_working() {
     let data = MapData::from_pin(pins.join(table)).expect("pinned ban table");
     let mut bans: LpmTrie<MapData, LpmAddr, BanEntry> =
         LpmTrie::try_from(Map::LpmTrie(data)).expect("lpm trie");
-    let now = ratelimit_user::report::mono_ns();
+    let now = ratelimit_user::clock::mono_ns();
     let first = SENT + 1;
     for i in first..first + MAX_REMOTE_BANS - 1 - LEFT {
         let addr = IpKey::from_v4(remote_addr(i).octets());

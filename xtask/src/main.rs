@@ -8,6 +8,8 @@ mod demo;
 #[cfg(test)]
 mod docs;
 mod fuzz;
+#[cfg(test)]
+mod layers;
 mod run;
 mod setup;
 mod test;

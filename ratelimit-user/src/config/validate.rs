@@ -179,7 +179,7 @@ fn daemon(mut t: Table, ck: &mut Checker) -> Daemon {
     }
     if let Some(n) = t
         .get("events_per_sec")
-        .and_then(|f| int_in(&f, ck, 1, crate::events::MAX_PER_SEC.into()))
+        .and_then(|f| int_in(&f, ck, 1, super::EVENTS_PER_SEC_MAX.into()))
     {
         d.events_per_sec = n as u32;
     }
@@ -487,13 +487,13 @@ fn fleet(mut t: Table, ck: &mut Checker) -> Option<Fleet> {
         Some(f) => f
             .str(ck)
             .and_then(|s| {
-                crate::fleet_trust::check_name(s)
+                super::check_fleet_name(s)
                     .map_err(|e| f.invalid(ck, e))
                     .ok()
                     .map(|()| s.to_owned())
             })
-            .unwrap_or_else(|| crate::fleet_trust::DEFAULT_NAME.to_string()),
-        None => crate::fleet_trust::DEFAULT_NAME.to_string(),
+            .unwrap_or_else(|| super::FLEET_DEFAULT_NAME.to_string()),
+        None => super::FLEET_DEFAULT_NAME.to_string(),
     };
     let key_file = t.get("key_file").and_then(|f| path(&f, ck));
     let remote_ban_min_prefix_v4 = t

@@ -23,7 +23,7 @@ use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
 use super::{Settings, Shared};
-use crate::{events, report};
+use crate::events;
 
 /// Beats looked back over.
 pub const DUP_WINDOW: usize = 10;
@@ -68,7 +68,7 @@ fn random_nonce() -> String {
     // SAFETY: writes at most `b.len()` bytes into `b`.
     let n = unsafe { libc::getrandom(b.as_mut_ptr().cast(), b.len(), 0) };
     if n != b.len() as isize {
-        let t = report::wall_ns() ^ (u64::from(std::process::id()) << 32);
+        let t = crate::clock::wall_ns() ^ (u64::from(std::process::id()) << 32);
         b = t.to_le_bytes();
     }
     b.iter().map(|x| format!("{x:02x}")).collect()
@@ -175,7 +175,7 @@ impl Shared {
                 guard.duplicate.store(true, Ordering::Relaxed);
                 d.active = true;
                 d.found += 1;
-                d.since = Some(report::rfc3339(now));
+                d.since = Some(crate::clock::rfc3339(now));
                 let why = format!(
                     "another process writes this host id's heartbeat (nonce {}, this one's {}): \
                      two hosts share host id {host_id} (a cloned image?); global rules are \
@@ -186,7 +186,7 @@ impl Shared {
                 warn!("{why}");
                 let since = d.since.clone();
                 self.events.fleet(events::FleetLine {
-                    time: report::rfc3339(now),
+                    time: crate::clock::rfc3339(now),
                     event: "fleet_duplicate_id",
                     store,
                     host_id,
@@ -207,7 +207,7 @@ impl Shared {
                      global counting resumes"
                 );
                 self.events.fleet(events::FleetLine {
-                    time: report::rfc3339(now),
+                    time: crate::clock::rfc3339(now),
                     event: "fleet_duplicate_id_cleared",
                     store,
                     host_id,

@@ -16,7 +16,7 @@ use serde::{Deserialize, Serialize};
 use tracing::info;
 
 use super::{Applied, Conn, Op, Received, Record, Settings, Shared, unix_ms};
-use crate::fleet_trust::Trust;
+use crate::fleet::trust::Trust;
 
 /// Snapshot fields read per page (`HSCAN COUNT`).
 pub const RESYNC_PAGE: usize = 2000;
@@ -100,7 +100,7 @@ where
                 .context("reading the ban stream's last entry")?;
             shared.rtt(t0);
             Progress {
-                since: crate::report::rfc3339(SystemTime::now()),
+                since: crate::clock::rfc3339(SystemTime::now()),
                 stream_end: last
                     .into_iter()
                     .next()

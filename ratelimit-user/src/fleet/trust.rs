@@ -38,10 +38,11 @@ use tracing::warn;
 
 use crate::fleet::{Op, Record};
 
-/// `fleet.name`'s default: keys as before fleet names existed.
-pub const DEFAULT_NAME: &str = "default";
-/// The longest `fleet.name`.
-pub const MAX_NAME_LEN: usize = 64;
+/// `fleet.name`'s default and bound, and its check (the config's).
+pub use crate::config::{
+    FLEET_DEFAULT_NAME as DEFAULT_NAME, MAX_FLEET_NAME_LEN as MAX_NAME_LEN,
+    check_fleet_name as check_name,
+};
 /// A key file holds at least this many bytes.
 pub const MIN_KEY_LEN: usize = 16;
 /// Received records' bounds: a rule's name, a reason, a prefix as text.
@@ -55,25 +56,6 @@ const WARN_EVERY: Duration = Duration::from_secs(10);
 /// A count field (all the hosts' MAC'd counts of one key) longer than this is dropped by the
 /// store's script and not read by the hosts.
 pub const MAX_COUNT_FIELD: usize = 256 * 1024;
-
-/// Whether `name` can name a fleet: 1 to [`MAX_NAME_LEN`] letters, digits, `.`, `-`, `_`.
-pub fn check_name(name: &str) -> Result<(), String> {
-    if name.is_empty() {
-        return Err("must not be empty".into());
-    }
-    if name.len() > MAX_NAME_LEN {
-        return Err(format!("must be at most {MAX_NAME_LEN} characters"));
-    }
-    if let Some(c) = name
-        .chars()
-        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_')))
-    {
-        return Err(format!(
-            "{name:?}: {c:?} is not allowed (letters, digits, '.', '-' and '_' are)"
-        ));
-    }
-    Ok(())
-}
 
 /// The store's name of key `logical` (a name as the fleet named `default` uses it,
 /// `ratelimit:{tag}:...`) in fleet `fleet`.

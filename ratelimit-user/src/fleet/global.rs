@@ -101,7 +101,7 @@ redis.call('PEXPIREAT', KEYS[1], ARGV[2])
 return out
 "#;
 
-/// [`SYNC_SCRIPT`] with the fleet key (`crate::fleet_trust`): each host's count of a key goes
+/// [`SYNC_SCRIPT`] with the fleet key (`crate::fleet::trust`): each host's count of a key goes
 /// with its MAC into one field per key, `<key>#m`, as `host,count,mac` entries joined by `;`
 /// (this host's entry raised to its count, never lowered), and the script answers each
 /// field whole: the hosts sum the entries that verify. A field longer than ARGV[3] (bytes)
@@ -514,7 +514,7 @@ impl SlotStates for ClientStore {
     }
 
     fn charge_bucket(&self, at: &SlotRef, ns: u64, cap_ns: u64) -> bool {
-        ClientStore::charge_bucket(self, at, ns, cap_ns, crate::report::mono_ns())
+        ClientStore::charge_bucket(self, at, ns, cap_ns, crate::clock::mono_ns())
     }
 }
 
@@ -579,7 +579,7 @@ pub struct Call {
 pub struct RedisCounts<'a> {
     pub conn: &'a mut Conn,
     pub scripts: &'a Scripts,
-    pub trust: &'a Arc<crate::fleet_trust::Trust>,
+    pub trust: &'a Arc<crate::fleet::trust::Trust>,
 }
 
 /// The count scripts.
@@ -613,7 +613,7 @@ impl CountStore for RedisCounts<'_> {
             let mut inv = self.scripts.auth.key(&store_hash);
             inv.arg(host)
                 .arg(expire_ms)
-                .arg(crate::fleet_trust::MAX_COUNT_FIELD);
+                .arg(crate::fleet::trust::MAX_COUNT_FIELD);
             for &(key, own) in pairs {
                 inv.arg(key)
                     .arg(own)
@@ -1001,7 +1001,7 @@ pub async fn run<O: Owner>(
                 // The clients other hosts announced near their limit in this window.
                 let mut hot = HashSet::new();
                 if let Some(c) = conn.as_mut() {
-                    let sets = announce_sets_now(&rules, crate::report::wall_ns());
+                    let sets = announce_sets_now(&rules, crate::clock::wall_ns());
                     let names: Vec<String> = sets.iter().map(|(_, s)| s.clone()).collect();
                     let mut counts = RedisCounts {
                         conn: c,
@@ -1074,8 +1074,8 @@ pub async fn run<O: Owner>(
                 &rules,
                 &shared_keys,
                 &mut fleet_last,
-                crate::report::mono_ns(),
-                crate::report::wall_ns(),
+                crate::clock::mono_ns(),
+                crate::clock::wall_ns(),
             )
             .await
             {
