@@ -34,7 +34,6 @@ use ratelimit_tests::packet::Frame;
 use ratelimit_user::{
     apply, config,
     datapath::{self, Datapath, Maps},
-    report,
 };
 use serde::Serialize;
 
@@ -332,7 +331,7 @@ fn main() {
     apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
     // A ban for the banned-path case.
     let (plen, key) = apply::prefix(&"198.18.202.0/24".parse().unwrap());
-    let now = report::mono_ns();
+    let now = ratelimit_user::clock::mono_ns();
     maps.insert_ban(BanEntry::manual(plen, key.addr, now, 0))
         .unwrap();
     // The ban tables' presence flags as the daemon keeps them (its sweep refreshes them every
@@ -450,8 +449,13 @@ fn main() {
         b.paired(OURS, &frame_syn([198, 18, 3, 3]), XDP_DROP),
     );
     apply::apply(&mut maps, &apply::plan(&cfg, false)).expect("apply");
-    maps.insert_ban(BanEntry::manual(plen, key.addr, report::mono_ns(), 0))
-        .unwrap();
+    maps.insert_ban(BanEntry::manual(
+        plen,
+        key.addr,
+        ratelimit_user::clock::mono_ns(),
+        0,
+    ))
+    .unwrap();
     push(
         "ours: banned",
         OURS,
@@ -840,8 +844,13 @@ fn measure_sized(
     let mut maps = dp.take_maps().expect("maps");
     apply::apply(&mut maps, &apply::plan(cfg, false)).expect("apply");
     let (plen, key) = apply::prefix(&"198.18.202.0/24".parse().unwrap());
-    maps.insert_ban(BanEntry::manual(plen, key.addr, report::mono_ns(), 0))
-        .unwrap();
+    maps.insert_ban(BanEntry::manual(
+        plen,
+        key.addr,
+        ratelimit_user::clock::mono_ns(),
+        0,
+    ))
+    .unwrap();
     maps.refresh_bans_present();
     let (_, untracked) = populate_more(&mut maps, 0, n);
     assert!(untracked * 1000 < n, "{untracked} of {n} sources untracked");

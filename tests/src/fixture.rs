@@ -261,7 +261,7 @@ impl Fixture {
 
     /// Bans `cidr` for an hour in the operator's table, as `ratelimit ban add` does.
     pub fn ban(&mut self, cidr: &str) {
-        let now = report::mono_ns();
+        let now = ratelimit_user::clock::mono_ns();
         self.insert_ban(manual_ban(cidr, now, now + HOUR_NS));
     }
 

@@ -27,7 +27,7 @@ use std::{
 use ratelimit_common::{limiter, maps::ClientState};
 use ratelimit_user::{
     clients::{Meter, SlotRef},
-    global::{self, CountStore, GlobalRule, MemoryCounts, SlotStates, Synced},
+    fleet::global::{self, CountStore, GlobalRule, MemoryCounts, SlotStates, Synced},
 };
 
 const NS: u64 = 1_000_000_000;

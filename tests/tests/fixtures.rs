@@ -359,7 +359,11 @@ fn bans_flag_follows_the_ban_map() {
     assert_eq!(flags(&fx.maps), [0, 0, 0, 0]);
     let other = v4([198, 18, 10, 10]).udp(40000, 53).build();
     assert_eq!(fx.run(&other, 1), XDP_PASS);
-    fx.insert_ban(manual_ban("198.18.10.0/24", report::mono_ns(), 0));
+    fx.insert_ban(manual_ban(
+        "198.18.10.0/24",
+        ratelimit_user::clock::mono_ns(),
+        0,
+    ));
     assert_eq!(op_flag(&fx.maps), 1);
     assert_eq!(
         flag(&fx.maps),
@@ -387,7 +391,7 @@ fn remote_bans_have_a_table_of_their_own_and_spill_into_the_rules_table_when_it_
     };
     let mut fx = Fixture::load("");
     fx.maps.refresh_bans_present();
-    let now = report::mono_ns();
+    let now = ratelimit_user::clock::mono_ns();
     let entry = |cidr: &str, flags: u32, expires: u64| -> (u32, IpKey, BanEntry) {
         let (plen, key) = prefix(cidr);
         let e = BanEntry {
@@ -460,7 +464,7 @@ fn a_passing_ban_does_not_hide_a_broader_dropping_ban() {
     kernel_test!();
     use ratelimit_common::maps::{BAN_EXCEED_PASS, BAN_MANUAL, BAN_PREVIEW};
     let mut fx = Fixture::load("");
-    let now = report::mono_ns();
+    let now = ratelimit_user::clock::mono_ns();
     for (cidr, flags) in [
         ("198.18.20.0/24", BAN_MANUAL),
         ("198.18.20.5/32", BAN_PREVIEW),
@@ -931,7 +935,7 @@ fn fast_drops_give_way_to_a_new_ban_at_once() {
     // A preview ban passes packets on to the rules: no entry is made, every packet is
     // counted against the ban as well as the rule.
     let src = [198, 18, 21, 1];
-    let now = report::mono_ns();
+    let now = ratelimit_user::clock::mono_ns();
     let mut entry = manual_ban("198.18.21.1/32", now, now + HOUR_NS);
     entry.flags |= ratelimit_common::maps::BAN_PREVIEW;
     fx.insert_ban(entry);
@@ -1536,7 +1540,7 @@ fn a_preview_ban_never_blocks_or_hides_an_enforcing_one() {
 
     // Passing bans at /128 down to /122 (seven, deeper than any walk bound) inside a /120
     // that drops: the /120 wins.
-    let now = report::mono_ns();
+    let now = ratelimit_user::clock::mono_ns();
     for len in 122..=128u8 {
         let low = 0xffu16 & (0xffffu16 << (128 - len as u32));
         fx.insert_ban(BanEntry {
@@ -1563,7 +1567,7 @@ fn a_full_rule_ban_table_holds_bans_in_state_and_leaves_the_operator_room() {
     let config = ban_rule("udp-ban", (100, 3), "1h", "3s");
     let mut fx = Fixture::load(&config);
     // Fill the rules' table as a spoofed IPv6 flood would: one /64 ban each.
-    let now = report::mono_ns();
+    let now = ratelimit_user::clock::mono_ns();
     ratelimit_tests::bans::fill_rule_ban_table(&mut fx.maps, 0, now);
     // The operator can still ban.
     fx.ban("198.18.45.0/24");
@@ -1591,7 +1595,7 @@ fn a_ban_held_in_state_is_never_evicted_before_it_ends() {
     let config = tracking("new_sources_per_sec = 0") + &ban_rule("udp-ban", (100, 3), "1s", "1h");
     // One set of 8 slots: every new source competes for the held client's slot.
     let mut fx = Fixture::builder().max_sources(8).load(&config);
-    let now = report::mono_ns();
+    let now = ratelimit_user::clock::mono_ns();
     ratelimit_tests::bans::fill_rule_ban_table(&mut fx.maps, 0, now);
     let held = v4([198, 18, 47, 1]).udp(40000, 9000).build();
     fx.delta_of(|fx| fx.run_singly(&held, 4))
@@ -1624,7 +1628,7 @@ fn a_full_rule_ban_table_is_logged_at_most_once_a_second_with_its_count() {
     ratelimit_tests::sender::pin_current_thread(0).expect("pin");
     let mut fx = Fixture::load(&config);
     let mut log = fx.kernel_log();
-    let now = report::mono_ns();
+    let now = ratelimit_user::clock::mono_ns();
     ratelimit_tests::bans::fill_rule_ban_table(&mut fx.maps, 1, now);
     let before = fx.counters();
     // 30 IPv4 clients cross the ban threshold (4 packets each): 30 held bans, one line.

@@ -40,7 +40,7 @@ use ratelimit_tests::{
     fixture::{Fixture, HOUR_NS, manual_ban, prefix},
     fuzz, kernel_test,
 };
-use ratelimit_user::{apply, report};
+use ratelimit_user::apply;
 
 /// Frames whose counters are read and compared together.
 const BATCH: usize = 64;
@@ -113,7 +113,7 @@ struct Lab {
 impl Lab {
     /// A fresh program with `CONFIGS[config]`.
     fn new(config: usize) -> Self {
-        let now = report::mono_ns();
+        let now = ratelimit_user::clock::mono_ns();
         let interval = window_interval_s(now);
         let text = CONFIGS[config].replace("{I}", &interval.to_string());
         let mut fx = Fixture::builder()
