@@ -109,10 +109,8 @@ fn group(s: &[char], mut i: usize) -> (Vec<Vec<String>>, usize) {
                     }
                     return (out, i + 1);
                 }
-                ',' => {
-                    if !current.is_empty() {
-                        out.push(std::mem::take(&mut current));
-                    }
+                ',' if !current.is_empty() => {
+                    out.push(std::mem::take(&mut current));
                 }
                 // `a::b` separators, `as`, whitespace: the words collect the segments.
                 _ => {}
