@@ -536,13 +536,14 @@ fn bans_spread_over_a_redis_cluster_and_survive_the_loss_of_its_master() {
         f.reaching(1, Ipv4Addr::new(203, 0, 113, 4), OTHER_PORT, 10),
         0
     );
-    // The stream, the snapshot and the peers' hash are all on the owner; the other masters
-    // hold nothing.
+    // The stream, the snapshot, the peers' hash and their recency index are all on the
+    // owner; the other masters hold nothing.
     assert_eq!(f.cluster().owner_of(fleet::PEERS_KEY), owner);
+    assert_eq!(f.cluster().owner_of(fleet::PEERS_SEEN_KEY), owner);
     let sizes: Vec<u64> = (0..3).map(|i| f.cluster().dbsize(i)).collect();
     println!("keys per master: {sizes:?}");
-    assert_eq!(sizes[owner], 3, "{sizes:?}");
-    assert_eq!(sizes.iter().sum::<u64>(), 3, "{sizes:?}");
+    assert_eq!(sizes[owner], 4, "{sizes:?}");
+    assert_eq!(sizes.iter().sum::<u64>(), 4, "{sizes:?}");
 
     // `ban del` on host 2 lifts a ban everywhere.
     f.d(2).cli_ok(&["ban", "del", "203.0.113.5"]);
