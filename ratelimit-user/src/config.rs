@@ -141,21 +141,7 @@ pub const MAX_FLEET_NAME_LEN: usize = 64;
 
 /// Whether `name` can name a fleet: 1 to [`MAX_FLEET_NAME_LEN`] letters, digits, `.`, `-`, `_`.
 pub fn check_fleet_name(name: &str) -> Result<(), String> {
-    if name.is_empty() {
-        return Err("must not be empty".into());
-    }
-    if name.len() > MAX_FLEET_NAME_LEN {
-        return Err(format!("must be at most {MAX_FLEET_NAME_LEN} characters"));
-    }
-    if let Some(c) = name
-        .chars()
-        .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_')))
-    {
-        return Err(format!(
-            "{name:?}: {c:?} is not allowed (letters, digits, '.', '-' and '_' are)"
-        ));
-    }
-    Ok(())
+    check_store_name(name, MAX_FLEET_NAME_LEN)
 }
 
 /// The longest `fleet.host_id`.
@@ -164,18 +150,24 @@ pub const MAX_HOST_ID_LEN: usize = 64;
 /// Whether `id` can name a host in the fleet: 1 to [`MAX_HOST_ID_LEN`] letters, digits, `.`,
 /// `-` or `_` (a hostname fits).
 pub fn check_host_id(id: &str) -> Result<(), String> {
-    if id.is_empty() {
+    check_store_name(id, MAX_HOST_ID_LEN)
+}
+
+/// A name written into the fleet store's keys and fields: 1 to `max` letters, digits, `.`,
+/// `-` or `_`.
+fn check_store_name(name: &str, max: usize) -> Result<(), String> {
+    if name.is_empty() {
         return Err("must not be empty".into());
     }
-    if id.len() > MAX_HOST_ID_LEN {
-        return Err(format!("must be at most {MAX_HOST_ID_LEN} characters"));
+    if name.len() > max {
+        return Err(format!("must be at most {max} characters"));
     }
-    if let Some(c) = id
+    if let Some(c) = name
         .chars()
         .find(|c| !(c.is_ascii_alphanumeric() || matches!(c, '.' | '-' | '_')))
     {
         return Err(format!(
-            "{id:?}: {c:?} is not allowed (letters, digits, '.', '-' and '_' are)"
+            "{name:?}: {c:?} is not allowed (letters, digits, '.', '-' and '_' are)"
         ));
     }
     Ok(())

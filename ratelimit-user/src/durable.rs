@@ -183,6 +183,30 @@ fn copy_new(from: &Path, to: &Path) -> io::Result<()> {
     out.sync_all()
 }
 
+/// The bytes of a file holding a secret (the config key `field` names it): refused if it is
+/// missing, or if its mode grants any of `forbidden` (`0o004`: readable by every user;
+/// `0o044`: by its group too), with the `chmod` that makes it private.
+pub fn read_secret(path: &Path, field: &str, forbidden: u32) -> anyhow::Result<Vec<u8>> {
+    use std::os::unix::fs::PermissionsExt as _;
+    let meta = std::fs::metadata(path).with_context(|| format!("{field} {}", path.display()))?;
+    let mode = meta.permissions().mode();
+    if mode & forbidden != 0 {
+        let who = if forbidden & 0o040 != 0 {
+            "other users"
+        } else {
+            "every user"
+        };
+        anyhow::bail!(
+            "{field} {} is readable by {who} (mode {:04o}); make it private first, e.g. \
+             `chmod 600 {}`",
+            path.display(),
+            mode & 0o7777,
+            path.display()
+        );
+    }
+    std::fs::read(path).with_context(|| format!("reading {field} {}", path.display()))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

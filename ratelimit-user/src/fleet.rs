@@ -330,19 +330,8 @@ fn read_password_of(path: &Path, field: &str) -> anyhow::Result<String> {
 /// The text of a file holding a secret (the key `field` names it): refused if missing or
 /// readable by every user (mode `o+r`).
 fn read_private(path: &Path, field: &str) -> anyhow::Result<String> {
-    use std::os::unix::fs::PermissionsExt as _;
-    let meta = std::fs::metadata(path).with_context(|| format!("{field} {}", path.display()))?;
-    let mode = meta.permissions().mode();
-    if mode & 0o004 != 0 {
-        bail!(
-            "{field} {} is readable by every user (mode {:04o}); make it private first, e.g. \
-             `chmod 600 {}`",
-            path.display(),
-            mode & 0o7777,
-            path.display()
-        );
-    }
-    std::fs::read_to_string(path).with_context(|| format!("reading {field} {}", path.display()))
+    let bytes = crate::durable::read_secret(path, field, 0o004)?;
+    String::from_utf8(bytes).with_context(|| format!("{field} {} is not UTF-8", path.display()))
 }
 
 /// The TLS material of `[fleet]` (`tls_ca_file`, `tls_cert_file`, `tls_key_file`), read and

@@ -31,7 +31,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use anyhow::{Context as _, bail};
+use anyhow::bail;
 use hmac::{Hmac, Mac as _};
 use sha2::Sha256;
 use tracing::warn;
@@ -72,21 +72,8 @@ pub fn store_name(fleet: &str, logical: &str) -> String {
 /// The fleet key (`fleet.key_file`): refused if the file is missing, readable by its group
 /// or by every user, or shorter than [`MIN_KEY_LEN`] bytes (a final newline aside).
 pub fn read_key(path: &Path) -> anyhow::Result<Vec<u8>> {
-    use std::os::unix::fs::PermissionsExt as _;
     let field = "fleet.key_file";
-    let meta = std::fs::metadata(path).with_context(|| format!("{field} {}", path.display()))?;
-    let mode = meta.permissions().mode();
-    if mode & 0o044 != 0 {
-        bail!(
-            "{field} {} is readable by other users (mode {:04o}); make it private first, e.g. \
-             `chmod 600 {}`",
-            path.display(),
-            mode & 0o7777,
-            path.display()
-        );
-    }
-    let mut key =
-        std::fs::read(path).with_context(|| format!("reading {field} {}", path.display()))?;
+    let mut key = crate::durable::read_secret(path, field, 0o044)?;
     while key.last().is_some_and(|b| *b == b'\n' || *b == b'\r') {
         key.pop();
     }
