@@ -99,9 +99,9 @@ pub struct Fleet {
     /// Publish this host's bans to the fleet and apply the fleet's.
     pub share_bans: bool,
     /// How far this host's wall clock may be off the store's before it stops taking part in
-    /// global counting (`crate::fleet::Clock`).
+    /// global counting (the fleet's clock check).
     pub max_clock_skew: Duration,
-    /// The fleet's name: every key in the store is under it (`crate::fleet::trust`).
+    /// The fleet's name: every key in the store is under it (the fleet's trust).
     pub name: String,
     /// A file holding the fleet key (not the store's password): records and counts are
     /// authenticated with it. Read at start.
@@ -142,6 +142,18 @@ pub const MAX_FLEET_NAME_LEN: usize = 64;
 /// Whether `name` can name a fleet: 1 to [`MAX_FLEET_NAME_LEN`] letters, digits, `.`, `-`, `_`.
 pub fn check_fleet_name(name: &str) -> Result<(), String> {
     check_store_name(name, MAX_FLEET_NAME_LEN)
+}
+
+/// `url` with any password replaced by `***`.
+pub fn redacted(url: &str) -> String {
+    match (url.split_once("://"), url.rfind('@')) {
+        (Some((scheme, rest)), Some(at)) if at > scheme.len() + 3 => {
+            let userinfo = &rest[..at - scheme.len() - 3];
+            let user = userinfo.split(':').next().unwrap_or("");
+            format!("{scheme}://{user}:***@{}", &url[at + 1..])
+        }
+        _ => url.to_string(),
+    }
 }
 
 /// The longest `fleet.host_id`.
@@ -190,7 +202,7 @@ pub fn cluster_nodes(url: &str) -> Option<Result<Vec<String>, String>> {
     if hosts.is_empty() {
         return Some(Err(format!(
             "{:?} names no node (expected {scheme}+cluster://HOST:PORT,HOST:PORT,...)",
-            crate::fleet::redacted(url)
+            redacted(url)
         )));
     }
     let mut nodes = Vec::new();
@@ -199,14 +211,14 @@ pub fn cluster_nodes(url: &str) -> Option<Result<Vec<String>, String>> {
         if h.is_empty() || h.contains('/') {
             return Some(Err(format!(
                 "{:?}: {h:?} is not a node (expected {scheme}+cluster://HOST:PORT,HOST:PORT,...)",
-                crate::fleet::redacted(url)
+                redacted(url)
             )));
         }
         let node = format!("{scheme}://{userinfo}{h}");
         if let Err(e) = redis::IntoConnectionInfo::into_connection_info(node.as_str()) {
             return Some(Err(format!(
                 "{:?}: {h:?} is not a node: {e}",
-                crate::fleet::redacted(url)
+                redacted(url)
             )));
         }
         nodes.push(node);
@@ -224,7 +236,7 @@ pub fn sentinel_nodes(url: &str) -> Option<Result<(Vec<String>, String), String>
     } else {
         ("rediss", url.strip_prefix("rediss+sentinel://")?)
     };
-    let shown = crate::fleet::redacted(url);
+    let shown = redacted(url);
     let expected = format!("expected {scheme}+sentinel://HOST:PORT,HOST:PORT,.../MASTER_NAME");
     let Some((hosts, name)) = rest.split_once('/') else {
         return Some(Err(format!("{shown:?} names no master ({expected})")));
@@ -238,7 +250,7 @@ pub fn sentinel_nodes(url: &str) -> Option<Result<(Vec<String>, String), String>
         return Some(Err(format!(
             "{:?}: no credentials in a sentinel address (fleet.password_file is the master's \
              password, fleet.sentinel_password_file the sentinels')",
-            crate::fleet::redacted(url)
+            redacted(url)
         )));
     }
     let mut nodes = Vec::new();
@@ -334,7 +346,7 @@ pub enum EventsSink {
 }
 
 /// `[pressure]`: when the host counts as under pressure (any signal above its mark; see
-/// [`crate::pressure`]).
+/// the pressure module).
 #[derive(Debug, Clone, PartialEq)]
 pub struct Pressure {
     /// Busy share of the watched CPUs, in (0, 1]: above it is pressure. 1 never is.
@@ -471,7 +483,7 @@ pub enum Scope {
     #[default]
     Local,
     /// The threshold holds across the fleet: each host adds the other hosts' counts of a
-    /// client, shared through the `[fleet]` store, into its own (`crate::fleet::global`).
+    /// client, shared through the `[fleet]` store, into its own (the fleet's global counts).
     Global,
 }
 
@@ -690,7 +702,7 @@ pub const ELASTIC_WITH_PASS: &str = "has no effect with exceed_action = \"pass\"
 
 /// The counts in force for a rule, or for one of its overrides: threshold, token bucket
 /// burst, ban threshold (after what an override inherits from its rule), ban duration, and
-/// the elastic factor. What [`crate::apply::plan`] writes and what every check of `elastic`
+/// the elastic factor. What `apply::plan` writes and what every check of `elastic`
 /// (the config's, `override add`'s, `rule set`'s) checks are both read from this, so they
 /// cannot disagree.
 #[derive(Debug, Clone, Copy, PartialEq)]

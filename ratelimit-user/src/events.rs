@@ -106,7 +106,7 @@ pub struct PressureLine {
     pub signals: Vec<crate::pressure::Reading>,
 }
 
-/// A change of the fleet store's health (`crate::fleet`): `fleet_degraded` when the store
+/// A change of the fleet store's health (the fleet module): `fleet_degraded` when the store
 /// cannot be reached (with why, and since when), `fleet_restored` when it can again (with how
 /// long it was out and the bans still waiting in the outbox to be sent).
 #[derive(Serialize, Debug, Clone)]

@@ -553,17 +553,8 @@ impl redis::aio::ConnectionLike for Conn {
     }
 }
 
-/// `url` with any password replaced by `***`.
-pub fn redacted(url: &str) -> String {
-    match (url.split_once("://"), url.rfind('@')) {
-        (Some((scheme, rest)), Some(at)) if at > scheme.len() + 3 => {
-            let userinfo = &rest[..at - scheme.len() - 3];
-            let user = userinfo.split(':').next().unwrap_or("");
-            format!("{scheme}://{user}:***@{}", &url[at + 1..])
-        }
-        _ => url.to_string(),
-    }
-}
+/// `url` with any password replaced by `***` (the config's, which shows store URLs too).
+pub use crate::config::redacted;
 
 impl Settings {
     /// Resolve `[fleet]`: the host id (the hostname by default), the password file read.

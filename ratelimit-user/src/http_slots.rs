@@ -4,7 +4,7 @@
 //!
 //! * a peer holds at most [`MAX_PER_PEER`] connections at once (an IPv4 address, or an IPv6
 //!   /64: one host's addresses);
-//! * [`METRICS_SLOTS`] of the [`crate::http::MAX_CONNECTIONS`] are kept for `GET /metrics`:
+//! * [`METRICS_SLOTS`] of the the listener's `MAX_CONNECTIONS` are kept for `GET /metrics`:
 //!   a connection that finds the others taken gets one of these, and on it every other path
 //!   is a 503. However many peers hold the rest, Prometheus still scrapes.
 //!
@@ -20,7 +20,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// Connections one peer may hold at once.
 pub const MAX_PER_PEER: usize = 16;
-/// Connections kept for `GET /metrics` (part of [`crate::http::MAX_CONNECTIONS`]).
+/// Connections kept for `GET /metrics` (part of the listener's `MAX_CONNECTIONS`).
 pub const METRICS_SLOTS: usize = 4;
 
 /// The slots of one listener.

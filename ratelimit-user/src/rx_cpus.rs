@@ -1,6 +1,6 @@
 //! The receive CPUs: the CPUs that take the attached interfaces' receive work, whose kernel
 //! time is what `cpu_busy` watches when `pressure.cpus` does not name them (see
-//! [`crate::pressure`]).
+//! the pressure module).
 //!
 //! An interface's receive work runs where its interrupts are delivered (each IRQ of its
 //! device: the MSI/MSI-X vectors in `/sys/class/net/<if>/device/msi_irqs`, or the legacy

@@ -60,7 +60,7 @@ fn module_of(rel: &Path) -> ModPath {
 /// The text of a file as the check reads it: `//` comments and the `#[cfg(test)] mod tests`
 /// block at its end cut off.
 fn code_of(text: &str) -> String {
-    let text = match text.find("#[cfg(test)]\nmod tests") {
+    let text = match text.find("#[cfg(test)]\nmod tests {") {
         Some(i) => &text[..i],
         None => text,
     };
