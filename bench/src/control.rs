@@ -288,7 +288,7 @@ threshold = {{ count = 1000, interval = "1s" }}
     );
 
     // `top` over the tracked set, filled in through the daemon's pinned map.
-    let clients = ratelimit_user::clients::ClientStore::open(s.bpffs())
+    let clients = ratelimit_user::kernel::clients::ClientStore::open(s.bpffs())
         .expect("open the daemon's pinned per-client maps");
     let populate_secs = {
         let t = Instant::now();
@@ -314,7 +314,7 @@ threshold = {{ count = 1000, interval = "1s" }}
     };
     // Written from this process, not by the program: the daemon's census sees them once its
     // last one is older than `CENSUS_MAX_AGE`.
-    let give_up = Instant::now() + ratelimit_user::reader::CENSUS_MAX_AGE * 2;
+    let give_up = Instant::now() + ratelimit_user::serve::reader::CENSUS_MAX_AGE * 2;
     let tracked_reported = loop {
         let n = d.cli_json(&["status"])["tracked_clients"]
             .as_u64()

@@ -43,7 +43,7 @@ use aya::{
 use contenders::{BOTNET, BOTNET_SOURCES, Contender, PER_SOURCE, Policy, RefProgs};
 use generator::{Family, GenRun, Generator, Plan};
 use ratelimit_tests::Scenario;
-use ratelimit_user::datapath;
+use ratelimit_user::kernel::datapath;
 use serde::Serialize;
 
 use crate::part::{Ctx, Section, TargetRow};

@@ -32,8 +32,9 @@ use ratelimit_common::{
 };
 use ratelimit_tests::packet::Frame;
 use ratelimit_user::{
-    apply, config,
-    datapath::{self, Datapath, Maps},
+    config,
+    kernel::datapath::{self, Datapath, Maps},
+    policy::apply,
 };
 use serde::Serialize;
 

@@ -3,7 +3,7 @@
 
 use std::path::Path;
 
-use ratelimit_user::datapath::Datapath;
+use ratelimit_user::kernel::datapath::Datapath;
 
 /// The object, embedded as the daemon embeds its own.
 static OBJECT: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/ratelimit-bench"));

@@ -63,7 +63,7 @@ struct Rare {
 
 /// Per CPU: what [`flush`] has not written yet. Not pinned: a restarted daemon's program
 /// starts with nothing pending and writes to the ring of its own load (see
-/// `ratelimit-user/src/kernel_log.rs`).
+/// `ratelimit-user/src/kernel/log.rs`).
 #[map(name = "RL_RARE")]
 static RARE: PerCpuArray<Rare> = PerCpuArray::with_max_entries(1, 0);
 

@@ -5,7 +5,7 @@ use std::{io, path::PathBuf};
 
 use clap::{Args, CommandFactory as _, Parser, Subcommand, ValueEnum};
 
-use crate::{config, control};
+use crate::{api, config};
 use clap_mangen::{
     Man,
     roff::{Roff, bold, italic, roman},
@@ -110,7 +110,7 @@ pub enum PressureCommand {
     /// saturate, or return it to the signals (`auto`). Kept across restarts.
     Set {
         /// high | low | auto
-        mode: crate::pressure::Mode,
+        mode: crate::policy::pressure::Mode,
         /// Print JSON instead of a table.
         #[arg(long)]
         json: bool,
@@ -144,7 +144,7 @@ pub enum XdpModeArg {
     Generic,
 }
 
-/// `--by` of `top` (the control API's [`control::TopBy`]).
+/// `--by` of `top` (the control API's [`api::TopBy`]).
 #[derive(ValueEnum, Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum TopBy {
     #[default]
@@ -153,12 +153,12 @@ pub enum TopBy {
     Drops,
 }
 
-impl From<TopBy> for control::TopBy {
+impl From<TopBy> for api::TopBy {
     fn from(b: TopBy) -> Self {
         match b {
-            TopBy::Packets => control::TopBy::Packets,
-            TopBy::Bytes => control::TopBy::Bytes,
-            TopBy::Drops => control::TopBy::Drops,
+            TopBy::Packets => api::TopBy::Packets,
+            TopBy::Bytes => api::TopBy::Bytes,
+            TopBy::Drops => api::TopBy::Drops,
         }
     }
 }
@@ -292,8 +292,8 @@ pub struct RuleSetArgs {
 
 impl RuleSetArgs {
     /// The fields given, as the control API carries them.
-    pub fn changes(&self) -> crate::ruleset::RuleChanges {
-        crate::ruleset::RuleChanges {
+    pub fn changes(&self) -> crate::policy::ruleset::RuleChanges {
+        crate::policy::ruleset::RuleChanges {
             threshold: self.threshold.clone(),
             ban_threshold: self.ban_threshold.clone(),
             ban_duration: self.ban_duration.clone(),
@@ -361,8 +361,8 @@ pub struct OverrideAddArgs {
 
 impl OverrideTargetArgs {
     /// The override's key on the control API.
-    pub fn at(&self, rule: &str) -> crate::live::OverrideAt {
-        crate::live::OverrideAt {
+    pub fn at(&self, rule: &str) -> crate::policy::live::OverrideAt {
+        crate::policy::live::OverrideAt {
             rule: rule.to_string(),
             cidr: self.cidr.clone(),
             region: self.region.clone(),
@@ -372,8 +372,8 @@ impl OverrideTargetArgs {
 
 impl OverrideAddArgs {
     /// The override as the control API carries it.
-    pub fn spec(&self) -> crate::live::OverrideSpec {
-        crate::live::OverrideSpec {
+    pub fn spec(&self) -> crate::policy::live::OverrideSpec {
+        crate::policy::live::OverrideSpec {
             at: self.target.at(&self.rule),
             threshold: self.threshold.clone(),
             burst: self.burst.clone(),

@@ -7,7 +7,7 @@
 //!   `reload`), SIGHUP's reload, the persistence task's sweep and save, the interface
 //!   watcher's re-attach. It waits for nothing but the kernel's map calls and the disk.
 //! - **Reports** (`status`, `stats`, `top`, `offenders`, `bans`, `/metrics`) run off the owner
-//!   task ([`crate::reader`]): map handles of their own, the [`reader::View`] the owner
+//!   task ([`crate::serve::reader`]): map handles of their own, the [`reader::View`] the owner
 //!   publishes after each job, the blocking pool, [`reader::REPORTS_AT_ONCE`] at a time. A
 //!   report waits for a turn, never for the owner; the owner never waits for a report.
 //! - **The events reader** drains the ring buffer into the events writer's queue (a thread of
@@ -16,7 +16,7 @@
 //! - **Control connections and the HTTP listener** wait for the owner (a change) or a report
 //!   turn (a report), each bounded: the HTTP listener answers 503 after its request timeout.
 //! - **The pressure sampler** reads `/proc/stat` and `/proc/net/netstat` every
-//!   [`crate::pressure::SAMPLE_PERIOD`] and hands the readings to the owner, which keeps the
+//!   [`crate::policy::pressure::SAMPLE_PERIOD`] and hands the readings to the owner, which keeps the
 //!   level ([`State::pressure`]).
 //! - **Ban persistence and the interface watcher** hand their work to the owner as jobs and
 //!   wait for it; they run under a supervisor ([`crate::supervise`]): one that fails is
@@ -25,6 +25,7 @@
 //! SIGTERM and SIGINT leave the program attached and enforcing (its links are pinned);
 //! `ratelimit detach` removes it.
 
+pub mod lock;
 use std::{
     collections::BTreeMap,
     path::PathBuf,
@@ -47,17 +48,16 @@ use tokio::{
 use tracing::{error, info, warn};
 
 use crate::{
-    apply::{self, prefix},
-    bans,
+    api::{self, Answer, BanLifted, BanSpec, BansAdded, BansRemoved, Reloaded, Request, Response},
     config::{self, Config},
-    control::{
-        self, Answer, BanLifted, BanSpec, BansAdded, BansRemoved, Reloaded, Request, Response,
-    },
-    datapath::{Attached, Datapath, Maps},
     events::{self, Events},
-    pressure::{self, Pressure},
-    reader::{self, Reports},
-    report, supervise,
+    kernel::datapath::{Attached, Datapath, Maps},
+    policy::apply::{self, prefix},
+    policy::bans,
+    policy::pressure::{self, Pressure},
+    policy::report,
+    serve::reader::{self, Reports},
+    supervise,
 };
 
 pub struct Options {
@@ -76,7 +76,7 @@ pub struct State {
     pub maps: Maps,
     pub dp: Datapath,
     /// The bans' reasons and origins, shared with the reports' view.
-    pub ban_notes: crate::ban_notes::BanNotes,
+    pub ban_notes: crate::policy::ban_notes::BanNotes,
     /// Where event lines go (a queue to the events writer).
     pub events: Events,
     /// Bans changed since they were last written to `state_dir`.
@@ -89,7 +89,7 @@ pub struct State {
     /// The reports' side, to publish the view to after every job.
     pub reports: Arc<Reports>,
     /// Live changes (`rule set`, `override add`) over the config file; `cfg` has them applied.
-    pub live: crate::live::Live,
+    pub live: crate::policy::live::Live,
     /// The pressure level.
     pub pressure: Pressure,
     /// The sampler's last readings, and when they were taken.
@@ -99,7 +99,7 @@ pub struct State {
     /// Whether the data plane holds the level, checked at every sample.
     pub level_sync: pressure::LevelSync,
     /// The attached interfaces' receive CPUs (`cpu_busy` watches them without `pressure.cpus`).
-    pub rx_cpus: crate::rx_cpus::RxCpus,
+    pub rx_cpus: crate::kernel::rx_cpus::RxCpus,
     /// Fleet mode (`[fleet]`): where this host's bans are published. `None` without it.
     pub fleet: Option<crate::fleet::Link>,
     /// In fleet mode: when (unix ms) `ban del` last lifted each prefix here, so that a fleet
@@ -207,13 +207,15 @@ impl Handle {
 }
 
 /// The HTTP listener's routes answer through the daemon's handle.
-impl crate::http::Backend for Handle {
-    async fn request(&self, req: Request) -> control::Response {
+impl crate::serve::http::Backend for Handle {
+    async fn request(&self, req: Request) -> api::Response {
         Handle::request(self, req).await
     }
 
-    async fn snapshot(&self) -> anyhow::Result<(crate::report::Stats, crate::http::Gauges)> {
-        self.reports.with_turn(crate::http::snapshot).await?
+    async fn snapshot(
+        &self,
+    ) -> anyhow::Result<(crate::policy::report::Stats, crate::serve::http::Gauges)> {
+        self.reports.with_turn(crate::serve::http::snapshot).await?
     }
 }
 
@@ -278,7 +280,8 @@ impl State {
                     rule: r.name.clone(),
                     threshold: r.threshold.to_string(),
                     elastic: r.elastic.map(crate::config::Elastic::factor),
-                    threshold_now: crate::live::threshold_now(r, self.relaxed()).to_string(),
+                    threshold_now: crate::policy::live::threshold_now(r, self.relaxed())
+                        .to_string(),
                 })
                 .collect(),
         }
@@ -545,7 +548,9 @@ impl State {
                 continue; // the program lifted it first and reported it
             }
             if b.flags & BAN_MANUAL != 0 {
-                self.forget_ban_notes(&crate::apply::net_of(b.prefix_len, &addr).to_string());
+                self.forget_ban_notes(
+                    &crate::policy::apply::net_of(b.prefix_len, &addr).to_string(),
+                );
             }
             // Capped like the program's own events: rule bans expire by the thousand after
             // a flood.
@@ -734,7 +739,7 @@ impl State {
                 None => self.maps.remove_ban(table, plen, &key).map(drop),
             };
             if let Err(e) = res {
-                let net = crate::apply::net_of(plen, &key);
+                let net = crate::policy::apply::net_of(plen, &key);
                 error!("undoing a failed ban request at {net}: {e}");
             }
         }
@@ -856,7 +861,7 @@ impl State {
         if r.key != KEY_ALL && r.key != KEY_REGION {
             bail!(
                 "rule {rule:?} is keyed {}: its bans are per client; remove one with `ratelimit ban del CIDR`",
-                crate::report::key_name(r.key)
+                crate::policy::report::key_name(r.key)
             );
         }
         if r.action != ACTION_BAN {
@@ -952,16 +957,16 @@ impl State {
         }
         // Prepare: nothing below touches a map or an interface.
         let regions = match &cfg.geoip {
-            Some(g) => Some(crate::geoip::load(&g.database).context(REJECTED)?),
+            Some(g) => Some(crate::policy::geoip::load(&g.database).context(REJECTED)?),
             None => None,
         };
         let wanted = interfaces_wanted(&cfg, &self.opts_ifaces);
         let mut to_attach = Vec::new();
         for iface in &wanted {
             // Not attached yet, or re-created since (a new ifindex under the same name).
-            let current = crate::datapath::ifindex(iface)
+            let current = crate::kernel::datapath::ifindex(iface)
                 .with_context(|| format!("{REJECTED}: interface {iface}"))?;
-            crate::datapath::Entry::for_iface(iface)
+            crate::kernel::datapath::Entry::for_iface(iface)
                 .with_context(|| format!("{REJECTED}: interface {iface}"))?;
             if !self
                 .dp
@@ -1004,7 +1009,7 @@ impl State {
         // Bans issued from here on name the new rules' positions.
         let cut = crate::clock::mono_ns();
         let applied = apply::apply(&mut self.maps, &plan).and_then(|()| match &regions {
-            Some(table) => crate::geoip::apply(&mut self.maps.regions, table).map(drop),
+            Some(table) => crate::policy::geoip::apply(&mut self.maps.regions, table).map(drop),
             None => Ok(()),
         });
         if let Err(e) = applied {
@@ -1188,8 +1193,8 @@ fn save_rule_names(dir: &std::path::Path, names: &[String]) {
 /// Fill the region map from the config's GeoIP database, if any.
 fn load_regions(cfg: &Config, maps: &mut Maps) -> anyhow::Result<()> {
     if let Some(g) = &cfg.geoip {
-        let table = crate::geoip::load(&g.database)?;
-        let n = crate::geoip::apply(&mut maps.regions, &table)?;
+        let table = crate::policy::geoip::load(&g.database)?;
+        let n = crate::policy::geoip::apply(&mut maps.regions, &table)?;
         info!(prefixes = n, database = %g.database.display(), kind = %table.database_type, "GeoIP regions loaded");
     }
     Ok(())
@@ -1225,7 +1230,7 @@ impl State {
             if b.rule != rule || !ratelimit_common::limiter::ban_active(b.expires_ns, now) {
                 continue;
             }
-            let net = crate::apply::net_of(plen, &key);
+            let net = crate::policy::apply::net_of(plen, &key);
             records.push(f.record(
                 crate::fleet::Op::Ban,
                 net.to_string(),
@@ -1365,7 +1370,7 @@ fn warn_if_kernel_cookies_off(cfg: &Config) {
 pub async fn run(opts: Options) -> anyhow::Result<()> {
     let cfg = load_config(opts.config_path.as_ref())?;
     // First of all: a daemon already running on these directories keeps them, untouched.
-    let _locks = crate::lock::lock_dirs(&cfg.daemon.state_dir, &cfg.daemon.bpffs_dir)?;
+    let _locks = crate::daemon::lock::lock_dirs(&cfg.daemon.state_dir, &cfg.daemon.bpffs_dir)?;
     for w in cfg.fleet.iter().flat_map(config::fleet_warnings) {
         warn!("{w}");
     }
@@ -1376,10 +1381,10 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         .map(|f| crate::fleet::Settings::resolve(f, &cfg.daemon.state_dir))
         .transpose()?;
     // The live changes saved by the last run, on top of the config.
-    let (live, cfg) = crate::live::Live::load(cfg);
+    let (live, cfg) = crate::policy::live::Live::load(cfg);
     // Before touching the kernel: a taken port fails the start with nothing attached.
     let http_listener = match cfg.daemon.http_listen {
-        Some(addr) => Some(crate::http::bind(addr).await?),
+        Some(addr) => Some(crate::serve::http::bind(addr).await?),
         None => None,
     };
     let ifaces = interfaces_wanted(&cfg, &opts.ifaces);
@@ -1388,14 +1393,14 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     }
     // Fail before loading anything if an interface is missing.
     for iface in &ifaces {
-        crate::datapath::ifindex(iface)?;
-        crate::datapath::Entry::for_iface(iface)?;
+        crate::kernel::datapath::ifindex(iface)?;
+        crate::kernel::datapath::Entry::for_iface(iface)?;
     }
     let mode = opts.xdp_mode.unwrap_or(cfg.daemon.xdp_mode);
-    crate::datapath::check_pinned_layout(&cfg.daemon.bpffs_dir, &cfg.daemon.state_dir)?;
+    crate::kernel::datapath::check_pinned_layout(&cfg.daemon.bpffs_dir, &cfg.daemon.state_dir)?;
     let mut dp = Datapath::load(&cfg.daemon.bpffs_dir, cfg.tracking.max_sources)?;
-    crate::kernel_log::spawn(dp.ebpf_mut());
-    crate::datapath::record_pinned_layout(&cfg.daemon.state_dir)?;
+    crate::kernel::log::spawn(dp.ebpf_mut());
+    crate::kernel::datapath::record_pinned_layout(&cfg.daemon.state_dir)?;
     if let Some((x, v)) = dp.program_info() {
         info!(xlated_insns = x, verified_insns = v, "XDP program loaded");
     }
@@ -1457,7 +1462,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     }
     let tasks = Arc::new(supervise::Tasks::default());
     let known_status = Arc::new(std::sync::Mutex::new(None));
-    crate::known::spawn_rebuilder(
+    crate::kernel::known::spawn_rebuilder(
         &tasks,
         known,
         dp.open_clients()?,
@@ -1465,7 +1470,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         known_status.clone(),
     )
     .context("starting the known-sources filter's thread")?;
-    let listener = Arc::new(control::bind(&cfg.daemon.control_socket)?);
+    let listener = Arc::new(crate::serve::control::bind(&cfg.daemon.control_socket)?);
     let events_ring: Option<EventsRing> = match maps.events.take() {
         Some(rb) => {
             // SAFETY: the ring buffer owns its fd and keeps it open for as long as the
@@ -1552,7 +1557,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         xdp_mode_override: opts.xdp_mode,
         maps,
         dp,
-        ban_notes: crate::ban_notes::BanNotes::new(crate::ban_notes::Notes {
+        ban_notes: crate::policy::ban_notes::BanNotes::new(crate::policy::ban_notes::Notes {
             reasons: restored.reasons,
             origins: restored.origins,
         }),
@@ -1566,7 +1571,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
         pressure_counters: None,
         pressure_not_saved: None,
         level_sync: pressure::LevelSync::default(),
-        rx_cpus: crate::rx_cpus::RxCpus::default(),
+        rx_cpus: crate::kernel::rx_cpus::RxCpus::default(),
         fleet,
         fleet_lifts,
     };
@@ -1610,7 +1615,7 @@ pub async fn run(opts: Options) -> anyhow::Result<()> {
     });
     let mut tasks = tokio::task::JoinSet::new();
     if let Some(l) = http_listener {
-        tasks.spawn(crate::http::serve(l, handle.clone()));
+        tasks.spawn(crate::serve::http::serve(l, handle.clone()));
     }
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     let mut int = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::interrupt())?;
@@ -1687,8 +1692,8 @@ async fn serve_control(
         tokio::spawn(async move {
             // The socket's mode (0600) keeps others out already; this check holds whatever
             // the mode and the directory's permissions have become.
-            if control::peer_uid(&stream) != Some(0) {
-                control::refuse(stream).await;
+            if crate::serve::control::peer_uid(&stream) != Some(0) {
+                crate::serve::control::refuse(stream).await;
                 return;
             }
             let (r, mut w) = stream.into_split();
@@ -1901,9 +1906,9 @@ async fn persist_bans(handle: Handle) -> anyhow::Result<()> {
     }
 }
 
-/// Follow the host's addresses: [`crate::local_addrs::LocalAddrs::refresh`] every [`crate::local_addrs::REFRESH`], on the owner.
+/// Follow the host's addresses: [`crate::kernel::local_addrs::LocalAddrs::refresh`] every [`crate::kernel::local_addrs::REFRESH`], on the owner.
 async fn watch_local_addrs(handle: Handle) -> anyhow::Result<()> {
-    let mut tick = tokio::time::interval(crate::local_addrs::REFRESH);
+    let mut tick = tokio::time::interval(crate::kernel::local_addrs::REFRESH);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
@@ -1983,7 +1988,7 @@ async fn watch_interfaces(handle: Handle) -> anyhow::Result<()> {
                     s.dp.attached
                         .iter()
                         .filter(|a| wanted.contains(&a.iface))
-                        .filter_map(|a| match crate::datapath::ifindex(&a.iface) {
+                        .filter_map(|a| match crate::kernel::datapath::ifindex(&a.iface) {
                             Ok(i) if i != a.ifindex => Some((a.iface.clone(), i)),
                             _ => None,
                         })

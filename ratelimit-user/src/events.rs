@@ -49,7 +49,7 @@ use tracing::{error, info, warn};
 use crate::{
     clock::{mono_ns, rfc3339},
     config::EventsSink,
-    report::{client_label, key_name},
+    policy::report::{client_label, key_name},
 };
 
 /// `daemon.events_per_sec`'s default and bound (the config's).
@@ -92,7 +92,7 @@ pub struct EventLine {
     pub origin: Option<String>,
 }
 
-/// A change of the pressure level (`crate::pressure`):
+/// A change of the pressure level (`crate::policy::pressure`):
 /// `{"time":..,"event":"pressure_high","mode":"auto","cause":"signal","signals":[{"signal":
 /// "cpu_busy","value":0.93,"mark":0.8,"above":true}]}`. `signals` are those above their marks
 /// at the change (none when it falls after the hold).
@@ -101,9 +101,9 @@ pub struct PressureLine {
     pub time: String,
     /// `pressure_high` or `pressure_low`.
     pub event: &'static str,
-    pub mode: crate::pressure::Mode,
-    pub cause: crate::pressure::Cause,
-    pub signals: Vec<crate::pressure::Reading>,
+    pub mode: crate::policy::pressure::Mode,
+    pub cause: crate::policy::pressure::Cause,
+    pub signals: Vec<crate::policy::pressure::Reading>,
 }
 
 /// A change of the fleet store's health (the fleet module): `fleet_degraded` when the store

@@ -86,6 +86,8 @@ use crate::{config, events, supervise};
 
 pub mod dup;
 pub mod global;
+pub mod key;
+pub mod key_reads;
 pub mod peers;
 pub mod resync;
 pub mod trust;

@@ -4,43 +4,27 @@
 //!
 //! The modules form layers, each importing only from those below it (no import cycle: the
 //! check is `cargo xtask test`'s, in `xtask/src/layers.rs`), bottom up:
-//! 1. values with no dependency in the crate: `clock`, `config`, `durable`, `ban_notes`,
-//!    `clients`, `kernel_log`, `local_addrs`, `http_slots`;
-//! 2. `pressure`, `rx_cpus`, `ruleset`, `supervise`; then `events`, `known`;
-//! 3. the kernel and the store: `datapath` (load, attach, pin, maps), `fleet` (the store, its
-//!    trust, global counts, peers), `apply`, `lock`, `fleet_key`, `fleet_key_reads`;
-//! 4. policy over the maps: `geoip`, `live`, `report`, `bans`;
-//! 5. the API: `status`, `control` (the typed requests and answers, the socket);
-//! 6. serving: `reader` (the reports), `http`; the command line, `cli`;
-//! 7. `daemon`: the owner task, start-up and the supervised tasks.
+//! 1. values with no dependency in the crate: `clock`, `durable`, `config`, `supervise`;
+//! 2. `kernel`: the program and its maps (load, attach, pin, per-client state, the
+//!    known-sources filter, the host's addresses, the receive CPUs, the program's log);
+//! 3. `policy`: the config turned into map contents, live changes, bans, GeoIP, pressure, and
+//!    the data plane read back;
+//! 4. `events`: event lines for L7 systems;
+//! 5. `fleet`: the shared store, its trust, bans shared across hosts, global counts, peers;
+//! 6. `api`: the typed requests and answers;
+//! 7. `serve`: the control socket, the reports off the owner task, the HTTP listener;
+//! 8. `daemon`: the owner task, start-up and the supervised tasks, the lock; `cli`: the
+//!    command line.
 
-pub mod apply;
-pub mod ban_notes;
-pub mod bans;
+pub mod api;
 pub mod cli;
-pub mod clients;
 pub mod clock;
 pub mod config;
-pub mod control;
 pub mod daemon;
-pub mod datapath;
 pub mod durable;
 pub mod events;
 pub mod fleet;
-pub mod fleet_key;
-pub mod fleet_key_reads;
-pub mod geoip;
-pub mod http;
-pub mod http_slots;
-pub mod kernel_log;
-pub mod known;
-pub mod live;
-pub mod local_addrs;
-pub mod lock;
-pub mod pressure;
-pub mod reader;
-pub mod report;
-pub mod ruleset;
-pub mod rx_cpus;
-pub mod status;
+pub mod kernel;
+pub mod policy;
+pub mod serve;
 pub mod supervise;

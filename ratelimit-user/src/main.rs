@@ -10,13 +10,16 @@ use anyhow::Context as _;
 use clap::Parser as _;
 
 use ratelimit_user::{
+    api::{Answer, BanSpec, Request},
     cli::{
         self, BanCommand, Cli, Command, FleetCommand, OverrideCommand, PressureCommand,
         RuleCommand, XdpModeArg,
     },
-    config,
-    control::{self, Answer, BanSpec, Request},
-    daemon, datapath, live, report,
+    config, daemon,
+    kernel::datapath,
+    policy::live,
+    policy::report,
+    serve,
 };
 
 fn main() -> ExitCode {
@@ -259,7 +262,7 @@ fn dispatch(cli: Cli) -> anyhow::Result<ExitCode> {
         } => *json,
         _ => false,
     };
-    let answer = control::call(&socket_path(&cli)?, &req)?;
+    let answer = serve::control::call(&socket_path(&cli)?, &req)?;
     if let (
         Command::Fleet {
             action: FleetCommand::Peers(_),
@@ -303,7 +306,7 @@ fn cidr_list(one: Option<&str>, file: Option<&Path>) -> anyhow::Result<Vec<Strin
                 text = std::fs::read_to_string(f)
                     .with_context(|| format!("reading {}", f.display()))?;
             }
-            Ok(ratelimit_user::bans::file_entries(&text))
+            Ok(ratelimit_user::policy::bans::file_entries(&text))
         }
         _ => anyhow::bail!("give one CIDR or --file FILE"),
     }
@@ -364,7 +367,7 @@ fn print_human(answer: &Answer) -> anyhow::Result<()> {
         },
         Answer::Pressure(p) | Answer::PressureSet(p) => print_pressure(p),
         Answer::Fleet(f) => print_fleet(f),
-        Answer::FleetKey(k) => print!("{}", ratelimit_user::fleet_key::render_key(k)),
+        Answer::FleetKey(k) => print!("{}", ratelimit_user::fleet::key::render_key(k)),
         Answer::Reload(r) => {
             println!("reloaded {}: rules {}", r.reloaded, r.rules.join(", "));
             for d in &r.live_changes_dropped {
@@ -542,11 +545,11 @@ fn print_fleet(f: &ratelimit_user::fleet::Report) {
             String::new()
         }
     );
-    print!("{}", ratelimit_user::fleet_key::render_global(&f.global));
+    print!("{}", ratelimit_user::fleet::key::render_global(&f.global));
 }
 
-fn print_pressure(p: &ratelimit_user::pressure::Report) {
-    use ratelimit_user::pressure::Mode;
+fn print_pressure(p: &ratelimit_user::policy::pressure::Report) {
+    use ratelimit_user::policy::pressure::Mode;
     let how = match p.mode {
         Mode::Auto => "mode auto: from the signals".to_string(),
         m => format!(
@@ -556,10 +559,10 @@ fn print_pressure(p: &ratelimit_user::pressure::Report) {
     };
     println!("level    {} ({how})", p.level.name());
     match p.data_plane {
-        Some(ratelimit_user::pressure::Level::Low) => println!(
+        Some(ratelimit_user::policy::pressure::Level::Low) => println!(
             "data     low: rules and overrides with elastic = F admit up to F times their counts"
         ),
-        Some(ratelimit_user::pressure::Level::High) => {
+        Some(ratelimit_user::policy::pressure::Level::High) => {
             println!("data     high: rules and overrides with elastic are held to their thresholds")
         }
         None => println!("data     unknown (the map could not be read)"),

@@ -17,8 +17,8 @@ use ratelimit_common::{
 use ratelimit_user::{
     cli::Cli,
     config::{self, KeyKind, OverrideTarget},
-    http::{Gauges, render_metrics},
-    report::{self, Pb, Stats},
+    policy::report::{self, Pb, Stats},
+    serve::http::{Gauges, render_metrics},
 };
 
 fn packaging(file: &str) -> PathBuf {

@@ -4,7 +4,7 @@ use ratelimit_common::{
     caps::{MAX_BANS, MAX_REMOTE_BANS},
     maps::{BAN_MANUAL, BAN_REMOTE, BanEntry},
 };
-use ratelimit_user::datapath::Maps;
+use ratelimit_user::kernel::datapath::Maps;
 
 /// The `i`-th of the bans that fill the rules' ban table as a spoofed IPv6 flood would: one
 /// `/64` each (`2001:0:<i>::/64`), issued by rule `rule` at `now_ns`, until removed.

@@ -16,7 +16,7 @@ use std::{
     time::{Duration, Instant},
 };
 
-use ratelimit_user::control::{self, Answer, Request};
+use ratelimit_user::api::{Answer, Request};
 
 use crate::{env::raise_own_nofile, scenario::Scenario};
 
@@ -127,7 +127,8 @@ pub fn quantile(sorted: &[u64], p: f64) -> u64 {
 /// tracked clients it shows.
 pub fn status(socket: &Path) -> (Duration, u64) {
     let start = Instant::now();
-    let answer = control::call(socket, &Request::Status).expect("status over the control socket");
+    let answer = ratelimit_user::serve::control::call(socket, &Request::Status)
+        .expect("status over the control socket");
     let took = start.elapsed();
     let Answer::Status(status) = answer else {
         panic!("status answered with {answer:?}");
@@ -241,7 +242,7 @@ pub fn measure(s: &Scenario, http_port: u16, load: Load) -> Figures {
             })
         };
         // Steady state: the reports have seen the counts keep moving (a census period or two).
-        std::thread::sleep(ratelimit_user::reader::CENSUS_PERIOD * 3);
+        std::thread::sleep(ratelimit_user::serve::reader::CENSUS_PERIOD * 3);
         let status_us: Vec<u64> = (0..load.samples)
             .map(|_| {
                 let t = status(&socket).0;

@@ -21,8 +21,8 @@ use std::time::{Duration, Instant};
 use crate::netns::{NetNs, command_in_fd, describe};
 use crate::server::{Server, Spec};
 use ratelimit_user::{
-    report::{Ban, Stats},
-    status::Status,
+    api::status::Status,
+    policy::report::{Ban, Stats},
 };
 
 /// How long [`Daemon::start`] waits for the control socket to answer.

@@ -24,10 +24,10 @@ use ratelimit_common::{
     maps::{BanEntry, ClientKey, KEY_IP, RuleConfig},
 };
 use ratelimit_user::{
-    apply::{self, Plan},
     config::{self, Config},
-    datapath::{Datapath, Maps},
-    report,
+    kernel::datapath::{Datapath, Maps},
+    policy::apply::{self, Plan},
+    policy::report,
 };
 
 use crate::pins::Pins;
@@ -327,7 +327,7 @@ impl Fixture {
     /// The lines the program writes through aya-log, from now on.
     pub fn kernel_log(&mut self) -> KernelLog {
         let lines = Lines::default();
-        let mut logger = ratelimit_user::kernel_log::open(self.dp.ebpf_mut(), lines.clone())
+        let mut logger = ratelimit_user::kernel::log::open(self.dp.ebpf_mut(), lines.clone())
             .expect("open the log ring");
         KernelLog {
             lines,

@@ -15,9 +15,9 @@ use std::{
 };
 
 use ratelimit_user::{
-    control::{self, Answer, Request},
+    api::{Answer, Request},
     fleet,
-    report::Ban,
+    policy::report::Ban,
 };
 
 use crate::{
@@ -347,7 +347,7 @@ impl FleetLab {
 
 /// A control call that must be answered.
 pub fn call(socket: &Path, req: &Request) -> Answer {
-    control::call(socket, req).unwrap_or_else(|e| panic!("{req:?}: {e:#}"))
+    ratelimit_user::serve::control::call(socket, req).unwrap_or_else(|e| panic!("{req:?}: {e:#}"))
 }
 
 /// `cond` polled every 2 ms for up to `timeout`; its last value.

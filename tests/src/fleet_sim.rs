@@ -26,8 +26,8 @@ use std::{
 
 use ratelimit_common::{limiter, maps::ClientState};
 use ratelimit_user::{
-    clients::{Meter, SlotRef},
     fleet::global::{self, CountStore, GlobalRule, MemoryCounts, SlotStates, Synced},
+    kernel::clients::{Meter, SlotRef},
 };
 
 const NS: u64 = 1_000_000_000;

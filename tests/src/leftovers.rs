@@ -114,7 +114,7 @@ impl Leftovers {
             }
         }
         for dir in &self.bpffs {
-            if let Err(e) = ratelimit_user::datapath::detach(dir, &[]) {
+            if let Err(e) = ratelimit_user::kernel::datapath::detach(dir, &[]) {
                 failed.push(format!("detaching {}: {e:#}", dir.display()));
             }
             match std::fs::remove_dir(dir) {

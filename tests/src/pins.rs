@@ -6,7 +6,7 @@ use std::{
     sync::atomic::{AtomicU32, Ordering},
 };
 
-use ratelimit_user::datapath;
+use ratelimit_user::kernel::datapath;
 
 /// `/sys/fs/bpf/rl-<what>-<pid>-<n>`, removed on drop.
 pub struct Pins(pub PathBuf);

@@ -12,7 +12,7 @@ use std::{
     time::Duration,
 };
 
-use ratelimit_user::report::Stats;
+use ratelimit_user::policy::report::Stats;
 
 use crate::{
     Daemon, NetNs, PacketSocket, SendStats, Tap, UdpSink, VethPair, disable_rp_filter,

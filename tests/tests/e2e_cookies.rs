@@ -17,7 +17,7 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU16, Ordering};
 use std::time::{Duration, Instant};
 
-use ratelimit_user::report::Stats;
+use ratelimit_user::policy::report::Stats;
 
 use ratelimit_tests::{
     Daemon, kernel_test,

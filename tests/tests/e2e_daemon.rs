@@ -20,7 +20,7 @@ use ratelimit_tests::{
     kernel_test,
     scenario::{Scenario, align_to_window, reason, rule_counter, verdict},
 };
-use ratelimit_user::report::Key;
+use ratelimit_user::policy::report::Key;
 
 const PORT: u16 = 9000;
 
@@ -1243,8 +1243,8 @@ algorithm = "fixed_window"
         LpmTrie::try_from(Map::LpmTrie(data)).expect("lpm trie");
     for i in 0..MAX_BANS {
         let e = ratelimit_tests::bans::flood_rule_ban(i, 0, 1);
-        let key = ratelimit_user::datapath::ban_key(64, &IpKey { addr: e.addr });
-        ratelimit_user::datapath::retry_enomem(|| bans.insert(&key, e, 0))
+        let key = ratelimit_user::kernel::datapath::ban_key(64, &IpKey { addr: e.addr });
+        ratelimit_user::kernel::datapath::retry_enomem(|| bans.insert(&key, e, 0))
             .expect("fill the ban table");
     }
     let mut tx = s.sender();

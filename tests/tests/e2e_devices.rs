@@ -14,7 +14,7 @@ use ratelimit_tests::{
     scenario::{Scenario, metric_sum, verdict},
     tun::{Tun, ip_packet},
 };
-use ratelimit_user::report::{IfaceCounters, Stats};
+use ratelimit_user::policy::report::{IfaceCounters, Stats};
 
 const PORT: u16 = 9000;
 

@@ -27,7 +27,7 @@ use ratelimit_tests::{
     listen::overflow,
     scenario::{Scenario, align_to_window, rule_counter},
 };
-use ratelimit_user::{live::RuleEntry, pressure::Level, pressure::Report};
+use ratelimit_user::{policy::live::RuleEntry, policy::pressure::Level, policy::pressure::Report};
 
 const PORT: u16 = 9000;
 const WINDOW: Duration = Duration::from_millis(500);
@@ -300,7 +300,7 @@ elastic = 2
         t0.elapsed()
     );
     let r: Report = s.daemon().cli_as(&["pressure"]);
-    assert_eq!(r.mode, ratelimit_user::pressure::Mode::Auto);
+    assert_eq!(r.mode, ratelimit_user::policy::pressure::Mode::Auto);
     assert_eq!(rule_entry(&s, "udp").threshold_now, "500/500ms");
     let b = aligned_blast(&s, client, 6).join().unwrap();
     let got = received(&s, &sink, a.sent + b.sent, client) - a.sent;

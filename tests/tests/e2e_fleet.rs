@@ -18,7 +18,7 @@ use ratelimit_tests::{
     scenario::metric_sum,
 };
 use ratelimit_user::{
-    control::{Answer, BanSpec, Request},
+    api::{Answer, BanSpec, Request},
     fleet,
 };
 

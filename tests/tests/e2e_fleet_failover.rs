@@ -20,7 +20,7 @@ use ratelimit_tests::{
     fleet_lab::{Setup, Store, call, percentile, wait_for},
     kernel_test,
 };
-use ratelimit_user::control::Request;
+use ratelimit_user::api::Request;
 
 /// No rule matches this port: only a ban drops what is sent to it.
 const OTHER_PORT: u16 = 9001;

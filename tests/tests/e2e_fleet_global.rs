@@ -16,7 +16,7 @@ use ratelimit_tests::{
     fleet_lab::{FleetLab, Setup, Store, fleet_section, per_window, sleep_until_wall, udp_rule},
     kernel_test,
 };
-use ratelimit_user::control::{self, Request};
+use ratelimit_user::api::Request;
 
 const PORT: u16 = 9000;
 /// A client under the threshold (a rule of its own, the same threshold), on every host.
@@ -369,8 +369,11 @@ fn status_times(f: &Fleet) -> Vec<Duration> {
         .flat_map(|i| {
             (0..50).map(move |_| {
                 let t0 = Instant::now();
-                control::call(f.hosts[i].daemon().socket_path(), &Request::Status)
-                    .expect("status answers");
+                ratelimit_user::serve::control::call(
+                    f.hosts[i].daemon().socket_path(),
+                    &Request::Status,
+                )
+                .expect("status answers");
                 t0.elapsed()
             })
         })

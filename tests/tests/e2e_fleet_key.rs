@@ -15,7 +15,7 @@ use ratelimit_tests::{
     kernel_test,
     scenario::{metric_sum, rule_counter},
 };
-use ratelimit_user::fleet_key::KeyReport;
+use ratelimit_user::fleet::key::KeyReport;
 
 const PORT: u16 = 9000;
 const HTTP_PORT: u16 = 19478;
@@ -62,7 +62,7 @@ fn key(f: &Fleet, i: usize) -> KeyReport {
 /// The fleet's counts of the key's current and previous window, summed: (total, h0, h1).
 fn fleet_counts(k: &KeyReport) -> Option<(u64, u64, u64)> {
     let windows = k.rules.first()?.fleet.as_ref()?;
-    let sum = |f: &dyn Fn(&ratelimit_user::fleet_key::WindowCounts) -> u64| {
+    let sum = |f: &dyn Fn(&ratelimit_user::fleet::key::WindowCounts) -> u64| {
         windows.iter().map(f).sum::<u64>()
     };
     Some((
@@ -223,7 +223,7 @@ fn fleet_key_shows_the_fleet_s_counts_of_a_client() {
     // Without the store: this host's part, and why the rest is missing.
     f.redis.as_mut().expect("a single store").kill();
     // The answer read just before is served from the cache while it is fresh.
-    std::thread::sleep(ratelimit_user::fleet_key_reads::FRESH + Duration::from_millis(100));
+    std::thread::sleep(ratelimit_user::fleet::key_reads::FRESH + Duration::from_millis(100));
     let t0 = Instant::now();
     let k = key(&f, 0);
     assert!(t0.elapsed() < Duration::from_secs(10), "{:?}", t0.elapsed());

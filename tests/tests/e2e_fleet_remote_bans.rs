@@ -94,8 +94,9 @@ fn remote_bans_beyond_their_table_leave_ban_add_working() {
             flags: BAN_MANUAL | BAN_REMOTE,
             ..BanEntry::manual(128, addr.addr, now, 0)
         };
-        let key = ratelimit_user::datapath::ban_key(128, &addr);
-        ratelimit_user::datapath::retry_enomem(|| bans.insert(&key, e, 0)).expect("fill the table");
+        let key = ratelimit_user::kernel::datapath::ban_key(128, &addr);
+        ratelimit_user::kernel::datapath::retry_enomem(|| bans.insert(&key, e, 0))
+            .expect("fill the table");
     }
     // SENT more records through the store.
     let t0 = Instant::now();

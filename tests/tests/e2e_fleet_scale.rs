@@ -23,7 +23,7 @@ use ratelimit_tests::{
     fleet_lab::{FleetLab, Setup, fleet_section, udp_rule, wait_for},
     kernel_test,
 };
-use ratelimit_user::{fleet, fleet_key::KeyReport};
+use ratelimit_user::{fleet, fleet::key::KeyReport};
 
 const PORT: u16 = 9000;
 
@@ -74,7 +74,7 @@ fn fleet_key_from_many_clients_puts_a_bounded_load_on_the_store() {
     // Half of what one peer may hold open at once (`http_slots::MAX_PER_PEER`): more from one
     // address are refused by the listener before they reach the daemon, and each request's
     // connection is given back a moment after its client closed it.
-    const CLIENTS: usize = ratelimit_user::http_slots::MAX_PER_PEER / 2;
+    const CLIENTS: usize = ratelimit_user::serve::http_slots::MAX_PER_PEER / 2;
     const RUN: Duration = Duration::from_secs(4);
     const T_SECS: u64 = 60;
     let mut f = Setup::new("rlsk").hosts(1).http(HTTP_PORT).start(|i, url| {

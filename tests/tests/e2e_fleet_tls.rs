@@ -24,7 +24,7 @@ use ratelimit_tests::{
     kernel_test,
     store::TlsFiles,
 };
-use ratelimit_user::control::Request;
+use ratelimit_user::api::Request;
 
 /// No rule matches this port: only a ban drops what is sent to it.
 const OTHER_PORT: u16 = 9001;

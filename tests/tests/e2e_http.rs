@@ -14,9 +14,9 @@ use ratelimit_tests::{
     daemon::run_with_timeout, env::raise_own_nofile, kernel_test, scenario::Scenario,
 };
 use ratelimit_user::{
-    http::{HEADER_READ_TIMEOUT, MAX_CONNECTIONS},
-    http_slots::{MAX_PER_PEER, METRICS_SLOTS},
-    report::Ban,
+    policy::report::Ban,
+    serve::http::{HEADER_READ_TIMEOUT, MAX_CONNECTIONS},
+    serve::http_slots::{MAX_PER_PEER, METRICS_SLOTS},
 };
 
 const HTTP_PORT: u16 = 9477;

@@ -11,7 +11,7 @@ use std::{
 };
 
 use ratelimit_tests::{Scenario, UdpSink, kernel_test, mmdb::write_country_db};
-use ratelimit_user::control::Reloaded;
+use ratelimit_user::api::Reloaded;
 use serde_json::json;
 
 const PORT: u16 = 9000;

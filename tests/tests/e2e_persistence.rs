@@ -196,7 +196,7 @@ preview = true
     for i in 0..MAX_PASSING_BANS {
         let mut e = ratelimit_tests::bans::flood_rule_ban(i, 0, 1);
         e.flags = BAN_PREVIEW;
-        let key = ratelimit_user::datapath::ban_key(64, &IpKey { addr: e.addr });
+        let key = ratelimit_user::kernel::datapath::ban_key(64, &IpKey { addr: e.addr });
         passing
             .insert(&key, e, 0)
             .expect("fill the passing-ban table");

@@ -9,7 +9,7 @@
 use std::time::{Duration, Instant};
 
 use ratelimit_tests::{kernel_test, listen::overflow, scenario::Scenario, scenario::metric_sum};
-use ratelimit_user::pressure::{Cause, Level, Mode, Report, Signal};
+use ratelimit_user::policy::pressure::{Cause, Level, Mode, Report, Signal};
 
 const HTTP_PORT: u16 = 9477;
 

@@ -10,7 +10,7 @@ use ratelimit_tests::{
     kernel_test,
     scenario::{Scenario, metric_sum, rule_counter, verdict},
 };
-use ratelimit_user::report::{Client, Stats};
+use ratelimit_user::policy::report::{Client, Stats};
 
 const PORT: u16 = 9000;
 
@@ -70,7 +70,7 @@ algorithm = "fixed_window"
         {
             break (code, text);
         }
-        std::thread::sleep(ratelimit_user::reader::CENSUS_PERIOD / 2);
+        std::thread::sleep(ratelimit_user::serve::reader::CENSUS_PERIOD / 2);
     };
     assert_eq!(code, 200, "{text}");
     let m = |name: &str, labels: &[(&str, &str)]| {

@@ -8,7 +8,7 @@ use std::{
 };
 
 use ratelimit_tests::{kernel_test, mmdb::write_country_db, scenario::Scenario};
-use ratelimit_user::report::Key;
+use ratelimit_user::policy::report::Key;
 
 const PORT: u16 = 9000;
 

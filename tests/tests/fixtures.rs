@@ -23,9 +23,9 @@ use ratelimit_tests::{
     packet::{Frame, arp_request, checksum, tcp_flags, truncate},
 };
 use ratelimit_user::{
-    apply::{self, Plan},
-    datapath::Maps,
-    report,
+    kernel::datapath::Maps,
+    policy::apply::{self, Plan},
+    policy::report,
 };
 
 /// The config of the fixture tables: an allow and a deny list, a rule on SYNs to port 80 (5 an

@@ -40,7 +40,7 @@ use ratelimit_tests::{
     fixture::{Fixture, HOUR_NS, manual_ban, prefix},
     fuzz, kernel_test,
 };
-use ratelimit_user::apply;
+use ratelimit_user::policy::apply;
 
 /// Frames whose counters are read and compared together.
 const BATCH: usize = 64;

@@ -100,9 +100,9 @@ fn check_config(text: &str) -> Result<(), TestCaseError> {
                 prop_assert!(check_ban_duration(r.ban_duration).is_ok());
             }
             // Planning a parsed config never fails or panics.
-            let _ = crate::apply::rule_config(r);
+            let _ = crate::policy::apply::rule_config(r);
         }
-        let _ = crate::apply::plan(&cfg, false);
+        let _ = crate::policy::apply::plan(&cfg, false);
     }
     Ok(())
 }
@@ -227,7 +227,7 @@ proptest! {
         let deny = with_value("[lists]\ndeny = [{value}]\n", &s).map(|c| c.lists.deny[0]);
         let ban = parse_net(&s).map_err(|e| labelled("entry 1", &e));
         read_alike(&s, ban.clone(), "entry 1", deny, "lists.deny")?;
-        let at = crate::live::OverrideAt {
+        let at = crate::policy::live::OverrideAt {
             rule: "r".into(),
             cidr: Some(s.clone()),
             region: None,

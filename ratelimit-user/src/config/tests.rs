@@ -2218,7 +2218,7 @@ fn an_overrides_inherited_ban_threshold_is_checked_as_scaled() {
         "ban_threshold = { count = 1000, interval = \"1s\" }\nelastic = 2\n",
     );
     let c = ok(&fits);
-    let p = crate::apply::plan(&c, false);
+    let p = crate::policy::apply::plan(&c, false);
     let o = p.overrides.values().next().unwrap();
     assert_eq!(
         (o.limit.ban_threshold, o.elastic.ban_threshold),

@@ -41,8 +41,8 @@ use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
 use crate::{
-    clients::{ClientStore, Meter, SlotRef},
     fleet::{Conn, Settings},
+    kernel::clients::{ClientStore, Meter, SlotRef},
 };
 
 /// Buckets the keys of a rule are spread over (one hash per bucket and window, each in a

@@ -31,7 +31,7 @@ use ratelimit_tests::{
     receiver::Counts,
     scenario::{passed, reason, verdict},
 };
-use ratelimit_user::report::Stats;
+use ratelimit_user::policy::report::Stats;
 use serde_json::Value;
 
 /// UDP port the protected host's application listens on.

@@ -56,7 +56,7 @@ pub struct Maps {
     pub overrides: LpmTrie<MapData, OverrideKey, OverrideValue>,
     pub region_overrides: HashMap<MapData, RegionOverrideKey, OverrideValue>,
     pub regions: LpmTrie<MapData, LpmAddr, [u8; 4]>,
-    pub clients: crate::clients::ClientStore,
+    pub clients: crate::kernel::clients::ClientStore,
     /// Per rule: the aggregate state of sources that got none of their own.
     pub overflow: Array<MapData, ClientState>,
     /// Per CPU: this tick's fast-drop entries, with per-client counts not yet in `clients`.
@@ -84,7 +84,7 @@ pub struct Maps {
     pub remote_bans_spilled: u64,
     /// The host's addresses, for the program's SYN answers (`RL_LOCAL_ADDRS`): the loaded
     /// object's (the map is not pinned, so handles opened from the pins have none).
-    pub local_addrs: Option<crate::local_addrs::LocalAddrs>,
+    pub local_addrs: Option<crate::kernel::local_addrs::LocalAddrs>,
     pub events: Option<RingBuf<MapData>>,
 }
 
@@ -592,10 +592,10 @@ impl Datapath {
     }
 
     /// The known-sources filter's map, mmapped (once).
-    pub fn take_known(&mut self) -> anyhow::Result<crate::known::KnownFilter> {
+    pub fn take_known(&mut self) -> anyhow::Result<crate::kernel::known::KnownFilter> {
         match self.ebpf.take_map("RL_KNOWN") {
             Some(aya::maps::Map::Array(data)) => {
-                crate::known::KnownFilter::new(data, self.hash_key)
+                crate::kernel::known::KnownFilter::new(data, self.hash_key)
             }
             Some(_) => bail!("map RL_KNOWN is not an array"),
             None => bail!("map RL_KNOWN missing"),
@@ -603,8 +603,8 @@ impl Datapath {
     }
 
     /// A second handle on the per-client state, from its pins (for a thread of its own).
-    pub fn open_clients(&self) -> anyhow::Result<crate::clients::ClientStore> {
-        crate::clients::ClientStore::open(&self.pin_dir)
+    pub fn open_clients(&self) -> anyhow::Result<crate::kernel::clients::ClientStore> {
+        crate::kernel::clients::ClientStore::open(&self.pin_dir)
     }
 
     /// Detach the program from `iface` (its pinned link removed), leaving the maps and the
@@ -656,7 +656,7 @@ fn typed_maps(
         overrides: LpmTrie::try_from(take("RL_OVERRIDES")?)?,
         region_overrides: HashMap::try_from(take("RL_REGION_OVERRIDES")?)?,
         regions: LpmTrie::try_from(take("RL_REGIONS")?)?,
-        clients: crate::clients::ClientStore::new(
+        clients: crate::kernel::clients::ClientStore::new(
             take("RL_SHARED")?,
             take("RL_FLEET_ADD")?,
             take("RL_CLIENTS")?,
@@ -678,7 +678,9 @@ fn typed_maps(
         bans_flag_set: [true; BAN_TABLES as usize],
         remote_bans_spilled: 0,
         local_addrs: match take("RL_LOCAL_ADDRS") {
-            Ok(m) => Some(crate::local_addrs::LocalAddrs::new(HashMap::try_from(m)?)),
+            Ok(m) => Some(crate::kernel::local_addrs::LocalAddrs::new(
+                HashMap::try_from(m)?,
+            )),
             Err(_) => None,
         },
         ban_epoch: Array::try_from(take("RL_BAN_EPOCH")?)?,
@@ -770,7 +772,7 @@ impl Maps {
     }
 
     /// Write this host's addresses into the program's `RL_LOCAL_ADDRS` (see
-    /// [`crate::local_addrs`]); nothing on handles opened from the pins, which have none.
+    /// [`crate::kernel::local_addrs`]); nothing on handles opened from the pins, which have none.
     pub fn refresh_local_addrs(&mut self) {
         if let Some(l) = &mut self.local_addrs {
             l.refresh();

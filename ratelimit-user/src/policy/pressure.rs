@@ -9,7 +9,7 @@
 //!   user can raise the level with a busy loop. Steal counts as busy: time the hypervisor
 //!   gave to someone else is time this host had no room. guest time is already in user. The
 //!   watched CPUs are `pressure.cpus`, or else the receive CPUs of the attached interfaces
-//!   (`crate::rx_cpus`: where their interrupts and RPS go), or else, when those are not known
+//!   (`crate::kernel::rx_cpus`: where their interrupts and RPS go), or else, when those are not known
 //!   (a veth, a bridge), every CPU. A CPU missing from either reading (offline) is left out;
 //!   so is a CPU whose counters went backwards (taken offline and brought back between
 //!   readings).

@@ -13,9 +13,9 @@ use ratelimit_common::{
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    apply::net_of,
     clock::{mono_ns, rfc3339, wall_of},
-    datapath::Maps,
+    kernel::datapath::Maps,
+    policy::apply::net_of,
 };
 
 #[derive(Serialize, Deserialize, Clone, Copy, Default, Debug, PartialEq, Eq)]
@@ -662,11 +662,11 @@ pub fn active_bans(maps: &Maps) -> Vec<(ipnet::IpNet, BanEntry)> {
 pub fn bans(
     maps: &Maps,
     rules: &[(String, RuleConfig)],
-    notes: Option<&crate::ban_notes::BanNotes>,
+    notes: Option<&crate::policy::ban_notes::BanNotes>,
 ) -> Vec<Ban> {
     let now = mono_ns();
     let active = active_bans(maps);
-    let none = crate::ban_notes::Notes::default();
+    let none = crate::policy::ban_notes::Notes::default();
     let guard = notes.map(|n| n.read());
     let notes = guard.as_deref().unwrap_or(&none);
     let (reasons, origins) = (&notes.reasons, &notes.origins);

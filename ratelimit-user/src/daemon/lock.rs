@@ -35,7 +35,7 @@ pub fn lock_dirs(state_dir: &Path, bpffs_dir: &Path) -> anyhow::Result<DirLocks>
     crate::durable::check_private_dir(state_dir, "daemon.state_dir")?;
     // Mounted first: a directory locked before bpffs were mounted over its parent would be one
     // the daemon then never sees.
-    crate::datapath::ensure_bpffs(bpffs_dir)?;
+    crate::kernel::datapath::ensure_bpffs(bpffs_dir)?;
     let mut held: Vec<File> = Vec::with_capacity(2);
     let mut locked = Vec::with_capacity(2);
     for (dir, what) in [(state_dir, "state"), (bpffs_dir, "bpffs")] {

@@ -22,7 +22,7 @@ use crate::{
         Action, Algorithm, Config, Counts, ExceedAction, KeyKind, OverrideTarget, Protocol, Rule,
         Threshold, Unit,
     },
-    datapath::Maps,
+    kernel::datapath::Maps,
 };
 
 /// An address prefix over the 16-byte address: (prefix length, address). An IPv4 /N is the
@@ -420,7 +420,7 @@ fn sync_list(
         }
     }
     for (p, v) in want {
-        crate::datapath::retry_enomem(|| trie.insert(&lpm_key(p), *v, 0))
+        crate::kernel::datapath::retry_enomem(|| trie.insert(&lpm_key(p), *v, 0))
             .with_context(|| format!("writing the {what} map"))?;
     }
     for p in have {
@@ -468,7 +468,7 @@ pub fn apply(maps: &mut Maps, plan: &Plan) -> anyhow::Result<()> {
         .collect();
     for ((rule, p), v) in &plan.overrides {
         let key = override_key(*rule, p);
-        crate::datapath::retry_enomem(|| maps.overrides.insert(&key, *v, 0))
+        crate::kernel::datapath::retry_enomem(|| maps.overrides.insert(&key, *v, 0))
             .context("writing the override map")?;
     }
     for (rule, p) in have {

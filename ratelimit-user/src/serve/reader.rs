@@ -16,13 +16,14 @@ use std::{
 
 use ratelimit_common::{maps::RuleConfig, stats::global};
 
-pub use crate::status::{Admission, Program, RuleThreshold, Status};
+pub use crate::api::status::{Admission, Program, RuleThreshold, Status};
 use crate::{
-    bans,
-    control::{Answer, Request, Response, TopBy},
-    datapath::{Attached, Maps},
+    api::{Answer, Request, Response, TopBy},
     events::Events,
-    report, supervise,
+    kernel::datapath::{Attached, Maps},
+    policy::bans,
+    policy::report,
+    supervise,
 };
 
 /// Reports running at once at most (the machine has few cores to spare; more wait for a
@@ -51,7 +52,7 @@ pub struct View {
     /// Rules as the data plane holds them (live `rule set` changes included).
     pub live_rules: Vec<(String, RuleConfig)>,
     /// The bans' reasons and origins (shared with the owner task, which writes them).
-    pub ban_notes: crate::ban_notes::BanNotes,
+    pub ban_notes: crate::policy::ban_notes::BanNotes,
     /// (counter slot, interface).
     pub ifaces: Vec<(u32, String)>,
     pub attached: Vec<Attached>,
@@ -65,9 +66,9 @@ pub struct View {
     pub program: Option<(u32, u32)>,
     pub bans_restore: bans::RestoreReport,
     /// The live changes over the config file (`rule set`, `override add`).
-    pub live_changes: crate::live::Report,
+    pub live_changes: crate::policy::live::Report,
     /// The pressure level and its signals (the sampler's latest).
-    pub pressure: crate::pressure::Report,
+    pub pressure: crate::policy::pressure::Report,
     /// Each rule's threshold in force now.
     pub thresholds: Vec<RuleThreshold>,
 }
@@ -96,7 +97,7 @@ pub struct Reports {
     started: SystemTime,
     pub events: Events,
     pub tasks: Arc<supervise::Tasks>,
-    pub known_status: Arc<std::sync::Mutex<Option<crate::known::Rebuilt>>>,
+    pub known_status: Arc<std::sync::Mutex<Option<crate::kernel::known::Rebuilt>>>,
     /// Fleet mode's shared state (`fleet status`, `/v1/fleet`, `ratelimit_fleet_*`); unset
     /// without `[fleet]`.
     pub fleet: std::sync::OnceLock<Arc<crate::fleet::Shared>>,
@@ -104,7 +105,7 @@ pub struct Reports {
     /// `[fleet]`.
     pub fleet_settings: std::sync::OnceLock<Arc<crate::fleet::Settings>>,
     /// `fleet key`'s reads of the store: one connection, a cache, a rate bound.
-    pub fleet_key_reads: crate::fleet_key_reads::KeyReads,
+    pub fleet_key_reads: crate::fleet::key_reads::KeyReads,
 }
 
 /// Map handles only read through: `Maps`' writing methods take `&mut`, which this never
@@ -124,7 +125,7 @@ impl Reports {
         view: View,
         events: Events,
         tasks: Arc<supervise::Tasks>,
-        known_status: Arc<std::sync::Mutex<Option<crate::known::Rebuilt>>>,
+        known_status: Arc<std::sync::Mutex<Option<crate::kernel::known::Rebuilt>>>,
     ) -> Self {
         Self {
             maps: ReadMaps(maps),
@@ -139,7 +140,7 @@ impl Reports {
             known_status,
             fleet: std::sync::OnceLock::new(),
             fleet_settings: std::sync::OnceLock::new(),
-            fleet_key_reads: crate::fleet_key_reads::KeyReads::default(),
+            fleet_key_reads: crate::fleet::key_reads::KeyReads::default(),
         }
     }
 
@@ -402,14 +403,14 @@ pub async fn fleet_key_answer(
     reports: &Reports,
     addr: &str,
     rule: Option<&str>,
-) -> anyhow::Result<crate::fleet_key::KeyReport> {
+) -> anyhow::Result<crate::fleet::key::KeyReport> {
     use anyhow::bail;
 
     use crate::{
-        clients::Meter,
         fleet::global,
-        fleet_key::{KeyReport, RuleKey, STORE_READ_TIMEOUT, WindowCounts, targets},
-        fleet_key_reads::{self, Read, Want},
+        fleet::key::{KeyReport, RuleKey, STORE_READ_TIMEOUT, WindowCounts, targets},
+        fleet::key_reads::{self, Read, Want},
+        kernel::clients::Meter,
     };
     let Some(settings) = reports.fleet_settings.get() else {
         bail!("fleet mode is off: the config has no [fleet] section");
@@ -472,20 +473,20 @@ pub async fn fleet_key_answer(
                     .collect();
                 r.fleet = Some(windows);
                 r.fleet_age_ms = Some(age.as_millis() as u64);
-                if age >= fleet_key_reads::FRESH {
+                if age >= key_reads::FRESH {
                     r.note = Some(format!(
                         "the fleet's counts as read {} ms ago: the store is read at most {} \
                          times a second for fleet key",
                         age.as_millis(),
-                        fleet_key_reads::READS_PER_SEC
+                        key_reads::READS_PER_SEC
                     ));
                 }
-                if hosts.len() > fleet_key_reads::HOSTS_MAX {
-                    let more = hosts.len() - fleet_key_reads::HOSTS_MAX;
+                if hosts.len() > key_reads::HOSTS_MAX {
+                    let more = hosts.len() - key_reads::HOSTS_MAX;
                     let n = format!(
                         "each host's own count is read for {} hosts; {more} more are in the \
                          total only",
-                        fleet_key_reads::HOSTS_MAX
+                        key_reads::HOSTS_MAX
                     );
                     r.note = Some(match r.note.take() {
                         Some(prev) => format!("{prev}; {n}"),

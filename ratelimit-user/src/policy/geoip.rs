@@ -23,7 +23,7 @@ use ipnet::IpNet;
 use maxminddb::{Reader, WithinOptions, geoip2};
 use ratelimit_common::{addr::LpmAddr, caps::MAX_REGION_PREFIXES};
 
-use crate::apply::{Prefix, lpm_key, prefix, prefix_of_lpm};
+use crate::policy::apply::{Prefix, lpm_key, prefix, prefix_of_lpm};
 
 /// A GeoIP database flattened into disjoint networks and their country codes.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -106,7 +106,7 @@ pub fn apply(
         .collect::<Result<_, _>>()
         .context("reading the regions map")?;
     for ((len, key), value) in &want {
-        crate::datapath::retry_enomem(|| trie.insert(&lpm_key(&(*len, *key)), value, 0))
+        crate::kernel::datapath::retry_enomem(|| trie.insert(&lpm_key(&(*len, *key)), value, 0))
             .context("writing the regions map")?;
     }
     for p in have {
@@ -214,7 +214,7 @@ fn is_ipv4_space(net: &IpNet) -> bool {
 }
 
 #[cfg(test)]
-#[path = "../../tests/src/mmdb.rs"]
+#[path = "../../../tests/src/mmdb.rs"]
 #[allow(dead_code)]
 mod mmdb_writer;
 

@@ -8,9 +8,9 @@
 //!
 //! Any local user can connect, so no client may hold the daemon's resources: at most
 //! [`MAX_CONNECTIONS`] connections are served at once (more are closed as soon as they are
-//! accepted, and counted), at most [`crate::http_slots::MAX_PER_PEER`] of them from one peer,
-//! and [`crate::http_slots::METRICS_SLOTS`] of them kept for `/metrics` (see
-//! [`crate::http_slots`]), a client has [`HEADER_READ_TIMEOUT`] to send a request's headers
+//! accepted, and counted), at most [`crate::serve::http_slots::MAX_PER_PEER`] of them from one peer,
+//! and [`crate::serve::http_slots::METRICS_SLOTS`] of them kept for `/metrics` (see
+//! [`crate::serve::http_slots`]), a client has [`HEADER_READ_TIMEOUT`] to send a request's headers
 //! (idle keep-alive connections included), a request that waits [`REQUEST_TIMEOUT`] for the
 //! daemon gets a 503, a connection is closed after [`MAX_CONNECTION_AGE`], and every answer
 //! is bounded ([`MAX_TOP_N`], [`MAX_LIST`]). A thousand idle connections cost the daemon at most
@@ -50,11 +50,11 @@ use tower::ServiceExt as _;
 use tracing::{info, warn};
 
 use crate::{
-    control::{self, Answer, Request, TopBy},
+    api::{self, Answer, Request, TopBy},
     events,
-    http_slots::Slots,
-    reader::Reports,
-    report::{self, Pb, RuleCounters, Stats},
+    policy::report::{self, Pb, RuleCounters, Stats},
+    serve::http_slots::Slots,
+    serve::reader::Reports,
 };
 
 /// Content type of `/metrics`: the OpenMetrics text format, which Prometheus negotiates by
@@ -124,8 +124,8 @@ struct Limits {
 impl Limits {
     const DEFAULT: Limits = Limits {
         max_connections: MAX_CONNECTIONS,
-        metrics_slots: crate::http_slots::METRICS_SLOTS,
-        max_per_peer: crate::http_slots::MAX_PER_PEER,
+        metrics_slots: crate::serve::http_slots::METRICS_SLOTS,
+        max_per_peer: crate::serve::http_slots::MAX_PER_PEER,
         header_read_timeout: HEADER_READ_TIMEOUT,
         request_timeout: REQUEST_TIMEOUT,
         max_connection_age: MAX_CONNECTION_AGE,
@@ -158,7 +158,7 @@ pub struct HttpCounts {
     /// Connections being served now.
     pub open: u64,
     /// Connections closed at once because [`MAX_CONNECTIONS`] were open, or their peer held
-    /// [`crate::http_slots::MAX_PER_PEER`].
+    /// [`crate::serve::http_slots::MAX_PER_PEER`].
     pub rejected: u64,
     /// Connections closed because the headers did not arrive within [`HEADER_READ_TIMEOUT`].
     pub header_timeouts: u64,
@@ -289,7 +289,7 @@ async fn answer_in_time(
 /// What the routes need from the daemon. A trait so the routing can be tested without maps.
 pub trait Backend: Clone + Send + Sync + 'static {
     /// The control API's answer to a (read-only) request.
-    fn request(&self, req: Request) -> impl Future<Output = control::Response> + Send;
+    fn request(&self, req: Request) -> impl Future<Output = api::Response> + Send;
     /// What `/metrics` shows, read from the maps now (the listener's own counts aside).
     fn snapshot(&self) -> impl Future<Output = anyhow::Result<(Stats, Gauges)>> + Send;
 }
@@ -329,7 +329,7 @@ pub fn snapshot(s: &Reports) -> anyhow::Result<(Stats, Gauges)> {
         saved_bans: view.bans_restore.outcomes(),
         bans_files_set_aside: u64::from(view.bans_restore.set_aside.is_some()),
         remote_bans_spilled: view.remote_bans_spilled,
-        pressure_high: view.pressure.level == crate::pressure::Level::High,
+        pressure_high: view.pressure.level == crate::policy::pressure::Level::High,
         pressure_signals: view
             .pressure
             .signals
@@ -430,7 +430,7 @@ pub struct FleetGauges {
     /// The peers hash's length as last read.
     pub peers_in_store: u64,
     /// `fleet key`'s reads of the store.
-    pub key_reads: crate::fleet_key_reads::Stats,
+    pub key_reads: crate::fleet::key_reads::Stats,
 }
 
 #[derive(Debug)]
@@ -1275,7 +1275,7 @@ async fn offenders<B: Backend>(State(app): State<App<B>>, uri: Uri) -> Response 
 }
 
 /// `/v1/fleet/key`: the answer, or 429 (`Retry-After: 1`) when the rate bound of the store's
-/// reads left nothing to answer with (`crate::fleet_key_reads`).
+/// reads left nothing to answer with (`crate::fleet::key_reads`).
 async fn fleet_key<B: Backend>(State(app): State<App<B>>, uri: Uri) -> Response {
     match parse_key(&uri) {
         Ok(req) => match ask(&app.backend, req).await {
@@ -1469,7 +1469,7 @@ mod tests {
                 bans_clamped: 2,
                 duplicate_id: true,
                 peers_in_store: 200_002,
-                key_reads: crate::fleet_key_reads::Stats {
+                key_reads: crate::fleet::key_reads::Stats {
                     store_reads: 40,
                     cache_hits: 900,
                     busy: 7,
@@ -2100,15 +2100,15 @@ mod tests {
     struct Fake(Arc<Mutex<Vec<serde_json::Value>>>, Duration);
 
     impl Backend for Fake {
-        async fn request(&self, req: Request) -> control::Response {
-            use control::samples;
+        async fn request(&self, req: Request) -> api::Response {
+            use api::samples;
             tokio::time::sleep(self.1).await;
             self.0
                 .lock()
                 .unwrap()
                 .push(serde_json::to_value(&req).unwrap());
-            control::Response::ok(match req {
-                Request::Bans { .. } => return control::Response::err("reading bans: boom"),
+            api::Response::ok(match req {
+                Request::Bans { .. } => return api::Response::err("reading bans: boom"),
                 Request::Offenders { limit } => Answer::Offenders(
                     (0..limit.unwrap_or(usize::MAX).min(30) as u64)
                         .map(samples::client)
@@ -2118,9 +2118,9 @@ mod tests {
                 Request::Status => Answer::Status(Box::new(samples::status())),
                 Request::Stats => Answer::Stats(Box::new(samples::stats())),
                 Request::FleetKey { addr, .. } => {
-                    let mut k = crate::fleet_key::sample();
+                    let mut k = crate::fleet::key::sample();
                     if addr == "192.0.2.99" {
-                        k.busy = Some(crate::fleet_key_reads::busy_message());
+                        k.busy = Some(crate::fleet::key_reads::busy_message());
                     }
                     Answer::FleetKey(Box::new(k))
                 }
@@ -2170,7 +2170,7 @@ mod tests {
         assert!(body.contains("ratelimit_up 1\n") && body.ends_with("# EOF\n"));
 
         // The bodies are the control API's answers, read back as its types.
-        use control::samples;
+        use api::samples;
         for (path, req, want) in [
             (
                 "/v1/status",

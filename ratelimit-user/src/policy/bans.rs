@@ -20,10 +20,10 @@ use ratelimit_common::maps::*;
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    apply::prefix,
     clock::{mono_ns, wall_of},
     config::MAX_BAN_DURATION,
-    datapath::Maps,
+    kernel::datapath::Maps,
+    policy::apply::prefix,
 };
 
 pub const FILE: &str = "bans.json";
@@ -86,11 +86,11 @@ pub fn save(
     dir: &Path,
     maps: &Maps,
     rules: &[(String, RuleConfig)],
-    notes: &crate::ban_notes::Notes,
+    notes: &crate::policy::ban_notes::Notes,
 ) -> anyhow::Result<()> {
     let (reasons, origins) = (&notes.reasons, &notes.origins);
     let rule_names: Vec<String> = rules.iter().map(|(n, _)| n.clone()).collect();
-    let mut list: Vec<SavedBan> = crate::report::active_bans(maps)
+    let mut list: Vec<SavedBan> = crate::policy::report::active_bans(maps)
         .into_iter()
         .map(|(net, b)| {
             let cidr = net.to_string();
@@ -113,7 +113,7 @@ pub fn save(
         })
         .collect();
     // Aggregate bans (rules keyed by all or region) live in the rules' shared states.
-    for b in crate::report::aggregate_bans(maps, rules, mono_ns()) {
+    for b in crate::policy::report::aggregate_bans(maps, rules, mono_ns()) {
         let Some(expires) = b.expires_ns else {
             continue;
         };
@@ -523,8 +523,8 @@ impl HeldAggregate {
     fn dropped(&self) -> Dropped {
         Dropped {
             rule: self.rule.clone(),
-            key: crate::report::key_name(self.kind),
-            client: crate::report::client_label(&self.key(0)),
+            key: crate::policy::report::key_name(self.kind),
+            client: crate::policy::report::client_label(&self.key(0)),
         }
     }
 }
@@ -640,7 +640,7 @@ pub fn follow_rules(maps: &mut Maps, old: &[String], new: &[String], cut_ns: u64
             Some(now) if now.since_ns == b.since_ns && now.rule == b.rule => {}
             _ => continue,
         }
-        let net = crate::apply::net_of(b.prefix_len, &addr);
+        let net = crate::policy::apply::net_of(b.prefix_len, &addr);
         let res = match to {
             Some(j) => maps
                 .replace_ban_deferred(BanEntry { rule: j, ..b })

@@ -2,7 +2,7 @@
 //! as the fleet's store holds them; and the text of `fleet status`'s global thresholds part.
 //!
 //! The store is read on the reports' side (never on the owner task), within
-//! [`STORE_READ_TIMEOUT`], through [`crate::fleet_key_reads`]: one shared connection, a cache
+//! [`STORE_READ_TIMEOUT`], through [`crate::fleet::key_reads`]: one shared connection, a cache
 //! and a rate bound, so that however many clients ask, the store sees a bounded load. When
 //! the store cannot be read, the answer still has this host's part, with a note saying why;
 //! when the rate bound leaves nothing to answer with, it says so (`busy`: HTTP 429).
@@ -19,8 +19,8 @@ use ratelimit_common::maps::{BAN_HELD_MARK, ClientKey, ClientState, KEY_IP, Rule
 use serde::{Deserialize, Serialize};
 
 use crate::{
-    clients::Meter,
     fleet::global::{self, GlobalReport, GlobalRule},
+    kernel::clients::Meter,
 };
 
 /// How long the store's counts are waited for, connecting included.

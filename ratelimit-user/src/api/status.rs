@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
-use crate::{bans, datapath::Attached, supervise};
+use crate::{kernel::datapath::Attached, policy::bans, supervise};
 
 /// The answer to `status`: the daemon, its program and interfaces, and the counts that take a
 /// walk (from the latest census).
@@ -36,15 +36,15 @@ pub struct Status {
     pub admission: Admission,
     pub active_bans: u64,
     /// The known-sources filter's last rebuild.
-    pub known_filter: Option<crate::known::Rebuilt>,
+    pub known_filter: Option<crate::kernel::known::Rebuilt>,
     pub events: crate::events::Status,
     /// The supervised background tasks, by name.
     pub tasks: BTreeMap<String, supervise::TaskHealth>,
     pub bans_restore: bans::RestoreReport,
-    pub live_changes: crate::live::Report,
+    pub live_changes: crate::policy::live::Report,
     /// The pressure level and its signals.
     #[serde(default)]
-    pub pressure: crate::pressure::Report,
+    pub pressure: crate::policy::pressure::Report,
 }
 
 /// The new-source admission budget in force: at most `new_sources_per_sec` never-seen sources a

@@ -1,7 +1,7 @@
 //! `ratelimit rule set NAME ...`: field changes to a live rule, validated like the config.
 //! The changes are kept by rule name as they were given ([`RuleChanges`]) and applied on top of
 //! the config's rule, so that they can be applied again after a restart or a reload
-//! ([`crate::live`]).
+//! ([`crate::policy::live`]).
 
 use anyhow::{Context as _, bail};
 use serde::{Deserialize, Serialize};

@@ -6,7 +6,7 @@
 //! rule, the fields `rule set` gave ([`RuleChanges`]), and per (rule, CIDR or region), the
 //! overrides `override add` gave ([`OverrideSpec`]), both in their command-line spelling and
 //! checked by the config's own parsers. What the data plane holds is always the config with the
-//! layer applied ([`resolve`]), written by the same plan as a config ([`crate::apply`]): rules
+//! layer applied ([`resolve`]), written by the same plan as a config ([`crate::policy::apply`]): rules
 //! keep their positions and per-client state is not touched, so no counter is reset. A live
 //! override at the key of one of the config's replaces it while it exists; `override del`
 //! brings the config's back, and `rule reset` the config's rule.
@@ -15,7 +15,7 @@
 //! rule's key, unit, algorithm or action no longer takes it, or the override map is full) is
 //! dropped with a warning naming it, counted in `status` (`live_changes`), and left out of the
 //! file, of which a copy is kept first. A file that cannot be read as live changes is moved
-//! aside, never overwritten (as `bans.json` is, see [`crate::bans`]).
+//! aside, never overwritten (as `bans.json` is, see [`crate::policy::bans`]).
 
 use std::{
     collections::{BTreeMap, HashMap},
@@ -28,10 +28,10 @@ use serde::{Deserialize, Serialize};
 use tracing::{error, info, warn};
 
 use crate::{
-    apply,
     config::{self, Action, Algorithm, Config, Override, OverrideTarget, Rule, Unit},
-    datapath::Maps,
-    ruleset::{self, RuleChanges},
+    kernel::datapath::Maps,
+    policy::apply,
+    policy::ruleset::{self, RuleChanges},
 };
 
 /// The live changes' file in `state_dir`.

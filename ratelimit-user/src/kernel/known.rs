@@ -152,7 +152,10 @@ impl KnownFilter {
 
     /// Rebuild the inactive half from `clients` and make it the active one (see the module
     /// comment).
-    pub fn rebuild(&self, clients: &crate::clients::ClientStore) -> anyhow::Result<Rebuilt> {
+    pub fn rebuild(
+        &self,
+        clients: &crate::kernel::clients::ClientStore,
+    ) -> anyhow::Result<Rebuilt> {
         let t = Instant::now();
         let ctl = self.control();
         if (ctl >> KNOWN_LOG2_SHIFT) & 0xff != self.log2 {
@@ -237,7 +240,7 @@ pub fn needs_rebuild(
 pub fn spawn_rebuilder(
     tasks: &std::sync::Arc<crate::supervise::Tasks>,
     filter: KnownFilter,
-    clients: crate::clients::ClientStore,
+    clients: crate::kernel::clients::ClientStore,
     period: Duration,
     status: std::sync::Arc<std::sync::Mutex<Option<Rebuilt>>>,
 ) -> std::io::Result<std::thread::JoinHandle<()>> {

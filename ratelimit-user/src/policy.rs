@@ -1,0 +1,13 @@
+//! The policy over the maps: a config turned into map contents ([`apply`]), live changes
+//! ([`live`], [`ruleset`]), bans on disk and their notes ([`bans`], [`ban_notes`]), the GeoIP
+//! regions ([`geoip`]), the pressure level ([`pressure`]), and the data plane read back
+//! ([`report`]).
+
+pub mod apply;
+pub mod ban_notes;
+pub mod bans;
+pub mod geoip;
+pub mod live;
+pub mod pressure;
+pub mod report;
+pub mod ruleset;
