@@ -12,11 +12,7 @@
 //! (`ratelimit-ebpf-build`); none of this reaches the daemon's object.
 #![cfg_attr(target_arch = "bpf", no_std)]
 #![cfg_attr(target_arch = "bpf", no_main)]
-// As in the program: every `unsafe` says why it is sound.
-#![cfg_attr(
-    target_arch = "bpf",
-    warn(clippy::undocumented_unsafe_blocks, clippy::missing_safety_doc)
-)]
+// As in the program: every `unsafe` says why it is sound (the workspace's lint policy).
 
 #[cfg(target_arch = "bpf")]
 mod generator;

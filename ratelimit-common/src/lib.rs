@@ -30,7 +30,13 @@ mod pod {
     };
 
     macro_rules! pod {
-        ($($t:ty),* $(,)?) => { $( unsafe impl aya::Pod for $t {} )* };
+        ($($t:ty),* $(,)?) => {
+            $(
+                // SAFETY: see the module's comment: `#[repr(C)]`, no padding, any bit
+                // pattern valid (each type's layout test checks its size).
+                unsafe impl aya::Pod for $t {}
+            )*
+        };
     }
     pod!(
         IpKey,

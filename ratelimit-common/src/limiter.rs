@@ -43,7 +43,7 @@ pub fn prev_weight(now_ns: u64, interval_ns: u64) -> u64 {
 /// [`prev_weight`] given the window index `window = window_of(now_ns, interval_ns)` the
 /// caller already has: one division instead of three.
 #[inline(always)]
-#[allow(
+#[expect(
     clippy::manual_div_ceil,
     reason = "div_ceil is a division and a remainder on BPF"
 )]

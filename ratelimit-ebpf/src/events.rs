@@ -13,7 +13,7 @@ use crate::{
 static EVENTS: RingBuf = RingBuf::pinned(EVENTS_RING_BYTES, 0);
 
 #[inline(always)]
-#[allow(clippy::too_many_arguments)]
+#[expect(clippy::too_many_arguments, reason = "one field of the event each")]
 pub fn emit(
     slot: Slot,
     kind: u32,

@@ -134,6 +134,55 @@ pub fn set_aside(path: &Path, label: &str) -> anyhow::Result<PathBuf> {
     Ok(to)
 }
 
+/// What reading a state file in `state_dir` gave ([`load`]).
+#[derive(Debug)]
+pub enum Loaded<T> {
+    /// No file: nothing was saved.
+    Missing,
+    /// The file, parsed.
+    Read(T),
+    /// The file is there but could not be read (the error): it is left in place, and nothing
+    /// should be saved over it.
+    Unreadable(std::io::Error),
+    /// The file did not parse (the error) and was moved aside, to the path given, or could not
+    /// be (why).
+    Bad {
+        error: String,
+        aside: Result<PathBuf, String>,
+    },
+}
+
+/// The one reader of the daemon's state files (`bans.json`, `live.json`, the fleet's outbox,
+/// its lifted bans, the pressure mode): read `path` and `parse` it; a file that does not parse
+/// is moved aside (`path.bad-<unix time>`) so that the next save starts clean and the operator
+/// keeps what was there. Each caller says what became of it in its own words.
+pub fn load<T, E: std::fmt::Display>(
+    path: &Path,
+    parse: impl FnOnce(&[u8]) -> Result<T, E>,
+) -> Loaded<T> {
+    let bytes = match std::fs::read(path) {
+        Ok(b) => b,
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Loaded::Missing,
+        Err(e) => return Loaded::Unreadable(e),
+    };
+    match parse(&bytes) {
+        Ok(v) => Loaded::Read(v),
+        Err(e) => Loaded::Bad {
+            error: e.to_string(),
+            aside: set_aside(path, "bad").map_err(|e| format!("{e:#}")),
+        },
+    }
+}
+
+/// Where a bad file went, in a log line's words: "moved to PATH" or "could not be moved aside:
+/// WHY".
+pub fn aside_words(aside: &Result<PathBuf, String>) -> String {
+    match aside {
+        Ok(p) => format!("moved to {}", p.display()),
+        Err(e) => format!("could not be moved aside: {e}"),
+    }
+}
+
 /// Keep a copy of `path` as `path.<label>-<unix time>` (as [`set_aside`] names it), leaving
 /// `path` in place. Returns the copy's name.
 pub fn keep_copy(path: &Path, label: &str) -> anyhow::Result<PathBuf> {
@@ -323,5 +372,30 @@ mod tests {
         write_atomically(&dir, "bans.json", b"fourth").unwrap();
         assert_eq!(std::fs::read_to_string(&c).unwrap(), "third");
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn a_state_file_is_missing_read_unreadable_or_set_aside() {
+        let dir = temp_dir("load");
+        let path = dir.join("state.json");
+        let parse = |b: &[u8]| serde_json::from_slice::<Vec<u32>>(b);
+        assert!(matches!(load(&path, parse), Loaded::Missing));
+        std::fs::write(&path, b"[1, 2]").unwrap();
+        assert!(matches!(load(&path, parse), Loaded::Read(v) if v == [1, 2]));
+        // Not a list: moved aside, its bytes kept, the name free for the next save.
+        std::fs::write(&path, b"{\"not\": \"a list\"}").unwrap();
+        let Loaded::Bad { error, aside } = load(&path, parse) else {
+            panic!("a bad file was not reported as bad");
+        };
+        assert!(error.contains("expected a sequence"), "{error}");
+        let to = aside.expect("moved aside");
+        assert!(!path.exists());
+        assert_eq!(std::fs::read(&to).unwrap(), b"{\"not\": \"a list\"}");
+        assert!(aside_words(&Ok(to.clone())).starts_with("moved to "));
+        // A directory where the file should be cannot be read: left in place.
+        std::fs::create_dir(&path).unwrap();
+        assert!(matches!(load(&path, parse), Loaded::Unreadable(_)));
+        assert!(path.is_dir());
+        let _ = std::fs::remove_dir_all(&dir);
     }
 }

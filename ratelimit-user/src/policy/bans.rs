@@ -22,6 +22,7 @@ use serde::{Deserialize, Serialize};
 use crate::{
     clock::{mono_ns, wall_of},
     config::MAX_BAN_DURATION,
+    durable::Loaded,
     kernel::datapath::Maps,
     policy::apply::prefix,
 };
@@ -225,10 +226,10 @@ pub fn restore(dir: &Path, maps: &mut Maps, rules: &[(String, RuleConfig)]) -> R
         origins: BTreeMap::new(),
         dropped: Vec::new(),
     };
-    let text = match std::fs::read(&path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return out,
-        Err(e) => {
+    let entries = match crate::durable::load(&path, parse_entries) {
+        Loaded::Read(l) => l,
+        Loaded::Missing => return out,
+        Loaded::Unreadable(e) => {
             let why = format!(
                 "{} could not be read ({e}); no ban is saved over it until it is moved away",
                 path.display()
@@ -237,31 +238,31 @@ pub fn restore(dir: &Path, maps: &mut Maps, rules: &[(String, RuleConfig)]) -> R
             out.report.save_refused = Some(why);
             return out;
         }
-    };
-    let entries = match parse_entries(&text) {
-        Ok(l) => l,
-        Err(e) => {
-            match crate::durable::set_aside(&path, "bad") {
-                Ok(to) => {
-                    tracing::warn!(
-                        "{} is not a list of bans ({e}): moved aside to {}; no ban is restored \
-                         from it, and new bans are saved to {}",
-                        path.display(),
-                        to.display(),
-                        path.display()
-                    );
-                    out.report.set_aside = Some(to.display().to_string());
-                }
-                Err(e2) => {
-                    let why = format!(
-                        "{} is not a list of bans ({e}) and could not be moved aside ({e2:#}); \
-                         no ban is saved over it until it is moved away",
-                        path.display()
-                    );
-                    tracing::error!("{why}");
-                    out.report.save_refused = Some(why);
-                }
-            }
+        Loaded::Bad {
+            error: e,
+            aside: Ok(to),
+        } => {
+            tracing::warn!(
+                "{} is not a list of bans ({e}): moved aside to {}; no ban is restored \
+                 from it, and new bans are saved to {}",
+                path.display(),
+                to.display(),
+                path.display()
+            );
+            out.report.set_aside = Some(to.display().to_string());
+            return out;
+        }
+        Loaded::Bad {
+            error: e,
+            aside: Err(e2),
+        } => {
+            let why = format!(
+                "{} is not a list of bans ({e}) and could not be moved aside ({e2}); \
+                 no ban is saved over it until it is moved away",
+                path.display()
+            );
+            tracing::error!("{why}");
+            out.report.save_refused = Some(why);
             return out;
         }
     };

@@ -215,7 +215,6 @@ fn is_ipv4_space(net: &IpNet) -> bool {
 
 #[cfg(test)]
 #[path = "../../../tests/src/mmdb.rs"]
-#[allow(dead_code)]
 mod mmdb_writer;
 
 #[cfg(test)]

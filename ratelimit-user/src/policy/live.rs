@@ -29,6 +29,7 @@ use tracing::{error, info, warn};
 
 use crate::{
     config::{self, Action, Algorithm, Config, Override, OverrideTarget, Rule, Unit},
+    durable::Loaded,
     kernel::datapath::Maps,
     policy::apply,
     policy::ruleset::{self, RuleChanges},
@@ -906,20 +907,6 @@ impl Live {
 /// second list (and dropped). A file that is not a set of changes at all is moved aside; one
 /// that cannot be read refuses saving over it (`report`).
 fn read(path: &Path, report: &mut Report) -> (Changes, Vec<String>) {
-    let text = match std::fs::read(path) {
-        Ok(t) => t,
-        Err(e) if e.kind() == std::io::ErrorKind::NotFound => return Default::default(),
-        Err(e) => {
-            let why = format!(
-                "{} could not be read ({e}); no live change is applied from it or saved over it \
-                 until it is moved away",
-                path.display()
-            );
-            error!("{why}");
-            report.save_refused = Some(why);
-            return Default::default();
-        }
-    };
     /// The file's shape, its entries still unread.
     #[derive(Deserialize)]
     #[serde(deny_unknown_fields)]
@@ -929,30 +916,44 @@ fn read(path: &Path, report: &mut Report) -> (Changes, Vec<String>) {
         #[serde(default)]
         overrides: Vec<serde_json::Value>,
     }
-    let raw: Raw = match serde_json::from_slice(&text) {
-        Ok(r) => r,
-        Err(e) => {
-            match crate::durable::set_aside(path, "bad") {
-                Ok(to) => {
-                    warn!(
-                        "{} is not a set of live changes ({e}): moved aside to {}; no live \
-                         change is applied from it, and new ones are saved to {}",
-                        path.display(),
-                        to.display(),
-                        path.display()
-                    );
-                    report.set_aside = Some(to.display().to_string());
-                }
-                Err(e2) => {
-                    let why = format!(
-                        "{} is not a set of live changes ({e}) and could not be moved aside \
-                         ({e2:#}); no live change is saved over it until it is moved away",
-                        path.display()
-                    );
-                    error!("{why}");
-                    report.save_refused = Some(why);
-                }
-            }
+    let raw: Raw = match crate::durable::load(path, |b: &[u8]| serde_json::from_slice::<Raw>(b)) {
+        Loaded::Read(r) => r,
+        Loaded::Missing => return Default::default(),
+        Loaded::Unreadable(e) => {
+            let why = format!(
+                "{} could not be read ({e}); no live change is applied from it or saved over it \
+                 until it is moved away",
+                path.display()
+            );
+            error!("{why}");
+            report.save_refused = Some(why);
+            return Default::default();
+        }
+        Loaded::Bad {
+            error: e,
+            aside: Ok(to),
+        } => {
+            warn!(
+                "{} is not a set of live changes ({e}): moved aside to {}; no live \
+                 change is applied from it, and new ones are saved to {}",
+                path.display(),
+                to.display(),
+                path.display()
+            );
+            report.set_aside = Some(to.display().to_string());
+            return Default::default();
+        }
+        Loaded::Bad {
+            error: e,
+            aside: Err(e2),
+        } => {
+            let why = format!(
+                "{} is not a set of live changes ({e}) and could not be moved aside \
+                 ({e2}); no live change is saved over it until it is moved away",
+                path.display()
+            );
+            error!("{why}");
+            report.save_refused = Some(why);
             return Default::default();
         }
     };

@@ -58,6 +58,7 @@ pub fn bind(path: &Path) -> anyhow::Result<tokio::net::UnixListener> {
     // SAFETY: umask is process-wide but only narrows permissions for the bind below.
     let old = unsafe { libc::umask(0o177) };
     let listener = tokio::net::UnixListener::bind(path);
+    // SAFETY: puts back the mask taken above; umask cannot fail.
     unsafe { libc::umask(old) };
     let listener =
         listener.with_context(|| format!("binding control socket {}", path.display()))?;
