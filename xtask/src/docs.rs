@@ -79,7 +79,7 @@ fn relative(root: &Path, path: &Path) -> String {
 }
 
 /// The product source files the Layout table must name.
-fn product_sources(root: &Path) -> BTreeSet<String> {
+pub(crate) fn product_sources(root: &Path) -> BTreeSet<String> {
     let mut files = BTreeSet::new();
     for member in workspace_members(root) {
         if TOOLING.contains(&member.as_str()) {

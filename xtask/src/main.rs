@@ -12,6 +12,8 @@ mod fuzz;
 mod layers;
 mod run;
 mod setup;
+#[cfg(test)]
+mod sizes;
 mod test;
 mod util;
 mod vm;
