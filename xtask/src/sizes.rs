@@ -38,7 +38,14 @@ fn long_functions(lines: &[&str], max: usize) -> Vec<(String, usize, usize)> {
         let body = line.trim_start();
         let indent = &line[..line.len() - body.len()];
         let mut rest = body;
-        for prefix in ["pub(crate) ", "pub(super) ", "pub ", "async ", "const ", "unsafe "] {
+        for prefix in [
+            "pub(crate) ",
+            "pub(super) ",
+            "pub ",
+            "async ",
+            "const ",
+            "unsafe ",
+        ] {
             rest = rest.strip_prefix(prefix).unwrap_or(rest);
         }
         let Some(sig) = rest.strip_prefix("fn ") else {
@@ -81,10 +88,15 @@ fn over_bounds(root: &Path) -> Vec<String> {
         let text = std::fs::read_to_string(root.join(&file)).unwrap_or_default();
         let lines = product_lines(&text);
         if lines.len() > FILE_LINES {
-            over.push(format!("{file}: {} lines (at most {FILE_LINES})", lines.len()));
+            over.push(format!(
+                "{file}: {} lines (at most {FILE_LINES})",
+                lines.len()
+            ));
         }
         for (name, at, len) in long_functions(&lines, FN_LINES) {
-            over.push(format!("{file}:{at}: fn {name} is {len} lines (at most {FN_LINES})"));
+            over.push(format!(
+                "{file}:{at}: fn {name} is {len} lines (at most {FN_LINES})"
+            ));
         }
     }
     over
@@ -105,7 +117,8 @@ fn the_daemon_s_files_and_functions_are_within_their_bounds() {
 fn a_long_function_is_found_and_a_short_one_is_not() {
     let mut text = String::from("impl X {\n    pub async fn long(&self) {\n");
     text += &"        step();\n".repeat(200);
-    text += "    }\n\n    fn short() {}\n\n    fn decl();\n    fn two() {\n        b();\n    }\n}\n";
+    text +=
+        "    }\n\n    fn short() {}\n\n    fn decl();\n    fn two() {\n        b();\n    }\n}\n";
     let lines: Vec<&str> = text.lines().collect();
     assert_eq!(
         long_functions(&lines, FN_LINES),

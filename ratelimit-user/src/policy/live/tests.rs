@@ -1,6 +1,12 @@
-use std::path::PathBuf;
+use std::{
+    collections::BTreeMap,
+    path::{Path, PathBuf},
+};
+
+use ratelimit_common::caps;
 
 use super::*;
+use crate::config::{OverrideTarget, Rule};
 
 /// A config whose state directory is `dir`, with `rules` (TOML `[[rule]]` tables).
 fn config(dir: &Path, rules: &str) -> Config {
