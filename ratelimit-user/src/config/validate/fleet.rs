@@ -1,14 +1,55 @@
 //! `[fleet]`: the store's address and credentials, TLS, the global counts' timing and the
 //! fleet's trust (its name, key and the bounds on bans received from it).
 
+use std::path::PathBuf;
 use std::time::Duration;
 
 use super::{duration, int_in, path};
 use crate::config::tree::{Checker, Table};
 use crate::config::{self, Fleet};
 
+/// `[fleet]`, in steps: the store's address and credentials, TLS, the global counts' timing,
+/// the fleet's trust.
 pub(super) fn fleet(mut t: Table, ck: &mut Checker) -> Option<Fleet> {
-    let redis = match t.get("redis") {
+    let redis = redis(&mut t, ck);
+    let host_id = t.get("host_id").and_then(|f| {
+        let s = f.str(ck)?;
+        config::check_host_id(s)
+            .map_err(|e| f.invalid(ck, e))
+            .ok()
+            .map(|()| s.to_owned())
+    });
+    let password_file = t.get("password_file").and_then(|f| path(&f, ck));
+    let sentinel_password_file = sentinel_password_file(&mut t, redis.as_deref(), ck);
+    let (tls_ca_file, tls_cert_file, tls_key_file) = tls(&mut t, redis.as_deref(), ck);
+    let (sync_interval, share_bans, max_clock_skew) = global(&mut t, ck);
+    let name = name(&mut t, ck);
+    let key_file = t.get("key_file").and_then(|f| path(&f, ck));
+    let (remote_ban_min_prefix_v4, remote_ban_min_prefix_v6, remote_ban_max_duration) =
+        remote_bans(&mut t, ck);
+    t.finish(ck);
+    Some(Fleet {
+        redis: redis?,
+        host_id,
+        password_file,
+        sentinel_password_file,
+        tls_ca_file,
+        tls_cert_file,
+        tls_key_file,
+        sync_interval,
+        share_bans,
+        max_clock_skew,
+        name,
+        key_file,
+        remote_ban_min_prefix_v4,
+        remote_ban_min_prefix_v6,
+        remote_ban_max_duration,
+    })
+}
+
+/// `redis`, the store's address: required.
+fn redis(t: &mut Table, ck: &mut Checker) -> Option<String> {
+    match t.get("redis") {
         Some(f) => f.str(ck).and_then(|s| {
             config::check_redis_url(s)
                 .map_err(|e| f.invalid(ck, e))
@@ -23,17 +64,13 @@ pub(super) fn fleet(mut t: Table, ck: &mut Checker) -> Option<Fleet> {
             );
             None
         }
-    };
-    let host_id = t.get("host_id").and_then(|f| {
-        let s = f.str(ck)?;
-        config::check_host_id(s)
-            .map_err(|e| f.invalid(ck, e))
-            .ok()
-            .map(|()| s.to_owned())
-    });
-    let password_file = t.get("password_file").and_then(|f| path(&f, ck));
-    let sentinel = redis.as_deref().map(config::is_sentinel_url);
-    let sentinel_password_file = t.get("sentinel_password_file").and_then(|f| {
+    }
+}
+
+/// `sentinel_password_file`: only with a sentinel address (`redis`, when it was valid).
+fn sentinel_password_file(t: &mut Table, redis: Option<&str>, ck: &mut Checker) -> Option<PathBuf> {
+    let sentinel = redis.map(config::is_sentinel_url);
+    t.get("sentinel_password_file").and_then(|f| {
         let p = path(&f, ck)?;
         if sentinel == Some(false) {
             f.error(
@@ -44,9 +81,17 @@ pub(super) fn fleet(mut t: Table, ck: &mut Checker) -> Option<Fleet> {
             return None;
         }
         Some(p)
-    });
-    // TLS material: only with a TLS address; a client certificate goes with its key.
-    let tls = redis.as_deref().map(config::is_tls_url);
+    })
+}
+
+/// TLS material: `tls_ca_file`, `tls_cert_file` and `tls_key_file`, only with a TLS address
+/// (`redis`, when it was valid); a client certificate goes with its key.
+fn tls(
+    t: &mut Table,
+    redis: Option<&str>,
+    ck: &mut Checker,
+) -> (Option<PathBuf>, Option<PathBuf>, Option<PathBuf>) {
+    let tls = redis.map(config::is_tls_url);
     let mut tls_path = |key: &'static str| {
         let f = t.get(key)?;
         let p = path(&f, ck)?;
@@ -78,6 +123,12 @@ pub(super) fn fleet(mut t: Table, ck: &mut Checker) -> Option<Fleet> {
         }
         _ => (None, None),
     };
+    (tls_ca_file, tls_cert_file, tls_key_file)
+}
+
+/// The global counts' timing and the bans' sharing: `sync_interval`, `share_bans` and
+/// `max_clock_skew`.
+fn global(t: &mut Table, ck: &mut Checker) -> (Duration, bool, Duration) {
     let mut sync_interval = config::DEFAULT_SYNC_INTERVAL;
     if let Some(f) = t.get("sync_interval")
         && let Some(d) = duration(&f, ck)
@@ -106,7 +157,12 @@ pub(super) fn fleet(mut t: Table, ck: &mut Checker) -> Option<Fleet> {
             max_clock_skew = d;
         }
     }
-    let name = match t.get("name") {
+    (sync_interval, share_bans, max_clock_skew)
+}
+
+/// `name`, the fleet's name: the default when absent or invalid.
+fn name(t: &mut Table, ck: &mut Checker) -> String {
+    match t.get("name") {
         Some(f) => f
             .str(ck)
             .and_then(|s| {
@@ -117,8 +173,12 @@ pub(super) fn fleet(mut t: Table, ck: &mut Checker) -> Option<Fleet> {
             })
             .unwrap_or_else(|| config::FLEET_DEFAULT_NAME.to_string()),
         None => config::FLEET_DEFAULT_NAME.to_string(),
-    };
-    let key_file = t.get("key_file").and_then(|f| path(&f, ck));
+    }
+}
+
+/// The bounds on bans received from the fleet: `remote_ban_min_prefix_v4`,
+/// `remote_ban_min_prefix_v6` and `remote_ban_max_duration`.
+fn remote_bans(t: &mut Table, ck: &mut Checker) -> (u8, u8, Duration) {
     let remote_ban_min_prefix_v4 = t
         .get("remote_ban_min_prefix_v4")
         .and_then(|f| int_in(&f, ck, 0, 32))
@@ -143,22 +203,9 @@ pub(super) fn fleet(mut t: Table, ck: &mut Checker) -> Option<Fleet> {
             remote_ban_max_duration = d;
         }
     }
-    t.finish(ck);
-    Some(Fleet {
-        redis: redis?,
-        host_id,
-        password_file,
-        sentinel_password_file,
-        tls_ca_file,
-        tls_cert_file,
-        tls_key_file,
-        sync_interval,
-        share_bans,
-        max_clock_skew,
-        name,
-        key_file,
+    (
         remote_ban_min_prefix_v4,
         remote_ban_min_prefix_v6,
         remote_ban_max_duration,
-    })
+    )
 }

@@ -12,10 +12,12 @@ use super::{duration_by, int_in, keyword, net};
 use crate::config::tree::{Checker, Node, Table};
 use crate::config::values::check_port;
 use crate::config::{
-    Action, Algorithm, Counts, ExceedAction, KeyKind, Match, Override, Protocol, Rule, Scope,
-    Threshold, Unit, parse_ban_duration, parse_port_range, parse_tcp_flags,
+    Action, Algorithm, Counts, Elastic, ExceedAction, KeyKind, Match, Override, Protocol, Rule,
+    Scope, Threshold, Unit, parse_ban_duration, parse_port_range, parse_tcp_flags,
 };
 
+/// One `[[rule]]`, in steps: its name, what it matches, its key, its limits, how it acts on
+/// what exceeds them, its overrides, and what a global scope asks of them.
 pub(super) fn rule(
     index: usize,
     mut t: Table,
@@ -25,6 +27,74 @@ pub(super) fn rule(
     ck: &mut Checker,
 ) -> Rule {
     t.pre = format!("rule #{}: ", index + 1);
+    let name = name(&mut t, tot, ck);
+    if index == caps::MAX_RULES as usize {
+        let msg = format!("too many rules; at most {} fit", caps::MAX_RULES);
+        t.error(ck, msg);
+    }
+
+    let matcher = match t.get("match").and_then(|f| f.table(ck)) {
+        Some(mt) => matcher(mt, tot, ck),
+        None => Match::default(),
+    };
+
+    let (key, ipv4_prefix, ipv6_prefix) = key(&mut t, has_geoip, ck);
+    let (mut ctx, limits) = limits(&mut t, key, ck);
+    let (action, algorithm) = (ctx.action, ctx.algorithm);
+    let Limits {
+        threshold,
+        burst,
+        ban_threshold,
+        ban_duration,
+    } = limits;
+
+    let exceed_action = t
+        .get("exceed_action")
+        .and_then(|f| keyword(&f, ck))
+        .unwrap_or(ExceedAction::Drop);
+    let preview = t.get("preview").and_then(|f| f.bool(ck)).unwrap_or(false);
+    let (scope, scope_at) = scope(&mut t, has_fleet, key, algorithm, ck);
+    let soft_limit = soft_limit(&mut t, ck);
+    let elastic = counts_and_elastic(&mut t, &limits, exceed_action, &mut ctx, ck);
+
+    let overrides = overrides(&mut t, &ctx, tot, ck);
+    let pre = t.pre.clone();
+    t.finish(ck);
+    if let (Some(at), Some(th)) = (scope_at, threshold) {
+        global_overrides(at, th, ban_threshold, algorithm, &overrides, &pre, ck);
+    }
+
+    // Placeholder where the threshold is missing or bad: an error is recorded, so this rule is
+    // never used.
+    let threshold = threshold.unwrap_or(Threshold {
+        amount: 1,
+        unit: Unit::Packets,
+        interval: Duration::from_secs(1),
+    });
+    Rule {
+        name,
+        matcher,
+        key: key.unwrap_or(KeyKind::Ip),
+        ipv4_prefix,
+        ipv6_prefix,
+        action: action.unwrap_or(Action::Throttle),
+        threshold,
+        algorithm: algorithm.unwrap_or(Algorithm::SlidingWindow),
+        burst: burst.unwrap_or(threshold.amount),
+        ban_threshold: ban_threshold.unwrap_or(threshold),
+        ban_duration,
+        exceed_action,
+        preview,
+        soft_limit,
+        elastic,
+        scope,
+        overrides,
+    }
+}
+
+/// `name`: not empty, no control characters, unique among the rules. Once read, the rule's
+/// errors are prefixed with it.
+fn name(t: &mut Table, tot: &mut Totals, ck: &mut Checker) -> String {
     let mut name = String::new();
     match t.get("name") {
         None => t.missing(ck, "name", ""),
@@ -53,16 +123,12 @@ pub(super) fn rule(
             }
         }
     }
-    if index == caps::MAX_RULES as usize {
-        let msg = format!("too many rules; at most {} fit", caps::MAX_RULES);
-        t.error(ck, msg);
-    }
+    name
+}
 
-    let matcher = match t.get("match").and_then(|f| f.table(ck)) {
-        Some(mt) => matcher(mt, tot, ck),
-        None => Match::default(),
-    };
-
+/// `key` (`"region"` needs a `[geoip]` database), then `ipv4_prefix` and `ipv6_prefix` (only
+/// with key = "ip").
+fn key(t: &mut Table, has_geoip: bool, ck: &mut Checker) -> (Option<KeyKind>, u8, u8) {
     let key_field = t.get("key");
     let key = match &key_field {
         Some(f) => keyword(f, ck),
@@ -85,7 +151,21 @@ pub(super) fn rule(
     };
     let ipv4_prefix = prefix("ipv4_prefix", 32, 32, ck);
     let ipv6_prefix = prefix("ipv6_prefix", 128, 64, ck);
+    (key, ipv4_prefix, ipv6_prefix)
+}
 
+/// A rule's limits as read; `None` where absent or invalid.
+#[derive(Clone, Copy)]
+struct Limits {
+    threshold: Option<Threshold>,
+    burst: Option<u64>,
+    ban_threshold: Option<Threshold>,
+    ban_duration: Duration,
+}
+
+/// `action`, `threshold`, `algorithm`, `burst`, `ban_threshold` and `ban_duration`, and what
+/// the checks of the rule's overrides need to know of them.
+fn limits(t: &mut Table, key: Option<KeyKind>, ck: &mut Checker) -> (RuleCtx, Limits) {
     let action_field = t.get("action");
     let action = match &action_field {
         Some(f) => keyword(f, ck),
@@ -106,7 +186,7 @@ pub(super) fn rule(
         None => Some(Algorithm::SlidingWindow),
     };
 
-    let mut ctx = RuleCtx {
+    let ctx = RuleCtx {
         pre: t.pre.clone(),
         key,
         action,
@@ -143,12 +223,23 @@ pub(super) fn rule(
         }
         _ => {}
     }
+    let limits = Limits {
+        threshold,
+        burst,
+        ban_threshold,
+        ban_duration,
+    };
+    (ctx, limits)
+}
 
-    let exceed_action = t
-        .get("exceed_action")
-        .and_then(|f| keyword(&f, ck))
-        .unwrap_or(ExceedAction::Drop);
-    let preview = t.get("preview").and_then(|f| f.bool(ck)).unwrap_or(false);
+/// `scope`, and where it says `"global"`.
+fn scope(
+    t: &mut Table,
+    has_fleet: bool,
+    key: Option<KeyKind>,
+    algorithm: Option<Algorithm>,
+    ck: &mut Checker,
+) -> (Scope, Option<usize>) {
     let mut scope = Scope::Local;
     let mut scope_at = None;
     if let Some(f) = t.get("scope")
@@ -185,6 +276,11 @@ pub(super) fn rule(
             ),
         }
     }
+    (scope, scope_at)
+}
+
+/// `soft_limit`: in (0, 1], 0.8 when absent.
+fn soft_limit(t: &mut Table, ck: &mut Checker) -> f64 {
     let mut soft_limit = 0.8;
     if let Some(f) = t.get("soft_limit") {
         match f.number(ck) {
@@ -193,8 +289,26 @@ pub(super) fn rule(
             None => {}
         }
     }
+    soft_limit
+}
+
+/// `elastic`, checked against the rule's counts; the rule's `exceed_action` and counts (with
+/// the factor) are recorded in `ctx`, for its overrides.
+fn counts_and_elastic(
+    t: &mut Table,
+    limits: &Limits,
+    exceed_action: ExceedAction,
+    ctx: &mut RuleCtx,
+    ck: &mut Checker,
+) -> Option<Elastic> {
+    let Limits {
+        threshold,
+        burst,
+        ban_threshold,
+        ban_duration,
+    } = *limits;
     // The rule's counts as `apply::plan` reads them, for its factor and its overrides'.
-    let is_ban = action == Some(Action::RateBasedBan);
+    let is_ban = ctx.action == Some(Action::RateBasedBan);
     let counts = threshold.map(|th| Counts {
         threshold: th,
         burst: burst.unwrap_or(th.amount),
@@ -218,7 +332,11 @@ pub(super) fn rule(
     });
     ctx.exceed = exceed_action;
     ctx.counts = counts.map(|c| Counts { elastic, ..c });
+    elastic
+}
 
+/// The rule's `[[rule.override]]` tables, in file order, each checked against the rule.
+fn overrides(t: &mut Table, ctx: &RuleCtx, tot: &mut Totals, ck: &mut Checker) -> Vec<Override> {
     let mut overrides = Vec::new();
     if let Some(tables) = t
         .get("override")
@@ -226,70 +344,51 @@ pub(super) fn rule(
     {
         let mut targets = HashMap::new();
         for (j, ot) in tables.into_iter().enumerate() {
-            if let Some(o) = override_(j, ot, &ctx, &mut targets, tot, ck) {
+            if let Some(o) = override_(j, ot, ctx, &mut targets, tot, ck) {
                 overrides.push(o);
             }
         }
     }
-    let pre = t.pre.clone();
-    t.finish(ck);
-    // A global rule's clients are counted by the fleet in the rule's windows: an override may
-    // change a client's counts, not the windows they are counted in.
-    if let (Some(at), Some(th)) = (scope_at, threshold) {
-        let ban_interval = ban_threshold.map(|b| b.interval);
-        if overrides.iter().any(|o: &Override| {
-            o.threshold.interval != th.interval
-                || o.ban_threshold
-                    .is_some_and(|b| Some(b.interval) != ban_interval.or(Some(th.interval)))
-        }) {
-            ck.error(
-                at,
-                format!(
-                    "{pre}scope: \"global\" needs every override to keep the rule's intervals \
-                     (the fleet counts the rule's clients in the rule's windows)"
-                ),
-            );
-        } else if algorithm == Some(Algorithm::TokenBucket)
-            && overrides
-                .iter()
-                .any(|o: &Override| o.threshold.amount != th.amount)
-        {
-            ck.error(
-                at,
-                format!(
-                    "{pre}scope: \"global\" with algorithm = \"token_bucket\" needs every \
-                     override to keep the rule's threshold (the fleet takes the other hosts' \
-                     admissions out of each bucket at the rule's rate)"
-                ),
-            );
-        }
-    }
+    overrides
+}
 
-    // Placeholder where the threshold is missing or bad: an error is recorded, so this rule is
-    // never used.
-    let threshold = threshold.unwrap_or(Threshold {
-        amount: 1,
-        unit: Unit::Packets,
-        interval: Duration::from_secs(1),
-    });
-    Rule {
-        name,
-        matcher,
-        key: key.unwrap_or(KeyKind::Ip),
-        ipv4_prefix,
-        ipv6_prefix,
-        action: action.unwrap_or(Action::Throttle),
-        threshold,
-        algorithm: algorithm.unwrap_or(Algorithm::SlidingWindow),
-        burst: burst.unwrap_or(threshold.amount),
-        ban_threshold: ban_threshold.unwrap_or(threshold),
-        ban_duration,
-        exceed_action,
-        preview,
-        soft_limit,
-        elastic,
-        scope,
-        overrides,
+/// A global rule's clients are counted by the fleet in the rule's windows: an override may
+/// change a client's counts, not the windows they are counted in. `at` is the rule's `scope`.
+fn global_overrides(
+    at: usize,
+    th: Threshold,
+    ban_threshold: Option<Threshold>,
+    algorithm: Option<Algorithm>,
+    overrides: &[Override],
+    pre: &str,
+    ck: &mut Checker,
+) {
+    let ban_interval = ban_threshold.map(|b| b.interval);
+    if overrides.iter().any(|o: &Override| {
+        o.threshold.interval != th.interval
+            || o.ban_threshold
+                .is_some_and(|b| Some(b.interval) != ban_interval.or(Some(th.interval)))
+    }) {
+        ck.error(
+            at,
+            format!(
+                "{pre}scope: \"global\" needs every override to keep the rule's intervals \
+                 (the fleet counts the rule's clients in the rule's windows)"
+            ),
+        );
+    } else if algorithm == Some(Algorithm::TokenBucket)
+        && overrides
+            .iter()
+            .any(|o: &Override| o.threshold.amount != th.amount)
+    {
+        ck.error(
+            at,
+            format!(
+                "{pre}scope: \"global\" with algorithm = \"token_bucket\" needs every \
+                 override to keep the rule's threshold (the fleet takes the other hosts' \
+                 admissions out of each bucket at the rule's rate)"
+            ),
+        );
     }
 }
 
