@@ -51,9 +51,9 @@ mod proptests;
 mod tests;
 
 pub use values::{
-    MAX_BAN_DURATION, MIN_BYTE_AMOUNT, aliases_ipv4, check_ban_duration, check_byte_burst,
-    format_duration, labelled, parse_ban_duration, parse_bytes, parse_duration, parse_net,
-    parse_port_range, parse_region, parse_tcp_flags,
+    MAX_BAN_DURATION, MIN_BYTE_AMOUNT, TcpFlags, Unit, aliases_ipv4, check_ban_duration,
+    check_byte_burst, format_duration, labelled, parse_ban_duration, parse_bytes, parse_duration,
+    parse_net, parse_port_range, parse_region, parse_tcp_flags,
 };
 
 /// A whole config file.

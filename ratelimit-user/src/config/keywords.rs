@@ -120,26 +120,3 @@ impl Protocol {
         matches!(self, Protocol::Tcp | Protocol::Udp)
     }
 }
-
-/// What a threshold counts.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum Unit {
-    Packets,
-    Bytes,
-}
-
-impl Unit {
-    /// `"packets"` or `"bytes"`.
-    pub fn as_str(self) -> &'static str {
-        match self {
-            Unit::Packets => "packets",
-            Unit::Bytes => "bytes",
-        }
-    }
-}
-
-impl fmt::Display for Unit {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(self.as_str())
-    }
-}

@@ -2,15 +2,13 @@
 //! force for it and each override.
 
 use std::fmt;
-use std::str::FromStr;
 use std::time::Duration;
 
 use ipnet::IpNet;
 
-use super::values;
+use super::values::{self, TcpFlags};
 use super::{
     Action, Algorithm, ELASTIC_WITH_PASS, Elastic, ExceedAction, KeyKind, Protocol, Threshold,
-    parse_tcp_flags,
 };
 
 /// One `[[rule]]`.
@@ -73,63 +71,6 @@ pub struct Match {
     pub dst_ports: Vec<(u16, u16)>,
     /// Source networks the rule is limited to; empty = any source.
     pub src: Vec<IpNet>,
-}
-
-/// TCP flag match: `(flags & mask) == value`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct TcpFlags {
-    pub mask: u8,
-    pub value: u8,
-}
-
-impl TcpFlags {
-    pub const FIN: u8 = 0x01;
-    pub const SYN: u8 = 0x02;
-    pub const RST: u8 = 0x04;
-    pub const PSH: u8 = 0x08;
-    pub const ACK: u8 = 0x10;
-    pub const URG: u8 = 0x20;
-    pub const ECE: u8 = 0x40;
-    pub const CWR: u8 = 0x80;
-    /// Flag names in bit order.
-    pub const NAMES: [(&'static str, u8); 8] = [
-        ("fin", Self::FIN),
-        ("syn", Self::SYN),
-        ("rst", Self::RST),
-        ("psh", Self::PSH),
-        ("ack", Self::ACK),
-        ("urg", Self::URG),
-        ("ece", Self::ECE),
-        ("cwr", Self::CWR),
-    ];
-}
-
-/// Canonical form, e.g. `syn,!ack`; parses back to the same value.
-impl fmt::Display for TcpFlags {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let mut first = true;
-        for (name, bit) in Self::NAMES {
-            if self.mask & bit == 0 {
-                continue;
-            }
-            if !first {
-                f.write_str(",")?;
-            }
-            first = false;
-            if self.value & bit == 0 {
-                f.write_str("!")?;
-            }
-            f.write_str(name)?;
-        }
-        Ok(())
-    }
-}
-
-impl FromStr for TcpFlags {
-    type Err = String;
-    fn from_str(s: &str) -> Result<Self, String> {
-        parse_tcp_flags(s)
-    }
 }
 
 /// Override of a rule's thresholds for some clients. `burst`, `ban_threshold` and `elastic`

@@ -3,11 +3,10 @@
 
 use std::net::IpAddr;
 use std::time::Duration;
+use std::{fmt, str::FromStr};
 
 use ipnet::IpNet;
 use ratelimit_common::caps;
-
-use super::TcpFlags;
 
 /// A value parser's error after the name of the field or flag it was given to, worded alike in
 /// the config file and on the command line: `ban_duration must be greater than 0`, `--for must
@@ -295,12 +294,12 @@ pub const MAX_BYTES_PER_NS: u64 = 64;
 
 /// A threshold's amount against its unit and interval (already checked by [`check_interval`]):
 /// not faster than the limiter can meter, and for bytes not below [`MIN_BYTE_AMOUNT`].
-pub fn check_amount(amount: u64, unit: super::Unit, interval: Duration) -> Result<(), String> {
+pub fn check_amount(amount: u64, unit: Unit, interval: Duration) -> Result<(), String> {
     let (per_ns, what) = match unit {
-        super::Unit::Packets => (MAX_PACKETS_PER_NS, "1 packet"),
-        super::Unit::Bytes => (MAX_BYTES_PER_NS, "64 bytes"),
+        Unit::Packets => (MAX_PACKETS_PER_NS, "1 packet"),
+        Unit::Bytes => (MAX_BYTES_PER_NS, "64 bytes"),
     };
-    if unit == super::Unit::Bytes && amount < MIN_BYTE_AMOUNT {
+    if unit == Unit::Bytes && amount < MIN_BYTE_AMOUNT {
         return Err(format!(
             "{amount} B is below the minimum of 64KiB ({MIN_BYTE_AMOUNT} B): a frame larger than a byte threshold is never admitted, and an IP packet may be up to 65,535 B"
         ));
@@ -346,4 +345,84 @@ pub fn format_duration(d: Duration) -> String {
         .find(|(_, size)| ns.is_multiple_of(*size))
         .unwrap_or(("ns", 1));
     format!("{}{unit}", ns / size)
+}
+
+/// What a threshold counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Unit {
+    Packets,
+    Bytes,
+}
+
+impl Unit {
+    /// `"packets"` or `"bytes"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Unit::Packets => "packets",
+            Unit::Bytes => "bytes",
+        }
+    }
+}
+
+impl fmt::Display for Unit {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// TCP flag match: `(flags & mask) == value`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TcpFlags {
+    pub mask: u8,
+    pub value: u8,
+}
+
+impl TcpFlags {
+    pub const FIN: u8 = 0x01;
+    pub const SYN: u8 = 0x02;
+    pub const RST: u8 = 0x04;
+    pub const PSH: u8 = 0x08;
+    pub const ACK: u8 = 0x10;
+    pub const URG: u8 = 0x20;
+    pub const ECE: u8 = 0x40;
+    pub const CWR: u8 = 0x80;
+    /// Flag names in bit order.
+    pub const NAMES: [(&'static str, u8); 8] = [
+        ("fin", Self::FIN),
+        ("syn", Self::SYN),
+        ("rst", Self::RST),
+        ("psh", Self::PSH),
+        ("ack", Self::ACK),
+        ("urg", Self::URG),
+        ("ece", Self::ECE),
+        ("cwr", Self::CWR),
+    ];
+}
+
+/// Canonical form, e.g. `syn,!ack`; parses back to the same value.
+impl fmt::Display for TcpFlags {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let mut first = true;
+        for (name, bit) in Self::NAMES {
+            if self.mask & bit == 0 {
+                continue;
+            }
+            if !first {
+                f.write_str(",")?;
+            }
+            first = false;
+            if self.value & bit == 0 {
+                f.write_str("!")?;
+            }
+            f.write_str(name)?;
+        }
+        Ok(())
+    }
+}
+
+impl FromStr for TcpFlags {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        parse_tcp_flags(s)
+    }
 }
