@@ -1,9 +1,12 @@
 //! The store's side of a round: the count scripts on Redis ([`RedisCounts`]), or their
 //! semantics in memory ([`MemoryCounts`], for simulations and tests), and the announcement sets.
 
-use std::{collections::HashMap, sync::Arc};
+use std::{
+    collections::{BTreeMap, HashMap},
+    sync::Arc,
+};
 
-use super::ANNOUNCED_READ_MAX;
+use super::{ANNOUNCED_READ_MAX, CALL_KEYS};
 use crate::fleet::Conn;
 
 /// The store's side: for each `(key, own absolute count)`, raise this host's count to it
@@ -127,6 +130,50 @@ pub struct Call {
     pub hash: String,
     pub expire_ms: u64,
     pub pairs: Vec<(String, u64)>,
+}
+
+/// The calls for a round's entries grouped by hash (`hash -> (expiry, entries)`), at most
+/// [`CALL_KEYS`] entries a call, `pair` giving an entry's key and own count; and each call's
+/// entries, in order.
+pub(super) fn calls_of<E>(
+    groups: BTreeMap<String, (u64, Vec<E>)>,
+    pair: impl Fn(&E) -> (String, u64),
+) -> (Vec<Call>, Vec<Vec<E>>) {
+    let mut calls = Vec::new();
+    let mut chunks: Vec<Vec<E>> = Vec::new();
+    for (hash, (expire_ms, entries)) in groups {
+        let mut entries = entries.into_iter().peekable();
+        while entries.peek().is_some() {
+            let chunk: Vec<E> = entries.by_ref().take(CALL_KEYS).collect();
+            calls.push(Call {
+                hash: hash.clone(),
+                expire_ms,
+                pairs: chunk.iter().map(&pair).collect(),
+            });
+            chunks.push(chunk);
+        }
+    }
+    (calls, chunks)
+}
+
+/// The answers to a round's calls: each call's totals (`None` for a call that failed), how
+/// many failed, and the last failure.
+pub(super) fn answered(
+    answers: Vec<anyhow::Result<Vec<u64>>>,
+) -> (Vec<Option<Vec<u64>>>, u64, Option<anyhow::Error>) {
+    let (mut failed, mut last_error) = (0u64, None);
+    let totals = answers
+        .into_iter()
+        .map(|totals| match totals {
+            Ok(t) => Some(t),
+            Err(e) => {
+                failed += 1;
+                last_error = Some(e);
+                None
+            }
+        })
+        .collect();
+    (totals, failed, last_error)
 }
 
 /// [`CountStore`] on Redis: the script on a connection ([`SYNC_SCRIPT`], or

@@ -36,6 +36,14 @@ pub fn hash_name(rid: &str, meter: Meter, bucket: u64, window: u64) -> String {
     )
 }
 
+/// When the hash of `window` (windows of `interval` ns) expires, in unix ms: two windows
+/// after this one ends, plus a minute of clock skew.
+pub fn expire_ms(window: u64, interval: u64) -> u64 {
+    u64::try_from((window.saturating_add(2) as u128 * interval as u128) / 1_000_000)
+        .unwrap_or(u64::MAX)
+        .saturating_add(60_000)
+}
+
 /// A meter's letter in the store's names.
 fn meter_tag(meter: Meter) -> &'static str {
     match meter {

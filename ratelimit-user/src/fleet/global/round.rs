@@ -6,9 +6,9 @@ use std::{collections::BTreeMap, time::Instant};
 use ratelimit_common::maps::BAN_HELD_MARK;
 
 use super::{
-    CALL_KEYS, Round,
-    counts::{Announce, Call, CountStore},
-    keys::{announce_set, hash_name},
+    Round,
+    counts::{Announce, Call, CountStore, answered, calls_of},
+    keys::{announce_set, expire_ms, hash_name},
     rule::GlobalRule,
     synced::{Added, PREV_ROUNDS, SlotStates, Synced, WARM_ROUNDS},
 };
@@ -22,6 +22,12 @@ struct Entry {
     own: u64,
 }
 
+/// Entries by the hash they go to: hash -> (expiry, entries).
+type Groups = BTreeMap<String, (u64, Vec<Entry>)>;
+
+/// Near-limit clients to announce in one set: (synced, meter, key).
+type News = Vec<(usize, usize, String)>;
+
 /// One round: read, publish, add. Returns (store calls, counts added). The hashes are
 /// called in order of their names.
 pub async fn round<S: SlotStates + ?Sized, C: CountStore + Announce>(
@@ -31,8 +37,40 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore + Announce>(
     rules: &[GlobalRule],
     synced: &mut [Synced],
 ) -> anyhow::Result<Round> {
+    let groups = entries(store, rules, synced);
+    let (calls, chunks) = calls_of(groups, |e: &Entry| (synced[e.synced].name.clone(), e.own));
+    let answers = counts.sync_all(host, &calls).await;
+    let (totals, failed, mut last_error) = answered(answers);
+    let (added, news) = take_totals(store, rules, synced, &chunks, &calls, totals);
+    let announce_failed = announce(counts, news, synced).await;
+    let keys = calls.iter().map(|c| c.pairs.len() as u64).sum();
+    let calls = calls.len() as u64;
+    if last_error.is_none() {
+        last_error = announce_failed;
+    }
+    match last_error {
+        // Every sync call failed: the store is gone (the caller reconnects).
+        Some(e) if failed == calls => Err(e),
+        _ => Ok(Round {
+            calls,
+            keys,
+            failed,
+            added,
+            last_error: last_error.map(|e| format!("{e:#}")),
+            shared_keys: 0,
+        }),
+    }
+}
+
+/// Each synced client's own counts to publish, grouped by the hash they go to: the windows
+/// of its meters that are due this round.
+fn entries<S: SlotStates + ?Sized>(
+    store: &S,
+    rules: &[GlobalRule],
+    synced: &mut [Synced],
+) -> Groups {
     // Group entries by the hash they go to.
-    let mut groups: BTreeMap<String, (u64, Vec<Entry>)> = BTreeMap::new();
+    let mut groups: Groups = BTreeMap::new();
     for (si, s) in synced.iter_mut().enumerate() {
         let Some(st) = store.slot_state(&s.at) else {
             continue;
@@ -57,32 +95,8 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore + Announce>(
             if a.wait_window {
                 continue;
             }
-            let (own_cur, own_prev) = if g.is_bucket(m) {
-                // Nothing is added into a token bucket's count: it is all this host's own. Less
-                // than was published means the state was made anew (its TAT too, so what was
-                // charged went with it). Its previous window is what was last published of it.
-                if cur < a.published {
-                    *a = Added {
-                        window: stamp,
-                        ..Added::default()
-                    };
-                }
-                (cur, a.published_prev)
-            } else {
-                // Counts only grow within a window: less than was added means the state was
-                // made anew (the client evicted and back), so nothing of it is the others';
-                // a previous window below what was added means the program is rotating it
-                // now (or the read was torn): next round.
-                if cur < a.cur {
-                    *a = Added {
-                        window: stamp,
-                        ..Added::default()
-                    };
-                }
-                if prev < a.prev {
-                    continue;
-                }
-                (cur.saturating_sub(a.cur), prev.saturating_sub(a.prev))
+            let Some((own_cur, own_prev)) = own_of(g, m, a, stamp, (cur, prev)) else {
+                continue;
             };
             if before.window != stamp || own_cur > 0 {
                 s.active = Instant::now();
@@ -114,12 +128,7 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore + Announce>(
                     a.quiet_rounds = 0;
                 }
                 let h = hash_name(&g.rid, m, s.bucket, window);
-                // Expire two windows after this one ends, plus a minute of clock skew.
-                let expire_ms = u64::try_from(
-                    (window.saturating_add(2) as u128 * interval as u128) / 1_000_000,
-                )
-                .unwrap_or(u64::MAX)
-                .saturating_add(60_000);
+                let expire_ms = expire_ms(window, interval);
                 let e = groups.entry(h).or_insert((expire_ms, Vec::new()));
                 e.1.push(Entry {
                     synced: si,
@@ -130,37 +139,65 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore + Announce>(
             }
         }
     }
-    let mut calls = Vec::new();
-    let mut chunks: Vec<Vec<Entry>> = Vec::new();
-    for (hash, (expire_ms, entries)) in groups {
-        let mut entries = entries.into_iter().peekable();
-        while entries.peek().is_some() {
-            let chunk: Vec<Entry> = entries.by_ref().take(CALL_KEYS).collect();
-            calls.push(Call {
-                hash: hash.clone(),
-                expire_ms,
-                pairs: chunk
-                    .iter()
-                    .map(|e| (synced[e.synced].name.clone(), e.own))
-                    .collect(),
-            });
-            chunks.push(chunk);
+    groups
+}
+
+/// This host's own counts `(cur, prev)` of a meter in window `stamp`: its state's counts less
+/// what was added (`a`, started over if the state was made anew); `None` while the program
+/// rotates the window (next round).
+fn own_of(
+    g: &GlobalRule,
+    m: Meter,
+    a: &mut Added,
+    stamp: u64,
+    (cur, prev): (u64, u64),
+) -> Option<(u64, u64)> {
+    Some(if g.is_bucket(m) {
+        // Nothing is added into a token bucket's count: it is all this host's own. Less
+        // than was published means the state was made anew (its TAT too, so what was
+        // charged went with it). Its previous window is what was last published of it.
+        if cur < a.published {
+            *a = Added {
+                window: stamp,
+                ..Added::default()
+            };
         }
-    }
-    let answers = counts.sync_all(host, &calls).await;
-    let (mut failed, mut added) = (0u64, 0u64);
-    let mut last_error = None;
+        (cur, a.published_prev)
+    } else {
+        // Counts only grow within a window: less than was added means the state was
+        // made anew (the client evicted and back), so nothing of it is the others';
+        // a previous window below what was added means the program is rotating it
+        // now (or the read was torn): next round.
+        if cur < a.cur {
+            *a = Added {
+                window: stamp,
+                ..Added::default()
+            };
+        }
+        if prev < a.prev {
+            return None;
+        }
+        (cur.saturating_sub(a.cur), prev.saturating_sub(a.prev))
+    })
+}
+
+/// Take the fleet totals the store answered (`None` for a call that failed): what the other
+/// hosts counted added into the clients' states. Returns the counts added, and the clients
+/// now near their limit, to announce (set -> (expiry, clients)).
+fn take_totals<S: SlotStates + ?Sized>(
+    store: &S,
+    rules: &[GlobalRule],
+    synced: &mut [Synced],
+    chunks: &[Vec<Entry>],
+    calls: &[Call],
+    answers: Vec<Option<Vec<u64>>>,
+) -> (u64, BTreeMap<String, (u64, News)>) {
+    let mut added = 0u64;
     // Near-limit clients to announce: set -> (expiry, (synced, meter, key)).
-    type News = Vec<(usize, usize, String)>;
     let mut news: BTreeMap<String, (u64, News)> = BTreeMap::new();
-    for ((chunk, call), totals) in chunks.iter().zip(&calls).zip(answers) {
-        let totals = match totals {
-            Ok(t) => t,
-            Err(e) => {
-                failed += 1;
-                last_error = Some(e);
-                continue;
-            }
+    for ((chunk, call), totals) in chunks.iter().zip(calls).zip(answers) {
+        let Some(totals) = totals else {
+            continue;
         };
         for (e, total) in chunk.iter().zip(totals) {
             let s = &mut synced[e.synced];
@@ -224,6 +261,16 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore + Announce>(
             }
         }
     }
+    (added, news)
+}
+
+/// Announce the near-limit clients of `news`, once a window each: the last failure, if any
+/// (a failed announcement is tried again next round).
+async fn announce<C: Announce>(
+    counts: &mut C,
+    news: BTreeMap<String, (u64, News)>,
+    synced: &mut [Synced],
+) -> Option<anyhow::Error> {
     let mut announce_failed = None;
     for (set, (expire_ms, who)) in news {
         let keys: Vec<String> = who.iter().map(|(_, _, k)| k.clone()).collect();
@@ -237,21 +284,5 @@ pub async fn round<S: SlotStates + ?Sized, C: CountStore + Announce>(
             Err(e) => announce_failed = Some(e),
         }
     }
-    let keys = calls.iter().map(|c| c.pairs.len() as u64).sum();
-    let calls = calls.len() as u64;
-    if last_error.is_none() {
-        last_error = announce_failed;
-    }
-    match last_error {
-        // Every sync call failed: the store is gone (the caller reconnects).
-        Some(e) if failed == calls => Err(e),
-        _ => Ok(Round {
-            calls,
-            keys,
-            failed,
-            added,
-            last_error: last_error.map(|e| format!("{e:#}")),
-            shared_keys: 0,
-        }),
-    }
+    announce_failed
 }

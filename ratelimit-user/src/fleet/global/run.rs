@@ -24,6 +24,42 @@ use crate::{
     fleet::{Conn, Settings},
 };
 
+/// What the walks of the store found, kept from one to the next.
+#[derive(Default)]
+struct Walked {
+    rules: Vec<GlobalRule>,
+    synced: Vec<Synced>,
+    last_scan: Option<Instant>,
+    /// The first walk of this run done (clients found before it may hold counts a previous
+    /// run added).
+    walked: bool,
+    /// The shared keys of global rules found at the last walk, and what was last written for
+    /// them.
+    shared_keys: Vec<ClientKey>,
+    fleet_last: HashMap<ClientKey, FleetAdd>,
+}
+
+/// Reconnecting after the store failed: not before `at`, the wait doubling up to
+/// [`RECONNECT_MAX`].
+struct Retry {
+    at: Option<Instant>,
+    backoff: Duration,
+}
+
+impl Retry {
+    const FIRST: Duration = Duration::from_millis(100);
+
+    /// The store failed (`e`): the next attempt waits, and the failure is reported.
+    fn failed(&mut self, shared: &Shared, e: &anyhow::Error) {
+        self.at = Some(Instant::now() + self.backoff);
+        self.backoff = (self.backoff * 2).min(RECONNECT_MAX);
+        shared.update(|r| {
+            r.store_errors += 1;
+            r.last_error = Some(format!("{e:#}"));
+        });
+    }
+}
+
 /// The sync loop (supervised: an error ends one run, and the supervisor starts another).
 pub async fn run<O: Owner>(
     settings: Arc<Settings>,
@@ -34,19 +70,11 @@ pub async fn run<O: Owner>(
 ) -> anyhow::Result<()> {
     let scripts = Scripts::default();
     let mut conn: Option<Conn> = None;
-    let mut rules: Vec<GlobalRule> = Vec::new();
-    let mut synced: Vec<Synced> = Vec::new();
-    let mut last_scan: Option<Instant> = None;
-    // The first walk of this run done (clients found before it may hold counts a previous
-    // run added).
-    let mut walked = false;
-    // The shared keys of global rules found at the last walk, and what was last written for
-    // them.
-    let mut shared_keys: Vec<ClientKey> = Vec::new();
-    let mut fleet_last: HashMap<ClientKey, FleetAdd> = HashMap::new();
-    // Reconnecting after the store failed: not before this, doubling up to RECONNECT_MAX.
-    let mut retry_at: Option<Instant> = None;
-    let mut backoff = Duration::from_millis(100);
+    let mut w = Walked::default();
+    let mut retry = Retry {
+        at: None,
+        backoff: Retry::FIRST,
+    };
     let mut last_clock = Instant::now();
     let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -61,110 +89,34 @@ pub async fn run<O: Owner>(
                 Err(e) => warn!("checking the wall clock's offset: {e:#}"),
             }
         }
-        if last_scan.is_none_or(|t| t.elapsed() >= SCAN_EVERY) {
-            last_scan = Some(Instant::now());
+        if w.last_scan.is_none_or(|t| t.elapsed() >= SCAN_EVERY) {
+            w.last_scan = Some(Instant::now());
             let now_rules = owner.rules().await?;
-            if now_rules != rules {
-                // Another rule set (or a threshold in force changed with the pressure level):
-                // what was synced and added stays with its rule where the rule still counts
-                // the same way (its id), and goes where it does not.
-                let by_rid: HashMap<&str, usize> = now_rules
-                    .iter()
-                    .enumerate()
-                    .map(|(i, g)| (g.rid.as_str(), i))
-                    .collect();
-                synced.retain_mut(|s| match by_rid.get(rules[s.rule].rid.as_str()) {
-                    Some(&i) if now_rules[i].index == rules[s.rule].index => {
-                        s.rule = i;
-                        true
-                    }
-                    _ => false,
-                });
-                rules = now_rules;
-                shared.update(|r| r.rules = rules.iter().map(|g| g.name.clone()).collect());
-                // What was written for the shared keys of rules no longer global (or no longer
-                // the same rule) goes.
-                let keep: HashSet<u8> = rules
-                    .iter()
-                    .filter(|g| g.kind != KEY_IP)
-                    .map(|g| g.index)
-                    .collect();
-                let st = store.clone();
-                let gone = tokio::task::spawn_blocking(move || {
-                    st.retain_fleet_add(&|k| keep.contains(&k.rule))
-                })
-                .await
-                .unwrap_or(0);
-                if gone > 0 {
-                    info!("{gone} shared keys' fleet counts removed with their rules");
-                }
-                fleet_last.clear();
-            }
-            let shared_ix: Vec<u8> = rules
-                .iter()
-                .filter(|g| g.kind != KEY_IP)
-                .map(|g| g.index)
-                .collect();
-            shared_keys = if shared_ix.is_empty() {
-                Vec::new()
-            } else {
-                let st = store.clone();
-                tokio::task::spawn_blocking(move || st.shared_keys(&shared_ix))
-                    .await
-                    .map_err(|e| anyhow::anyhow!("the shared keys' walk: {e}"))??
-            };
-            if !rules.is_empty() {
-                // The clients other hosts announced near their limit in this window.
-                let mut hot = HashSet::new();
-                if let Some(c) = conn.as_mut() {
-                    let sets = announce_sets_now(&rules, crate::clock::wall_ns());
-                    let names: Vec<String> = sets.iter().map(|(_, s)| s.clone()).collect();
-                    let mut counts = RedisCounts {
-                        conn: c,
-                        scripts: &scripts,
-                        trust: &settings.trust,
-                    };
-                    let members = counts.announced(&names).await;
-                    for ((rule, _), keys) in sets.iter().zip(members) {
-                        hot.extend(keys.into_iter().map(|k| (*rule, k)));
-                    }
-                }
-                // The walk reads the whole store (tens of ms for a million sources): off the
-                // runtime's threads.
-                let (st, rs, first) = (store.clone(), rules.clone(), !walked);
-                let (capped, back) = tokio::task::spawn_blocking(move || {
-                    let mut synced = synced;
-                    scan(&st, &rs, &hot, &mut synced, first).map(|c| (c, synced))
-                })
-                .await
-                .map_err(|e| anyhow::anyhow!("the store walk: {e}"))??;
-                synced = back;
-                walked = true;
-                shared.update(|r| {
-                    r.synced_keys = synced.len();
-                    r.capped_keys = capped;
-                });
-            }
+            walk(
+                &mut w,
+                now_rules,
+                &settings,
+                &store,
+                &shared,
+                conn.as_mut(),
+                &scripts,
+            )
+            .await?;
         }
         // No clients to share, this host's clock off the store's (`fleet::Clock`), or its
         // host id used by another process too (`fleet::dup`): each global rule holds its
         // threshold here alone.
-        if (synced.is_empty() && shared_keys.is_empty()) || !settings.counting() {
+        if (w.synced.is_empty() && w.shared_keys.is_empty()) || !settings.counting() {
             continue;
         }
         if conn.is_none() {
-            if retry_at.is_some_and(|t| Instant::now() < t) {
+            if retry.at.is_some_and(|t| Instant::now() < t) {
                 continue;
             }
             match settings.connect_for_counts().await {
                 Ok(c) => conn = Some(c),
                 Err(e) => {
-                    retry_at = Some(Instant::now() + backoff);
-                    backoff = (backoff * 2).min(RECONNECT_MAX);
-                    shared.update(|r| {
-                        r.store_errors += 1;
-                        r.last_error = Some(format!("{e:#}"));
-                    });
+                    retry.failed(&shared, &e);
                     continue;
                 }
             }
@@ -175,43 +127,10 @@ pub async fn run<O: Owner>(
             scripts: &scripts,
             trust: &settings.trust,
         };
-        let mut result = if synced.is_empty() {
-            Ok(Round::default())
-        } else {
-            round(&mut counts, &settings.host_id, &*store, &rules, &mut synced).await
-        };
-        if !shared_keys.is_empty()
-            && let Ok(done) = &mut result
-        {
-            match shared_round(
-                &mut counts,
-                &settings.host_id,
-                &*store,
-                &rules,
-                &shared_keys,
-                &mut fleet_last,
-                crate::clock::mono_ns(),
-                crate::clock::wall_ns(),
-            )
-            .await
-            {
-                Ok(s) => {
-                    done.calls += s.calls;
-                    done.keys += s.keys;
-                    done.failed += s.failed;
-                    done.added += s.added;
-                    done.shared_keys = s.shared_keys;
-                    if s.last_error.is_some() {
-                        done.last_error = s.last_error;
-                    }
-                }
-                Err(e) => result = Err(e),
-            }
-        }
-        match result {
+        match sync_round(&mut counts, &settings.host_id, &store, &mut w).await {
             Ok(done) => shared.update(|r| {
-                backoff = Duration::from_millis(100);
-                retry_at = None;
+                retry.backoff = Retry::FIRST;
+                retry.at = None;
                 r.rounds += 1;
                 r.store_calls += done.calls;
                 r.keys_published += done.keys;
@@ -225,15 +144,163 @@ pub async fn run<O: Owner>(
             }),
             Err(e) => {
                 conn = None;
-                retry_at = Some(Instant::now() + backoff);
-                backoff = (backoff * 2).min(RECONNECT_MAX);
-                shared.update(|r| {
-                    r.store_errors += 1;
-                    r.last_error = Some(format!("{e:#}"));
-                });
+                retry.failed(&shared, &e);
             }
         }
     }
+}
+
+/// A walk, every [`SCAN_EVERY`]: the rules in force (`now_rules`) followed, the shared keys
+/// found, and the store walked for the clients to sync (those other hosts announced near
+/// their limit among them, read on `conn` if connected).
+async fn walk(
+    w: &mut Walked,
+    now_rules: Vec<GlobalRule>,
+    settings: &Settings,
+    store: &Arc<ClientStore>,
+    shared: &Shared,
+    conn: Option<&mut Conn>,
+    scripts: &Scripts,
+) -> anyhow::Result<()> {
+    if now_rules != w.rules {
+        follow_rules(w, now_rules, store, shared).await;
+    }
+    let shared_ix: Vec<u8> = w
+        .rules
+        .iter()
+        .filter(|g| g.kind != KEY_IP)
+        .map(|g| g.index)
+        .collect();
+    w.shared_keys = if shared_ix.is_empty() {
+        Vec::new()
+    } else {
+        let st = store.clone();
+        tokio::task::spawn_blocking(move || st.shared_keys(&shared_ix))
+            .await
+            .map_err(|e| anyhow::anyhow!("the shared keys' walk: {e}"))??
+    };
+    if !w.rules.is_empty() {
+        // The clients other hosts announced near their limit in this window.
+        let mut hot = HashSet::new();
+        if let Some(c) = conn {
+            let sets = announce_sets_now(&w.rules, crate::clock::wall_ns());
+            let names: Vec<String> = sets.iter().map(|(_, s)| s.clone()).collect();
+            let mut counts = RedisCounts {
+                conn: c,
+                scripts,
+                trust: &settings.trust,
+            };
+            let members = counts.announced(&names).await;
+            for ((rule, _), keys) in sets.iter().zip(members) {
+                hot.extend(keys.into_iter().map(|k| (*rule, k)));
+            }
+        }
+        // The walk reads the whole store (tens of ms for a million sources): off the
+        // runtime's threads.
+        let (st, rs, first) = (store.clone(), w.rules.clone(), !w.walked);
+        let synced = std::mem::take(&mut w.synced);
+        let (capped, back) = tokio::task::spawn_blocking(move || {
+            let mut synced = synced;
+            scan(&st, &rs, &hot, &mut synced, first).map(|c| (c, synced))
+        })
+        .await
+        .map_err(|e| anyhow::anyhow!("the store walk: {e}"))??;
+        w.synced = back;
+        w.walked = true;
+        shared.update(|r| {
+            r.synced_keys = w.synced.len();
+            r.capped_keys = capped;
+        });
+    }
+    Ok(())
+}
+
+/// Another rule set (or a threshold in force changed with the pressure level): what was
+/// synced and added stays with its rule where the rule still counts the same way (its id),
+/// and goes where it does not.
+async fn follow_rules(
+    w: &mut Walked,
+    now_rules: Vec<GlobalRule>,
+    store: &Arc<ClientStore>,
+    shared: &Shared,
+) {
+    let rules = &w.rules;
+    let by_rid: HashMap<&str, usize> = now_rules
+        .iter()
+        .enumerate()
+        .map(|(i, g)| (g.rid.as_str(), i))
+        .collect();
+    w.synced
+        .retain_mut(|s| match by_rid.get(rules[s.rule].rid.as_str()) {
+            Some(&i) if now_rules[i].index == rules[s.rule].index => {
+                s.rule = i;
+                true
+            }
+            _ => false,
+        });
+    w.rules = now_rules;
+    shared.update(|r| r.rules = w.rules.iter().map(|g| g.name.clone()).collect());
+    // What was written for the shared keys of rules no longer global (or no longer the same
+    // rule) goes.
+    let keep: HashSet<u8> = w
+        .rules
+        .iter()
+        .filter(|g| g.kind != KEY_IP)
+        .map(|g| g.index)
+        .collect();
+    let st = store.clone();
+    let gone =
+        tokio::task::spawn_blocking(move || st.retain_fleet_add(&|k| keep.contains(&k.rule)))
+            .await
+            .unwrap_or(0);
+    if gone > 0 {
+        info!("{gone} shared keys' fleet counts removed with their rules");
+    }
+    w.fleet_last.clear();
+}
+
+/// One round for the synced clients ([`round`]) and, if it did not fail, one for the shared
+/// keys ([`shared_round`]), what they did summed.
+async fn sync_round(
+    counts: &mut RedisCounts<'_>,
+    host: &str,
+    store: &ClientStore,
+    w: &mut Walked,
+) -> anyhow::Result<Round> {
+    let mut result = if w.synced.is_empty() {
+        Ok(Round::default())
+    } else {
+        round(counts, host, store, &w.rules, &mut w.synced).await
+    };
+    if !w.shared_keys.is_empty()
+        && let Ok(done) = &mut result
+    {
+        match shared_round(
+            counts,
+            host,
+            store,
+            &w.rules,
+            &w.shared_keys,
+            &mut w.fleet_last,
+            crate::clock::mono_ns(),
+            crate::clock::wall_ns(),
+        )
+        .await
+        {
+            Ok(s) => {
+                done.calls += s.calls;
+                done.keys += s.keys;
+                done.failed += s.failed;
+                done.added += s.added;
+                done.shared_keys = s.shared_keys;
+                if s.last_error.is_some() {
+                    done.last_error = s.last_error;
+                }
+            }
+            Err(e) => result = Err(e),
+        }
+    }
+    result
 }
 
 /// Walk the store for clients of global rules to sync: keep those still in their slots,

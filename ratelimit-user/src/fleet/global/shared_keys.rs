@@ -6,9 +6,9 @@ use std::collections::{BTreeMap, HashMap, HashSet};
 use ratelimit_common::maps::{ClientKey, ClientState, FleetAdd, KEY_IP};
 
 use super::{
-    CALL_KEYS, Round, SCAN_EVERY,
-    counts::{Call, CountStore},
-    keys::{bucket_of, hash_name, shared_key_name},
+    Round, SCAN_EVERY,
+    counts::{CountStore, answered, calls_of},
+    keys::{bucket_of, expire_ms, hash_name, shared_key_name},
     rule::GlobalRule,
 };
 use crate::clients::{ClientStore, Meter};
@@ -76,13 +76,54 @@ pub async fn shared_round<S: SharedStates + ?Sized, C: CountStore>(
         last.clear();
         return Ok(Round::default());
     }
+    let (groups, keys) = entries(store, rules, &by_index, keys_found, mono_ns, unix_ns);
+    let (calls, chunks) = calls_of(groups, |&(ki, _, _, own): &Entry| (keys[ki].2.clone(), own));
+    let answers = counts.sync_all(host, &calls).await;
+    let (totals, failed, mut last_error) = answered(answers);
+    let others = others_of(rules, &keys, &chunks, totals);
+    let (added, written, write_error) = write_adds(store, rules, &keys, &others, last);
+    if write_error.is_some() {
+        last_error = write_error;
+    }
+    // Keys no longer shared: what was written for them stays until it is out of its window.
+    last.retain(|k, _| written.contains(k) || by_index.contains_key(&k.rule));
+    let n = calls.len() as u64;
+    match last_error {
+        Some(e) if failed == n && n > 0 => Err(e),
+        e => Ok(Round {
+            calls: n,
+            keys: calls.iter().map(|c| c.pairs.len() as u64).sum(),
+            failed,
+            added,
+            last_error: e.map(|e| format!("{e:#}")),
+            shared_keys: keys.len(),
+        }),
+    }
+}
+
+/// One entry of the shared keys' round: (key, meter, previous window?, own count).
+type Entry = (usize, usize, bool, u64);
+
+/// A shared key found active: the key, its rule, its name in the store, and its meters'
+/// windows now.
+type Active = (ClientKey, usize, String, [u64; 2]);
+
+/// The active shared keys of `keys_found`, and their own counts of the wall clock's windows
+/// grouped by the hash they go to.
+fn entries<S: SharedStates + ?Sized>(
+    store: &S,
+    rules: &[GlobalRule],
+    by_index: &HashMap<u8, usize>,
+    keys_found: &[ClientKey],
+    mono_ns: u64,
+    unix_ns: u64,
+) -> (BTreeMap<String, (u64, Vec<Entry>)>, Vec<Active>) {
     let states = keys_found
         .iter()
         .filter_map(|k| store.shared_state(k).map(|st| (*k, st)));
     // Entries by hash: (expiry, [(key, meter, previous window?, own count)]).
-    type Entries = Vec<(usize, usize, bool, u64)>;
-    let mut groups: BTreeMap<String, (u64, Entries)> = BTreeMap::new();
-    let mut keys: Vec<(ClientKey, usize, String, [u64; 2])> = Vec::new();
+    let mut groups: BTreeMap<String, (u64, Vec<Entry>)> = BTreeMap::new();
+    let mut keys: Vec<Active> = Vec::new();
     for (key, st) in states {
         let Some(&ri) = by_index.get(&key.rule) else {
             continue;
@@ -107,11 +148,7 @@ pub async fn shared_round<S: SharedStates + ?Sized, C: CountStore>(
             for (to_prev, window, own) in [(false, w, own_w), (true, w.wrapping_sub(1), own_before)]
             {
                 let h = hash_name(&g.rid, m, bucket, window);
-                let expire_ms = u64::try_from(
-                    (window.saturating_add(2) as u128 * interval as u128) / 1_000_000,
-                )
-                .unwrap_or(u64::MAX)
-                .saturating_add(60_000);
+                let expire_ms = expire_ms(window, interval);
                 groups
                     .entry(h)
                     .or_insert((expire_ms, Vec::new()))
@@ -121,33 +158,22 @@ pub async fn shared_round<S: SharedStates + ?Sized, C: CountStore>(
         }
         keys.push((key, ri, name, windows));
     }
-    let mut calls = Vec::new();
-    let mut chunks: Vec<Entries> = Vec::new();
-    for (hash, (expire_ms, entries)) in groups {
-        for chunk in entries.chunks(CALL_KEYS) {
-            calls.push(Call {
-                hash: hash.clone(),
-                expire_ms,
-                pairs: chunk
-                    .iter()
-                    .map(|&(ki, _, _, own)| (keys[ki].2.clone(), own))
-                    .collect(),
-            });
-            chunks.push(chunk.to_vec());
-        }
-    }
-    let answers = counts.sync_all(host, &calls).await;
+    (groups, keys)
+}
+
+/// Per key: [meter][window: 0 = w, 1 = w - 1] the other hosts' counts (the totals less this
+/// host's own, at most the meter's limit), where answered.
+fn others_of(
+    rules: &[GlobalRule],
+    keys: &[Active],
+    chunks: &[Vec<Entry>],
+    answers: Vec<Option<Vec<u64>>>,
+) -> Vec<[[Option<u64>; 2]; 2]> {
     // Per key: [meter][window: 0 = w, 1 = w - 1] the others' counts, if answered.
     let mut others: Vec<[[Option<u64>; 2]; 2]> = vec![[[None; 2]; 2]; keys.len()];
-    let (mut failed, mut last_error) = (0u64, None);
     for (chunk, totals) in chunks.iter().zip(answers) {
-        let totals = match totals {
-            Ok(t) => t,
-            Err(e) => {
-                failed += 1;
-                last_error = Some(e);
-                continue;
-            }
+        let Some(totals) = totals else {
+            continue;
         };
         for (&(ki, mi, to_prev, own), total) in chunk.iter().zip(totals) {
             let g = &rules[keys[ki].1];
@@ -155,9 +181,23 @@ pub async fn shared_round<S: SharedStates + ?Sized, C: CountStore>(
             others[ki][mi][to_prev as usize] = Some(total.saturating_sub(own).min(g.limit_of(m)));
         }
     }
+    others
+}
+
+/// Write what the other hosts counted for each key into the program's `RL_FLEET_ADD` where
+/// it changed (`last`: what was written before). Returns the counts added, the keys written
+/// (or unchanged), and the last failure to write.
+fn write_adds<S: SharedStates + ?Sized>(
+    store: &S,
+    rules: &[GlobalRule],
+    keys: &[Active],
+    others: &[[[Option<u64>; 2]; 2]],
+    last: &mut HashMap<ClientKey, FleetAdd>,
+) -> (u64, HashSet<ClientKey>, Option<anyhow::Error>) {
+    let mut last_error = None;
     let mut added = 0u64;
     let mut written = HashSet::new();
-    for ((key, ri, _, windows), o) in keys.iter().zip(&others) {
+    for ((key, ri, _, windows), o) in keys.iter().zip(others) {
         let g = &rules[*ri];
         let old = last.get(key).copied().unwrap_or_default();
         let mut add = old;
@@ -194,18 +234,5 @@ pub async fn shared_round<S: SharedStates + ?Sized, C: CountStore>(
             Err(e) => last_error = Some(e),
         }
     }
-    // Keys no longer shared: what was written for them stays until it is out of its window.
-    last.retain(|k, _| written.contains(k) || by_index.contains_key(&k.rule));
-    let n = calls.len() as u64;
-    match last_error {
-        Some(e) if failed == n && n > 0 => Err(e),
-        e => Ok(Round {
-            calls: n,
-            keys: calls.iter().map(|c| c.pairs.len() as u64).sum(),
-            failed,
-            added,
-            last_error: e.map(|e| format!("{e:#}")),
-            shared_keys: keys.len(),
-        }),
-    }
+    (added, written, last_error)
 }
