@@ -243,6 +243,29 @@ impl Shared {
     }
 }
 
+/// A line of the events log about the fleet: `event` at `now`, on `store` by `host_id`, why
+/// and since when; the fields other events carry empty (`..` them in).
+fn fleet_line(
+    now: SystemTime,
+    event: &'static str,
+    (store, host_id): (String, String),
+    reason: Option<String>,
+    since: Option<String>,
+) -> events::FleetLine {
+    events::FleetLine {
+        time: crate::clock::rfc3339(now),
+        event,
+        store,
+        host_id,
+        reason,
+        since,
+        down_for_ms: None,
+        outbox: 0,
+        offset_ms: None,
+        max_skew_ms: None,
+    }
+}
+
 /// The owner's side of the fleet: where its records go, and what the reports read.
 #[derive(Clone)]
 pub struct Link {

@@ -13,7 +13,9 @@ use std::{
 use anyhow::Context as _;
 use tracing::{info, warn};
 
-use super::{CLOCK_EVERY, CLOCK_SAMPLES, REQUEST_TIMEOUT, Settings, Shared, store::Conn};
+use super::{
+    CLOCK_EVERY, CLOCK_SAMPLES, REQUEST_TIMEOUT, Settings, Shared, fleet_line, store::Conn,
+};
 use crate::{config, events};
 
 /// This host's wall clock against the store's: whether this host takes part in global
@@ -141,16 +143,9 @@ impl Shared {
             warn!(offset_ms, rtt_ms = rtt as f64 / 1e6, "{why}");
             let since = i.report.clock.over_since.clone();
             self.events.fleet(events::FleetLine {
-                time: crate::clock::rfc3339(now),
-                event: "fleet_clock_skew",
-                store,
-                host_id,
-                reason: Some(why),
-                since,
-                down_for_ms: None,
-                outbox: 0,
                 offset_ms: Some(offset_ms),
                 max_skew_ms: Some(bound.as_millis() as u64),
+                ..fleet_line(now, "fleet_clock_skew", (store, host_id), Some(why), since)
             });
         } else if !over && was_over {
             let since = i.report.clock.over_since.take();
@@ -160,16 +155,9 @@ impl Shared {
                  again: global counting resumes"
             );
             self.events.fleet(events::FleetLine {
-                time: crate::clock::rfc3339(now),
-                event: "fleet_clock_restored",
-                store,
-                host_id,
-                reason: None,
-                since,
-                down_for_ms: None,
-                outbox: 0,
                 offset_ms: Some(offset_ms),
                 max_skew_ms: Some(bound.as_millis() as u64),
+                ..fleet_line(now, "fleet_clock_restored", (store, host_id), None, since)
             });
         } else if first {
             info!(

@@ -14,7 +14,7 @@ use tracing::{info, warn};
 
 use super::{
     Applied, BACKOFF_FIRST, BACKOFF_MAX, BATCH, CURSOR_SAVE, Op, READ_BLOCK_MS, REQUEST_TIMEOUT,
-    Received, Record, STATE_FILE, Settings, Shared, resync, trust::Trust, unix_ms,
+    Received, Record, STATE_FILE, Settings, Shared, fleet_line, resync, trust::Trust, unix_ms,
 };
 use crate::events;
 
@@ -48,17 +48,11 @@ impl Shared {
         i.report.degraded_since = Some(crate::clock::rfc3339(now));
         i.down_at = Some(Instant::now());
         warn!(store = %i.report.store, "fleet store unreachable, enforcing locally: {why}");
+        let who = (i.report.store.clone(), i.report.host_id.clone());
+        let since = i.report.degraded_since.clone();
         self.events.fleet(events::FleetLine {
-            time: crate::clock::rfc3339(now),
-            event: "fleet_degraded",
-            store: i.report.store.clone(),
-            host_id: i.report.host_id.clone(),
-            reason: Some(why.to_string()),
-            since: i.report.degraded_since.clone(),
-            down_for_ms: None,
             outbox,
-            offset_ms: None,
-            max_skew_ms: None,
+            ..fleet_line(now, "fleet_degraded", who, Some(why.to_string()), since)
         });
     }
 
@@ -76,17 +70,11 @@ impl Shared {
         let down_for = i.down_at.take().map(|t| t.elapsed().as_millis() as u64);
         if let Some(since) = was_down {
             info!(store = %i.report.store, "fleet store reachable again");
+            let who = (i.report.store.clone(), i.report.host_id.clone());
             self.events.fleet(events::FleetLine {
-                time: crate::clock::rfc3339(now),
-                event: "fleet_restored",
-                store: i.report.store.clone(),
-                host_id: i.report.host_id.clone(),
-                reason: None,
-                since: Some(since),
                 down_for_ms: down_for,
                 outbox,
-                offset_ms: None,
-                max_skew_ms: None,
+                ..fleet_line(now, "fleet_restored", who, None, Some(since))
             });
         } else {
             info!(store = %i.report.store, "fleet store connected");

@@ -130,6 +130,22 @@ impl redis::aio::ConnectionLike for Conn {
     }
 }
 
+/// A connection being made (`connecting`) awaited within twice [`CONNECT_TIMEOUT`]; an error
+/// names `store`.
+async fn connected<C>(
+    store: &str,
+    connecting: impl std::future::Future<Output = redis::RedisResult<C>>,
+) -> anyhow::Result<C> {
+    match tokio::time::timeout(CONNECT_TIMEOUT * 2, connecting).await {
+        Ok(Ok(c)) => Ok(c),
+        Ok(Err(e)) => bail!("connecting to {store}: {e}"),
+        Err(_) => bail!(
+            "connecting to {store}: no answer within {:?}",
+            CONNECT_TIMEOUT * 2
+        ),
+    }
+}
+
 impl Settings {
     /// A connection for global thresholds' counts.
     pub async fn connect_for_counts(&self) -> anyhow::Result<Conn> {
@@ -144,20 +160,8 @@ impl Settings {
                     .set_connection_timeout(Some(CONNECT_TIMEOUT))
                     .set_response_timeout(Some(response));
                 // The client's own timeouts, and one over the whole (a handshake that hangs).
-                match tokio::time::timeout(
-                    CONNECT_TIMEOUT * 2,
-                    client.get_multiplexed_async_connection_with_config(&cfg),
-                )
-                .await
-                {
-                    Ok(Ok(c)) => ConnKind::Single(c),
-                    Ok(Err(e)) => bail!("connecting to {}: {e}", self.store),
-                    Err(_) => bail!(
-                        "connecting to {}: no answer within {:?}",
-                        self.store,
-                        CONNECT_TIMEOUT * 2
-                    ),
-                }
+                let connecting = client.get_multiplexed_async_connection_with_config(&cfg);
+                ConnKind::Single(connected(&self.store, connecting).await?)
             }
             Client::Sentinel(store) => {
                 let cfg = redis::AsyncConnectionConfig::new()
@@ -168,20 +172,8 @@ impl Settings {
                     .with_context(|| format!("fleet.redis {}", self.store))?;
                 // The sentinels asked (a few at once), the master's role checked, the
                 // connection made: one bound over all of it.
-                match tokio::time::timeout(
-                    CONNECT_TIMEOUT * 2,
-                    client.get_async_connection_with_config(&cfg),
-                )
-                .await
-                {
-                    Ok(Ok(c)) => ConnKind::Single(c),
-                    Ok(Err(e)) => bail!("connecting to {}: {e}", self.store),
-                    Err(_) => bail!(
-                        "connecting to {}: no answer within {:?}",
-                        self.store,
-                        CONNECT_TIMEOUT * 2
-                    ),
-                }
+                let connecting = client.get_async_connection_with_config(&cfg);
+                ConnKind::Single(connected(&self.store, connecting).await?)
             }
             Client::Cluster(nodes, tls) => {
                 // Few retries inside the client: a slot whose master is gone fails fast, and
@@ -198,16 +190,7 @@ impl Settings {
                 let client = builder
                     .build()
                     .with_context(|| format!("fleet.redis {}", self.store))?;
-                match tokio::time::timeout(CONNECT_TIMEOUT * 2, client.get_async_connection()).await
-                {
-                    Ok(Ok(c)) => ConnKind::Cluster(c),
-                    Ok(Err(e)) => bail!("connecting to {}: {e}", self.store),
-                    Err(_) => bail!(
-                        "connecting to {}: no answer within {:?}",
-                        self.store,
-                        CONNECT_TIMEOUT * 2
-                    ),
-                }
+                ConnKind::Cluster(connected(&self.store, client.get_async_connection()).await?)
             }
         };
         // The command's own timeout, and a little more for the client's retries.

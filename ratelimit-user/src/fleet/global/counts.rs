@@ -132,11 +132,14 @@ pub struct Call {
     pub pairs: Vec<(String, u64)>,
 }
 
+/// A round's entries grouped by the hash they go to: hash -> (expiry, entries).
+pub(super) type Groups<E> = BTreeMap<String, (u64, Vec<E>)>;
+
 /// The calls for a round's entries grouped by hash (`hash -> (expiry, entries)`), at most
 /// [`CALL_KEYS`] entries a call, `pair` giving an entry's key and own count; and each call's
 /// entries, in order.
 pub(super) fn calls_of<E>(
-    groups: BTreeMap<String, (u64, Vec<E>)>,
+    groups: Groups<E>,
     pair: impl Fn(&E) -> (String, u64),
 ) -> (Vec<Call>, Vec<Vec<E>>) {
     let mut calls = Vec::new();

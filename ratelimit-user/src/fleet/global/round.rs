@@ -7,7 +7,7 @@ use ratelimit_common::maps::BAN_HELD_MARK;
 
 use super::{
     Round,
-    counts::{Announce, Call, CountStore, answered, calls_of},
+    counts::{Announce, Call, CountStore, Groups, answered, calls_of},
     keys::{announce_set, expire_ms, hash_name},
     rule::GlobalRule,
     synced::{Added, PREV_ROUNDS, SlotStates, Synced, WARM_ROUNDS},
@@ -21,9 +21,6 @@ struct Entry {
     to_prev: bool,
     own: u64,
 }
-
-/// Entries by the hash they go to: hash -> (expiry, entries).
-type Groups = BTreeMap<String, (u64, Vec<Entry>)>;
 
 /// Near-limit clients to announce in one set: (synced, meter, key).
 type News = Vec<(usize, usize, String)>;
@@ -68,9 +65,9 @@ fn entries<S: SlotStates + ?Sized>(
     store: &S,
     rules: &[GlobalRule],
     synced: &mut [Synced],
-) -> Groups {
+) -> Groups<Entry> {
     // Group entries by the hash they go to.
-    let mut groups: Groups = BTreeMap::new();
+    let mut groups: Groups<Entry> = BTreeMap::new();
     for (si, s) in synced.iter_mut().enumerate() {
         let Some(st) = store.slot_state(&s.at) else {
             continue;

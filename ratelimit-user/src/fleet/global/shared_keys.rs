@@ -7,7 +7,7 @@ use ratelimit_common::maps::{ClientKey, ClientState, FleetAdd, KEY_IP};
 
 use super::{
     Round, SCAN_EVERY,
-    counts::{CountStore, answered, calls_of},
+    counts::{CountStore, Groups, answered, calls_of},
     keys::{bucket_of, expire_ms, hash_name, shared_key_name},
     rule::GlobalRule,
 };
@@ -117,12 +117,12 @@ fn entries<S: SharedStates + ?Sized>(
     keys_found: &[ClientKey],
     mono_ns: u64,
     unix_ns: u64,
-) -> (BTreeMap<String, (u64, Vec<Entry>)>, Vec<Active>) {
+) -> (Groups<Entry>, Vec<Active>) {
     let states = keys_found
         .iter()
         .filter_map(|k| store.shared_state(k).map(|st| (*k, st)));
     // Entries by hash: (expiry, [(key, meter, previous window?, own count)]).
-    let mut groups: BTreeMap<String, (u64, Vec<Entry>)> = BTreeMap::new();
+    let mut groups: Groups<Entry> = BTreeMap::new();
     let mut keys: Vec<Active> = Vec::new();
     for (key, st) in states {
         let Some(&ri) = by_index.get(&key.rule) else {

@@ -34,16 +34,8 @@ fn what_was_added_follows_the_program_s_rotation() {
 #[test]
 fn a_client_is_synced_from_a_share_of_its_threshold() {
     let g = GlobalRule {
-        index: 0,
-        name: "r".into(),
         rid: "r#0".into(),
-        interval_ns: 1_000_000_000,
-        threshold: 1000,
-        ban_interval_ns: 0,
-        ban_threshold: 0,
-        burst: None,
-        burst_ns: 0,
-        kind: KEY_IP,
+        ..rule().remove(0)
     };
     assert!(!g.worth(Meter::Admitted, 0));
     assert!(!g.worth(Meter::Admitted, 49));
@@ -104,6 +96,30 @@ fn one_client(rules: &[GlobalRule]) -> Vec<Synced> {
     vec![Synced::new(rules, 0, at, 128)]
 }
 
+/// [`rule`] with one client synced whose state holds `cur` of its own in window 7, an empty
+/// memory store, and the client's name and hash of admitted counts in window 7.
+fn in_window_7(
+    cur: u64,
+) -> (
+    Vec<GlobalRule>,
+    Vec<Synced>,
+    OneSlot,
+    MemoryCounts,
+    String,
+    String,
+) {
+    let rules = rule();
+    let synced = one_client(&rules);
+    let slots = OneSlot(std::cell::RefCell::new(ClientState {
+        stamp: 7,
+        cur,
+        ..Default::default()
+    }));
+    let name = synced[0].name.clone();
+    let h = hash_name("r#1", Meter::Admitted, synced[0].bucket, 7);
+    (rules, synced, slots, MemoryCounts::default(), name, h)
+}
+
 /// A round against the memory store (which answers at once).
 fn now_round<S: SlotStates>(
     m: &mut MemoryCounts,
@@ -128,15 +144,8 @@ fn ready<T>(f: impl std::future::Future<Output = anyhow::Result<T>>) -> T {
 
 #[test]
 fn a_client_no_other_host_counts_is_shared_at_the_warm_pace_however_near() {
-    let rules = rule();
-    let mut synced = one_client(&rules);
     // 900 of 1000: near its limit, and it keeps moving.
-    let slots = OneSlot(std::cell::RefCell::new(ClientState {
-        stamp: 7,
-        cur: 900,
-        ..Default::default()
-    }));
-    let mut m = MemoryCounts::default();
+    let (rules, mut synced, slots, mut m, _, _) = in_window_7(900);
     let rounds = |m: &mut MemoryCounts, synced: &mut Vec<Synced>, n: u32, step: u64| {
         (0..n)
             .map(|_| {
@@ -176,16 +185,7 @@ fn a_client_no_other_host_counts_is_shared_at_the_warm_pace_however_near() {
 
 #[test]
 fn what_another_writer_puts_in_the_store_adds_at_most_the_limit() {
-    let rules = rule();
-    let mut synced = one_client(&rules);
-    let slots = OneSlot(std::cell::RefCell::new(ClientState {
-        stamp: 7,
-        cur: 100,
-        ..Default::default()
-    }));
-    let mut m = MemoryCounts::default();
-    let name = synced[0].name.clone();
-    let h = hash_name("r#1", Meter::Admitted, synced[0].bucket, 7);
+    let (rules, mut synced, slots, mut m, name, h) = in_window_7(100);
     // Someone writes an absurd count for the client.
     m.run(&h, "evil", u64::MAX, &[(&name, 1 << 62)]);
     let r = now_round(&mut m, &slots, &rules, &mut synced);
@@ -200,16 +200,7 @@ fn what_another_writer_puts_in_the_store_adds_at_most_the_limit() {
 
 #[test]
 fn a_state_made_anew_is_all_its_own_and_a_restart_waits_a_window() {
-    let rules = rule();
-    let mut synced = one_client(&rules);
-    let slots = OneSlot(std::cell::RefCell::new(ClientState {
-        stamp: 7,
-        cur: 50,
-        ..Default::default()
-    }));
-    let mut m = MemoryCounts::default();
-    let name = synced[0].name.clone();
-    let h = hash_name("r#1", Meter::Admitted, synced[0].bucket, 7);
+    let (rules, mut synced, slots, mut m, name, h) = in_window_7(50);
     m.run(&h, "b", u64::MAX, &[(&name, 300)]);
     now_round(&mut m, &slots, &rules, &mut synced);
     assert_eq!(slots.0.borrow().cur, 350, "b's 300 added");
