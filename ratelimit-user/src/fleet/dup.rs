@@ -22,8 +22,7 @@ use std::{
 use serde::{Deserialize, Serialize};
 use tracing::{info, warn};
 
-use super::{Settings, Shared};
-use crate::events;
+use super::{Settings, Shared, fleet_line};
 
 /// Beats looked back over.
 pub const DUP_WINDOW: usize = 10;
@@ -185,18 +184,13 @@ impl Shared {
                 );
                 warn!("{why}");
                 let since = d.since.clone();
-                self.events.fleet(events::FleetLine {
-                    time: crate::clock::rfc3339(now),
-                    event: "fleet_duplicate_id",
-                    store,
-                    host_id,
-                    reason: Some(why),
+                self.events.fleet(fleet_line(
+                    now,
+                    "fleet_duplicate_id",
+                    (store, host_id),
+                    Some(why),
                     since,
-                    down_for_ms: None,
-                    outbox: 0,
-                    offset_ms: None,
-                    max_skew_ms: None,
-                });
+                ));
             }
             Change::Cleared => {
                 guard.duplicate.store(false, Ordering::Relaxed);
@@ -206,18 +200,13 @@ impl Shared {
                     "no other process wrote this host id's heartbeat for {DUP_WINDOW} beats: \
                      global counting resumes"
                 );
-                self.events.fleet(events::FleetLine {
-                    time: crate::clock::rfc3339(now),
-                    event: "fleet_duplicate_id_cleared",
-                    store,
-                    host_id,
-                    reason: None,
+                self.events.fleet(fleet_line(
+                    now,
+                    "fleet_duplicate_id_cleared",
+                    (store, host_id),
+                    None,
                     since,
-                    down_for_ms: None,
-                    outbox: 0,
-                    offset_ms: None,
-                    max_skew_ms: None,
-                });
+                ));
             }
         }
     }
