@@ -213,6 +213,7 @@ impl Affinity {
     fn move_to(cpu: usize) -> Affinity {
         // SAFETY: cpu_set_t is plain data; sched_getaffinity fills it for the calling thread.
         let mut old: libc::cpu_set_t = unsafe { std::mem::zeroed() };
+        // SAFETY: `old` is a valid out-pointer of the size given.
         unsafe { libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut old) };
         ratelimit_tests::sender::pin_current_thread(cpu).expect("pin the flood part's thread");
         Affinity(old)

@@ -177,6 +177,7 @@ pub struct GenRun {
 fn thread_cpu() -> Duration {
     // SAFETY: rusage is plain data; RUSAGE_THREAD fills it for the calling thread.
     let mut ru: libc::rusage = unsafe { std::mem::zeroed() };
+    // SAFETY: `ru` is a valid out-pointer for the call's whole duration.
     unsafe { libc::getrusage(libc::RUSAGE_THREAD, &mut ru) };
     let tv = |t: libc::timeval| Duration::new(t.tv_sec as u64, t.tv_usec as u32 * 1000);
     tv(ru.ru_utime) + tv(ru.ru_stime)

@@ -93,7 +93,9 @@ fn drain_loop(
     let mut bufs = vec![[0u8; 128]; BATCH];
     // SAFETY: all-zero sockaddr_in6 / iovec / mmsghdr are valid starting values.
     let mut addrs: Vec<libc::sockaddr_in6> = vec![unsafe { mem::zeroed() }; BATCH];
+    // SAFETY: as above.
     let mut iovs: Vec<libc::iovec> = vec![unsafe { mem::zeroed() }; BATCH];
+    // SAFETY: as above.
     let mut msgs: Vec<libc::mmsghdr> = vec![unsafe { mem::zeroed() }; BATCH];
     loop {
         let stopping = stop.load(Ordering::Acquire);

@@ -281,8 +281,10 @@ fn fd_memlock(data: &aya::maps::MapData) -> Option<u64> {
 
 fn main() {
     let quick = std::env::args().any(|a| a == "--quick");
+    // SAFETY: geteuid(2) takes nothing and cannot fail.
+    let euid = unsafe { libc::geteuid() };
     assert!(
-        unsafe { libc::geteuid() } == 0,
+        euid == 0,
         "the benchmark loads BPF programs: run it as root (cargo xtask bench)"
     );
     let cpus = ratelimit_tests::sender::online_cpus();

@@ -13,7 +13,6 @@ use crate::{
 static EVENTS: RingBuf = RingBuf::pinned(EVENTS_RING_BYTES, 0);
 
 #[inline(always)]
-#[expect(clippy::too_many_arguments, reason = "one field of the event each")]
 pub fn emit(
     slot: Slot,
     kind: u32,

@@ -73,10 +73,8 @@ impl DemoRun {
         // terminal from ever hanging up.
         for fd in [master, slave] {
             // SAFETY: fcntl(2) on the descriptors openpty just made.
-            assert_eq!(
-                unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) },
-                0
-            );
+            let set = unsafe { libc::fcntl(fd, libc::F_SETFD, libc::FD_CLOEXEC) };
+            assert_eq!(set, 0);
         }
         // SAFETY: fresh descriptors nothing else owns.
         let (master, slave) =

@@ -187,6 +187,8 @@ fn names(types: &[(u16, &str)]) -> String {
 /// SIOCGIFHWADDR (not /sys/class/net, which shows the namespace sysfs was mounted in).
 pub fn link_type(iface: &str) -> anyhow::Result<u16> {
     use std::os::fd::{AsRawFd as _, FromRawFd as _, OwnedFd};
+    // SAFETY: ifreq is plain C data (integers, arrays and a union of them): all zeros is a
+    // valid value.
     let mut ifr: libc::ifreq = unsafe { std::mem::zeroed() };
     if iface.len() >= ifr.ifr_name.len() || iface.contains('\0') {
         bail!("{iface:?} is not an interface name (at most 15 bytes)");
@@ -250,6 +252,7 @@ pub(crate) fn ensure_bpffs(dir: &Path) -> anyhow::Result<()> {
 
 fn statfs_magic(path: &Path) -> Option<i64> {
     let c = CString::new(path.as_os_str().as_encoded_bytes()).ok()?;
+    // SAFETY: statfs is plain C data: all zeros is a valid value.
     let mut st: libc::statfs = unsafe { std::mem::zeroed() };
     // SAFETY: valid path and out-pointer.
     if unsafe { libc::statfs(c.as_ptr(), &mut st) } != 0 {
