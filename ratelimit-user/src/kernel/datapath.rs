@@ -35,6 +35,46 @@ pub use pin::{LAYOUT_FILE, check_pinned_layout, detach, layout, record_pinned_la
 /// The compiled XDP program, built by build.rs.
 static PROGRAM: &[u8] = aya::include_bytes_aligned!(concat!(env!("OUT_DIR"), "/ratelimit"));
 
+/// Every map of the program, by the name it is pinned under in `daemon.bpffs_dir` (the daemon
+/// pins them all, adopts them at a restart, and `detach` removes them). A load whose object
+/// lacks one fails naming it; a test checks this list against the maps the embedded object
+/// defines, and every map name the daemon's code spells against this list.
+pub const MAP_NAMES: &[&str] = &[
+    "RL_ADMISSION",
+    "RL_BANS",
+    "RL_BANS_OPERATOR",
+    "RL_BANS_PASSING",
+    "RL_BANS_PRESENT",
+    "RL_BANS_REMOTE",
+    "RL_BAN_EPOCH",
+    "RL_CLIENTS",
+    "RL_COOKIE_BUF",
+    "RL_COOKIE_TIME",
+    "RL_EVENTS",
+    "RL_FAST",
+    "RL_FLEET_ADD",
+    "RL_GLOBAL",
+    "RL_HASH_KEY",
+    "RL_IFACES",
+    "RL_IFSLOTS",
+    "RL_KNOWN",
+    "RL_LOCAL_ADDRS",
+    "RL_OVERFLOW",
+    "RL_OVERRIDES",
+    "RL_OVF_TICK",
+    "RL_PROVEN",
+    "RL_PROVEN_NETS",
+    "RL_RARE",
+    "RL_REGIONS",
+    "RL_REGION_OVERRIDES",
+    "RL_RULES",
+    "RL_SCRATCH",
+    "RL_SHARED",
+    "RL_SOURCES",
+    "RL_STATS",
+    "RL_TICK",
+];
+
 const PROGRAM_NAME: &str = "ratelimit";
 const PROGRAM_NAME_L3: &str = "ratelimit_l3";
 

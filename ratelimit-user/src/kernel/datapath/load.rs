@@ -48,6 +48,9 @@ impl Datapath {
                 ratelimit_common::maps::known_map_entries(max_sources),
             );
         let ebpf = load(&mut loader).context("loading the XDP program and its maps")?;
+        if let Some(name) = super::MAP_NAMES.iter().find(|n| ebpf.map(n).is_none()) {
+            bail!("map {name} missing from the XDP object: the daemon and its program differ");
+        }
         let mut dp = Self {
             ebpf,
             pin_dir: pin_dir.to_owned(),

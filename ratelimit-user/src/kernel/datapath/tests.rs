@@ -76,3 +76,67 @@ fn each_link_type_gets_the_entry_that_parses_it_or_a_refusal_naming_it() {
         );
     }
 }
+
+/// The program's maps are exactly [`super::MAP_NAMES`]: a map added to (or renamed in) the
+/// program without the daemon's list, or the other way round, fails here.
+#[test]
+fn the_program_s_maps_are_the_daemon_s_list_of_them() {
+    use object::{Object as _, ObjectSection as _, ObjectSymbol as _};
+    let file = object::File::parse(super::PROGRAM).expect("the embedded object is ELF");
+    // aya-ebpf's `#[map]` puts the maps in a section named `maps` (BTF maps are in `.maps`).
+    let maps_section = file
+        .section_by_name("maps")
+        .or_else(|| file.section_by_name(".maps"))
+        .expect("the object has a maps section")
+        .index();
+    let in_object: std::collections::BTreeSet<&str> = file
+        .symbols()
+        .filter(|s| s.section_index() == Some(maps_section))
+        .filter_map(|s| s.name().ok())
+        .filter(|n| n.starts_with("RL_"))
+        .collect();
+    let listed: std::collections::BTreeSet<&str> = super::MAP_NAMES.iter().copied().collect();
+    assert_eq!(listed.len(), super::MAP_NAMES.len(), "a name listed twice");
+    assert_eq!(
+        in_object, listed,
+        "the object's maps (left) and the daemon's MAP_NAMES (right) differ"
+    );
+}
+
+/// Every map name the daemon's code spells (`"RL_..."`) is one of [`super::MAP_NAMES`].
+#[test]
+fn every_map_name_the_daemon_spells_is_listed() {
+    fn walk(dir: &std::path::Path, out: &mut Vec<(String, String)>) {
+        for e in std::fs::read_dir(dir).unwrap().flatten() {
+            let p = e.path();
+            if p.is_dir() {
+                walk(&p, out);
+            } else if p.extension().is_some_and(|x| x == "rs") {
+                let text = std::fs::read_to_string(&p).unwrap();
+                for (i, _) in text.match_indices("\"RL_") {
+                    let name: String = text[i + 1..]
+                        .chars()
+                        .take_while(|c| c.is_ascii_uppercase() || c.is_ascii_digit() || *c == '_')
+                        .collect();
+                    if name.len() > 3 && text[i + 1 + name.len()..].starts_with('"') {
+                        out.push((p.display().to_string(), name));
+                    }
+                }
+            }
+        }
+    }
+    let mut spelled = Vec::new();
+    walk(
+        &std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src"),
+        &mut spelled,
+    );
+    assert!(spelled.len() > 20, "too few names found: {spelled:?}");
+    let unknown: Vec<_> = spelled
+        .iter()
+        .filter(|(_, n)| !super::MAP_NAMES.contains(&n.as_str()))
+        .collect();
+    assert!(
+        unknown.is_empty(),
+        "map names not in MAP_NAMES: {unknown:?}"
+    );
+}
