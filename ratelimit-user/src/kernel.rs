@@ -8,4 +8,5 @@ pub mod datapath;
 pub mod known;
 pub mod local_addrs;
 pub mod log;
+pub mod mmap;
 pub mod rx_cpus;

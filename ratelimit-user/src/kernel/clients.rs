@@ -96,31 +96,14 @@ impl ClientStore {
                 size_of::<StoreSet>()
             );
         }
-        let page = 4096usize;
-        let len_bytes = (sets as usize * size_of::<StoreSet>()).div_ceil(page) * page;
-        // SAFETY: mmap of a BPF_F_MMAPABLE array's whole value area, shared, read-write.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len_bytes,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                sets_map.fd().as_fd().as_raw_fd(),
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            bail!(
-                "mapping RL_CLIENTS: {} (a map pinned by an older build? `ratelimit detach` and restart)",
-                std::io::Error::last_os_error()
-            );
-        }
+        let len_bytes = super::mmap::mapped_len(sets as usize * size_of::<StoreSet>());
+        let p = super::mmap::map_shared(sets_map.fd().as_fd(), len_bytes, "RL_CLIENTS")?;
         Ok(Self {
             shared: HashMap::try_from(shared)?,
             fleet_add: std::sync::Mutex::new(HashMap::try_from(fleet_add)?),
             sets_map,
             sets,
-            base: NonNull::new(p as *mut StoreSet).context("mmap returned null")?,
+            base: p.cast::<StoreSet>(),
             len_bytes,
             hash_key,
         })

@@ -16,7 +16,7 @@
 //! (every new source is looked up) from the daemon's start until its first rebuild.
 
 use std::{
-    os::fd::{AsFd as _, AsRawFd as _},
+    os::fd::AsFd as _,
     ptr::NonNull,
     sync::atomic::{AtomicU64, Ordering},
     time::{Duration, Instant},
@@ -77,29 +77,11 @@ impl KnownFilter {
         if log2 > KNOWN_MAX_LOG2 {
             bail!("RL_KNOWN is larger than the program can index");
         }
-        let page = 4096usize;
-        let len_bytes = (entries as usize * 8).div_ceil(page) * page;
-        let fd = map.fd().as_fd().as_raw_fd();
-        // SAFETY: mmap of a BPF_F_MMAPABLE array's whole value area, shared, read-write.
-        let p = unsafe {
-            libc::mmap(
-                std::ptr::null_mut(),
-                len_bytes,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_SHARED,
-                fd,
-                0,
-            )
-        };
-        if p == libc::MAP_FAILED {
-            bail!(
-                "mapping RL_KNOWN: {} (a map pinned by an older build? `ratelimit detach` and restart)",
-                std::io::Error::last_os_error()
-            );
-        }
+        let len_bytes = super::mmap::mapped_len(entries as usize * 8);
+        let p = super::mmap::map_shared(map.fd().as_fd(), len_bytes, "RL_KNOWN")?;
         Ok(Self {
             _map: map,
-            base: NonNull::new(p as *mut AtomicU64).context("mmap returned null")?,
+            base: p.cast::<AtomicU64>(),
             len_bytes,
             log2,
             hash_key,
