@@ -36,7 +36,7 @@ mod rates;
 mod rule;
 mod tree;
 mod validate;
-mod values;
+pub mod values;
 
 pub use exposure::fleet_warnings;
 pub use fleet::*;
@@ -45,8 +45,6 @@ pub use keywords::*;
 pub use rates::*;
 pub use rule::*;
 
-#[cfg(test)]
-mod proptests;
 #[cfg(test)]
 mod tests;
 

@@ -11,3 +11,6 @@ pub mod live;
 pub mod pressure;
 pub mod report;
 pub mod ruleset;
+
+#[cfg(test)]
+mod proptests;

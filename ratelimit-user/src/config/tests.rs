@@ -2212,18 +2212,13 @@ fn an_overrides_inherited_ban_threshold_is_checked_as_scaled() {
         )),
         "{e}"
     );
-    // With a ban threshold of its own, the override's is the one scaled.
+    // With a ban threshold of its own, the override's is the one scaled (its plan:
+    // `policy::apply`'s tests).
     let fits = text.replace(
         "elastic = 2\n",
         "ban_threshold = { count = 1000, interval = \"1s\" }\nelastic = 2\n",
     );
-    let c = ok(&fits);
-    let p = crate::policy::apply::plan(&c, false);
-    let o = p.overrides.values().next().unwrap();
-    assert_eq!(
-        (o.limit.ban_threshold, o.elastic.ban_threshold),
-        (1000, 2000)
-    );
+    ok(&fits);
 }
 
 #[test]

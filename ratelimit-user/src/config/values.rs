@@ -265,7 +265,7 @@ pub fn parse_ban_duration(s: &str) -> Result<Duration, String> {
 
 /// A threshold interval: greater than zero, at most `caps::MAX_INTERVAL_NS`. Errors follow
 /// "interval ".
-pub(super) fn check_interval(d: Duration) -> Result<(), String> {
+pub fn check_interval(d: Duration) -> Result<(), String> {
     if d.is_zero() {
         return Err("must be greater than 0".into());
     }

@@ -599,6 +599,26 @@ pub fn timer_tick_ns() -> u64 {
 mod tests {
     use super::*;
 
+    /// An override with a ban threshold of its own has that one scaled by the rule's elastic
+    /// factor, not the rule's (the config check of the same: `config::tests`,
+    /// `an_overrides_inherited_ban_threshold_is_checked_as_scaled`).
+    #[test]
+    fn an_override_s_own_ban_threshold_is_the_one_scaled() {
+        let text = "[[rule]]\nname = \"r\"\nthreshold = { count = 10, interval = \"1s\" }\n\
+                    action = \"rate_based_ban\"\n\
+                    ban_threshold = { count = 600000000, interval = \"1s\" }\nban_duration = \"1m\"\n\
+                    [[rule.override]]\ncidr = \"192.0.2.0/24\"\n\
+                    threshold = { count = 100, interval = \"1s\" }\n\
+                    ban_threshold = { count = 1000, interval = \"1s\" }\nelastic = 2\n";
+        let cfg = crate::config::parse("t.toml", text).expect("config");
+        let p = plan(&cfg, false);
+        let o = p.overrides.values().next().unwrap();
+        assert_eq!(
+            (o.limit.ban_threshold, o.elastic.ban_threshold),
+            (1000, 2000)
+        );
+    }
+
     fn fine(rule_body: &str) -> bool {
         let text = format!("[[rule]]\nname = \"r\"\n{rule_body}");
         let cfg = crate::config::parse("t.toml", &text).expect("config");

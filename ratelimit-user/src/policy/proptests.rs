@@ -1,12 +1,13 @@
 //! No input panics the config parser or a value parser: arbitrary strings, and structured
 //! near-valid mutations of valid input (the inputs that reach deep into validation). What
-//! they accept keeps the invariants the daemon relies on.
+//! they accept keeps the invariants the daemon relies on, and plans without failing (so these
+//! tests sit above both the config and its plan).
 
 use std::time::Duration;
 
 use proptest::prelude::*;
 
-use super::*;
+use crate::config::*;
 
 /// Valid configs the mutations start from: every section, every kind of threshold.
 const BASES: [&str; 3] = [
@@ -100,9 +101,9 @@ fn check_config(text: &str) -> Result<(), TestCaseError> {
                 prop_assert!(check_ban_duration(r.ban_duration).is_ok());
             }
             // Planning a parsed config never fails or panics.
-            let _ = crate::policy::apply::rule_config(r);
+            let _ = super::apply::rule_config(r);
         }
-        let _ = crate::policy::apply::plan(&cfg, false);
+        let _ = super::apply::plan(&cfg, false);
     }
     Ok(())
 }
@@ -227,7 +228,7 @@ proptest! {
         let deny = with_value("[lists]\ndeny = [{value}]\n", &s).map(|c| c.lists.deny[0]);
         let ban = parse_net(&s).map_err(|e| labelled("entry 1", &e));
         read_alike(&s, ban.clone(), "entry 1", deny, "lists.deny")?;
-        let at = crate::policy::live::OverrideAt {
+        let at = super::live::OverrideAt {
             rule: "r".into(),
             cidr: Some(s.clone()),
             region: None,
