@@ -493,8 +493,12 @@ fn without_the_store_every_host_holds_the_threshold_alone_and_the_fleet_recovers
                 x.act
             );
         }
+        // A status that waited on the store would wait for its answer's timeout
+        // (`fleet::REQUEST_TIMEOUT`, 500 ms) or a connection's (1 s); 300 ms leaves room for
+        // a busy 2-core machine running three daemons, their senders and the store (117 ms
+        // was seen at p99 with a build running beside it).
         assert!(
-            x.status_p99 < Duration::from_millis(100),
+            x.status_p99 < Duration::from_millis(300),
             "status p99 {:?} in {:?}",
             x.status_p99,
             x.act
