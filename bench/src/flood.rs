@@ -361,6 +361,12 @@ pub fn run(ctx: &Ctx) -> Option<Section> {
                         }
                     }
                     let mut r = run_case(&mut env, &sc, kind, family, c, m_flood_pps);
+                    if generator::LIVE_FRAMES_REFUSED.load(Ordering::Relaxed) {
+                        let why = "the kernel refused the generator's live frames \
+                                   (BPF_PROG_RUN with BPF_F_TEST_XDP_LIVE_FRAMES: EPERM)";
+                        println!("flood: not measured: {why}");
+                        return Some(not_measured(why));
+                    }
                     println!(
                         "  {} {:<5} {:<25} offered {:>6.3} Mpps, absorbed {:>6.3} Mpps (rx CPU {:>3.0}%), passed {:>9}, dropped {:>9}{}{}{}",
                         kind.name(),
