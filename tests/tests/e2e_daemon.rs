@@ -1087,16 +1087,6 @@ fn bans_of(s: &Scenario) -> (Vec<(String, bool)>, Option<f64>) {
     (v, left)
 }
 
-/// The ban and unban events written so far. Other events (a pressure level the busy test
-/// machine reaches, say) are not the ban requests' to write or withhold, so they do not count.
-fn events_len(s: &Scenario) -> u64 {
-    let text =
-        std::fs::read_to_string(s.daemon().config_dir().join("events.jsonl")).unwrap_or_default();
-    text.lines()
-        .filter(|l| l.contains(r#""event":"ban""#) || l.contains(r#""event":"unban""#))
-        .count() as u64
-}
-
 /// `ban add` and `ban del` apply a request whole or not at all: a bad entry anywhere (the
 /// CLI passes file lines through; any client of the control API can send one) rejects the
 /// request before anything is written, and the error names the entry.
@@ -1108,7 +1098,7 @@ fn a_bad_entry_in_a_ban_batch_applies_nothing_and_writes_no_event() {
     let file = s.daemon().config_dir().join("bans.txt");
     s.daemon()
         .cli_ok(&["ban", "add", "198.19.50.1", "--for", "1h"]);
-    let (before, ev_before) = (bans_of(&s).0, events_len(&s));
+    let (before, ev_before) = (bans_of(&s).0, s.events().len());
     for (cmd, lines, entry) in [
         (
             "add",
@@ -1123,7 +1113,7 @@ fn a_bad_entry_in_a_ban_batch_applies_nothing_and_writes_no_event() {
             .cli(&["ban", cmd, "--file", file.to_str().unwrap()]);
         assert!(!out.status.success(), "ban {cmd}");
         assert_eq!(
-            (bans_of(&s).0, events_len(&s)),
+            (bans_of(&s).0, s.events().len()),
             (before.clone(), ev_before),
             "a rejected ban {cmd} changes no ban and writes no event"
         );
@@ -1160,7 +1150,7 @@ fn a_ban_batch_that_fills_the_ban_map_midway_is_undone() {
     s.daemon()
         .cli_ok(&["ban", "add", "--file", file.to_str().unwrap()]);
     assert_eq!(s.daemon().status().active_bans, u64::from(max - 1));
-    let (before, ev_before) = (bans_of(&s).0, events_len(&s));
+    let (before, ev_before) = (bans_of(&s).0, s.events().len());
     // Replaces 198.19.50.1's ban (1h -> until removed), takes the last free entry with
     // 198.19.50.2, and fails at 198.19.50.3.
     std::fs::write(
@@ -1182,7 +1172,7 @@ fn a_ban_batch_that_fills_the_ban_map_midway_is_undone() {
         left.is_some_and(|l| l > 3000.0 && l <= 3600.0),
         "198.19.50.1 has its own 1h ban back: {left:?}"
     );
-    assert_eq!(events_len(&s), ev_before, "no event for the undone bans");
+    assert_eq!(s.events().len(), ev_before, "no event for the undone bans");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(
         err.contains("entry 3: 198.19.50.3/32: adding the ban failed")
@@ -1199,7 +1189,7 @@ fn a_ban_batch_that_fills_the_ban_map_midway_is_undone() {
         .cli_ok(&["ban", "add", "--file", file.to_str().unwrap()]);
     assert_eq!(s.daemon().status().active_bans, u64::from(max - 1));
     assert_eq!(bans_of(&s).1, None, "replaced: until removed");
-    assert!(events_len(&s) > ev_before);
+    assert!(s.events().len() > ev_before);
 }
 
 /// The counts of the daemon's forwarded `ratelimit::kernel` lines that say `what`, in order
