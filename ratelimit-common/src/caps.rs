@@ -28,8 +28,18 @@ pub const MAX_OVERRIDES: u32 = 65_536;
 pub const MAX_REGION_OVERRIDES: u32 = 4_096;
 /// CIDR → region entries loaded from the GeoIP database.
 pub const MAX_REGION_PREFIXES: u32 = 1_048_576;
-/// Destination port ranges one rule may match.
+/// Destination port ranges one rule may match, and source port ranges.
 pub const MAX_PORT_RANGES: usize = 8;
+/// Length ranges, and TTL ranges, of one rule.
+pub const MAX_LENGTH_RANGES: usize = 4;
+/// Payload conditions of one rule.
+pub const MAX_PAYLOAD_MATCHES: usize = 2;
+/// Distinct payload reads of all rules together (`GlobalConfig::fetches`).
+pub const MAX_PAYLOAD_FETCHES: usize = 4;
+/// The furthest byte a payload read starts at, after its `from`.
+pub const MAX_PAYLOAD_OFFSET: u16 = 1500;
+/// Destination CIDRs across all rules (`RL_DESTS`).
+pub const MAX_RULE_DST_ENTRIES: u32 = 16_384;
 /// Counter slots of the `STATS` array: [`UNLISTED_SLOT`], one slot per interface for up to
 /// `MAX_IFACES - 2` interfaces, and [`RETIRED_SLOT`].
 pub const MAX_IFACES: u32 = 16;

@@ -2,7 +2,7 @@
 //! per-client state the program writes and the daemon reads). All `#[repr(C)]`, padding made
 //! explicit so nothing uninitialised crosses the kernel boundary.
 //!
-//! By map: `rule` (`RULES`), `global` (`GLOBAL`, `ADMISSION`), `lists` (`RL_SOURCES`),
+//! By map: `rule` (`RULES`), `global` (`GLOBAL`, `ADMISSION`), `lists` (`RL_SOURCES`, `RL_DESTS`), `matching` (a rule's match fields),
 //! `fast` (`RL_FAST`), `client` (the per-client state), `known` (`RL_KNOWN` and the
 //! placement hash), `store` (`RL_CLIENTS`), `bans` (the ban tables) and `overrides`
 //! (the override maps). Every item is re-exported here, where callers name it.
@@ -13,6 +13,7 @@ mod fast;
 mod global;
 mod known;
 mod lists;
+mod matching;
 mod overrides;
 mod rule;
 mod store;
@@ -23,6 +24,7 @@ pub use fast::*;
 pub use global::*;
 pub use known::*;
 pub use lists::*;
+pub use matching::*;
 pub use overrides::*;
 pub use rule::*;
 pub use store::*;

@@ -110,10 +110,10 @@ const PROVED: u32 = 0;
 /// Per CPU: the socket lookup's tuple, the SYN's TCP header as the cookie helper reads it,
 /// the route lookup's parameters, and this CPU's answers in its current tick.
 #[map(name = "RL_COOKIE_BUF")]
-static BUF: PerCpuArray<CookieBuf> = PerCpuArray::with_max_entries(1, 0);
+pub(crate) static BUF: PerCpuArray<CookieBuf> = PerCpuArray::with_max_entries(1, 0);
 
 #[repr(C)]
-pub struct CookieBuf {
+pub(crate) struct CookieBuf {
     tuple: bpf_sock_tuple,
     _pad: u32,
     /// A TCP header with one option, the SYN's MSS (`doff` = 6).
@@ -137,12 +137,12 @@ const PROVEN_RENEW_NS: u64 = 60_000_000_000;
 const TCP_FIN: u8 = 0x01;
 const TCP_SYN: u8 = 0x02;
 const TCP_RST: u8 = 0x04;
-const TCP_ACK: u8 = 0x10;
+pub(crate) const TCP_ACK: u8 = 0x10;
 
 /// Socket states (`include/net/tcp_states.h`).
 const TCP_ESTABLISHED: u32 = 1;
 const TCP_TIME_WAIT: u32 = 6;
-const TCP_LISTEN: u32 = 10;
+pub(crate) const TCP_LISTEN: u32 = 10;
 const TCP_NEW_SYN_RECV: u32 = 12;
 
 /// `ENOENT`: `bpf_tcp_gen_syncookie` makes no cookie because the listener's SYN queue has room
@@ -435,7 +435,7 @@ fn pass(reason: u32, proved: bool) -> u64 {
 /// An IPv4 source the stack would discard as a martian (0/8, 127/8, multicast, reserved,
 /// broadcast) is not answered either.
 #[inline(always)]
-fn for_this_host<const V4: bool>(ctx: &XdpContext, b: *mut CookieBuf, l3: usize) -> bool {
+pub(crate) fn for_this_host<const V4: bool>(ctx: &XdpContext, b: *mut CookieBuf, l3: usize) -> bool {
     let Some(eth) = parse::header(ctx, 0, 6) else {
         return false;
     };
@@ -507,7 +507,7 @@ fn clamp_mss<const V4: bool>(ctx: &XdpContext, mss: u16) -> u16 {
 /// IP header directly (no IPv4 options, no IPv6 extension header): anything else is not
 /// answered.
 #[inline(always)]
-fn headers<const V4: bool>(ctx: &XdpContext) -> Option<(usize, usize)> {
+pub(crate) fn headers<const V4: bool>(ctx: &XdpContext) -> Option<(usize, usize)> {
     let l3 = parse::l3_offset(ctx)?;
     if V4 {
         let h = parse::header(ctx, l3, 20)?;
@@ -530,7 +530,7 @@ fn headers<const V4: bool>(ctx: &XdpContext) -> Option<(usize, usize)> {
 /// listener), looked up with the tuple in `b`; null if none. Its reference is the caller's to
 /// release.
 #[inline(always)]
-fn lookup<const V4: bool>(
+pub(crate) fn lookup<const V4: bool>(
     ctx: &XdpContext,
     b: *mut CookieBuf,
     l3: usize,

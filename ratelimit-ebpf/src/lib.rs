@@ -2,7 +2,8 @@
 //!
 //! Per packet: parse (`parse`; from the IP header on devices without one, `ratelimit_l3`),
 //! then this tick's fast-drop entry (`fast`) → allow list → deny list → active ban (`bans`)
-//! → rules in file order (`policy`, `rules`), write the lines of any rare condition the rules
+//! → rules in file order (`policy`, `rules`, with `matching` for what a rule asks of the
+//! frame and `conn` for `tcp_state`), write the lines of any rare condition the rules
 //! met (`rare`), record the verdict in the per-CPU counters and return. Every exit goes
 //! through `program::finish`, so every frame is counted in exactly one verdict counter.
 //!
@@ -29,6 +30,8 @@ mod bans;
 #[cfg(target_arch = "bpf")]
 pub mod clock;
 #[cfg(target_arch = "bpf")]
+mod conn;
+#[cfg(target_arch = "bpf")]
 mod cookies;
 #[cfg(target_arch = "bpf")]
 mod events;
@@ -36,6 +39,8 @@ mod events;
 mod fast;
 #[cfg(target_arch = "bpf")]
 mod known;
+#[cfg(target_arch = "bpf")]
+mod matching;
 #[cfg(target_arch = "bpf")]
 mod meters;
 #[cfg(target_arch = "bpf")]

@@ -25,9 +25,17 @@ const MAX_L4_OFFSET: usize = 512;
 pub struct Parsed {
     pub src: IpKey,
     pub dport: u16,
+    /// Where the L4 header starts in the frame (with `l4`). The other fields a rule may
+    /// match on (destination, length, TTL, source port, ICMP type, ...) are read from the
+    /// frame again when a rule asks for them (`matching::Ext`): this record is on the entry's
+    /// stack, which the call chain has little of.
+    pub l4_off: u16,
     /// IP protocol of the upper layer (after IPv6 extension headers).
     pub proto: u8,
     pub tcp_flags: u8,
+    /// A fragment, first or later (IPv4: more-fragments or an offset; IPv6: a fragment
+    /// header).
+    pub fragmented: bool,
     pub v4: bool,
     /// The L4 header was parsed: ports (TCP/UDP) and flags (TCP) are valid.
     pub l4: bool,
@@ -201,8 +209,10 @@ fn parse_ipv4(ctx: &XdpContext, off: usize) -> Result<Parsed, Reason> {
     let mut pkt = Parsed {
         src: IpKey::from_v4(h.field(12)),
         dport: 0,
+        l4_off: 0,
         proto: h.field(9),
         tcp_flags: 0,
+        fragmented: false,
         v4: true,
         l4: false,
         fragment: false,
@@ -212,7 +222,9 @@ fn parse_ipv4(ctx: &XdpContext, off: usize) -> Result<Parsed, Reason> {
     if ver_ihl >> 4 != 4 || ihl < Ipv4Hdr::LEN || (h.field16(2) as usize) < ihl {
         return Ok(cut(pkt, R));
     }
-    pkt.fragment = h.field16(6) & 0x1fff != 0;
+    let frag = h.field16(6);
+    pkt.fragment = frag & 0x1fff != 0;
+    pkt.fragmented = frag & 0x3fff != 0;
     // The options must be present too; from here on the source is known, so problems are
     // noted and the packet is still judged.
     if hdr(ctx, off, ihl, R).is_err() {
@@ -235,8 +247,10 @@ fn parse_ipv6(ctx: &XdpContext, off: usize) -> Result<Parsed, Reason> {
     let mut pkt = Parsed {
         src: IpKey::from_v6(src),
         dport: 0,
+        l4_off: 0,
         proto: h.field(6),
         tcp_flags: 0,
+        fragmented: false,
         v4: false,
         l4: false,
         fragment: false,
@@ -269,6 +283,7 @@ fn parse_ipv6(ctx: &XdpContext, off: usize) -> Result<Parsed, Reason> {
                     return Ok(cut(pkt, R));
                 };
                 pkt.proto = e.field(0);
+                pkt.fragmented = true;
                 if e.field16(2) & 0xfff8 != 0 {
                     // A non-first fragment: what follows is payload, not headers.
                     pkt.fragment = true;
@@ -346,5 +361,6 @@ fn parse_l4(ctx: &XdpContext, off: usize, pkt: &mut Parsed) {
         pkt.note = R;
         return;
     }
+    pkt.l4_off = off as u16;
     pkt.l4 = true;
 }

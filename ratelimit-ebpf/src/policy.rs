@@ -1,5 +1,5 @@
 //! Policy the daemon writes and the program only reads: global settings, rules, the allow and
-//! deny lists, rule source lists, overrides and the GeoIP region map. The daemon replaces
+//! deny lists, rule source and destination lists, overrides and the GeoIP region map. The daemon replaces
 //! entries in place, so a live rule change never touches per-client counters.
 
 use aya_ebpf::{
@@ -9,11 +9,12 @@ use aya_ebpf::{
 use ratelimit_common::{
     addr::{IpKey, LpmAddr, lpm_prefix},
     caps::{
-        MAX_OVERRIDES, MAX_REGION_OVERRIDES, MAX_REGION_PREFIXES, MAX_RULES, MAX_SOURCES_ENTRIES,
+        MAX_OVERRIDES, MAX_PAYLOAD_FETCHES, MAX_REGION_OVERRIDES, MAX_REGION_PREFIXES,
+        MAX_RULE_DST_ENTRIES, MAX_RULES, MAX_SOURCES_ENTRIES,
     },
     maps::{
-        GlobalConfig, ListValue, OVERRIDE_RULE_BITS, OverrideKey, OverrideValue, REGION_UNKNOWN,
-        RegionOverrideKey, RuleConfig,
+        GlobalConfig, ListValue, OVERRIDE_RULE_BITS, OverrideKey, OverrideValue, PayloadFetch,
+        REGION_UNKNOWN, RegionOverrideKey, RuleConfig,
     },
 };
 
@@ -29,6 +30,11 @@ static RULES: Array<RuleConfig> = Array::pinned(MAX_RULES, 0);
 /// source lists, in one LPM trie so that one lookup answers all three (see `ListValue`).
 #[map(name = "RL_SOURCES")]
 static SOURCES: LpmTrie<LpmAddr, ListValue> = LpmTrie::pinned(MAX_SOURCES_ENTRIES, 0);
+
+/// The rules' destination lists (`dst`): at every prefix, the mask of the rules whose list
+/// covers it (the union over the listed prefixes covering it, as in [`SOURCES`]).
+#[map(name = "RL_DESTS")]
+static DESTS: LpmTrie<LpmAddr, u32> = LpmTrie::pinned(MAX_RULE_DST_ENTRIES, 0);
 
 /// Per-CIDR threshold overrides: key = (rule, address), most specific prefix wins.
 #[map(name = "RL_OVERRIDES")]
@@ -55,6 +61,13 @@ const EMPTY: GlobalConfig = GlobalConfig {
     relaxed: 0,
     syn_answer_tick_cap: 0,
     wall_offset_ns: 0,
+    narrow_rules: 0,
+    fetch_count: 0,
+    fetches: [PayloadFetch {
+        from: 0,
+        len: 0,
+        offset: 0,
+    }; MAX_PAYLOAD_FETCHES],
 };
 
 #[inline(always)]
@@ -73,19 +86,33 @@ pub fn full(src: &IpKey) -> Key<LpmAddr> {
     Key::new(lpm_prefix(src.is_v4(), 128), LpmAddr::of(src))
 }
 
-/// What the sources trie says of `src`: (`LIST_*` flags, mask of the rules whose source list
-/// contains it).
+/// What the sources trie says of the source whose full-length key is `key` ([`full`]), built
+/// by the caller: its `LIST_*` flags, the rules whose source list contains it, and those
+/// whose `except` list does.
 #[inline(always)]
-pub fn sources(src: &IpKey) -> (u32, u32) {
-    sources_at(&full(src))
+pub fn sources_at(key: &Key<LpmAddr>) -> ListValue {
+    match SOURCES.get(key) {
+        Some(v) => *v,
+        None => ListValue::default(),
+    }
 }
 
-/// [`sources`] of the full-length key `key` ([`full`]), built by the caller.
+/// What the sources trie says of the source whose full-length key is `key` for the rules:
+/// (rules whose source list contains it, rules whose `except` list does).
 #[inline(always)]
-pub fn sources_at(key: &Key<LpmAddr>) -> (u32, u32) {
+pub fn rule_sources_at(key: &Key<LpmAddr>) -> (u32, u32) {
     match SOURCES.get(key) {
-        Some(v) => (v.flags, v.rule_src_mask),
+        Some(v) => (v.rule_src_mask, v.rule_except_mask),
         None => (0, 0),
+    }
+}
+
+/// The rules whose `dst` list contains the destination whose full-length key is `key`.
+#[inline(always)]
+pub fn dests_at(key: &Key<LpmAddr>) -> u32 {
+    match DESTS.get(key) {
+        Some(v) => *v,
+        None => 0,
     }
 }
 

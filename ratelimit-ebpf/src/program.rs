@@ -30,7 +30,7 @@ pub fn ratelimit(ctx: XdpContext) -> u32 {
 pub fn ethernet(ctx: &XdpContext) -> u32 {
     let (slot, len) = (stats::slot(ctx.ingress_ifindex() as u32), frame_len(ctx));
     match parse::parse(ctx) {
-        Frame::Ip(pkt) => judge(Some(ctx), slot, pkt, len),
+        Frame::Ip(pkt) => judge((ctx, true), slot, pkt, len),
         Frame::NonIp => finish(slot, global::PASS_NON_IP, len),
         Frame::Bogon => finish(slot, global::DROP_BOGON, len),
         Frame::Unreadable(reason) => malformed(slot, reason, len),
@@ -46,7 +46,7 @@ pub fn ethernet(ctx: &XdpContext) -> u32 {
 pub fn ratelimit_l3(ctx: XdpContext) -> u32 {
     let (slot, len) = (stats::slot(ctx.ingress_ifindex() as u32), frame_len(&ctx));
     match parse::parse_l3(&ctx) {
-        Frame::Ip(pkt) => judge(None, slot, pkt, len),
+        Frame::Ip(pkt) => judge((&ctx, false), slot, pkt, len),
         Frame::NonIp => finish(slot, global::PASS_NON_IP, len),
         Frame::Bogon => finish(slot, global::DROP_BOGON, len),
         Frame::Unreadable(reason) => malformed(slot, reason, len),
@@ -64,10 +64,11 @@ fn malformed(slot: Slot, reason: u32, len: u64) -> u32 {
     finish(slot, global::PASS_MALFORMED, len)
 }
 
-/// Count what the parser noted, then [`decide`]. `ctx`: an Ethernet frame's, which may be
-/// answered with a SYN cookie (`cookies.rs`); `None` for frames without a link-layer header.
+/// Count what the parser noted, then [`decide`]. `ctx`: the frame, and whether it has an
+/// Ethernet header (only then may it be answered with a SYN cookie (`cookies.rs`), or its
+/// TCP segment be looked up for `tcp_state` (`conn.rs`)).
 #[inline(always)]
-fn judge(ctx: Option<&XdpContext>, slot: Slot, pkt: Parsed, len: u64) -> u32 {
+fn judge(ctx: (&XdpContext, bool), slot: Slot, pkt: Parsed, len: u64) -> u32 {
     if pkt.note != 0 {
         stats::add(slot, pkt.note, len);
     }
@@ -78,7 +79,7 @@ fn judge(ctx: Option<&XdpContext>, slot: Slot, pkt: Parsed, len: u64) -> u32 {
 }
 
 #[inline(always)]
-fn decide(ctx: Option<&XdpContext>, slot: Slot, pkt: Parsed, len: u64) -> u32 {
+fn decide((ctx, eth): (&XdpContext, bool), slot: Slot, pkt: Parsed, len: u64) -> u32 {
     let global_cfg = policy::global();
     // The coarse clock (the last timer tick): a fraction of the cost of reading the clock
     // source. Rules that need precision read the precise one (`RULE_FINE_CLOCK`).
@@ -102,7 +103,6 @@ fn decide(ctx: Option<&XdpContext>, slot: Slot, pkt: Parsed, len: u64) -> u32 {
     // no list at all it is skipped (rules with a source list then look up on their own).
     // (known, mask): plain integers, not an Option, whose unset payload the verifier would
     // see as an uninitialised register.
-    let mut src_mask = (0u32, 0u32);
     // The source's key in the list and ban tries, built once for both, in this CPU's
     // scratch record (the entry's stack has no room to spare on 6.1), which the rules
     // use after them.
@@ -116,18 +116,24 @@ fn decide(ctx: Option<&XdpContext>, slot: Slot, pkt: Parsed, len: u64) -> u32 {
     // call chain have least of).
     let key = unsafe {
         (*rl).pkt = pkt;
+        (*rl).src_mask_known = 0;
         (*rl).src_key.set(&(*rl).pkt.src, (*rl).pkt.v4);
         (*rl).src_key.key()
     };
     if global_cfg.flags & (GLOBAL_HAS_ALLOW | GLOBAL_HAS_DENY) != 0 {
-        let (flags, mask) = policy::sources_at(key);
-        if flags & LIST_ALLOW != 0 {
+        let v = policy::sources_at(key);
+        if v.flags & LIST_ALLOW != 0 {
             return finish(slot, global::PASS_ALLOW, len);
         }
-        if flags & LIST_DENY != 0 {
+        if v.flags & LIST_DENY != 0 {
             return finish(slot, global::DROP_DENY, len);
         }
-        src_mask = (1, mask);
+        // SAFETY: this CPU's scratch record; the rules' share of the answer, for them.
+        unsafe {
+            (*rl).src_mask = v.rule_src_mask;
+            (*rl).src_except = v.rule_except_mask;
+            (*rl).src_mask_known = 1;
+        }
     }
     let mut ban_matched = false;
     if let Some(ban_flags) = bans::active_ban(slot, key, now) {
@@ -147,8 +153,8 @@ fn decide(ctx: Option<&XdpContext>, slot: Slot, pkt: Parsed, len: u64) -> u32 {
         (slot, len),
         (now, tick, ban_epoch),
         global_cfg,
-        src_mask,
         ban_matched,
+        (ctx, eth),
     );
     // The rare conditions the rules met (full tables, lost events) reach the log here,
     // after the verdict, at most once a second each (`rare.rs`).
@@ -157,24 +163,22 @@ fn decide(ctx: Option<&XdpContext>, slot: Slot, pkt: Parsed, len: u64) -> u32 {
         RuleVerdict::Pass => return finish(slot, global::PASS, len),
         // Dropped only because its source was refused state: a second look against the
         // kernel's sockets (`cookies.rs`).
-        RuleVerdict::Refused => {
-            if let Some(ctx) = ctx {
-                let a = cookies::answer(ctx.ctx, rl, global_cfg.syn_answer_tick_cap as u64);
-                if a == cookies::ANSWER_TX {
-                    stats::add(slot, global::SYN_COOKIES_SENT, len);
-                    stats::add(slot, global::DROP_RULE, len);
-                    return xdp_action::XDP_TX;
+        RuleVerdict::Refused if eth => {
+            let a = cookies::answer(ctx.ctx, rl, global_cfg.syn_answer_tick_cap as u64);
+            if a == cookies::ANSWER_TX {
+                stats::add(slot, global::SYN_COOKIES_SENT, len);
+                stats::add(slot, global::DROP_RULE, len);
+                return xdp_action::XDP_TX;
+            }
+            if a & 0xff == cookies::ANSWER_PASS {
+                if a & cookies::ANSWER_PROVEN != 0 {
+                    stats::add(slot, global::SOURCES_PROVEN, len);
                 }
-                if a & 0xff == cookies::ANSWER_PASS {
-                    if a & cookies::ANSWER_PROVEN != 0 {
-                        stats::add(slot, global::SOURCES_PROVEN, len);
-                    }
-                    let reason = ((a >> 8) & 0xffff) as u32;
-                    if reason != 0 {
-                        stats::add(slot, reason, len);
-                    }
-                    return finish(slot, global::PASS, len);
+                let reason = ((a >> 8) & 0xffff) as u32;
+                if reason != 0 {
+                    stats::add(slot, reason, len);
                 }
+                return finish(slot, global::PASS, len);
             }
         }
         _ => {}

@@ -25,7 +25,7 @@
 //!   once on its own; the `rl_*` functions. They return plain `u64` codes, named by the
 //!   constants next to each.
 
-use aya_ebpf::helpers::bpf_ktime_get_ns;
+use aya_ebpf::{helpers::bpf_ktime_get_ns, programs::XdpContext};
 use ratelimit_common::{
     addr::V4_MAPPED_PREFIX,
     caps::MAX_RULES,
@@ -38,6 +38,7 @@ use crate::{
     atomic,
     bans::{AGGREGATE_BANNED, BAN_NOT_RECORDED, rl_aggregate_ban, rl_ban},
     cookies, fast,
+    matching,
     meters::{ABOVE_BAN_THRESHOLD, ADMITTED, BAN_HELD, rl_after, rl_ban_meter, rl_limit},
     parse::Parsed,
     policy,
@@ -72,10 +73,12 @@ pub fn evaluate_rules(
     (slot, len): (Slot, u64),
     (now, tick, ban_epoch): (u64, u64, u64),
     g: &GlobalConfig,
-    src_mask: (u32, u32),
     // Whether a ban (one that lets packets on to the rules) matched: then no fast-drop entry
     // is made, as it would skip that ban's counting.
     ban_matched: bool,
+    // The frame, for what a rule asks of it (`matching::serve`), and whether it has an
+    // Ethernet header.
+    (ctx, eth): (&XdpContext, bool),
 ) -> RuleVerdict {
     let n = g.rule_count;
     if n == 0 {
@@ -97,8 +100,7 @@ pub fn evaluate_rules(
             store_sets: g.store_sets,
             wall_offset_ns: g.wall_offset_ns,
         };
-        (*rl).src_mask_known = src_mask.0;
-        (*rl).src_mask = src_mask.1;
+        (*rl).have = 0;
         (*rl).coarse_now = now;
         (*rl).fine_now = 0;
         (*rl).tick = tick;
@@ -115,6 +117,9 @@ pub fn evaluate_rules(
     // SAFETY: this CPU's scratch record.
     let second_look = unsafe { (*rl).cookies_on != 0 && cookies::may_answer(&(*rl).pkt) };
     let mut refused = false;
+    // What some rule asks of the frame beyond the parser's facts, made once, here (one call
+    // site: a static function is verified again for every state that reaches it).
+    matching::prepare(ctx.ctx, rl, eth);
     for i in 0..MAX_RULES {
         if i >= n {
             break;
@@ -128,7 +133,7 @@ pub fn evaluate_rules(
                 refused = true;
                 matched = true;
             }
-            RULE_DROP_FOR_TICK if !matched && !ban_matched => {
+            RULE_DROP_FOR_TICK if !matched && !ban_matched && i < g.narrow_rules => {
                 fast::rl_fast_fill(rl, i as u64);
                 return RuleVerdict::Drop;
             }
@@ -159,14 +164,25 @@ pub extern "C" fn rl_rule(index: u64, rl: *mut RuleLoop) -> u64 {
     if !matches(rule, &rl.pkt) {
         return RULE_NO_MATCH;
     }
-    if rule.flags & RULE_SRC_MATCH != 0 {
+    if rule.flags & (RULE_SRC_MATCH | RULE_EXCEPT) != 0 {
         if rl.src_mask_known == 0 {
-            rl.src_mask = policy::sources(&rl.pkt.src).1;
+            // The key the entry built for the lists and bans (none on this stack).
+            let (mask, except) = policy::rule_sources_at(rl.src_key.key());
+            rl.src_mask = mask;
+            rl.src_except = except;
             rl.src_mask_known = 1;
         }
-        if rl.src_mask & (1 << i) == 0 {
+        if rule.flags & RULE_SRC_MATCH != 0 && rl.src_mask & (1 << i) == 0 {
             return RULE_NO_MATCH;
         }
+        if rl.src_except & (1 << i) != 0 {
+            return RULE_NO_MATCH;
+        }
+    }
+    if rule.flags & (RULE_MORE_MATCH | RULE_DST_MATCH | RULE_TCP_STATE) != 0
+        && matching::rl_match(index, rl) != matching::MATCHED
+    {
+        return RULE_NO_MATCH;
     }
     stats::add_rule(rl.env.slot, i, rc::MATCHED, rl.env.len);
     rl.env.now = if rule.flags & RULE_FINE_CLOCK != 0 {

@@ -4,6 +4,7 @@
 use aya_ebpf::{macros::map, maps::lpm_trie::Key};
 use ratelimit_common::{
     addr::{FAMILY_V4, FAMILY_V6, IpKey, LpmAddr, lpm_prefix},
+    caps::MAX_PAYLOAD_FETCHES,
     maps::*,
 };
 
@@ -51,8 +52,25 @@ pub struct RuleLoop {
     pub pkt: Parsed,
     pub key: ClientKey,
     pub judge: Judge,
+    /// The sources trie's answer for the rules (their source lists, their `except` lists),
+    /// once looked up (`src_mask_known`).
     pub src_mask: u32,
+    pub src_except: u32,
     pub src_mask_known: u32,
+    /// What was made for this packet beyond the parser's facts (`matching::NEED_*`,
+    /// `matching::serve`): the payload reads, the destinations trie's answer, the socket
+    /// lookup's. Reset per packet.
+    pub have: u32,
+    pub dst_mask: u32,
+    /// With `NEED_EXT` in `have`.
+    pub ext: crate::matching::Ext,
+    /// `matching::CONN_*`, with `NEED_CONN` in `have`.
+    pub conn: u32,
+    pub fetched: [u32; MAX_PAYLOAD_FETCHES],
+    pub fetched_ok: u32,
+    pub fetch_buf: [u8; 4],
+    /// The destination's full-length key in the destinations trie.
+    pub dst_key: SrcTrieKey,
     /// The packet's coarse time, and its precise time once a rule has needed it (0 before).
     pub coarse_now: u64,
     pub fine_now: u64,

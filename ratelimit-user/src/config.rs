@@ -21,7 +21,7 @@
 //!   in the file, `2000/20m` or `10MiB/1s` on the command line ([`Threshold`]'s `FromStr`).
 //!
 //! Its modules, bottom-up: `values` (single values), `keywords` (the keyword enums), `rates`
-//! (thresholds, the elastic factor), `rule`, `host` and `fleet` (the model, section by
+//! (thresholds, the elastic factor), `matching` (what a rule matches), `rule`, `host` and `fleet` (the model, section by
 //! section), `tree` (the TOML tree with positions), `validate` (the schema: the tree read into
 //! a [`Config`]) and `exposure` (what a `[fleet]` section exposes).
 
@@ -32,6 +32,7 @@ mod exposure;
 mod fleet;
 mod host;
 mod keywords;
+mod matching;
 mod rates;
 mod rule;
 mod tree;
@@ -42,6 +43,7 @@ pub use exposure::fleet_warnings;
 pub use fleet::*;
 pub use host::*;
 pub use keywords::*;
+pub use matching::*;
 pub use rates::*;
 pub use rule::*;
 

@@ -248,6 +248,7 @@ impl State {
     /// client reports measure usage against what the program meters.
     pub fn live_rules(&self) -> Vec<(String, RuleConfig)> {
         let relaxed = self.relaxed();
+        let reads = crate::policy::matching::payload_reads(&self.cfg.rules);
         self.cfg
             .rules
             .iter()
@@ -258,7 +259,7 @@ impl State {
                         .maps
                         .rules
                         .get(&(i as u32), 0)
-                        .unwrap_or_else(|_| apply::rule_config(r));
+                        .unwrap_or_else(|_| apply::rule_config(r, &reads));
                     rc.limit = *rc.limit_now(relaxed);
                     rc
                 })

@@ -1,4 +1,5 @@
-//! The policy over the maps: a config turned into map contents ([`apply`]), live changes
+//! The policy over the maps: a config turned into map contents ([`apply`], with a rule's match
+//! in [`matching`]), live changes
 //! ([`live`], [`ruleset`]), bans on disk and their notes ([`bans`], [`ban_notes`]), the GeoIP
 //! regions ([`geoip`]), the pressure level ([`pressure`]), and the data plane read back
 //! ([`report`]).
@@ -8,6 +9,7 @@ pub mod ban_notes;
 pub mod bans;
 pub mod geoip;
 pub mod live;
+pub mod matching;
 pub mod pressure;
 pub mod report;
 pub mod ruleset;

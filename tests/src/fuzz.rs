@@ -8,7 +8,9 @@
 //! TCP with any flag byte, UDP, ICMP, ICMPv6, other protocols; truncation at any offset;
 //! sources of every address class of both families, and sources the fuzz config lists, denies,
 //! bans, or matches by source list. Sources come from small pools so that thresholds are
-//! reached and bans issued; a few are fully random.
+//! reached and bans issued; a few are fully random. What the match fields read varies too:
+//! source ports (53 and 123 among them), TTLs at the edges of the config's ranges, two
+//! destinations, ICMP types and codes, payloads that begin with the bytes a rule looks for.
 
 pub use crate::rng::Rng;
 
@@ -208,7 +210,8 @@ fn l4(rng: &mut Rng, v6: bool) -> (u8, Vec<u8>) {
         }
         _ => rng.pick(&[0u8, 2, 41, 47, 50, 59, 132, 255]),
     };
-    let sport = (1024 + rng.below(60000) as u16).to_be_bytes();
+    let high = 1024 + rng.below(60000) as u16;
+    let sport = rng.pick(&[high, high, high, 53, 123]).to_be_bytes();
     let mut h = match proto {
         6 => {
             let any = rng.next_u64() as u16;
@@ -238,12 +241,25 @@ fn l4(rng: &mut Rng, v6: bool) -> (u8, Vec<u8>) {
             h.extend_from_slice(&[0, 8, 0, 0]);
             h
         }
-        1 | 58 => vec![rng.pick(&[8u8, 0, 128, 129, 135, 3]), 0, 0, 0, 0, 1, 0, 1],
+        1 | 58 => {
+            let t = rng.pick(&[8u8, 0, 128, 129, 135, 3, 13]);
+            vec![t, rng.pick(&[0u8, 0, 1]), 0, 0, 0, 1, 0, 1]
+        }
         _ => Vec::new(),
     };
     let pay = rng.pick(&[0usize, 0, 8, 32, 200]);
-    h.extend(rng.bytes(pay));
+    let mut body = rng.bytes(pay);
+    // Some payloads begin with what the fuzz config's payload rule looks for.
+    if body.len() >= 2 && rng.chance(30) {
+        body[..2].copy_from_slice(&[0xab, 0xcd]);
+    }
+    h.extend(body);
     (proto, h)
+}
+
+/// An IPv4 TTL or IPv6 hop limit: mostly 64, some at the edges of the fuzz config's ranges.
+fn ttl(rng: &mut Rng) -> u8 {
+    rng.pick(&[64, 64, 64, 128, 0, 1, 10, 11, 249, 250, 255])
 }
 
 fn ipv4(rng: &mut Rng) -> Vec<u8> {
@@ -280,9 +296,9 @@ fn ipv4(rng: &mut Rng) -> Vec<u8> {
     f.extend_from_slice(&total.to_be_bytes());
     f.extend_from_slice(&(rng.next_u64() as u16).to_be_bytes());
     f.extend_from_slice(&frag.to_be_bytes());
-    f.extend_from_slice(&[64, proto, 0, 0]);
+    f.extend_from_slice(&[ttl(rng), proto, 0, 0]);
     f.extend_from_slice(&src);
-    f.extend_from_slice(&[198, 18, 0, 1]);
+    f.extend_from_slice(&[198, 18, 0, rng.pick(&[1, 1, 1, 2])]);
     for _ in 0..opt_words {
         f.extend_from_slice(&rng.pick(&[[1u8, 1, 1, 1], [0x94, 4, 0, 0], [7, 3, 4, 0]]));
     }
@@ -357,9 +373,10 @@ fn ipv6(rng: &mut Rng) -> Vec<u8> {
     f.extend_from_slice(&[0, 0, 0]);
     f.extend_from_slice(&(payload.len() as u16).to_be_bytes());
     f.push(first);
-    f.push(64);
+    f.push(ttl(rng));
     f.extend_from_slice(&v6_source(rng));
-    f.extend_from_slice(&[0x20, 0x01, 0x0d, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1]);
+    let host = rng.pick(&[1, 1, 1, 2]);
+    f.extend_from_slice(&[0x20, 0x01, 0x0d, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, host]);
     f.extend(payload);
     f
 }

@@ -136,6 +136,7 @@ impl Lab {
                 .iter()
                 .map(|((l, k), v)| (*l, *k, *v))
                 .collect(),
+            dests: plan.dests.iter().map(|((l, k), v)| (*l, *k, *v)).collect(),
             overrides: plan
                 .overrides
                 .iter()

@@ -1,7 +1,7 @@
 //! Settings of the whole program (`GLOBAL[0]`, flags `GLOBAL_*`) and the new-source admission
 //! budget (`ADMISSION[0]`) with its per-tick caps.
 
-use super::rule::COARSE_MIN_BURST_NS;
+use super::{Fetches, rule::COARSE_MIN_BURST_NS};
 
 /// Load-time-independent settings the daemon may change at any time (`GLOBAL[0]`).
 #[repr(C)]
@@ -49,6 +49,17 @@ pub struct GlobalConfig {
     ///
     /// [`RULE_GLOBAL`]: super::RULE_GLOBAL
     pub wall_offset_ns: u64,
+    /// How many of the first rules match on nothing but what a fast-drop entry keys on
+    /// (source, protocol, destination port, TCP flags, interface) and key on the source: a
+    /// refusal by one of them is remembered for the tick (`FastEntry`); a refusal by a later
+    /// rule is not, since a like packet could match an earlier rule that reads other fields
+    /// (a length, a destination, ...) and get another verdict.
+    pub narrow_rules: u32,
+    /// How many of `fetches` are used.
+    pub fetch_count: u32,
+    /// The distinct payload reads of all rules (`RuleConfig::more.payload`), made once per
+    /// packet before the rules.
+    pub fetches: Fetches,
 }
 /// How many TCP packets of sources refused state one CPU answers or hands on a second, at
 /// most ([`GlobalConfig::syn_answer_tick_cap`]): about what one CPU of the kernel's stack
@@ -88,6 +99,14 @@ pub const GLOBAL_ADMISSION_FINE_CLOCK: u32 = 1 << 2;
 /// `GlobalConfig::flags`: `tracking.syn_cookies`: TCP SYNs from sources refused state are
 /// answered with SYN cookies from XDP, and a valid cookie's ACK proves its source.
 pub const GLOBAL_SYN_COOKIES: u32 = 1 << 3;
+/// `GlobalConfig::flags`: a rule has `tcp_state`: TCP segments without SYN that are
+/// addressed to this host get a socket lookup before the rules (`Parsed::conn`).
+pub const GLOBAL_TCP_STATE: u32 = 1 << 4;
+/// `GlobalConfig::flags`: a rule has `dst` CIDRs (the destinations trie is looked up).
+pub const GLOBAL_DST_MATCH: u32 = 1 << 5;
+/// `GlobalConfig::flags`: a rule has `RULE_MORE_MATCH` (the fields it reads are read from the
+/// frame before the rules).
+pub const GLOBAL_MORE_MATCH: u32 = 1 << 6;
 
 /// The admission budget's GCRA constants for `rate` new states per second, `burst` at once:
 /// (`admission_inc_ns`, `admission_burst_ns`), (0, 0) for no budget.

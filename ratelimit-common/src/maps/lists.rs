@@ -1,4 +1,5 @@
-//! The sources trie (`RL_SOURCES`): allow list, deny list and the rules' source lists in one.
+//! The sources trie (`RL_SOURCES`): allow list, deny list and the rules' source and `except`
+//! lists in one; the destinations trie (`RL_DESTS`): the rules' `dst` lists.
 
 /// Value of the sources trie (`RL_SOURCES`), which holds the allow list, the deny list and the
 /// rules' `src` lists in one LPM trie, so one lookup answers all three. At every prefix the
@@ -9,6 +10,8 @@
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct ListValue {
     pub rule_src_mask: u32,
+    /// Rules whose `except` list contains the prefix: they never match it.
+    pub rule_except_mask: u32,
     /// `LIST_ALLOW` | `LIST_DENY`.
     pub flags: u32,
 }

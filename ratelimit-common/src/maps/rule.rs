@@ -4,6 +4,8 @@
 
 use crate::caps::MAX_PORT_RANGES;
 
+use super::{MoreMatch, PortRange};
+
 // Rule key kinds (Cloud Armor's enforce-on-key).
 /// One bucket for all traffic the rule matches.
 pub const KEY_ALL: u8 = 0;
@@ -50,6 +52,20 @@ pub const RULE_FINE_CLOCK: u32 = 1 << 7;
 /// the wall clock (`ClientState::cur`, its window in `prev`), which the daemon shares; it
 /// takes the other hosts' admissions out of the bucket by moving the TAT forward.
 pub const RULE_GLOBAL: u32 = 1 << 8;
+/// The rule has conditions in `RuleConfig::more` (source ports, length, TTL, fragments,
+/// ICMP types or codes, payload): one test skips them all for a rule without.
+pub const RULE_MORE_MATCH: u32 = 1 << 9;
+/// `MoreMatch::icmp_types` is a condition.
+pub const RULE_ICMP_TYPES: u32 = 1 << 10;
+/// `MoreMatch::icmp_codes` is a condition.
+pub const RULE_ICMP_CODES: u32 = 1 << 11;
+/// Rule matches only destinations in its `dst` CIDRs (the destinations trie, `RL_DESTS`).
+pub const RULE_DST_MATCH: u32 = 1 << 12;
+/// Rule never matches sources in its `except` CIDRs (`ListValue::rule_except_mask`).
+pub const RULE_EXCEPT: u32 = 1 << 13;
+/// `tcp_state = "no_connection"`: matches a TCP segment without SYN that no local socket
+/// accepts (`Parsed::conn`).
+pub const RULE_TCP_STATE: u32 = 1 << 14;
 
 /// The wall-clock window in which a global token bucket counts its admissions for the fleet
 /// (the bucket itself has no window). Long against the sync interval: the admissions between
@@ -84,14 +100,6 @@ pub const PROTO_TCP: u8 = 6;
 pub const PROTO_UDP: u8 = 17;
 pub const PROTO_ICMPV6: u8 = 58;
 
-/// Inclusive destination port range.
-#[repr(C)]
-#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
-pub struct PortRange {
-    pub lo: u16,
-    pub hi: u16,
-}
-
 /// One rule, as the program evaluates it. `RULES[i]` is rule `i` in file order; the program
 /// evaluates `GlobalConfig::rule_count` of them.
 #[repr(C)]
@@ -125,6 +133,8 @@ pub struct RuleConfig {
     ///
     /// [`GlobalConfig::relaxed`]: super::GlobalConfig::relaxed
     pub elastic: Limit,
+    /// Source ports, length, TTL, fragments, ICMP, payload: with [`RULE_MORE_MATCH`].
+    pub more: MoreMatch,
 }
 
 /// Thresholds in force for a client: the rule's, or an override's.

@@ -21,14 +21,24 @@ const IPV6_LEN: usize = 40;
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct Parsed {
     pub src: IpKey,
+    pub dst: IpKey,
     pub dport: u16,
+    pub sport: u16,
+    pub ip_len: u16,
     pub proto: u8,
     pub tcp_flags: u8,
+    pub ttl: u8,
+    pub icmp_type: u8,
+    pub icmp_code: u8,
     pub v4: bool,
     pub l4: bool,
     pub fragment: bool,
+    pub fragmented: bool,
     pub l4_cut: bool,
     pub note: u32,
+    /// Where the L4 header starts in the frame, and its length up to the payload.
+    pub l4_off: usize,
+    pub l4_hdr: usize,
 }
 
 type Reason = u32;
@@ -118,6 +128,9 @@ pub fn parse_ipv4(f: &[u8], off: usize) -> Result<Parsed, Reason> {
     let ihl = ((ver_ihl & 0x0f) as usize) * 4;
     let mut pkt = Parsed {
         src: IpKey::from_v4([f[off + 12], f[off + 13], f[off + 14], f[off + 15]]),
+        dst: IpKey::from_v4([f[off + 16], f[off + 17], f[off + 18], f[off + 19]]),
+        ip_len: be16(f, off + 2),
+        ttl: f[off + 8],
         proto: f[off + 9],
         v4: true,
         ..Parsed::default()
@@ -125,7 +138,9 @@ pub fn parse_ipv4(f: &[u8], off: usize) -> Result<Parsed, Reason> {
     if ver_ihl >> 4 != 4 || ihl < IPV4_LEN || (be16(f, off + 2) as usize) < ihl {
         return Ok(cut(pkt, R));
     }
-    pkt.fragment = be16(f, off + 6) & 0x1fff != 0;
+    let frag = be16(f, off + 6);
+    pkt.fragment = frag & 0x1fff != 0;
+    pkt.fragmented = frag & 0x3fff != 0;
     if !hdr(f, off, ihl) {
         return Ok(cut(pkt, R));
     }
@@ -158,8 +173,13 @@ pub fn parse_ipv6(f: &[u8], off: usize) -> Result<Parsed, Reason> {
     if is_v6_bogon(&src) {
         return Err(global::DROP_BOGON);
     }
+    let mut dst = [0u8; 16];
+    dst.copy_from_slice(&f[off + 24..off + 40]);
     let pkt = Parsed {
         src: IpKey::from_v6(src),
+        dst: IpKey::from_v6(dst),
+        ip_len: be16(f, off + 4).saturating_add(IPV6_LEN as u16),
+        ttl: f[off + 7],
         proto: f[off + 6],
         ..Parsed::default()
     };
@@ -189,6 +209,7 @@ pub fn parse_ipv6(f: &[u8], off: usize) -> Result<Parsed, Reason> {
                     return Ok(cut(pkt, R));
                 }
                 pkt.proto = f[off];
+                pkt.fragmented = true;
                 if be16(f, off + 2) & 0xfff8 != 0 {
                     pkt.fragment = true;
                     done = true;
@@ -239,11 +260,24 @@ pub fn parse_l4(f: &[u8], off: usize, pkt: &mut Parsed) {
         pkt.note = R;
         return;
     }
-    if pkt.proto == IPPROTO_TCP || pkt.proto == IPPROTO_UDP {
-        pkt.dport = be16(f, off + 2);
-    }
-    if pkt.proto == IPPROTO_TCP {
-        pkt.tcp_flags = f[off + 13];
+    pkt.l4_off = off;
+    match pkt.proto {
+        IPPROTO_TCP => {
+            pkt.sport = be16(f, off);
+            pkt.dport = be16(f, off + 2);
+            pkt.tcp_flags = f[off + 13];
+            pkt.l4_hdr = ((f[off + 12] >> 4) as usize * 4).max(20);
+        }
+        IPPROTO_UDP => {
+            pkt.sport = be16(f, off);
+            pkt.dport = be16(f, off + 2);
+            pkt.l4_hdr = 8;
+        }
+        _ => {
+            pkt.icmp_type = f[off];
+            pkt.icmp_code = f[off + 1];
+            pkt.l4_hdr = 8;
+        }
     }
     pkt.l4 = true;
 }

@@ -16,7 +16,7 @@ use crate::{
 use super::counters::Counters;
 use super::meters::{ban_meter, limit_check};
 use super::parse::{Frame, Parsed, parse};
-use super::rules::{covers, rule_matches};
+use super::rules::{Fetched, covers, fetch, rule_matches};
 use super::{XDP_DROP, XDP_PASS};
 
 /// The policy as the daemon writes it into the maps.
@@ -26,6 +26,8 @@ pub struct Policy {
     pub rules: Vec<RuleConfig>,
     /// The sources trie (`RL_SOURCES`): (prefix length, prefix, value).
     pub sources: Vec<(u32, IpKey, ListValue)>,
+    /// The destinations trie (`RL_DESTS`): (prefix length, prefix, rules whose `dst` holds it).
+    pub dests: Vec<(u32, IpKey, u32)>,
     /// Per-CIDR overrides (`RL_OVERRIDES`): (rule, address prefix length, prefix, value).
     pub overrides: Vec<(u32, u32, IpKey, OverrideValue)>,
 }
@@ -76,6 +78,13 @@ impl Model {
         }
         if policy.global.preview_all != 0 {
             return Err("preview_all is not modelled".into());
+        }
+        if let Some(i) = policy
+            .rules
+            .iter()
+            .position(|r| r.flags & RULE_TCP_STATE != 0)
+        {
+            return Err(format!("rule {i}: tcp_state (a socket lookup) is not modelled"));
         }
         Ok(Self {
             policy,
@@ -131,7 +140,8 @@ impl Model {
                 if pkt.fragment {
                     o.counters.add(global::FRAGMENTS, len);
                 }
-                self.decide(&pkt, len, now, &mut o)
+                let fetched = fetch(&self.policy.global, frame, &pkt);
+                self.decide(&pkt, &fetched, len, now, &mut o)
             }
         };
         o.counters.add(verdict, len);
@@ -147,20 +157,29 @@ impl Model {
     }
 
     /// Lists → bans → rules (`program.rs::decide`): the verdict counter.
-    fn decide(&mut self, pkt: &Parsed, len: u64, now: u64, o: &mut Outcome) -> u32 {
+    fn decide(
+        &mut self,
+        pkt: &Parsed,
+        fetched: &Fetched,
+        len: u64,
+        now: u64,
+        o: &mut Outcome,
+    ) -> u32 {
         let g = self.policy.global;
-        let mut src_mask = None;
+        let mut src_list = None;
         if g.flags & (GLOBAL_HAS_ALLOW | GLOBAL_HAS_DENY) != 0 {
-            let (flags, mask) = self.lists(&pkt.src);
-            o.trace
-                .push(format!("lists: flags {flags:#x}, rule sources {mask:#x}"));
-            if flags & LIST_ALLOW != 0 {
+            let v = self.lists(&pkt.src);
+            o.trace.push(format!(
+                "lists: flags {:#x}, rule sources {:#x}, except {:#x}",
+                v.flags, v.rule_src_mask, v.rule_except_mask
+            ));
+            if v.flags & LIST_ALLOW != 0 {
                 return global::PASS_ALLOW;
             }
-            if flags & LIST_DENY != 0 {
+            if v.flags & LIST_DENY != 0 {
                 return global::DROP_DENY;
             }
-            src_mask = Some(mask);
+            src_list = Some(v);
         }
         let mut ban_matched = false;
         if let Some(flags) = self.active_ban(&pkt.src, now) {
@@ -177,14 +196,20 @@ impl Model {
         let _ = ban_matched; // Only decides whether a fast-drop entry is made.
         for i in 0..g.rule_count.min(MAX_RULES) {
             let rule = self.policy.rules[i as usize];
-            if !rule_matches(&rule, pkt) {
+            if !rule_matches(&rule, pkt, fetched) {
                 continue;
             }
-            if rule.flags & RULE_SRC_MATCH != 0 {
-                let mask = *src_mask.get_or_insert_with(|| self.lists(&pkt.src).1);
-                if mask & (1 << i) == 0 {
+            if rule.flags & (RULE_SRC_MATCH | RULE_EXCEPT) != 0 {
+                let v = *src_list.get_or_insert_with(|| self.lists(&pkt.src));
+                if rule.flags & RULE_SRC_MATCH != 0 && v.rule_src_mask & (1 << i) == 0 {
                     continue;
                 }
+                if v.rule_except_mask & (1 << i) != 0 {
+                    continue;
+                }
+            }
+            if rule.flags & RULE_DST_MATCH != 0 && self.dests(&pkt.dst) & (1 << i) == 0 {
+                continue;
             }
             o.counters.add_rule(i, rc::MATCHED, len);
             let v = self.apply_rule(i, &rule, pkt, len, now, o);
@@ -196,14 +221,24 @@ impl Model {
         global::PASS
     }
 
-    /// The sources trie's longest match: (`LIST_*` flags, rules whose source list has `src`).
-    pub fn lists(&self, src: &IpKey) -> (u32, u32) {
+    /// The sources trie's longest match covering `src`.
+    pub fn lists(&self, src: &IpKey) -> ListValue {
         self.policy
             .sources
             .iter()
             .filter(|(plen, p, _)| covers(&p.addr, *plen, &src.addr))
             .max_by_key(|(plen, _, _)| *plen)
-            .map_or((0, 0), |(_, _, v)| (v.flags, v.rule_src_mask))
+            .map_or(ListValue::default(), |(_, _, v)| *v)
+    }
+
+    /// The destinations trie's longest match: the rules whose `dst` list holds `dst`.
+    pub fn dests(&self, dst: &IpKey) -> u32 {
+        self.policy
+            .dests
+            .iter()
+            .filter(|(plen, p, _)| covers(&p.addr, *plen, &dst.addr))
+            .max_by_key(|(plen, _, _)| *plen)
+            .map_or(0, |(_, _, v)| *v)
     }
 
     /// One ban table's longest match covering `src` (in its family).

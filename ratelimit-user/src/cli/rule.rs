@@ -104,5 +104,9 @@ pub(super) fn print_rules(rules: &[live::RuleEntry]) {
             r.threshold_now,
             r.overrides
         );
+        println!("{:<20} match = {}", "", r.matcher);
+        if !r.except.is_empty() {
+            println!("{:<20} except = {:?}", "", r.except);
+        }
     }
 }

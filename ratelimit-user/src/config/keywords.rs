@@ -120,3 +120,33 @@ impl Protocol {
         matches!(self, Protocol::Tcp | Protocol::Udp)
     }
 }
+
+keyword_enum!(
+    /// `match.fragment`.
+    Fragment {
+        /// Every fragment, first or later.
+        Any = "any",
+        /// Non-first fragments (a fragment offset above 0).
+        Later = "later",
+        /// Packets that are not fragments.
+        None = "none",
+    }
+);
+
+keyword_enum!(
+    /// `match.tcp_state`.
+    TcpState {
+        /// A TCP segment without SYN that no local socket accepts.
+        NoConnection = "no_connection",
+    }
+);
+
+keyword_enum!(
+    /// Where a `match.payload` offset counts from.
+    PayloadFrom {
+        /// The L4 header's first byte.
+        L4 = "l4",
+        /// The first byte after the L4 header (TCP with its options, UDP's 8 bytes, ICMP's 8).
+        L4Payload = "l4_payload",
+    }
+);

@@ -1,4 +1,4 @@
-//! `[[rule]]`: a rule, what it matches (with TCP flags), its overrides, and the counts in
+//! `[[rule]]`: a rule (what it matches is `matching`'s), its overrides, and the counts in
 //! force for it and each override.
 
 use std::fmt;
@@ -6,9 +6,9 @@ use std::time::Duration;
 
 use ipnet::IpNet;
 
-use super::values::{self, TcpFlags};
+use super::values;
 use super::{
-    Action, Algorithm, ELASTIC_WITH_PASS, Elastic, ExceedAction, KeyKind, Protocol, Threshold,
+    Action, Algorithm, ELASTIC_WITH_PASS, Elastic, ExceedAction, KeyKind, Match, Threshold,
 };
 
 /// One `[[rule]]`.
@@ -57,20 +57,6 @@ pub enum Scope {
     /// The threshold holds across the fleet: each host adds the other hosts' counts of a
     /// client, shared through the `[fleet]` store, into its own (the fleet's global counts).
     Global,
-}
-
-/// What a rule matches. The default matches every packet.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
-pub struct Match {
-    /// `None` = any protocol.
-    pub protocol: Option<Protocol>,
-    /// Only with `protocol = Tcp`.
-    pub tcp_flags: Option<TcpFlags>,
-    /// Inclusive ranges, `lo <= hi`, no port 0; at most `caps::MAX_PORT_RANGES`; only with TCP
-    /// or UDP; empty = any port.
-    pub dst_ports: Vec<(u16, u16)>,
-    /// Source networks the rule is limited to; empty = any source.
-    pub src: Vec<IpNet>,
 }
 
 /// Override of a rule's thresholds for some clients. `burst`, `ban_threshold` and `elastic`

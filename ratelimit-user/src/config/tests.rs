@@ -68,7 +68,7 @@ fn spec_example_fixed() -> String {
 const FILE: &str = "t.toml";
 
 /// Every error as `file:line:col: message`.
-fn errors(text: &str) -> Vec<String> {
+pub(super) fn errors(text: &str) -> Vec<String> {
     match parse(FILE, text) {
         Ok(_) => Vec::new(),
         Err(e) => e.0.iter().map(ToString::to_string).collect(),
@@ -77,7 +77,7 @@ fn errors(text: &str) -> Vec<String> {
 
 /// The single error `text` produces.
 #[track_caller]
-fn error(text: &str) -> String {
+pub(super) fn error(text: &str) -> String {
     let errors = errors(text);
     assert_eq!(errors.len(), 1, "expected one error, got {errors:#?}");
     errors.into_iter().next().unwrap()
@@ -85,7 +85,7 @@ fn error(text: &str) -> String {
 
 /// `t.toml:L:C: message` where L:C is the start of the `nth` (0-based) occurrence of `needle`.
 #[track_caller]
-fn at(text: &str, needle: &str, nth: usize, message: &str) -> String {
+pub(super) fn at(text: &str, needle: &str, nth: usize, message: &str) -> String {
     let offset = text
         .match_indices(needle)
         .nth(nth)
@@ -101,16 +101,16 @@ fn at(text: &str, needle: &str, nth: usize, message: &str) -> String {
 }
 
 #[track_caller]
-fn ok(text: &str) -> Config {
+pub(super) fn ok(text: &str) -> Config {
     parse(FILE, text).unwrap_or_else(|e| panic!("unexpected errors:\n{e}"))
 }
 
 /// A valid rule named `name` followed by `extra` lines.
-fn rule(name: &str, extra: &str) -> String {
+pub(super) fn rule(name: &str, extra: &str) -> String {
     format!("[[rule]]\nname = \"{name}\"\nthreshold = {{ count = 10, interval = \"1s\" }}\n{extra}")
 }
 
-fn net(s: &str) -> IpNet {
+pub(super) fn net(s: &str) -> IpNet {
     s.parse().unwrap()
 }
 
@@ -186,7 +186,7 @@ fn spec_example_parses() {
                 value: TcpFlags::SYN
             }),
             dst_ports: vec![(80, 80), (443, 443), (8000, 8100)],
-            src: vec![],
+            ..Match::default()
         }
     );
     assert_eq!(r.key, KeyKind::Ip);

@@ -5,6 +5,7 @@
 mod counts;
 mod fleet;
 mod host;
+mod matching;
 mod overrides;
 mod rule;
 

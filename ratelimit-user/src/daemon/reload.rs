@@ -263,9 +263,10 @@ pub(super) fn rules_changed(
 
 /// The rules as a config (live changes applied) writes them into the data plane.
 pub(super) fn config_rules(cfg: &Config) -> Vec<(String, RuleConfig)> {
+    let reads = crate::policy::matching::payload_reads(&cfg.rules);
     cfg.rules
         .iter()
-        .map(|r| (r.name.clone(), apply::rule_config(r)))
+        .map(|r| (r.name.clone(), apply::rule_config(r, &reads)))
         .collect()
 }
 

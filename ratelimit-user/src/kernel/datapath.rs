@@ -50,6 +50,7 @@ pub const MAP_NAMES: &[&str] = &[
     "RL_CLIENTS",
     "RL_COOKIE_BUF",
     "RL_COOKIE_TIME",
+    "RL_DESTS",
     "RL_EVENTS",
     "RL_FAST",
     "RL_FLEET_ADD",

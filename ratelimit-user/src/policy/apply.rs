@@ -13,7 +13,7 @@ use aya::maps::lpm_trie::Key;
 use ipnet::IpNet;
 use ratelimit_common::{
     addr::{IpKey, LpmAddr, V4_MAPPED_PREFIX, lpm_prefix},
-    caps::{MAX_PORT_RANGES, MAX_SOURCES_ENTRIES},
+    caps::{MAX_PORT_RANGES, MAX_RULE_DST_ENTRIES, MAX_SOURCES_ENTRIES},
     maps::*,
 };
 
@@ -24,6 +24,8 @@ use crate::{
     },
     kernel::datapath::Maps,
 };
+
+use super::matching::{Read, dests, excepts, fetches, more_match, narrow_rules, payload_reads};
 
 /// An address prefix over the 16-byte address: (prefix length, address). An IPv4 /N is the
 /// /(96+N) of its `::ffff:0:0/96` form; an IPv6 prefix of that range is read as the IPv4
@@ -77,8 +79,11 @@ pub fn net_of(prefix_len: u32, key: &IpKey) -> IpNet {
 pub struct Plan {
     pub global: GlobalConfig,
     pub rules: Vec<RuleConfig>,
-    /// The sources trie: allow, deny and rule source lists, closed over covering prefixes.
+    /// The sources trie: allow, deny, rule source and `except` lists, closed over covering
+    /// prefixes.
     pub sources: BTreeMap<Prefix, ListValue>,
+    /// The destinations trie: per prefix, the rules whose `dst` list covers it.
+    pub dests: BTreeMap<Prefix, u32>,
     pub overrides: BTreeMap<(u32, Prefix), OverrideValue>,
     pub region_overrides: BTreeMap<(u32, [u8; 2]), OverrideValue>,
 }
@@ -129,8 +134,10 @@ pub fn elastic_limit(c: &Counts) -> Limit {
     limit_of_counts(&c.relaxed().unwrap_or(*c))
 }
 
-pub fn rule_config(r: &Rule) -> RuleConfig {
-    let mut flags = 0;
+/// Rule `r` as the program reads it; its payload conditions point into `reads`, the payload
+/// reads of all the config's rules ([`payload_reads`]).
+pub fn rule_config(r: &Rule, reads: &[Read]) -> RuleConfig {
+    let (mut flags, more) = more_match(&r.matcher, reads);
     if r.preview {
         flags |= RULE_PREVIEW;
     }
@@ -204,6 +211,7 @@ pub fn rule_config(r: &Rule) -> RuleConfig {
         soft_limit_permille: (r.soft_limit * 1000.0).round().clamp(1.0, 1000.0) as u32,
         // The overrides' spans are added in `plan`.
         protect_ms: 0,
+        more,
     }
 }
 
@@ -215,7 +223,23 @@ pub fn kernel_syncookies_on() -> bool {
 }
 
 pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
-    let rules: Vec<RuleConfig> = cfg.rules.iter().map(rule_config).collect();
+    let reads = payload_reads(&cfg.rules);
+    let rules: Vec<RuleConfig> = cfg.rules.iter().map(|r| rule_config(r, &reads)).collect();
+    let (fetch_count, fetches) = fetches(&reads);
+    let any_rule = |flag: u32| rules.iter().any(|r| r.flags & flag != 0);
+    let match_flags = if any_rule(RULE_TCP_STATE) {
+        GLOBAL_TCP_STATE
+    } else {
+        0
+    } | if any_rule(RULE_DST_MATCH) {
+        GLOBAL_DST_MATCH
+    } else {
+        0
+    } | if any_rule(RULE_MORE_MATCH) {
+        GLOBAL_MORE_MATCH
+    } else {
+        0
+    };
     let admission = admission_gcra(
         cfg.tracking.new_sources_per_sec,
         cfg.tracking.new_sources_burst,
@@ -244,7 +268,7 @@ pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
             GLOBAL_SYN_COOKIES
         } else {
             0
-        },
+        } | match_flags,
         generation: 0,
         admission_tick_cap: ratelimit_common::maps::admission_tick_cap(
             cfg.tracking.new_sources_per_sec,
@@ -254,14 +278,17 @@ pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
         relaxed: 0,
         syn_answer_tick_cap: ratelimit_common::maps::syn_answer_tick_cap(timer_tick_ns()),
         wall_offset_ns: 0,
+        narrow_rules: narrow_rules(&rules),
+        fetch_count,
+        fetches,
     };
     let mut own: Vec<(Prefix, ListValue)> = Vec::new();
     for n in &cfg.lists.allow {
         own.push((
             prefix(&n.trunc()),
             ListValue {
-                rule_src_mask: 0,
                 flags: LIST_ALLOW,
+                ..ListValue::default()
             },
         ));
     }
@@ -269,8 +296,8 @@ pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
         own.push((
             prefix(&n.trunc()),
             ListValue {
-                rule_src_mask: 0,
                 flags: LIST_DENY,
+                ..ListValue::default()
             },
         ));
     }
@@ -280,12 +307,14 @@ pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
                 prefix(&n.trunc()),
                 ListValue {
                     rule_src_mask: 1 << i,
-                    flags: 0,
+                    ..ListValue::default()
                 },
             ));
         }
     }
+    own.extend(excepts(&cfg.rules));
     let sources = close_over_covering(&own);
+    let dests = dests(&cfg.rules);
     let mut overrides = BTreeMap::new();
     let mut region_overrides = BTreeMap::new();
     for (i, r) in cfg.rules.iter().enumerate() {
@@ -339,6 +368,7 @@ pub fn plan(cfg: &Config, preview_all: bool) -> Plan {
         global,
         rules,
         sources,
+        dests,
         overrides,
         region_overrides,
     }
@@ -366,6 +396,7 @@ fn close_one_family(own: &[&(Prefix, ListValue)]) -> BTreeMap<Prefix, ListValue>
             .or_default();
         e.flags |= v.flags;
         e.rule_src_mask |= v.rule_src_mask;
+        e.rule_except_mask |= v.rule_except_mask;
     }
     let covers = |(a, l): (u128, u32), (b, m): (u128, u32)| {
         l <= m && (l == 0 || (a >> (128 - l)) == (b >> (128 - l)))
@@ -383,6 +414,7 @@ fn close_one_family(own: &[&(Prefix, ListValue)]) -> BTreeMap<Prefix, ListValue>
         if let Some((_, up)) = stack.last() {
             acc.flags |= up.flags;
             acc.rule_src_mask |= up.rule_src_mask;
+            acc.rule_except_mask |= up.rule_except_mask;
         }
         stack.push((p, acc));
         out.insert(
@@ -401,9 +433,9 @@ fn close_one_family(own: &[&(Prefix, ListValue)]) -> BTreeMap<Prefix, ListValue>
 /// Make a trie hold exactly `want`. New entries go in before stale ones come out, so no
 /// address is ever briefly unlisted — unless old and new together would not fit the map
 /// (`capacity`), in which case the stale ones are removed first.
-fn sync_list(
-    trie: &mut aya::maps::LpmTrie<aya::maps::MapData, LpmAddr, ListValue>,
-    want: &BTreeMap<Prefix, ListValue>,
+fn sync_list<V: aya::Pod>(
+    trie: &mut aya::maps::LpmTrie<aya::maps::MapData, LpmAddr, V>,
+    want: &BTreeMap<Prefix, V>,
     capacity: u32,
     what: &str,
 ) -> anyhow::Result<()> {
@@ -451,7 +483,13 @@ pub fn apply(maps: &mut Maps, plan: &Plan) -> anyhow::Result<()> {
         &mut maps.sources,
         &plan.sources,
         MAX_SOURCES_ENTRIES,
-        "sources (allow, deny, rule src)",
+        "sources (allow, deny, rule src and except)",
+    )?;
+    sync_list(
+        &mut maps.dests,
+        &plan.dests,
+        MAX_RULE_DST_ENTRIES,
+        "destinations (rule dst)",
     )?;
 
     let have: Vec<(u32, Prefix)> = maps
@@ -646,14 +684,17 @@ mod tests {
             let v = match next() % 3 {
                 0 => ListValue {
                     rule_src_mask: 0,
+                    rule_except_mask: 0,
                     flags: LIST_ALLOW,
                 },
                 1 => ListValue {
                     rule_src_mask: 0,
+                    rule_except_mask: 0,
                     flags: LIST_DENY,
                 },
                 _ => ListValue {
                     rule_src_mask: 1 << (next() % 16),
+                    rule_except_mask: 0,
                     flags: 0,
                 },
             };
@@ -685,6 +726,7 @@ mod tests {
                 p("10.0.0.0/8"),
                 ListValue {
                     rule_src_mask: 0,
+                    rule_except_mask: 0,
                     flags: LIST_ALLOW,
                 },
             ),
@@ -692,6 +734,7 @@ mod tests {
                 p("10.1.0.0/16"),
                 ListValue {
                     rule_src_mask: 0,
+                    rule_except_mask: 0,
                     flags: LIST_DENY,
                 },
             ),
@@ -699,6 +742,7 @@ mod tests {
                 p("10.1.2.0/24"),
                 ListValue {
                     rule_src_mask: 2,
+                    rule_except_mask: 0,
                     flags: 0,
                 },
             ),
@@ -706,6 +750,7 @@ mod tests {
                 p("192.0.2.0/24"),
                 ListValue {
                     rule_src_mask: 1,
+                    rule_except_mask: 0,
                     flags: 0,
                 },
             ),
@@ -714,6 +759,7 @@ mod tests {
             closed[&p("10.1.2.0/24")],
             ListValue {
                 rule_src_mask: 2,
+                rule_except_mask: 0,
                 flags: LIST_ALLOW | LIST_DENY
             }
         );
@@ -721,6 +767,7 @@ mod tests {
             closed[&p("10.1.0.0/16")],
             ListValue {
                 rule_src_mask: 0,
+                rule_except_mask: 0,
                 flags: LIST_ALLOW | LIST_DENY
             }
         );
@@ -728,6 +775,7 @@ mod tests {
             closed[&p("192.0.2.0/24")],
             ListValue {
                 rule_src_mask: 1,
+                rule_except_mask: 0,
                 flags: 0
             }
         );
@@ -863,7 +911,7 @@ threshold = { count = 10, interval = "1h" }"#
         // A soft limit below 0.0005 still reports (at 1 permille), it does not turn off.
         let text = "[[rule]]\nname = \"r\"\nthreshold = { count = 10, interval = \"1s\" }\nsoft_limit = 0.0001\n";
         let cfg = crate::config::parse("t.toml", text).unwrap();
-        assert_eq!(rule_config(&cfg.rules[0]).soft_limit_permille, 1);
+        assert_eq!(rule_config(&cfg.rules[0], &[]).soft_limit_permille, 1);
     }
 
     fn plan_of(body: &str) -> Plan {

@@ -137,6 +137,12 @@ pub struct OverrideEntry {
 #[derive(Serialize, Deserialize, Debug, Clone, PartialEq)]
 pub struct RuleEntry {
     pub name: String,
+    /// What the rule matches, as the TOML inline table of its `match` (`{}`: every packet).
+    #[serde(rename = "match", default)]
+    pub matcher: String,
+    /// The rule's `except`: source networks it never matches.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub except: Vec<String>,
     pub key: String,
     pub action: String,
     pub algorithm: String,
@@ -538,6 +544,8 @@ impl Live {
                 let ban = r.action == Action::RateBasedBan;
                 RuleEntry {
                     name: r.name.clone(),
+                    matcher: r.matcher.to_string(),
+                    except: r.matcher.except.iter().map(ToString::to_string).collect(),
                     key: r.key.to_string(),
                     action: r.action.to_string(),
                     algorithm: r.algorithm.to_string(),

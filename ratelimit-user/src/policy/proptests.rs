@@ -101,7 +101,7 @@ fn check_config(text: &str) -> Result<(), TestCaseError> {
                 prop_assert!(check_ban_duration(r.ban_duration).is_ok());
             }
             // Planning a parsed config never fails or panics.
-            let _ = super::apply::rule_config(r);
+            let _ = super::apply::rule_config(r, &super::matching::payload_reads(&cfg.rules));
         }
         let _ = super::apply::plan(&cfg, false);
     }

@@ -21,6 +21,12 @@ pub(super) struct Totals {
     /// Distinct source networks: the rule-source trie holds one entry per network.
     pub(super) src: HashSet<IpNet>,
     pub(super) src_reported: bool,
+    /// Distinct destination networks (`RL_DESTS` holds one entry per network).
+    pub(super) dst: HashSet<IpNet>,
+    pub(super) dst_reported: bool,
+    /// Distinct payload reads (from, offset, length) across all rules.
+    pub(super) reads: Vec<(crate::config::PayloadFrom, u16, u8)>,
+    pub(super) reads_reported: bool,
 }
 
 /// What an override's checks need to know about its rule. `None` where the rule's own value

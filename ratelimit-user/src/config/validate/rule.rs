@@ -7,13 +7,13 @@ use std::time::Duration;
 use ratelimit_common::caps;
 
 use super::counts::{RuleCtx, Totals, ban_threshold, burst, elastic, threshold};
+use super::matching::{except, matcher};
 use super::overrides::override_;
-use super::{duration_by, int_in, keyword, net};
-use crate::config::tree::{Checker, Node, Table};
-use crate::config::values::check_port;
+use super::{duration_by, int_in, keyword};
+use crate::config::tree::{Checker, Table};
 use crate::config::{
-    Action, Algorithm, Counts, Elastic, ExceedAction, KeyKind, Match, Override, Protocol, Rule,
-    Scope, Threshold, Unit, parse_ban_duration, parse_port_range, parse_tcp_flags,
+    Action, Algorithm, Counts, Elastic, ExceedAction, KeyKind, Match, Override, Rule,
+    Scope, Threshold, Unit, parse_ban_duration,
 };
 
 /// One `[[rule]]`, in steps: its name, what it matches, its key, its limits, how it acts on
@@ -33,10 +33,13 @@ pub(super) fn rule(
         t.error(ck, msg);
     }
 
-    let matcher = match t.get("match").and_then(|f| f.table(ck)) {
+    let mut matcher = match t.get("match").and_then(|f| f.table(ck)) {
         Some(mt) => matcher(mt, tot, ck),
         None => Match::default(),
     };
+    if let Some(f) = t.get("except") {
+        matcher.except = except(&f, tot, ck);
+    }
 
     let (key, ipv4_prefix, ipv6_prefix) = key(&mut t, has_geoip, ck);
     let (mut ctx, limits) = limits(&mut t, key, ck);
@@ -390,84 +393,4 @@ fn global_overrides(
             ),
         );
     }
-}
-
-fn matcher(mut t: Table, tot: &mut Totals, ck: &mut Checker) -> Match {
-    let mut m = Match::default();
-    // Err: the protocol was given but is invalid; no follow-on errors then.
-    let protocol = match t.get("protocol") {
-        None => Ok(None),
-        Some(f) => keyword::<Protocol>(&f, ck).map(Some).ok_or(()),
-    };
-    m.protocol = protocol.unwrap_or(None);
-
-    if let Some(f) = t.get("tcp_flags") {
-        if matches!(protocol, Ok(p) if p != Some(Protocol::Tcp)) {
-            f.error_at_key(ck, "needs match.protocol = \"tcp\"");
-        }
-        if let Some(s) = f.str(ck) {
-            m.tcp_flags = parse_tcp_flags(s).map_err(|e| f.invalid(ck, e)).ok();
-        }
-    }
-
-    if let Some(f) = t.get("dst_ports") {
-        if matches!(protocol, Ok(p) if !p.is_some_and(Protocol::has_ports)) {
-            f.error_at_key(ck, "needs match.protocol = \"tcp\" or \"udp\"");
-        }
-        if let Some(items) = f.array(ck) {
-            if items.is_empty() {
-                f.error(ck, "must not be empty; leave it out to match any port");
-            }
-            for (i, e) in items.iter().enumerate() {
-                let range = match e.node() {
-                    Node::Int(n) => check_port(*n).map(|p| (p, p)),
-                    Node::Str(s) => parse_port_range(s),
-                    _ => {
-                        e.expected(ck, "a port number or a string such as \"8000-8100\"");
-                        continue;
-                    }
-                };
-                match range {
-                    Err(msg) => e.invalid(ck, msg),
-                    Ok(_) if i == caps::MAX_PORT_RANGES => e.invalid(
-                        ck,
-                        format!(
-                            "too many port ranges; at most {} fit",
-                            caps::MAX_PORT_RANGES
-                        ),
-                    ),
-                    Ok(r) if i < caps::MAX_PORT_RANGES => m.dst_ports.push(r),
-                    Ok(_) => {}
-                }
-            }
-        }
-    }
-
-    if let Some(f) = t.get("src")
-        && let Some(items) = f.array(ck)
-    {
-        if items.is_empty() {
-            f.error(ck, "must not be empty; leave it out to match any source");
-        }
-        for e in &items {
-            let Some(net) = net(e, ck) else { continue };
-            if m.src.contains(&net) {
-                continue;
-            }
-            m.src.push(net);
-            tot.src.insert(net);
-            if tot.src.len() > caps::MAX_RULE_SRC_ENTRIES as usize && !tot.src_reported {
-                tot.src_reported = true;
-                e.invalid(
-                    ck,
-                    format!(
-                        "too many source networks; at most {} fit across all rules",
-                        caps::MAX_RULE_SRC_ENTRIES
-                    ),
-                );
-            }
-        }
-    }
-    t.finish(ck);
-    m
 }

@@ -20,6 +20,8 @@ pub struct Maps {
     pub global: Array<MapData, GlobalConfig>,
     pub rules: Array<MapData, RuleConfig>,
     pub sources: LpmTrie<MapData, LpmAddr, ListValue>,
+    /// The rules' destination lists: per prefix, the rules whose `dst` covers it.
+    pub dests: LpmTrie<MapData, LpmAddr, u32>,
     pub overrides: LpmTrie<MapData, OverrideKey, OverrideValue>,
     pub region_overrides: HashMap<MapData, RegionOverrideKey, OverrideValue>,
     pub regions: LpmTrie<MapData, LpmAddr, [u8; 4]>,
@@ -110,6 +112,7 @@ fn typed_maps(
         global: Array::try_from(take("RL_GLOBAL")?)?,
         rules: Array::try_from(take("RL_RULES")?)?,
         sources: LpmTrie::try_from(take("RL_SOURCES")?)?,
+        dests: LpmTrie::try_from(take("RL_DESTS")?)?,
         overrides: LpmTrie::try_from(take("RL_OVERRIDES")?)?,
         region_overrides: HashMap::try_from(take("RL_REGION_OVERRIDES")?)?,
         regions: LpmTrie::try_from(take("RL_REGIONS")?)?,

@@ -70,8 +70,9 @@ pub(super) fn link_pin(pin_dir: &Path, iface: &str) -> PathBuf {
 /// (the per-source store's hash, `known_hash`) or what a value means (an elastic limit without
 /// `elastic` is the limit itself, no longer all zero; global rules' windows on the wall clock;
 /// a global token bucket's counts in `cur`/`prev`; a fourth ban table, the fleet's, and
-/// `RL_BANS_PRESENT` with a flag for it); the sizes follow as a check.
-const LAYOUT_VERSION: u32 = 14;
+/// `RL_BANS_PRESENT` with a flag for it; rules' `except` lists in the sources trie and their
+/// `dst` lists in `RL_DESTS`); the sizes follow as a check.
+const LAYOUT_VERSION: u32 = 15;
 
 /// File in `daemon.state_dir` recording the layout of the maps pinned in `daemon.bpffs_dir`.
 pub const LAYOUT_FILE: &str = "pinned-layout";
@@ -79,7 +80,7 @@ pub const LAYOUT_FILE: &str = "pinned-layout";
 pub fn layout() -> String {
     use std::mem::size_of;
     format!(
-        "v{LAYOUT_VERSION} client_key={} client_state={} store_set={} shared={} fleet_add={} fast_entry={} global={} rule={} override={} ban={} ban_tables={} stats={} hash_key={}",
+        "v{LAYOUT_VERSION} client_key={} client_state={} store_set={} shared={} fleet_add={} fast_entry={} global={} rule={} list={} override={} ban={} ban_tables={} stats={} hash_key={}",
         size_of::<ClientKey>(),
         size_of::<ClientState>(),
         size_of::<ratelimit_common::maps::StoreSet>(),
@@ -88,6 +89,7 @@ pub fn layout() -> String {
         size_of::<FastEntry>(),
         size_of::<GlobalConfig>(),
         size_of::<RuleConfig>(),
+        size_of::<ratelimit_common::maps::ListValue>(),
         size_of::<ratelimit_common::maps::OverrideValue>(),
         size_of::<BanEntry>(),
         BAN_TABLES,
