@@ -19,9 +19,14 @@ use aya_ebpf::{
 
 use crate::{
     cookies::{self, BUF, TCP_ACK, TCP_LISTEN},
-    matching::{CONN_JUDGED_OK, CONN_NONE},
     parse::{self, Parsed},
 };
+
+/// `RuleLoop::conn`: the segment belongs to a connection the kernel holds (or carries a
+/// valid SYN cookie), or is not addressed to this host, or cannot be judged here.
+pub const CONN_JUDGED_OK: u32 = 1;
+/// No local socket accepts the segment: `tcp_state = "no_connection"` holds.
+pub const CONN_NONE: u32 = 2;
 
 /// Whether the TCP segment `pkt` (read, not a fragment, without SYN) of the Ethernet frame
 /// of `ctx` is out of state: [`CONN_NONE`], else [`CONN_JUDGED_OK`]. A static function, not

@@ -23,10 +23,10 @@ use ratelimit_common::{
 };
 
 use crate::{
-    conn,
+    conn::{self, CONN_JUDGED_OK, CONN_NONE},
     parse::{self, Parsed},
     policy,
-    scratch::RuleLoop,
+    scratch::{Ext, RuleLoop},
 };
 
 /// `RuleLoop::have`: the fields of [`Ext`], read from the frame.
@@ -37,31 +37,6 @@ pub const NEED_FETCH: u32 = 1 << 0;
 pub const NEED_DST: u32 = 1 << 1;
 /// Whether the TCP segment belongs to a connection (`RuleLoop::conn`).
 pub const NEED_CONN: u32 = 1 << 2;
-
-/// `RuleLoop::conn`: the segment belongs to a connection the kernel holds (or carries a
-/// valid SYN cookie), or is not addressed to this host, or cannot be judged here.
-pub const CONN_JUDGED_OK: u32 = 1;
-/// No local socket accepts the segment: `tcp_state = "no_connection"` holds.
-pub const CONN_NONE: u32 = 2;
-
-/// What rules may match on beyond the parser's facts, read from the frame once a packet when
-/// some rule asks (`RuleLoop::ext`).
-#[repr(C)]
-pub struct Ext {
-    pub dst: IpKey,
-    /// The IP packet's length as its header says: IPv4 total length, IPv6 payload length + 40.
-    pub ip_len: u16,
-    /// TCP/UDP source port (with `Parsed::l4`).
-    pub sport: u16,
-    /// The L4 header's length up to its payload: TCP's with its options, UDP's 8, ICMP's 8.
-    pub l4_hdr: u16,
-    /// IPv4 TTL / IPv6 hop limit.
-    pub ttl: u8,
-    /// ICMP / ICMPv6 type and code (with `Parsed::l4`).
-    pub icmp_type: u8,
-    pub icmp_code: u8,
-    pub _pad: [u8; 3],
-}
 
 /// [`rl_match`]'s answer: the rule's other conditions hold.
 pub const MATCHED: u64 = 1;
@@ -154,9 +129,9 @@ fn more(rule: &RuleConfig, pkt: &Parsed, ext: &Ext) -> bool {
         return false;
     }
     let frag_ok = match m.fragment {
-        FRAGMENT_ANY => pkt.fragmented,
+        FRAGMENT_ANY => pkt.fragmented(),
         FRAGMENT_LATER => pkt.fragment,
-        FRAGMENT_NONE => !pkt.fragmented,
+        FRAGMENT_NONE => !pkt.fragmented(),
         _ => true,
     };
     if !frag_ok {
@@ -233,19 +208,19 @@ pub fn needs(g: &GlobalConfig, pkt: &Parsed) -> u32 {
     need
 }
 
-/// Make what the rules ask of this packet ([`needs`]) into `rl` (`eth`: the frame has an
+/// Make what the rules ask of this packet ([`needs`]) into `rl` (`ETH`: the frame has an
 /// Ethernet header; a socket lookup is made only then). A static function, not inlined, so
 /// that what it holds is not on the entry's stack; its parts are static functions of their
 /// own, called one after the other, so that neither one's stack adds to the other's.
 #[inline(never)]
-pub fn prepare(ctx: *mut xdp_md, rl: *mut RuleLoop, eth: bool) {
+pub fn prepare<const ETH: bool>(ctx: *mut xdp_md, rl: *mut RuleLoop) {
     // SAFETY: this CPU's scratch record, used only during this packet.
     let need = needs(policy::global(), unsafe { &(*rl).pkt });
     if need & NEED_EXT != 0 {
-        read_frame(ctx, rl, need, eth);
+        read_frame::<ETH>(ctx, rl, need);
     }
     if need & NEED_CONN != 0 {
-        let conn = if eth {
+        let conn = if ETH {
             // SAFETY: the scratch record's packet, written by the entry for this packet.
             conn::connection(ctx, unsafe { &raw const (*rl).pkt })
         } else {
@@ -260,11 +235,11 @@ pub fn prepare(ctx: *mut xdp_md, rl: *mut RuleLoop, eth: bool) {
 
 /// [`Ext`], then the payload reads and the destinations trie's answer.
 #[inline(never)]
-fn read_frame(ctx: *mut xdp_md, rl: *mut RuleLoop, need: u32, eth: bool) {
+fn read_frame<const ETH: bool>(ctx: *mut xdp_md, rl: *mut RuleLoop, need: u32) {
     // SAFETY: this CPU's scratch record, used only during this packet.
     let rl = unsafe { &mut *rl };
     let ctx = XdpContext::new(ctx);
-    read_ext(&ctx, rl, eth);
+    read_ext::<ETH>(&ctx, rl);
     if need & NEED_FETCH != 0 {
         fetch(&ctx, rl);
     }
@@ -277,7 +252,7 @@ fn read_frame(ctx: *mut xdp_md, rl: *mut RuleLoop, need: u32, eth: bool) {
 /// The fields of [`Ext`] from the headers the parser read (a header that is not there leaves
 /// its fields 0).
 #[inline(always)]
-fn read_ext(ctx: &XdpContext, rl: &mut RuleLoop, eth: bool) {
+fn read_ext<const ETH: bool>(ctx: &XdpContext, rl: &mut RuleLoop) {
     let e = &mut rl.ext;
     *e = Ext {
         dst: IpKey { addr: [0; 16] },
@@ -289,7 +264,7 @@ fn read_ext(ctx: &XdpContext, rl: &mut RuleLoop, eth: bool) {
         icmp_code: 0,
         _pad: [0; 3],
     };
-    let l3 = if eth { parse::l3_offset(ctx) } else { Some(0) };
+    let l3 = if ETH { parse::l3_offset(ctx) } else { Some(0) };
     let Some(l3) = l3 else { return };
     if rl.pkt.v4 {
         if let Some(h) = parse::header(ctx, l3, 20) {
@@ -307,7 +282,7 @@ fn read_ext(ctx: &XdpContext, rl: &mut RuleLoop, eth: bool) {
         return;
     }
     // Bounded for the verifier (the parser never goes past `MAX_L4_OFFSET`).
-    let l4 = (pkt.l4_off as usize) & 0x3ff;
+    let l4 = pkt.l4_off() & 0x3ff;
     match pkt.proto {
         PROTO_TCP => {
             if let Some(h) = parse::header(ctx, l4, 20) {
@@ -344,7 +319,7 @@ fn fetch(ctx: &XdpContext, rl: &mut RuleLoop) {
             break;
         }
         let f = &g.fetches[j];
-        let base = rl.pkt.l4_off as u32
+        let base = rl.pkt.l4_off() as u32
             + if f.from == FROM_L4_PAYLOAD {
                 rl.ext.l4_hdr as u32
             } else {

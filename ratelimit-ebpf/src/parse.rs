@@ -25,17 +25,9 @@ const MAX_L4_OFFSET: usize = 512;
 pub struct Parsed {
     pub src: IpKey,
     pub dport: u16,
-    /// Where the L4 header starts in the frame (with `l4`). The other fields a rule may
-    /// match on (destination, length, TTL, source port, ICMP type, ...) are read from the
-    /// frame again when a rule asks for them (`matching::Ext`): this record is on the entry's
-    /// stack, which the call chain has little of.
-    pub l4_off: u16,
     /// IP protocol of the upper layer (after IPv6 extension headers).
     pub proto: u8,
     pub tcp_flags: u8,
-    /// A fragment, first or later (IPv4: more-fragments or an offset; IPv6: a fragment
-    /// header).
-    pub fragmented: bool,
     pub v4: bool,
     /// The L4 header was parsed: ports (TCP/UDP) and flags (TCP) are valid.
     pub l4: bool,
@@ -46,9 +38,48 @@ pub struct Parsed {
     /// reach, or after an over-long IPv6 chain): port *and* flag conditions count as met, so a
     /// tiny first fragment cannot hide a SYN from a SYN rule.
     pub l4_cut: bool,
-    /// A `stats::global` reason to count for this packet (0 = none): a packet whose fixed L3
-    /// header is valid is always judged (lists, bans, rules) even when what follows is not.
+    /// Three facts in one word ([`NOTE_REASON`], [`NOTE_FRAGMENTED`], [`NOTE_L4_SHIFT`]): the
+    /// entry keeps each field of this record in a stack slot of its own, and its stack is
+    /// what the rules' call chain has least of. The other fields a rule may match on
+    /// (destination, length, TTL, source port, ICMP type, ...) are read from the frame again
+    /// when a rule asks for them (`matching::Ext`).
     pub note: u32,
+}
+
+/// `Parsed::note`: a `stats::global` reason to count for this packet (0 = none): a packet
+/// whose fixed L3 header is valid is always judged (lists, bans, rules) even when what
+/// follows is not.
+pub const NOTE_REASON: u32 = 0xff;
+/// `Parsed::note`: a fragment, first or later (IPv4: more-fragments or an offset; IPv6: a
+/// fragment header).
+pub const NOTE_FRAGMENTED: u32 = 1 << 8;
+/// `Parsed::note >> NOTE_L4_SHIFT`: where the L4 header starts in the frame (with `l4`).
+pub const NOTE_L4_SHIFT: u32 = 16;
+
+const _: () = assert!(ratelimit_common::stats::global::COUNT <= NOTE_REASON);
+
+impl Parsed {
+    /// The reason to count for this packet, 0 for none.
+    #[inline(always)]
+    pub fn reason(&self) -> u32 {
+        self.note & NOTE_REASON
+    }
+
+    #[inline(always)]
+    pub fn fragmented(&self) -> bool {
+        self.note & NOTE_FRAGMENTED != 0
+    }
+
+    /// Where the L4 header starts in the frame (with `l4`).
+    #[inline(always)]
+    pub fn l4_off(&self) -> usize {
+        (self.note >> NOTE_L4_SHIFT) as usize
+    }
+
+    #[inline(always)]
+    fn set_reason(&mut self, reason: u32) {
+        self.note = (self.note & !NOTE_REASON) | reason;
+    }
 }
 
 type Reason = u32;
@@ -161,8 +192,8 @@ pub fn parse_l3(ctx: &XdpContext) -> Frame {
 fn frame_of(parsed: Result<Parsed, Reason>, note: Reason) -> Frame {
     match parsed {
         Ok(mut pkt) => {
-            if pkt.note == 0 {
-                pkt.note = note;
+            if pkt.reason() == 0 {
+                pkt.set_reason(note);
             }
             Frame::Ip(pkt)
         }
@@ -209,10 +240,8 @@ fn parse_ipv4(ctx: &XdpContext, off: usize) -> Result<Parsed, Reason> {
     let mut pkt = Parsed {
         src: IpKey::from_v4(h.field(12)),
         dport: 0,
-        l4_off: 0,
         proto: h.field(9),
         tcp_flags: 0,
-        fragmented: false,
         v4: true,
         l4: false,
         fragment: false,
@@ -224,7 +253,9 @@ fn parse_ipv4(ctx: &XdpContext, off: usize) -> Result<Parsed, Reason> {
     }
     let frag = h.field16(6);
     pkt.fragment = frag & 0x1fff != 0;
-    pkt.fragmented = frag & 0x3fff != 0;
+    if frag & 0x3fff != 0 {
+        pkt.note |= NOTE_FRAGMENTED;
+    }
     // The options must be present too; from here on the source is known, so problems are
     // noted and the packet is still judged.
     if hdr(ctx, off, ihl, R).is_err() {
@@ -247,10 +278,8 @@ fn parse_ipv6(ctx: &XdpContext, off: usize) -> Result<Parsed, Reason> {
     let mut pkt = Parsed {
         src: IpKey::from_v6(src),
         dport: 0,
-        l4_off: 0,
         proto: h.field(6),
         tcp_flags: 0,
-        fragmented: false,
         v4: false,
         l4: false,
         fragment: false,
@@ -283,7 +312,7 @@ fn parse_ipv6(ctx: &XdpContext, off: usize) -> Result<Parsed, Reason> {
                     return Ok(cut(pkt, R));
                 };
                 pkt.proto = e.field(0);
-                pkt.fragmented = true;
+                pkt.note |= NOTE_FRAGMENTED;
                 if e.field16(2) & 0xfff8 != 0 {
                     // A non-first fragment: what follows is payload, not headers.
                     pkt.fragment = true;
@@ -323,7 +352,7 @@ fn parse_ipv6(ctx: &XdpContext, off: usize) -> Result<Parsed, Reason> {
 #[inline(always)]
 fn cut(mut pkt: Parsed, note: Reason) -> Parsed {
     pkt.l4_cut = true;
-    pkt.note = note;
+    pkt.set_reason(note);
     pkt
 }
 
@@ -340,7 +369,7 @@ fn parse_l4(ctx: &XdpContext, off: usize, pkt: &mut Parsed) {
     const R: Reason = global::MALFORMED_L4;
     if off > MAX_L4_OFFSET {
         pkt.l4_cut = true;
-        pkt.note = R;
+        pkt.set_reason(R);
         return;
     }
     // One bounds check per protocol, read in the same arm: with one check of a length chosen
@@ -358,9 +387,9 @@ fn parse_l4(ctx: &XdpContext, off: usize, pkt: &mut Parsed) {
     if got.is_err() {
         // Truncated (e.g. a tiny first fragment): judge by L3 with every L4 condition met.
         pkt.l4_cut = true;
-        pkt.note = R;
+        pkt.set_reason(R);
         return;
     }
-    pkt.l4_off = off as u16;
+    pkt.note |= (off as u32) << NOTE_L4_SHIFT;
     pkt.l4 = true;
 }

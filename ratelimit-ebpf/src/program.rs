@@ -10,7 +10,7 @@ use ratelimit_common::{
 };
 
 use crate::{
-    bans, clock, cookies, fast,
+    bans, clock, cookies, fast, matching,
     parse::{self, Frame, Parsed},
     policy, rare,
     rules::{self, RuleVerdict},
@@ -30,7 +30,7 @@ pub fn ratelimit(ctx: XdpContext) -> u32 {
 pub fn ethernet(ctx: &XdpContext) -> u32 {
     let (slot, len) = (stats::slot(ctx.ingress_ifindex() as u32), frame_len(ctx));
     match parse::parse(ctx) {
-        Frame::Ip(pkt) => judge((ctx, true), slot, pkt, len),
+        Frame::Ip(pkt) => judge::<true>(ctx, slot, pkt, len),
         Frame::NonIp => finish(slot, global::PASS_NON_IP, len),
         Frame::Bogon => finish(slot, global::DROP_BOGON, len),
         Frame::Unreadable(reason) => malformed(slot, reason, len),
@@ -46,7 +46,7 @@ pub fn ethernet(ctx: &XdpContext) -> u32 {
 pub fn ratelimit_l3(ctx: XdpContext) -> u32 {
     let (slot, len) = (stats::slot(ctx.ingress_ifindex() as u32), frame_len(&ctx));
     match parse::parse_l3(&ctx) {
-        Frame::Ip(pkt) => judge((&ctx, false), slot, pkt, len),
+        Frame::Ip(pkt) => judge::<false>(&ctx, slot, pkt, len),
         Frame::NonIp => finish(slot, global::PASS_NON_IP, len),
         Frame::Bogon => finish(slot, global::DROP_BOGON, len),
         Frame::Unreadable(reason) => malformed(slot, reason, len),
@@ -64,22 +64,22 @@ fn malformed(slot: Slot, reason: u32, len: u64) -> u32 {
     finish(slot, global::PASS_MALFORMED, len)
 }
 
-/// Count what the parser noted, then [`decide`]. `ctx`: the frame, and whether it has an
-/// Ethernet header (only then may it be answered with a SYN cookie (`cookies.rs`), or its
-/// TCP segment be looked up for `tcp_state` (`conn.rs`)).
+/// Count what the parser noted, then [`decide`]. `ETH`: the frame has an Ethernet header
+/// (only then may it be answered with a SYN cookie (`cookies.rs`), or its TCP segment be
+/// looked up for `tcp_state` (`conn.rs`)); a constant of each entry, so no register holds it.
 #[inline(always)]
-fn judge(ctx: (&XdpContext, bool), slot: Slot, pkt: Parsed, len: u64) -> u32 {
-    if pkt.note != 0 {
-        stats::add(slot, pkt.note, len);
+fn judge<const ETH: bool>(ctx: &XdpContext, slot: Slot, pkt: Parsed, len: u64) -> u32 {
+    if pkt.reason() != 0 {
+        stats::add(slot, pkt.reason(), len);
     }
     if pkt.fragment {
         stats::add(slot, global::FRAGMENTS, len);
     }
-    decide(ctx, slot, pkt, len)
+    decide::<ETH>(ctx, slot, pkt, len)
 }
 
 #[inline(always)]
-fn decide((ctx, eth): (&XdpContext, bool), slot: Slot, pkt: Parsed, len: u64) -> u32 {
+fn decide<const ETH: bool>(ctx: &XdpContext, slot: Slot, pkt: Parsed, len: u64) -> u32 {
     let global_cfg = policy::global();
     // The coarse clock (the last timer tick): a fraction of the cost of reading the clock
     // source. Rules that need precision read the precise one (`RULE_FINE_CLOCK`).
@@ -120,6 +120,12 @@ fn decide((ctx, eth): (&XdpContext, bool), slot: Slot, pkt: Parsed, len: u64) ->
         (*rl).src_key.set(&(*rl).pkt.src, (*rl).pkt.v4);
         (*rl).src_key.key()
     };
+    // What the rules ask of the frame beyond the parser's facts (`matching.rs`), made here,
+    // where one state of the verifier reaches it: a static function is verified again for
+    // every state that reaches its call.
+    if global_cfg.rule_count != 0 {
+        matching::prepare::<ETH>(ctx.ctx, rl);
+    }
     if global_cfg.flags & (GLOBAL_HAS_ALLOW | GLOBAL_HAS_DENY) != 0 {
         let v = policy::sources_at(key);
         if v.flags & LIST_ALLOW != 0 {
@@ -154,7 +160,6 @@ fn decide((ctx, eth): (&XdpContext, bool), slot: Slot, pkt: Parsed, len: u64) ->
         (now, tick, ban_epoch),
         global_cfg,
         ban_matched,
-        (ctx, eth),
     );
     // The rare conditions the rules met (full tables, lost events) reach the log here,
     // after the verdict, at most once a second each (`rare.rs`).
@@ -163,7 +168,7 @@ fn decide((ctx, eth): (&XdpContext, bool), slot: Slot, pkt: Parsed, len: u64) ->
         RuleVerdict::Pass => return finish(slot, global::PASS, len),
         // Dropped only because its source was refused state: a second look against the
         // kernel's sockets (`cookies.rs`).
-        RuleVerdict::Refused if eth => {
+        RuleVerdict::Refused if ETH => {
             let a = cookies::answer(ctx.ctx, rl, global_cfg.syn_answer_tick_cap as u64);
             if a == cookies::ANSWER_TX {
                 stats::add(slot, global::SYN_COOKIES_SENT, len);

@@ -25,7 +25,7 @@
 //!   once on its own; the `rl_*` functions. They return plain `u64` codes, named by the
 //!   constants next to each.
 
-use aya_ebpf::{helpers::bpf_ktime_get_ns, programs::XdpContext};
+use aya_ebpf::helpers::bpf_ktime_get_ns;
 use ratelimit_common::{
     addr::V4_MAPPED_PREFIX,
     caps::MAX_RULES,
@@ -76,9 +76,6 @@ pub fn evaluate_rules(
     // Whether a ban (one that lets packets on to the rules) matched: then no fast-drop entry
     // is made, as it would skip that ban's counting.
     ban_matched: bool,
-    // The frame, for what a rule asks of it (`matching::serve`), and whether it has an
-    // Ethernet header.
-    (ctx, eth): (&XdpContext, bool),
 ) -> RuleVerdict {
     let n = g.rule_count;
     if n == 0 {
@@ -100,7 +97,6 @@ pub fn evaluate_rules(
             store_sets: g.store_sets,
             wall_offset_ns: g.wall_offset_ns,
         };
-        (*rl).have = 0;
         (*rl).coarse_now = now;
         (*rl).fine_now = 0;
         (*rl).tick = tick;
@@ -117,9 +113,6 @@ pub fn evaluate_rules(
     // SAFETY: this CPU's scratch record.
     let second_look = unsafe { (*rl).cookies_on != 0 && cookies::may_answer(&(*rl).pkt) };
     let mut refused = false;
-    // What some rule asks of the frame beyond the parser's facts, made once, here (one call
-    // site: a static function is verified again for every state that reaches it).
-    matching::prepare(ctx.ctx, rl, eth);
     for i in 0..MAX_RULES {
         if i >= n {
             break;

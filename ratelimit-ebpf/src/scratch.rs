@@ -33,6 +33,25 @@ pub struct Env {
     pub wall_offset_ns: u64,
 }
 
+/// What rules may match on beyond the parser's facts, read from the frame once a packet when
+/// some rule asks ([`RuleLoop::ext`]).
+#[repr(C)]
+pub struct Ext {
+    pub dst: IpKey,
+    /// The IP packet's length as its header says: IPv4 total length, IPv6 payload length + 40.
+    pub ip_len: u16,
+    /// TCP/UDP source port (with `Parsed::l4`).
+    pub sport: u16,
+    /// The L4 header's length up to its payload: TCP's with its options, UDP's 8, ICMP's 8.
+    pub l4_hdr: u16,
+    /// IPv4 TTL / IPv6 hop limit.
+    pub ttl: u8,
+    /// ICMP / ICMPv6 type and code (with `Parsed::l4`).
+    pub icmp_type: u8,
+    pub icmp_code: u8,
+    pub _pad: [u8; 3],
+}
+
 /// New states this CPU inserted in its current tick (kept across packets in the scratch
 /// record, which is per CPU).
 #[repr(C)]
@@ -63,7 +82,7 @@ pub struct RuleLoop {
     pub have: u32,
     pub dst_mask: u32,
     /// With `NEED_EXT` in `have`.
-    pub ext: crate::matching::Ext,
+    pub ext: Ext,
     /// `matching::CONN_*`, with `NEED_CONN` in `have`.
     pub conn: u32,
     pub fetched: [u32; MAX_PAYLOAD_FETCHES],

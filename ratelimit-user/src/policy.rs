@@ -1,5 +1,5 @@
 //! The policy over the maps: a config turned into map contents ([`apply`], with a rule's match
-//! in [`matching`]), live changes
+//! in [`matching`] and the tries' prefixes in [`prefixes`]), live changes
 //! ([`live`], [`ruleset`]), bans on disk and their notes ([`bans`], [`ban_notes`]), the GeoIP
 //! regions ([`geoip`]), the pressure level ([`pressure`]), and the data plane read back
 //! ([`report`]).
@@ -10,6 +10,7 @@ pub mod bans;
 pub mod geoip;
 pub mod live;
 pub mod matching;
+pub mod prefixes;
 pub mod pressure;
 pub mod report;
 pub mod ruleset;

@@ -12,7 +12,7 @@ use ratelimit_common::{
 
 use crate::config::{Fragment, Match, PayloadFrom, Rule, TcpState};
 
-use super::apply::{Prefix, close_over_covering, prefix};
+use super::prefixes::{Prefix, close_over_covering, prefix};
 
 /// One payload read: where it counts from, the offset, the length.
 pub type Read = (PayloadFrom, u16, u8);
@@ -110,6 +110,20 @@ pub fn more_match(m: &Match, reads: &[Read]) -> (u32, MoreMatch) {
         flags |= RULE_TCP_STATE;
     }
     (flags, more)
+}
+
+/// The `GLOBAL_*` flags the rules' matches ask for: a socket lookup (`tcp_state`), the
+/// destinations trie (`dst`), the fields read from the frame (`RULE_MORE_MATCH`).
+pub fn global_flags(rules: &[RuleConfig]) -> u32 {
+    let any = |flag: u32| rules.iter().any(|r| r.flags & flag != 0);
+    [
+        (RULE_TCP_STATE, GLOBAL_TCP_STATE),
+        (RULE_DST_MATCH, GLOBAL_DST_MATCH),
+        (RULE_MORE_MATCH, GLOBAL_MORE_MATCH),
+    ]
+    .iter()
+    .filter(|(rule, _)| any(*rule))
+    .fold(0, |acc, (_, global)| acc | global)
 }
 
 /// How many of the first rules a fast-drop entry may stand for: those whose match reads
