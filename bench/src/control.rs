@@ -57,7 +57,8 @@ fn tracked_entry(i: u32) -> (ClientKey, ClientState) {
     let key = ClientKey {
         rule: 0,
         kind: KEY_IP,
-        _pad: [0; 2],
+        proto: 0,
+        fields: 0,
         prefix_len: 128,
         addr: IpKey::from_v4((TRACKED_BASE + i).to_be_bytes()).addr,
     };

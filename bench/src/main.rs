@@ -906,7 +906,8 @@ fn populate_more(maps: &mut Maps, from: u64, to: u64) -> (f64, u64) {
         let k = ClientKey {
             rule: 0,
             kind: KEY_IP,
-            _pad: [0; 2],
+            proto: 0,
+            fields: 0,
             prefix_len: 128,
             addr: IpKey::from_v4(a).addr,
         };

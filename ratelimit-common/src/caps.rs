@@ -55,6 +55,9 @@ pub const RETIRED_SLOT: u32 = MAX_IFACES - 1;
 pub const IFSLOT_ARRAY_LEN: u32 = 4096;
 /// States of shared keys (`key = "all"`: one per rule; `"region"`: one per rule and region).
 pub const MAX_SHARED_STATES: u32 = MAX_RULES * 512;
+/// States of `KEY_TUPLE` keys (`key = "dst"`, `key = ["dst", "dst_port"]`, ...), all rules
+/// together (`RL_KEYED`, allocated as used).
+pub const MAX_KEYED_STATES: u32 = 65_536;
 /// Sources that completed a TCP handshake with a SYN cookie the program sent (`RL_PROVEN`, an
 /// LRU map): while cookies are being sent, they get state without the admission budget.
 pub const MAX_PROVEN_SOURCES: u32 = 65_536;

@@ -18,7 +18,8 @@ pub const EV_THROTTLE_END: u32 = 5;
 pub struct Event {
     pub kind: u32,
     pub rule: u32,
-    /// `maps::KEY_*` of the client key.
+    /// `maps::KEY_*` of the client key in bits 0..8; for `KEY_TUPLE`, its `proto` in bits
+    /// 8..16 and `fields` in bits 16..24.
     pub key_kind: u32,
     /// Prefix length of `addr` as a 16-byte address (IPv4 keys are 96 + prefix).
     pub prefix_len: u32,

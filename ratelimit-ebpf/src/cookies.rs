@@ -435,7 +435,11 @@ fn pass(reason: u32, proved: bool) -> u64 {
 /// An IPv4 source the stack would discard as a martian (0/8, 127/8, multicast, reserved,
 /// broadcast) is not answered either.
 #[inline(always)]
-pub(crate) fn for_this_host<const V4: bool>(ctx: &XdpContext, b: *mut CookieBuf, l3: usize) -> bool {
+pub(crate) fn for_this_host<const V4: bool>(
+    ctx: &XdpContext,
+    b: *mut CookieBuf,
+    l3: usize,
+) -> bool {
     let Some(eth) = parse::header(ctx, 0, 6) else {
         return false;
     };

@@ -31,7 +31,10 @@ pub fn emit(
             unsafe {
                 core::ptr::write_volatile(&raw mut (*e).kind, kind);
                 core::ptr::write_volatile(&raw mut (*e).rule, key.rule as u32);
-                core::ptr::write_volatile(&raw mut (*e).key_kind, key.kind as u32);
+                core::ptr::write_volatile(
+                    &raw mut (*e).key_kind,
+                    key.kind as u32 | (key.proto as u32) << 8 | (key.fields as u32) << 16,
+                );
                 core::ptr::write_volatile(&raw mut (*e).prefix_len, key.prefix_len);
                 let a = &raw mut (*e).addr as *mut u32;
                 let s = &key.addr as *const [u8; 16] as *const u32;

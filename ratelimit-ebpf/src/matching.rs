@@ -121,7 +121,8 @@ fn in_ranges<const N: usize>(ranges: &[PortRange; N], n: u8, v: u16) -> bool {
 #[inline(always)]
 fn more(rule: &RuleConfig, pkt: &Parsed, ext: &Ext) -> bool {
     let m = &rule.more;
-    if m.length_count != 0 && !in_ranges::<MAX_LENGTH_RANGES>(&m.lengths, m.length_count, ext.ip_len)
+    if m.length_count != 0
+        && !in_ranges::<MAX_LENGTH_RANGES>(&m.lengths, m.length_count, ext.ip_len)
     {
         return false;
     }
@@ -195,7 +196,7 @@ pub fn needs(g: &GlobalConfig, pkt: &Parsed) -> u32 {
     if g.flags & GLOBAL_DST_MATCH != 0 {
         need |= NEED_DST | NEED_EXT;
     }
-    if g.flags & GLOBAL_MORE_MATCH != 0 {
+    if g.flags & (GLOBAL_MORE_MATCH | GLOBAL_KEY_TUPLE) != 0 {
         need |= NEED_EXT;
     }
     if g.flags & GLOBAL_TCP_STATE != 0
@@ -342,7 +343,11 @@ fn fetch(ctx: &XdpContext, rl: &mut RuleLoop) {
         }
         let b = rl.fetch_buf;
         let v = u32::from_be_bytes(b);
-        let len = if f.len == 0 || f.len > 4 { 4 } else { f.len as u32 };
+        let len = if f.len == 0 || f.len > 4 {
+            4
+        } else {
+            f.len as u32
+        };
         rl.fetched[j] = if len == 4 { v } else { v >> (8 * (4 - len)) };
         rl.fetched_ok |= 1 << j;
     }

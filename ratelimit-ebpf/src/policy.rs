@@ -97,11 +97,13 @@ pub fn sources_at(key: &Key<LpmAddr>) -> ListValue {
     }
 }
 
-/// What the sources trie says of the source whose full-length key is `key` for the rules:
-/// (rules whose source list contains it, rules whose `except` list does).
+/// What the sources trie says of `src` for the rules: (rules whose source list contains it,
+/// rules whose `except` list does). The key is built on the stack: a global function's
+/// pointer argument (the scratch record in `rl_rule`) is no map key to 6.1's verifier ("R2
+/// type=mem expected=fp, pkt, pkt_meta, map_key, map_value").
 #[inline(always)]
-pub fn rule_sources_at(key: &Key<LpmAddr>) -> (u32, u32) {
-    match SOURCES.get(key) {
+pub fn rule_sources(src: &IpKey) -> (u32, u32) {
+    match SOURCES.get(&full(src)) {
         Some(v) => (v.rule_src_mask, v.rule_except_mask),
         None => (0, 0),
     }

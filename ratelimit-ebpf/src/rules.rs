@@ -37,12 +37,11 @@ use crate::{
     admission::state_for,
     atomic,
     bans::{AGGREGATE_BANNED, BAN_NOT_RECORDED, rl_aggregate_ban, rl_ban},
-    cookies, fast,
-    matching,
+    cookies, fast, matching,
     meters::{ABOVE_BAN_THRESHOLD, ADMITTED, BAN_HELD, rl_after, rl_ban_meter, rl_limit},
     parse::Parsed,
     policy,
-    scratch::{Env, RuleLoop},
+    scratch::{Env, Ext, RuleLoop},
     state::{StateFor, zero_addr},
     stats::{self, Slot},
 };
@@ -159,8 +158,7 @@ pub extern "C" fn rl_rule(index: u64, rl: *mut RuleLoop) -> u64 {
     }
     if rule.flags & (RULE_SRC_MATCH | RULE_EXCEPT) != 0 {
         if rl.src_mask_known == 0 {
-            // The key the entry built for the lists and bans (none on this stack).
-            let (mask, except) = policy::rule_sources_at(rl.src_key.key());
+            let (mask, except) = policy::rule_sources(&rl.pkt.src);
             rl.src_mask = mask;
             rl.src_except = except;
             rl.src_mask_known = 1;
@@ -282,7 +280,8 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
     let key = &mut rl.key;
     key.rule = i as u8;
     key.kind = rule.key;
-    key._pad = [0; 2];
+    key.proto = 0;
+    key.fields = 0;
     key.prefix_len = 0;
     zero_addr(&mut key.addr);
     // The limit in force: the precomputed relaxed one while the host has room, which is the
@@ -303,6 +302,8 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
         {
             limit = o.limit_now(relaxed);
         }
+    } else if rule.key == KEY_TUPLE {
+        tuple_key(key, rule.key_fields, pkt, &rl.ext);
     } else if rule.key == KEY_REGION {
         let region = policy::region_of(&pkt.src);
         key.addr[0] = region[0];
@@ -475,4 +476,29 @@ fn exceeded(env: &Env, i: u32, preview: bool, exceed_pass: bool, drop_counter: u
         stats::add_rule(env.slot, i, drop_counter, env.len);
         RuleVerdict::Drop
     }
+}
+
+/// The fields of a `KEY_TUPLE` key (`ClientKey::tuple`) from the packet: its destination and
+/// source port as `matching::prepare` read them (every rule set with such a key has them read,
+/// `GLOBAL_KEY_TUPLE`), its destination port and protocol as the parser did. A packet without
+/// ports (a non-first fragment, ICMP, a cut header) has ports 0. Without a branch: each field
+/// is masked by its bit, so the verifier walks one path, not one per combination of fields.
+#[inline(always)]
+fn tuple_key(key: &mut ClientKey, fields: u8, pkt: &Parsed, ext: &Ext) {
+    let f = fields as u32;
+    // All ones if the field is in the key, else zero.
+    let mask = |bit: u8| 0u32.wrapping_sub((f / bit as u32) & 1);
+    key.fields = fields;
+    let a = mask(KEY_FIELD_DST);
+    let src = &ext.dst.addr as *const [u8; 16] as *const u32;
+    let dst = &raw mut key.addr as *mut u32;
+    // SAFETY: 16 bytes each side, as four aligned words (both fields are 4-aligned).
+    unsafe {
+        for w in 0..4 {
+            core::ptr::write_volatile(dst.add(w), core::ptr::read_volatile(src.add(w)) & a);
+        }
+    }
+    key.prefix_len = (pkt.dport as u32 & mask(KEY_FIELD_DST_PORT)) << 16
+        | (ext.sport as u32 & mask(KEY_FIELD_SRC_PORT));
+    key.proto = (pkt.proto as u32 & mask(KEY_FIELD_PROTOCOL)) as u8;
 }

@@ -9,12 +9,12 @@
 //! per CPU. It is updated with atomic instructions only (`meters.rs`).
 
 use aya_ebpf::{
-    bindings::BPF_NOEXIST,
+    bindings::{BPF_F_NO_PREALLOC, BPF_NOEXIST},
     macros::map,
     maps::{Array, HashMap},
 };
 use ratelimit_common::{
-    caps::{MAX_RULES, MAX_SHARED_STATES},
+    caps::{MAX_KEYED_STATES, MAX_RULES, MAX_SHARED_STATES},
     maps::*,
     stats::global,
 };
@@ -32,6 +32,15 @@ pub const EEXIST: i32 = -17;
 /// ban.
 #[map(name = "RL_SHARED")]
 static SHARED: HashMap<ClientKey, SharedState> = HashMap::pinned(MAX_SHARED_STATES, 0);
+
+/// The states of `KEY_TUPLE` keys (destination, ports, protocol), each with its ban, as in
+/// `SHARED`: a map of their own, so that however many of them a flood makes (a source port is
+/// the sender's choice), the `key = "all"` and region states always find room. Allocated as
+/// used (`BPF_F_NO_PREALLOC`): a host whose rules have no such key pays nothing. A key that
+/// finds the map full is counted in the rule's overflow state.
+#[map(name = "RL_KEYED")]
+static KEYED: HashMap<ClientKey, SharedState> =
+    HashMap::pinned(MAX_KEYED_STATES, BPF_F_NO_PREALLOC);
 
 /// What the other hosts of the fleet counted for the shared keys of global rules (see
 /// [`FleetAdd`]): written by the daemon, read here. Empty without a global shared-key rule.
@@ -88,28 +97,41 @@ pub enum StateFor {
     Nothing,
 }
 
-/// The state of a shared key, created on its first packet.
+/// The map of a key that is not per source: `KEYED` for `KEY_TUPLE`, else `SHARED`.
+#[inline(always)]
+fn shared_map(kind: u8) -> &'static HashMap<ClientKey, SharedState> {
+    if kind == KEY_TUPLE { &KEYED } else { &SHARED }
+}
+
+/// The state of a shared key, created on its first packet. A `KEY_TUPLE` key that finds its
+/// map full gets the rule's overflow state (`key` rewritten to say so); another shared key
+/// that finds no room passes unlimited ([`StateFor::Nothing`]), counted by the caller.
 #[inline(always)]
 pub fn shared_state(env: &Env, key: &mut ClientKey) -> StateFor {
-    let key = &on_stack(key);
-    if let Some(p) = SHARED.get_ptr_mut(key) {
+    let map = shared_map(key.kind);
+    let k = &on_stack(key);
+    if let Some(p) = map.get_ptr_mut(k) {
         return StateFor::Shared(p);
     }
     #[expect(
         clippy::needless_borrows_for_generic_args,
         reason = "by value would copy the static onto the 512-byte BPF stack"
     )]
-    let inserted = SHARED.insert(key, &ZERO_SHARED, BPF_NOEXIST as u64);
+    let inserted = map.insert(k, &ZERO_SHARED, BPF_NOEXIST as u64);
     match inserted {
         Ok(()) => stats::add(env.slot, global::STATE_CREATED, 0),
         Err(EEXIST) => {}
+        Err(_) if key.kind == KEY_TUPLE => {
+            stats::add(env.slot, global::STATE_INSERT_FAILED, env.len);
+            return refused(key);
+        }
         Err(_) => {
             // Counted by the caller, as every `StateFor::Nothing` is: once.
             rare::note(rare::SHARED_REFUSED, key.rule as u32, 0, env.now);
             return StateFor::Nothing;
         }
     }
-    match SHARED.get_ptr_mut(key) {
+    match map.get_ptr_mut(k) {
         Some(p) => StateFor::Shared(p),
         None => StateFor::Nothing,
     }
@@ -140,6 +162,8 @@ fn overflow_state(key: &mut ClientKey) -> Option<*mut ClientState> {
 #[inline(always)]
 pub fn overflow(key: &mut ClientKey) {
     key.kind = KEY_OVERFLOW;
+    key.proto = 0;
+    key.fields = 0;
     key.prefix_len = 0;
     zero_addr(&mut key.addr);
 }
@@ -170,7 +194,10 @@ pub fn client_key(rule: u8, kind: u8, prefix_len: u32, addr: [u8; 16]) -> Client
 /// pkt_meta, map_key, map_value"; 6.12 takes it). Six word stores: no memcpy, no byte loop.
 #[inline(always)]
 fn on_stack(key: &ClientKey) -> ClientKey {
-    client_key(key.rule, key.kind, key.prefix_len, key.addr)
+    let mut k = client_key(key.rule, key.kind, key.prefix_len, key.addr);
+    k.proto = key.proto;
+    k.fields = key.fields;
+    k
 }
 
 #[inline(always)]
@@ -192,7 +219,7 @@ pub fn client_state(key: &ClientKey, sets: u32) -> Option<*mut ClientState> {
         let (_, tag, sets) = store::place(key, sets);
         store::lookup(key, tag, sets)
     } else {
-        let p = SHARED.get_ptr_mut(on_stack(key))?;
+        let p = shared_map(key.kind).get_ptr_mut(on_stack(key))?;
         // SAFETY: a field of a live map value.
         Some(unsafe { &raw mut (*p).state })
     }

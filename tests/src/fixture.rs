@@ -505,7 +505,8 @@ pub fn key_v4(a: [u8; 4]) -> ClientKey {
     ClientKey {
         rule: 0,
         kind: KEY_IP,
-        _pad: [0; 2],
+        proto: 0,
+        fields: 0,
         prefix_len: 128,
         addr: IpKey::from_v4(a).addr,
     }

@@ -376,7 +376,9 @@ fn ipv6(rng: &mut Rng) -> Vec<u8> {
     f.push(ttl(rng));
     f.extend_from_slice(&v6_source(rng));
     let host = rng.pick(&[1, 1, 1, 2]);
-    f.extend_from_slice(&[0x20, 0x01, 0x0d, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, host]);
+    f.extend_from_slice(&[
+        0x20, 0x01, 0x0d, 0xb8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, host,
+    ]);
     f.extend(payload);
     f
 }

@@ -43,6 +43,7 @@ pub mod server;
 pub mod store;
 pub mod tool;
 pub mod tun;
+pub mod webload;
 
 pub use daemon::Daemon;
 pub use env::{ratelimit_bin, require_kernel_tests, skip_unless_kernel};

@@ -102,7 +102,9 @@ fn fixture_table() {
     println!("program: {xlated} translated instructions, {verified} verified instructions");
     // A guard against verifier blow-ups: far below the kernel's 1M budget. Verifiers before
     // 6.8 prune fewer states (6.1 walks 3-4x what 6.12 walks for the same object), so they
-    // get a guard of their own.
+    // get a guard of their own. What the match fields and keys of packet fields added is
+    // about 55,000 on this host's kernel: 6,000 of them because a shared key's state comes
+    // from one of two maps (`RL_SHARED`, `RL_KEYED`), which the verifier follows apart.
     let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").unwrap_or_default();
     let mut v = release
         .trim()
@@ -112,7 +114,7 @@ fn fixture_table() {
     let guard = if (major, minor) < (6, 8) {
         400_000
     } else {
-        200_000
+        250_000
     };
     assert!(
         verified < guard,
@@ -1710,7 +1712,8 @@ fn a_full_shared_state_map_fails_open_counts_each_packet_once_and_is_logged() {
         let key = ClientKey {
             rule: 15,
             kind: KEY_REGION,
-            _pad: [0; 2],
+            proto: 0,
+            fields: 0,
             prefix_len: 0,
             addr,
         };

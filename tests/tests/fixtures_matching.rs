@@ -6,7 +6,7 @@ use std::net::{Ipv4Addr, Ipv6Addr};
 
 use ratelimit_tests::{
     fixture::{
-        Fixture, XDP_PASS, case,
+        Fixture, XDP_DROP, XDP_PASS, case,
         frames::{CLIENT_MAC, SERVER_MAC, v4, v6},
     },
     kernel_test,
@@ -36,8 +36,10 @@ fn each_match_field_matches_exactly_what_it_says() {
         Frame::new(CLIENT_MAC, SERVER_MAC).ipv4(Ipv4Addr::from(src), Ipv4Addr::new(198, 18, 0, 2))
     };
     let other6 = |src: &str| {
-        Frame::new(CLIENT_MAC, SERVER_MAC)
-            .ipv6(src.parse().unwrap(), "2001:db8::2".parse::<Ipv6Addr>().unwrap())
+        Frame::new(CLIENT_MAC, SERVER_MAC).ipv6(
+            src.parse().unwrap(),
+            "2001:db8::2".parse::<Ipv6Addr>().unwrap(),
+        )
     };
     #[rustfmt::skip]
     let cases = vec![
@@ -149,4 +151,103 @@ fn each_match_field_matches_exactly_what_it_says() {
         case("IPv6 to another", XDP_PASS, "pass", other6("2001:db8:33::1").udp(1, 9)),
     ];
     fx.run_table("ratelimit", &cases);
+}
+
+/// Keys of packet fields: one state per destination and port (TCP), per destination (UDP),
+/// per protocol (ICMP), each with its own threshold, in `RL_KEYED`, named by its fields.
+const KEYED: &str = r#"
+[[rule]]
+name = "svc"
+match = { protocol = "tcp" }
+key = ["dst", "dst_port"]
+threshold = { count = 2, interval = "1h" }
+algorithm = "fixed_window"
+
+[[rule]]
+name = "per-dst"
+match = { protocol = "udp" }
+key = "dst"
+threshold = { count = 1, interval = "1h" }
+algorithm = "fixed_window"
+
+[[rule]]
+name = "per-proto"
+match = { protocol = "icmp" }
+key = ["protocol", "src_port"]
+threshold = { count = 1, interval = "1h" }
+algorithm = "fixed_window"
+"#;
+
+#[test]
+fn keys_of_packet_fields_count_each_combination_apart() {
+    kernel_test!();
+    let mut fx = Fixture::load(KEYED);
+    let to = |dst: [u8; 4]| {
+        Frame::new(CLIENT_MAC, SERVER_MAC).ipv4(Ipv4Addr::new(198, 18, 40, 1), Ipv4Addr::from(dst))
+    };
+    let to6 = |dst: &str| {
+        Frame::new(CLIENT_MAC, SERVER_MAC).ipv6(
+            "2001:db8:40::1".parse().unwrap(),
+            dst.parse::<Ipv6Addr>().unwrap(),
+        )
+    };
+    let a = [198, 18, 0, 2];
+    let b = [198, 18, 0, 3];
+    let syn = tcp_flags::SYN;
+    #[rustfmt::skip]
+    let cases = vec![
+        case("A:80, first", XDP_PASS, "pass state_created svc/matched svc/admitted",
+             to(a).tcp(1000, 80, syn)),
+        case("A:80 from another source and port is the same key", XDP_PASS,
+             "pass svc/matched svc/admitted",
+             Frame::new(CLIENT_MAC, SERVER_MAC)
+                 .ipv4(Ipv4Addr::new(203, 0, 113, 9), Ipv4Addr::from(a)).tcp(2000, 80, syn)),
+        case("A:80, third: over", XDP_DROP, "drop_rule svc/matched svc/dropped",
+             to(a).tcp(1000, 80, syn)),
+        case("A:443 has a budget of its own", XDP_PASS,
+             "pass state_created svc/matched svc/admitted", to(a).tcp(1000, 443, syn)),
+        case("B:80 too", XDP_PASS, "pass state_created svc/matched svc/admitted",
+             to(b).tcp(1000, 80, syn)),
+        case("IPv6 [2001:db8::2]:80 too", XDP_PASS,
+             "pass state_created svc/matched svc/admitted", to6("2001:db8::2").tcp(1000, 80, syn)),
+        case("UDP to A, first", XDP_PASS, "pass state_created per-dst/matched per-dst/admitted",
+             to(a).udp(1, 53)),
+        case("UDP to A on another port: same key, over", XDP_DROP,
+             "drop_rule per-dst/matched per-dst/dropped", to(a).udp(1, 54)),
+        case("UDP to B", XDP_PASS, "pass state_created per-dst/matched per-dst/admitted",
+             to(b).udp(1, 53)),
+        case("a later UDP fragment to A: keyed by its destination", XDP_DROP,
+             "drop_rule fragments per-dst/matched per-dst/dropped",
+             to(a).ipv4_fragment(false, 8).udp(1, 53).payload(&[0; 16])),
+        case("ICMP, first", XDP_PASS, "pass state_created per-proto/matched per-proto/admitted",
+             to(a).icmp_echo(1, 1)),
+        case("ICMP to B: one key for the protocol", XDP_DROP,
+             "drop_rule per-proto/matched per-proto/dropped", to(b).icmp_echo(1, 2)),
+    ];
+    fx.run_table("ratelimit", &cases);
+
+    use ratelimit_common::maps::KEY_TUPLE;
+    use ratelimit_user::policy::report::client_label;
+    let mut labels: Vec<String> = fx
+        .maps
+        .clients
+        .keys()
+        .unwrap()
+        .iter()
+        .filter(|k| k.kind == KEY_TUPLE)
+        .map(|k| format!("{}: {}", fx.rules[k.rule as usize], client_label(k)))
+        .collect();
+    labels.sort();
+    assert_eq!(
+        labels,
+        [
+            "per-dst: dst=198.18.0.2",
+            "per-dst: dst=198.18.0.3",
+            "per-proto: src_port=0 protocol=icmp",
+            "svc: dst=198.18.0.2 dst_port=443",
+            "svc: dst=198.18.0.2 dst_port=80",
+            "svc: dst=198.18.0.3 dst_port=80",
+            "svc: dst=2001:db8::2 dst_port=80",
+        ]
+    );
 }

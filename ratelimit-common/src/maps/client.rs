@@ -8,11 +8,46 @@ pub struct ClientKey {
     pub rule: u8,
     /// `KEY_*`.
     pub kind: u8,
-    pub _pad: [u8; 2],
-    /// Prefix length of `addr` (0..=128) for `KEY_IP`, else 0.
+    /// `KEY_TUPLE` with `KEY_FIELD_PROTOCOL`: the IP protocol number; else 0.
+    pub proto: u8,
+    /// `KEY_TUPLE`: the rule's `KEY_FIELD_*` (what the other fields hold); else 0.
+    pub fields: u8,
+    /// Prefix length of `addr` (0..=128) for `KEY_IP`; for `KEY_TUPLE`, the destination port
+    /// (`KEY_FIELD_DST_PORT`) in bits 16..32 and the source port (`KEY_FIELD_SRC_PORT`) in
+    /// bits 0..16; else 0.
     pub prefix_len: u32,
-    /// Masked source address, region code in bytes 0..2 for `KEY_REGION`, zero otherwise.
+    /// Masked source address for `KEY_IP`, region code in bytes 0..2 for `KEY_REGION`, the
+    /// destination address (IPv4 mapped, as `IpKey`) for `KEY_TUPLE` with `KEY_FIELD_DST`,
+    /// zero otherwise.
     pub addr: [u8; 16],
+}
+
+impl ClientKey {
+    /// The key of rule `rule`'s `KEY_TUPLE` bucket made of the fields `fields`
+    /// (`KEY_FIELD_*`) of a packet to `dst`, between ports `sport` and `dport` (0 for a
+    /// packet without ports), of protocol `proto`.
+    #[inline(always)]
+    pub fn tuple(rule: u8, fields: u8, dst: &[u8; 16], dport: u16, sport: u16, proto: u8) -> Self {
+        use super::rule::*;
+        let has = |f: u8| fields & f != 0;
+        ClientKey {
+            rule,
+            kind: KEY_TUPLE,
+            proto: if has(KEY_FIELD_PROTOCOL) { proto } else { 0 },
+            fields,
+            prefix_len: (if has(KEY_FIELD_DST_PORT) {
+                dport as u32
+            } else {
+                0
+            }) << 16
+                | if has(KEY_FIELD_SRC_PORT) {
+                    sport as u32
+                } else {
+                    0
+                },
+            addr: if has(KEY_FIELD_DST) { *dst } else { [0; 16] },
+        }
+    }
 }
 /// `ClientState::drops`: bit 63 is the soft-limit episode flag (a soft_limit event was sent
 /// and usage has not fallen back below the soft limit since); the count is in bits 0..62.

@@ -16,6 +16,16 @@ pub const KEY_REGION: u8 = 2;
 /// The aggregate bucket of a rule's sources that were refused state of their own under a
 /// random-source flood (never configured; chosen by the program).
 pub const KEY_OVERFLOW: u8 = 3;
+/// One bucket per combination of the packet fields in `RuleConfig::key_fields`
+/// (`KEY_FIELD_*`): the destination address, ports, protocol (`key = "dst"`, `key = ["dst",
+/// "dst_port"]`). Its states live beside the shared keys', in `RL_KEYED`.
+pub const KEY_TUPLE: u8 = 4;
+
+// `RuleConfig::key_fields` of a `KEY_TUPLE` rule (see `ClientKey` for where each is held).
+pub const KEY_FIELD_DST: u8 = 1 << 0;
+pub const KEY_FIELD_DST_PORT: u8 = 1 << 1;
+pub const KEY_FIELD_SRC_PORT: u8 = 1 << 2;
+pub const KEY_FIELD_PROTOCOL: u8 = 1 << 3;
 
 // Actions.
 pub const ACTION_THROTTLE: u8 = 0;
@@ -117,7 +127,9 @@ pub struct RuleConfig {
     pub tcp_flags_value: u8,
     /// Number of used entries in `ports`; 0 matches every port (and portless protocols).
     pub port_count: u8,
-    pub _pad: [u8; 3],
+    /// `KEY_FIELD_*` of a `KEY_TUPLE` rule, else 0.
+    pub key_fields: u8,
+    pub _pad: [u8; 2],
     pub ports: [PortRange; MAX_PORT_RANGES],
     pub limit: Limit,
     /// Fraction of the threshold (per mille) above which a client is reported as an offender.

@@ -61,7 +61,8 @@ pub const fn slot_key(tag: u32, addr: [u8; 16]) -> ClientKey {
     ClientKey {
         rule: ((tag >> 2) & 0xf) as u8,
         kind: KEY_IP,
-        _pad: [0; 2],
+        proto: 0,
+        fields: 0,
         prefix_len: (tag >> 6) & 0xff,
         addr,
     }

@@ -84,7 +84,9 @@ impl Model {
             .iter()
             .position(|r| r.flags & RULE_TCP_STATE != 0)
         {
-            return Err(format!("rule {i}: tcp_state (a socket lookup) is not modelled"));
+            return Err(format!(
+                "rule {i}: tcp_state (a socket lookup) is not modelled"
+            ));
         }
         Ok(Self {
             policy,
@@ -305,6 +307,15 @@ impl Model {
             };
             key.prefix_len = plen;
             key.addr = pkt.src.masked(plen).addr;
+        } else if rule.key == KEY_TUPLE {
+            key = ClientKey::tuple(
+                i as u8,
+                rule.key_fields,
+                &pkt.dst.addr,
+                pkt.dport,
+                pkt.sport,
+                pkt.proto,
+            );
         }
         if rule.flags & RULE_CIDR_OVERRIDES != 0
             && let Some(l) = self.cidr_override(i, &pkt.src)

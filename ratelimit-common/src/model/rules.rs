@@ -26,7 +26,12 @@ pub fn fetch(g: &GlobalConfig, frame: &[u8], pkt: &Parsed) -> Fetched {
         return out;
     }
     for (j, f) in g.fetches.iter().enumerate().take(g.fetch_count as usize) {
-        let base = pkt.l4_off + if f.from == FROM_L4_PAYLOAD { pkt.l4_hdr } else { 0 };
+        let base = pkt.l4_off
+            + if f.from == FROM_L4_PAYLOAD {
+                pkt.l4_hdr
+            } else {
+                0
+            };
         let at = base + f.offset as usize;
         let len = f.len.clamp(1, 4) as usize;
         if at + len <= frame.len() {

@@ -321,8 +321,9 @@ pub fn exchanges() -> Vec<(Request, Answer)> {
             Request::Rules,
             Answer::Rules(vec![RuleEntry {
                 name: "syn-per-client".into(),
-                matcher: r#"{ protocol = "tcp", tcp_flags = "syn,!ack", dst_ports = ["80", "443"] }"#
-                    .into(),
+                matcher:
+                    r#"{ protocol = "tcp", tcp_flags = "syn,!ack", dst_ports = ["80", "443"] }"#
+                        .into(),
                 except: vec!["192.0.2.53/32".into()],
                 key: "ip".into(),
                 action: "rate_based_ban".into(),

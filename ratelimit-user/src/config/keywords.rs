@@ -58,19 +58,123 @@ keyword_enum!(
     }
 );
 
+/// What a rule counts per: `key`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub enum KeyKind {
+    /// One counter for all matching traffic.
+    All,
+    /// Per source address, aggregated to `ipv4_prefix` / `ipv6_prefix`. The default.
+    #[default]
+    Ip,
+    /// Per country from the GeoIP database.
+    Region,
+    /// Per combination of packet fields (`key = "dst"`, `key = ["dst", "dst_port"]`): never
+    /// empty, never with `ip` (the per-source store keys on the source alone).
+    Fields(KeyFields),
+}
+
 keyword_enum!(
-    /// What a rule counts per: `key`.
-    #[derive(Default)]
-    KeyKind {
-        /// One counter for all matching traffic.
-        All = "all",
-        /// Per source address, aggregated to `ipv4_prefix` / `ipv6_prefix`. The default.
-        #[default]
+    /// A field of a composite key (`key = [..]`).
+    KeyField {
         Ip = "ip",
-        /// Per country from the GeoIP database.
-        Region = "region",
+        Dst = "dst",
+        DstPort = "dst_port",
+        SrcPort = "src_port",
+        Protocol = "protocol",
     }
 );
+
+/// The fields of a `KeyKind::Fields` key, as a set (the program's `KEY_FIELD_*` bits).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+pub struct KeyFields(pub u8);
+
+impl KeyFields {
+    /// The fields in their order, with their `KEY_FIELD_*` bits (`ip` has none: it is never
+    /// one of a `KeyFields`).
+    const BITS: [(KeyField, u8); 4] = [
+        (KeyField::Dst, ratelimit_common::maps::KEY_FIELD_DST),
+        (
+            KeyField::DstPort,
+            ratelimit_common::maps::KEY_FIELD_DST_PORT,
+        ),
+        (
+            KeyField::SrcPort,
+            ratelimit_common::maps::KEY_FIELD_SRC_PORT,
+        ),
+        (
+            KeyField::Protocol,
+            ratelimit_common::maps::KEY_FIELD_PROTOCOL,
+        ),
+    ];
+
+    /// The bit of `f`, None for `ip`.
+    pub fn bit(f: KeyField) -> Option<u8> {
+        Self::BITS.iter().find(|(g, _)| *g == f).map(|(_, b)| *b)
+    }
+
+    /// The fields, in a fixed order.
+    pub fn fields(self) -> impl Iterator<Item = KeyField> {
+        Self::BITS
+            .into_iter()
+            .filter(move |(_, b)| self.0 & b != 0)
+            .map(|(f, _)| f)
+    }
+
+    pub fn has(self, f: KeyField) -> bool {
+        Self::bit(f).is_some_and(|b| self.0 & b != 0)
+    }
+}
+
+impl KeyKind {
+    /// `key = "dst"`.
+    pub const DST: KeyKind = KeyKind::Fields(KeyFields(ratelimit_common::maps::KEY_FIELD_DST));
+}
+
+impl KeyKind {
+    /// As the config writes it: `"ip"`, `"dst"`, or a list such as `["dst", "dst_port"]`.
+    pub fn toml(self) -> String {
+        match self {
+            KeyKind::Fields(k) if self != KeyKind::DST => {
+                let names: Vec<String> = k.fields().map(|x| format!("\"{x}\"")).collect();
+                format!("[{}]", names.join(", "))
+            }
+            _ => format!("\"{self}\""),
+        }
+    }
+}
+
+/// The name reports show: `ip`, `dst`, or the fields joined by `+` (`dst+dst_port`).
+impl fmt::Display for KeyKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KeyKind::All => f.write_str("all"),
+            KeyKind::Ip => f.write_str("ip"),
+            KeyKind::Region => f.write_str("region"),
+            KeyKind::Fields(k) => {
+                let names: Vec<&str> = k.fields().map(KeyField::as_str).collect();
+                f.write_str(&names.join("+"))
+            }
+        }
+    }
+}
+
+/// One keyword: `all`, `ip`, `region` or `dst` (a list is read field by field).
+impl FromStr for KeyKind {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s {
+            "all" => Ok(KeyKind::All),
+            "ip" => Ok(KeyKind::Ip),
+            "region" => Ok(KeyKind::Region),
+            "dst" => Ok(KeyKind::DST),
+            _ => Err(format!(
+                "must be one of {}, or a list of up to three of {} (got {s:?})",
+                values::quoted_list(&["all", "ip", "region", "dst"]),
+                values::quoted_list(&["dst", "dst_port", "src_port", "protocol"]),
+            )),
+        }
+    }
+}
 
 keyword_enum!(
     /// `action`.

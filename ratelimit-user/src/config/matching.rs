@@ -148,7 +148,10 @@ impl fmt::Display for Match {
         if let Some(s) = self.tcp_state {
             parts.push(format!("tcp_state = \"{s}\""));
         }
-        for (name, v) in [("src_ports", &self.src_ports), ("dst_ports", &self.dst_ports)] {
+        for (name, v) in [
+            ("src_ports", &self.src_ports),
+            ("dst_ports", &self.dst_ports),
+        ] {
             if !v.is_empty() {
                 parts.push(format!("{name} = {}", ranges(v)));
             }
@@ -167,7 +170,10 @@ impl fmt::Display for Match {
         if let Some(fr) = self.fragment {
             parts.push(format!("fragment = \"{fr}\""));
         }
-        for (name, v) in [("icmp_types", &self.icmp_types), ("icmp_codes", &self.icmp_codes)] {
+        for (name, v) in [
+            ("icmp_types", &self.icmp_types),
+            ("icmp_codes", &self.icmp_codes),
+        ] {
             if !v.is_empty() {
                 let items: Vec<String> = v.iter().map(u8::to_string).collect();
                 parts.push(format!("{name} = [{}]", items.join(", ")));

@@ -185,14 +185,20 @@ impl fmt::Display for OverrideTarget {
 
 /// Whether a rule keyed `key` takes an override by CIDR (`region = false`) or by region: a
 /// CIDR override needs key = "ip" or "all" (the shared bucket's threshold for those sources),
-/// a region override key = "region". The error follows the field's name.
+/// a region override key = "region"; a key of packet fields takes none. The error follows the
+/// field's name.
 pub fn override_fits(key: KeyKind, region: bool) -> Result<(), String> {
     match (key, region) {
+        (KeyKind::Fields(_), _) => Err(format!(
+            "overrides need key = \"ip\", \"all\" or \"region\" (this rule has key = {})",
+            key.toml()
+        )),
         (KeyKind::Region, false) => {
             Err("overrides need key = \"ip\" or \"all\" (this rule has key = \"region\")".into())
         }
         (KeyKind::Ip | KeyKind::All, true) => Err(format!(
-            "overrides need key = \"region\" (this rule has key = \"{key}\")"
+            "overrides need key = \"region\" (this rule has key = {})",
+            key.toml()
         )),
         _ => Ok(()),
     }

@@ -456,7 +456,7 @@ fn unknown_keys() {
                 &text,
                 "port",
                 0,
-                "rule \"r\": match: unknown key \"port\"; expected one of protocol, tcp_flags, dst_ports, src"
+                "rule \"r\": match: unknown key \"port\"; expected one of protocol, tcp_flags, dst_ports, src_ports, src, dst, length, ttl, fragment, icmp_types, icmp_codes, payload, tcp_state"
             ),
             at(
                 &text,
@@ -1104,7 +1104,7 @@ fn errors_are_collected_and_sorted() {
     assert_eq!(positions, [(2, 7), (3, 23), (3, 37), (4, 8), (6, 12)]);
     assert_eq!(
         e.to_string(),
-        "t.toml:2:7: rule #1: key must be one of \"all\", \"ip\" or \"region\" (got \"bogus\")\n\
+        "t.toml:2:7: rule #1: key must be one of \"all\", \"ip\", \"region\" or \"dst\", or a list of up to three of \"dst\", \"dst_port\", \"src_port\" or \"protocol\" (got \"bogus\")\n\
          t.toml:3:23: rule #1: threshold.count must be at least 1\n\
          t.toml:3:37: rule #1: threshold.interval must be greater than 0\n\
          t.toml:4:8: rule #1: name must not be empty\n\

@@ -95,7 +95,8 @@ pub fn line_with(
     let key = ClientKey {
         rule: e.rule as u8,
         kind: e.key_kind as u8,
-        _pad: [0; 2],
+        proto: (e.key_kind >> 8) as u8,
+        fields: (e.key_kind >> 16) as u8,
         prefix_len: e.prefix_len,
         addr: e.addr,
     };

@@ -186,7 +186,8 @@ pub fn targets(
                 key: ClientKey {
                     rule: g.index,
                     kind: KEY_IP,
-                    _pad: [0; 2],
+                    proto: 0,
+                    fields: 0,
                     prefix_len,
                     addr: a,
                 },

@@ -17,8 +17,8 @@ use std::{
 use anyhow::{Context as _, anyhow, bail};
 use aya::maps::{HashMap, Map, MapData};
 use ratelimit_common::maps::{
-    ClientKey, ClientState, FleetAdd, HashKey, KEY_IP, SLOT_BUSY, STORE_WAYS, SharedState,
-    StoreSet, known_hash, slot_key, slot_ready, slot_tag, store_sets_of,
+    ClientKey, ClientState, FleetAdd, HashKey, KEY_IP, KEY_TUPLE, SLOT_BUSY, STORE_WAYS,
+    SharedState, StoreSet, known_hash, slot_key, slot_ready, slot_tag, store_sets_of,
 };
 
 /// A window meter of a per-source state.
@@ -45,6 +45,8 @@ pub type SlotIndex = u64;
 pub struct ClientStore {
     /// Shared keys (`all`, `region`).
     pub shared: HashMap<MapData, ClientKey, SharedState>,
+    /// Keys of packet fields (`KEY_TUPLE`: `dst`, ports, protocol), `RL_KEYED`.
+    pub keyed: HashMap<MapData, ClientKey, SharedState>,
     /// What the other hosts counted for the shared keys of global rules (`RL_FLEET_ADD`),
     /// written by the fleet's sync task only.
     fleet_add: std::sync::Mutex<HashMap<MapData, ClientKey, FleetAdd>>,
@@ -70,10 +72,11 @@ impl Drop for ClientStore {
 }
 
 impl ClientStore {
-    /// From the program's maps `RL_SHARED`, `RL_FLEET_ADD` and `RL_CLIENTS`, placed under
-    /// `hash_key`.
+    /// From the program's maps `RL_SHARED`, `RL_KEYED`, `RL_FLEET_ADD` and `RL_CLIENTS`,
+    /// placed under `hash_key`.
     pub fn new(
         shared: Map,
+        keyed: Map,
         fleet_add: Map,
         sets_map: Map,
         hash_key: HashKey,
@@ -100,6 +103,7 @@ impl ClientStore {
         let p = super::mmap::map_shared(sets_map.fd().as_fd(), len_bytes, "RL_CLIENTS")?;
         Ok(Self {
             shared: HashMap::try_from(shared)?,
+            keyed: HashMap::try_from(keyed)?,
             fleet_add: std::sync::Mutex::new(HashMap::try_from(fleet_add)?),
             sets_map,
             sets,
@@ -120,6 +124,7 @@ impl ClientStore {
         let hash_key = keys.get(&0, 0).context("reading RL_HASH_KEY")?;
         Self::new(
             Map::HashMap(open("RL_SHARED")?),
+            Map::HashMap(open("RL_KEYED")?),
             Map::HashMap(open("RL_FLEET_ADD")?),
             Map::Array(open("RL_CLIENTS")?),
             hash_key,
@@ -190,7 +195,7 @@ impl ClientStore {
     /// A snapshot of `key`'s state (per-source or shared).
     pub fn get(&self, key: &ClientKey) -> Option<ClientState> {
         if key.kind != KEY_IP {
-            return self.shared.get(key, 0).ok().map(|s| s.state);
+            return self.shared_map(key.kind).get(key, 0).ok().map(|s| s.state);
         }
         let i = self.find(key)?;
         // SAFETY: a slot inside the mapping (a snapshot: the program may be updating it).
@@ -352,17 +357,27 @@ impl ClientStore {
             .is_ok()
     }
 
-    /// Retire every state (per-source and shared) of the rules `stale` says. Returns how
-    /// many per-source states went.
+    /// The map holding the states of a key of kind `kind` that is not per source.
+    pub fn shared_map(&self, kind: u8) -> &HashMap<MapData, ClientKey, SharedState> {
+        if kind == KEY_TUPLE {
+            &self.keyed
+        } else {
+            &self.shared
+        }
+    }
+
+    /// Retire every state (per-source, shared and keyed) of the rules `stale` says. Returns
+    /// how many per-source states went.
     pub fn retire_rules(&mut self, stale: &[u8]) -> anyhow::Result<u64> {
-        let keys: Vec<ClientKey> = self
-            .shared
-            .keys()
-            .filter_map(|k| k.ok())
-            .filter(|k| stale.contains(&k.rule))
-            .collect();
-        for k in &keys {
-            let _ = self.shared.remove(k);
+        for map in [&mut self.shared, &mut self.keyed] {
+            let keys: Vec<ClientKey> = map
+                .keys()
+                .filter_map(|k| k.ok())
+                .filter(|k| stale.contains(&k.rule))
+                .collect();
+            for k in &keys {
+                let _ = map.remove(k);
+            }
         }
         let mut ready = Vec::new();
         self.walk_slots(&mut |i, tag, s| {
@@ -384,10 +399,10 @@ impl ClientStore {
         Ok(gone)
     }
 
-    /// Call `f` on every state: the shared keys', then the per-source ones. Each is a
-    /// snapshot read whole, while the program may be updating it.
+    /// Call `f` on every state: the shared keys', the keyed ones, then the per-source ones.
+    /// Each is a snapshot read whole, while the program may be updating it.
     pub fn walk(&self, f: &mut dyn FnMut(&ClientKey, &ClientState)) -> anyhow::Result<()> {
-        for r in self.shared.iter() {
+        for r in self.shared.iter().chain(self.keyed.iter()) {
             let (k, s) = r.map_err(|e| anyhow!("walking the shared states: {e}"))?;
             f(&k, &s.state);
         }

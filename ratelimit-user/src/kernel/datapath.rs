@@ -58,6 +58,7 @@ pub const MAP_NAMES: &[&str] = &[
     "RL_HASH_KEY",
     "RL_IFACES",
     "RL_IFSLOTS",
+    "RL_KEYED",
     "RL_KNOWN",
     "RL_LOCAL_ADDRS",
     "RL_OVERFLOW",

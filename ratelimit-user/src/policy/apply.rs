@@ -27,9 +27,7 @@ use crate::{
 use super::matching::{
     Read, dests, excepts, fetches, global_flags, more_match, narrow_rules, payload_reads,
 };
-pub use super::prefixes::{
-    Prefix, close_over_covering, lpm_key, net_of, prefix, prefix_of_lpm,
-};
+pub use super::prefixes::{Prefix, close_over_covering, lpm_key, net_of, prefix, prefix_of_lpm};
 
 /// Everything the maps should hold for a config.
 #[derive(Debug, Clone, PartialEq)]
@@ -140,6 +138,11 @@ pub fn rule_config(r: &Rule, reads: &[Read]) -> RuleConfig {
             KeyKind::All => KEY_ALL,
             KeyKind::Ip => KEY_IP,
             KeyKind::Region => KEY_REGION,
+            KeyKind::Fields(_) => KEY_TUPLE,
+        },
+        key_fields: match r.key {
+            KeyKind::Fields(f) => f.0,
+            _ => 0,
         },
         action: if is_ban { ACTION_BAN } else { ACTION_THROTTLE },
         algorithm: match r.algorithm {
@@ -159,7 +162,7 @@ pub fn rule_config(r: &Rule, reads: &[Read]) -> RuleConfig {
         tcp_flags_mask: mask,
         tcp_flags_value: value,
         port_count: r.matcher.dst_ports.len().min(MAX_PORT_RANGES) as u8,
-        _pad: [0; 3],
+        _pad: [0; 2],
         ports,
         limit: limit_of_counts(&counts),
         elastic: elastic_limit(&counts),

@@ -88,7 +88,12 @@ pub fn more_match(m: &Match, reads: &[Read]) -> (u32, MoreMatch) {
         flags |= RULE_ICMP_CODES;
         more.icmp_codes = bits(&m.icmp_codes);
     }
-    for (slot, p) in more.payload.iter_mut().zip(&m.payload).take(MAX_PAYLOAD_MATCHES) {
+    for (slot, p) in more
+        .payload
+        .iter_mut()
+        .zip(&m.payload)
+        .take(MAX_PAYLOAD_MATCHES)
+    {
         let at = reads.iter().position(|r| *r == p.read());
         *slot = PayloadMatch {
             fetch: at.map_or(0, |j| j as u8 + 1),
@@ -124,13 +129,22 @@ pub fn global_flags(rules: &[RuleConfig]) -> u32 {
     .iter()
     .filter(|(rule, _)| any(*rule))
     .fold(0, |acc, (_, global)| acc | global)
+        | if rules.iter().any(|r| r.key == KEY_TUPLE) {
+            GLOBAL_KEY_TUPLE
+        } else {
+            0
+        }
 }
 
-/// How many of the first rules a fast-drop entry may stand for: those whose match reads
-/// only what the entry keys on (source, protocol, destination port, TCP flags).
+/// How many of the first rules a fast-drop entry may stand for: those whose match and key
+/// read only what the entry keys on (source, protocol, destination port, TCP flags).
 pub fn narrow_rules(rules: &[RuleConfig]) -> u32 {
     let wide = RULE_MORE_MATCH | RULE_DST_MATCH | RULE_TCP_STATE;
-    rules.iter().take_while(|r| r.flags & wide == 0).count() as u32
+    let wide_key = KEY_FIELD_DST | KEY_FIELD_SRC_PORT;
+    rules
+        .iter()
+        .take_while(|r| r.flags & wide == 0 && (r.key != KEY_TUPLE || r.key_fields & wide_key == 0))
+        .count() as u32
 }
 
 /// The destinations trie: every rule's `dst` prefixes, each with the rules whose lists cover
@@ -188,7 +202,9 @@ mod tests {
     }
 
     fn rule(name: &str, lines: &str) -> String {
-        format!("[[rule]]\nname = \"{name}\"\nthreshold = {{ count = 10, interval = \"1s\" }}\n{lines}\n")
+        format!(
+            "[[rule]]\nname = \"{name}\"\nthreshold = {{ count = 10, interval = \"1s\" }}\n{lines}\n"
+        )
     }
 
     #[test]
@@ -208,7 +224,10 @@ mod tests {
         .concat());
         let p = plan(&cfg, false);
         let [syn, refl, ping, oos] = [&p.rules[0], &p.rules[1], &p.rules[2], &p.rules[3]];
-        assert_eq!(syn.flags & (RULE_MORE_MATCH | RULE_DST_MATCH | RULE_EXCEPT | RULE_TCP_STATE), 0);
+        assert_eq!(
+            syn.flags & (RULE_MORE_MATCH | RULE_DST_MATCH | RULE_EXCEPT | RULE_TCP_STATE),
+            0
+        );
         assert_eq!(syn.more, MoreMatch::default());
 
         assert_eq!(
@@ -217,37 +236,67 @@ mod tests {
         );
         let m = &refl.more;
         assert_eq!((m.src_port_count, m.length_count, m.ttl_count), (2, 1, 1));
-        assert_eq!(m.src_ports[..2], [PortRange { lo: 53, hi: 53 }, PortRange { lo: 123, hi: 123 }]);
+        assert_eq!(
+            m.src_ports[..2],
+            [PortRange { lo: 53, hi: 53 }, PortRange { lo: 123, hi: 123 }]
+        );
         assert_eq!(m.lengths[0], PortRange { lo: 400, hi: 65535 });
         assert_eq!(m.ttls[0], PortRange { lo: 1, hi: 64 });
         assert_eq!(m.fragment, FRAGMENT_NONE);
-        let p0 = PayloadMatch { fetch: 1, _pad: [0; 3], mask: 0x8000, value: 0x8000 };
+        let p0 = PayloadMatch {
+            fetch: 1,
+            _pad: [0; 3],
+            mask: 0x8000,
+            value: 0x8000,
+        };
         assert_eq!(m.payload, [p0, PayloadMatch::default()]);
 
         assert_eq!(
             ping.flags & (RULE_MORE_MATCH | RULE_ICMP_TYPES | RULE_ICMP_CODES),
             RULE_MORE_MATCH | RULE_ICMP_TYPES | RULE_ICMP_CODES
         );
-        assert_eq!(ping.more.icmp_types, [(1 << 8) | (1 << 13), 0, 0, 0, 0, 0, 0, 0]);
+        assert_eq!(
+            ping.more.icmp_types,
+            [(1 << 8) | (1 << 13), 0, 0, 0, 0, 0, 0, 0]
+        );
         assert_eq!(ping.more.icmp_codes, [1, 0, 0, 0, 0, 0, 0, 0]);
         // The same read as `refl`'s shares its fetch; the new one is the second.
         assert_eq!(ping.more.payload[0].fetch, 1);
         assert_eq!(
             ping.more.payload[1],
-            PayloadMatch { fetch: 2, _pad: [0; 3], mask: 0xff, value: 0x12 }
+            PayloadMatch {
+                fetch: 2,
+                _pad: [0; 3],
+                mask: 0xff,
+                value: 0x12
+            }
         );
-        assert_eq!(oos.flags & (RULE_TCP_STATE | RULE_MORE_MATCH), RULE_TCP_STATE);
+        assert_eq!(
+            oos.flags & (RULE_TCP_STATE | RULE_MORE_MATCH),
+            RULE_TCP_STATE
+        );
 
         let g = &p.global;
         assert_eq!(g.fetch_count, 2);
         assert_eq!(
             g.fetches[..2],
             [
-                PayloadFetch { from: FROM_L4_PAYLOAD, len: 2, offset: 2 },
-                PayloadFetch { from: FROM_L4, len: 1, offset: 4 },
+                PayloadFetch {
+                    from: FROM_L4_PAYLOAD,
+                    len: 2,
+                    offset: 2
+                },
+                PayloadFetch {
+                    from: FROM_L4,
+                    len: 1,
+                    offset: 4
+                },
             ]
         );
-        assert_eq!(g.flags & (GLOBAL_TCP_STATE | GLOBAL_DST_MATCH), GLOBAL_TCP_STATE | GLOBAL_DST_MATCH);
+        assert_eq!(
+            g.flags & (GLOBAL_TCP_STATE | GLOBAL_DST_MATCH),
+            GLOBAL_TCP_STATE | GLOBAL_DST_MATCH
+        );
         // Only `syn` matches on what a fast-drop entry keys on; `refl` reads more.
         assert_eq!(g.narrow_rules, 1);
         // `except` goes to the sources trie under rule 1; `dst` to the destinations trie.
@@ -256,7 +305,10 @@ mod tests {
             .iter()
             .find(|((_, k), _)| *k == IpKey::from_v4([198, 51, 100, 53]))
             .expect("the except entry");
-        assert_eq!((except.1.rule_except_mask, except.1.rule_src_mask), (1 << 1, 0));
+        assert_eq!(
+            (except.1.rule_except_mask, except.1.rule_src_mask),
+            (1 << 1, 0)
+        );
         assert_eq!(
             p.dests.iter().map(|(p, v)| (*p, *v)).collect::<Vec<_>>(),
             [((96 + 24, IpKey::from_v4([192, 0, 2, 0])), 1 << 1)]
@@ -265,11 +317,13 @@ mod tests {
 
     #[test]
     fn destination_lists_are_closed_over_covering_prefixes_per_family() {
-        let cfg = config(&[
-            rule("a", "match = { dst = [\"10.0.0.0/8\", \"2001:db8::/32\"] }"),
-            rule("b", "match = { dst = [\"10.1.0.0/16\", \"::/0\"] }"),
-        ]
-        .concat());
+        let cfg = config(
+            &[
+                rule("a", "match = { dst = [\"10.0.0.0/8\", \"2001:db8::/32\"] }"),
+                rule("b", "match = { dst = [\"10.1.0.0/16\", \"::/0\"] }"),
+            ]
+            .concat(),
+        );
         let d = dests(&cfg.rules);
         let at = |s: &str| {
             let n: ipnet::IpNet = s.parse().unwrap();

@@ -223,13 +223,15 @@ pub struct Client {
 }
 
 /// What a client state or a ban is keyed by: a prefix (`ip`), every source of its rule
-/// (`all`), a region, or a rule's shared state for sources it has no room for (`overflow`).
+/// (`all`), a region, packet fields (`fields`: destination, ports, protocol), or a rule's
+/// shared state for sources it has no room for (`overflow`).
 #[derive(Serialize, Deserialize, Clone, Copy, Debug, PartialEq, Eq)]
 #[serde(rename_all = "snake_case")]
 pub enum Key {
     All,
     Ip,
     Region,
+    Fields,
     Overflow,
 }
 
@@ -240,6 +242,7 @@ impl Key {
             KEY_ALL => Key::All,
             KEY_IP => Key::Ip,
             KEY_REGION => Key::Region,
+            KEY_TUPLE => Key::Fields,
             _ => Key::Overflow,
         }
     }
@@ -249,6 +252,7 @@ impl Key {
             Key::All => "all",
             Key::Ip => "ip",
             Key::Region => "region",
+            Key::Fields => "fields",
             Key::Overflow => "overflow",
         }
     }
@@ -268,8 +272,37 @@ pub fn client_label(k: &ClientKey) -> String {
     match k.kind {
         KEY_IP => net_of(k.prefix_len, &IpKey { addr: k.addr }).to_string(),
         KEY_REGION => String::from_utf8_lossy(&k.addr[..2]).into_owned(),
+        KEY_TUPLE => tuple_label(k),
         _ => "*".to_string(),
     }
+}
+
+/// A `KEY_TUPLE` key's fields, as `dst=192.0.2.1 dst_port=53 protocol=udp`.
+fn tuple_label(k: &ClientKey) -> String {
+    let mut parts = Vec::new();
+    if k.fields & KEY_FIELD_DST != 0 {
+        parts.push(format!(
+            "dst={}",
+            net_of(128, &IpKey { addr: k.addr }).addr()
+        ));
+    }
+    if k.fields & KEY_FIELD_DST_PORT != 0 {
+        parts.push(format!("dst_port={}", k.prefix_len >> 16));
+    }
+    if k.fields & KEY_FIELD_SRC_PORT != 0 {
+        parts.push(format!("src_port={}", k.prefix_len & 0xffff));
+    }
+    if k.fields & KEY_FIELD_PROTOCOL != 0 {
+        let name = match k.proto {
+            PROTO_TCP => "tcp".to_string(),
+            PROTO_UDP => "udp".to_string(),
+            PROTO_ICMP => "icmp".to_string(),
+            PROTO_ICMPV6 => "icmpv6".to_string(),
+            n => n.to_string(),
+        };
+        parts.push(format!("protocol={name}"));
+    }
+    parts.join(" ")
 }
 
 /// Describe one client state against its rule (`None` if the rule no longer exists).

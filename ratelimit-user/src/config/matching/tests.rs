@@ -213,7 +213,10 @@ fn payload_reads_are_counted_across_rules() {
     assert_eq!(c.rules.len(), 3);
     text.push_str(&rule(
         "r3",
-        &format!("match = {{ protocol = \"udp\", payload = [{}] }}\n", read(9)),
+        &format!(
+            "match = {{ protocol = \"udp\", payload = [{}] }}\n",
+            read(9)
+        ),
     ));
     let got = errors(&text);
     assert_eq!(got.len(), 1, "{got:#?}");
@@ -231,6 +234,10 @@ fn except_is_a_list_of_sources() {
     let text = rule("r", "except = [\"::ffff:192.0.2.1\"]\n");
     let got = errors(&text);
     assert_eq!(got.len(), 1, "{got:#?}");
-    assert!(got[0].contains("rule \"r\": except: ::ffff:192.0.2.1 is inside ::ffff:0:0/96"), "{}", got[0]);
+    assert!(
+        got[0].contains("rule \"r\": except: ::ffff:192.0.2.1 is inside ::ffff:0:0/96"),
+        "{}",
+        got[0]
+    );
     assert!(parse("t.toml", &rule("r", "except = []\n")).is_err());
 }

@@ -36,7 +36,10 @@ pub(super) fn matcher(mut t: Table, tot: &mut Totals, ck: &mut Checker) -> Match
             m.tcp_flags = parse_tcp_flags(s).map_err(|e| f.invalid(ck, e)).ok();
         }
     }
-    for (name, out) in [("dst_ports", &mut m.dst_ports), ("src_ports", &mut m.src_ports)] {
+    for (name, out) in [
+        ("dst_ports", &mut m.dst_ports),
+        ("src_ports", &mut m.src_ports),
+    ] {
         if let Some(f) = t.get(name) {
             needs(&f, ck, Protocol::has_ports, "\"tcp\" or \"udp\"");
             *out = ports(&f, ck);
@@ -63,7 +66,10 @@ pub(super) fn matcher(mut t: Table, tot: &mut Totals, ck: &mut Checker) -> Match
     }
     let fragment_field = t.get("fragment");
     m.fragment = fragment_field.as_ref().and_then(|f| keyword(f, ck));
-    for (name, out) in [("icmp_types", &mut m.icmp_types), ("icmp_codes", &mut m.icmp_codes)] {
+    for (name, out) in [
+        ("icmp_types", &mut m.icmp_types),
+        ("icmp_codes", &mut m.icmp_codes),
+    ] {
         if let Some(f) = t.get(name) {
             needs(&f, ck, icmp, "\"icmp\" or \"icmpv6\"");
             *out = numbers(&f, ck);
@@ -152,7 +158,10 @@ fn nets(
         return out;
     };
     if items.is_empty() {
-        f.error(ck, format!("must not be empty; leave it out to match any {what}"));
+        f.error(
+            ck,
+            format!("must not be empty; leave it out to match any {what}"),
+        );
     }
     let cap = if what == "destination" {
         caps::MAX_RULE_DST_ENTRIES
@@ -184,7 +193,10 @@ fn ranges(f: &Field, ck: &mut Checker, what: &str, min: u32, max: u32) -> Vec<(u
         return out;
     };
     if items.is_empty() {
-        f.error(ck, format!("must not be empty; leave it out to match any {what}"));
+        f.error(
+            ck,
+            format!("must not be empty; leave it out to match any {what}"),
+        );
     }
     for (i, e) in items.iter().enumerate() {
         let r = match e.node() {

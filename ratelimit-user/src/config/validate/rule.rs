@@ -10,10 +10,10 @@ use super::counts::{RuleCtx, Totals, ban_threshold, burst, elastic, threshold};
 use super::matching::{except, matcher};
 use super::overrides::override_;
 use super::{duration_by, int_in, keyword};
-use crate::config::tree::{Checker, Table};
+use crate::config::tree::{Checker, Field, Node, Table};
 use crate::config::{
-    Action, Algorithm, Counts, Elastic, ExceedAction, KeyKind, Match, Override, Rule,
-    Scope, Threshold, Unit, parse_ban_duration,
+    Action, Algorithm, Counts, Elastic, ExceedAction, KeyField, KeyFields, KeyKind, Match,
+    Override, Rule, Scope, Threshold, Unit, parse_ban_duration,
 };
 
 /// One `[[rule]]`, in steps: its name, what it matches, its key, its limits, how it acts on
@@ -134,6 +134,7 @@ fn name(t: &mut Table, tot: &mut Totals, ck: &mut Checker) -> String {
 fn key(t: &mut Table, has_geoip: bool, ck: &mut Checker) -> (Option<KeyKind>, u8, u8) {
     let key_field = t.get("key");
     let key = match &key_field {
+        Some(f) if matches!(f.node(), Node::Array(_)) => key_fields(f, ck),
         Some(f) => keyword(f, ck),
         None => Some(KeyKind::Ip),
     };
@@ -147,7 +148,10 @@ fn key(t: &mut Table, has_geoip: bool, ck: &mut Checker) -> (Option<KeyKind>, u8
         if let Some(k) = key.filter(|&k| k != KeyKind::Ip) {
             f.error_at_key(
                 ck,
-                format!("only applies to key = \"ip\" (this rule has key = \"{k}\")"),
+                format!(
+                    "only applies to key = \"ip\" (this rule has key = {})",
+                    k.toml()
+                ),
             );
         }
         int_in(&f, ck, 1, max.into()).map_or(default, |n| n as u8)
@@ -155,6 +159,58 @@ fn key(t: &mut Table, has_geoip: bool, ck: &mut Checker) -> (Option<KeyKind>, u8
     let ipv4_prefix = prefix("ipv4_prefix", 32, 32, ck);
     let ipv6_prefix = prefix("ipv6_prefix", 128, 64, ck);
     (key, ipv4_prefix, ipv6_prefix)
+}
+
+/// `key = [..]`: one to three distinct fields of the packet. `["ip"]` is `"ip"`; `ip` with
+/// other fields is refused: a per-source state is keyed by the source alone (give each
+/// service a rule of its own, with `dst` or `dst_ports` in its match and key = "ip").
+fn key_fields(f: &Field, ck: &mut Checker) -> Option<KeyKind> {
+    let items = f.array(ck)?;
+    if items.is_empty() || items.len() > 3 {
+        f.error(
+            ck,
+            "must list one to three of \"ip\", \"dst\", \"dst_port\", \"src_port\", \"protocol\"",
+        );
+        return None;
+    }
+    let mut bits = 0u8;
+    let mut ok = true;
+    let mut ip = false;
+    for e in &items {
+        let Some(field) = keyword::<KeyField>(e, ck) else {
+            ok = false;
+            continue;
+        };
+        let bit = KeyFields::bit(field);
+        let seen = match bit {
+            None => std::mem::replace(&mut ip, true),
+            Some(b) => {
+                let had = bits & b != 0;
+                bits |= b;
+                had
+            }
+        };
+        if seen {
+            e.error(ck, format!("\"{field}\" is listed twice"));
+            ok = false;
+        }
+    }
+    if !ok {
+        return None;
+    }
+    match (ip, bits) {
+        (true, 0) => Some(KeyKind::Ip),
+        (true, _) => {
+            f.error(
+                ck,
+                "\"ip\" cannot be combined with other fields: a per-source state is keyed by the \
+                 source alone (for a per-client budget per service, give each service a rule of \
+                 its own with `dst` or `dst_ports` in its match and key = \"ip\")",
+            );
+            None
+        }
+        (false, b) => Some(KeyKind::Fields(KeyFields(b))),
+    }
 }
 
 /// A rule's limits as read; `None` where absent or invalid.
@@ -253,6 +309,14 @@ fn scope(
             "global" if !has_fleet => f.invalid(
                 ck,
                 "\"global\" needs a [fleet] section (the store the hosts count in)",
+            ),
+            "global" if matches!(key, Some(KeyKind::Fields(_))) => f.invalid(
+                ck,
+                format!(
+                    "\"global\" needs key = \"ip\", \"all\" or \"region\" (this rule has key = {}: \
+                     its states are counted by each host alone)",
+                    key.map(KeyKind::toml).unwrap_or_default()
+                ),
             ),
             "global"
                 if key.is_some_and(|k| k != KeyKind::Ip)

@@ -118,6 +118,7 @@ fn typed_maps(
         regions: LpmTrie::try_from(take("RL_REGIONS")?)?,
         clients: crate::kernel::clients::ClientStore::new(
             take("RL_SHARED")?,
+            take("RL_KEYED")?,
             take("RL_FLEET_ADD")?,
             take("RL_CLIENTS")?,
             hash_key,
