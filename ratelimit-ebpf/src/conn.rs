@@ -7,7 +7,8 @@
 //! (`bpf_tcp_check_syncookie`, the kernel's own test). Anything else (no socket, a listener
 //! and no valid cookie) is a segment the kernel would answer with a reset or drop: out of
 //! state. Only segments addressed to this host are judged (`cookies::for_this_host`):
-//! a forwarded segment has no local socket and is none of this rule's business. So are only
+//! a forwarded segment has no local socket and is none of this rule's business. A segment
+//! from a source the stack discards as a martian is out of state too. So are only
 //! segments whose TCP header follows a fixed IP header directly (no IPv4 options, no IPv6
 //! extension header), which the lookup's tuple is read from; the others count as in state.
 
@@ -18,7 +19,7 @@ use aya_ebpf::{
 };
 
 use crate::{
-    cookies::{self, BUF, TCP_ACK, TCP_LISTEN},
+    cookies::{self, BUF, Dest, TCP_ACK, TCP_LISTEN},
     parse::{self, Parsed},
 };
 
@@ -84,8 +85,9 @@ fn connection_af<const V4: bool>(ctx: &XdpContext, ack: bool) -> u32 {
             return CONN_JUDGED_OK;
         }
     }
-    if !cookies::for_this_host::<V4>(ctx, b, l3) {
-        return CONN_JUDGED_OK;
+    match cookies::for_this_host::<V4>(ctx, b, l3) {
+        // A martian source's segment the stack discards: nothing can accept it either.
+        Dest::Here | Dest::Martian => CONN_NONE,
+        Dest::Elsewhere => CONN_JUDGED_OK,
     }
-    CONN_NONE
 }

@@ -355,7 +355,7 @@ fn answer_af<const V4: bool>(ctx: &XdpContext, rl: &RuleLoop, cap: u64) -> u64 {
     }
     // Only what is addressed to this host: a unicast frame, to an address the host's routes
     // call local (or on a host that forwards nothing, one of its interfaces' addresses).
-    if !for_this_host::<V4>(ctx, b, l3) {
+    if for_this_host::<V4>(ctx, b, l3) != Dest::Here {
         return ANSWER_NONE;
     }
     let sk = lookup::<V4>(ctx, b, l3);
@@ -426,25 +426,37 @@ fn pass(reason: u32, proved: bool) -> u64 {
     ANSWER_PASS | (reason as u64) << 8 | if proved { ANSWER_PROVEN } else { 0 }
 }
 
+/// Where [`for_this_host`] says a packet goes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Dest {
+    /// To this host, from a source its stack takes.
+    Here,
+    /// Elsewhere: not to this host (forwarded, or not unicast to it), or unreadable.
+    Elsewhere,
+    /// An IPv4 source the stack discards as a martian (`ip_route_input_slow`: 0/8, 127/8,
+    /// multicast 224/4, the limited broadcast 255.255.255.255; not class E 240/4, which it
+    /// takes).
+    Martian,
+}
+
 /// Whether the packet at `l3` is addressed to this host: a unicast destination MAC, and a
 /// destination the routing table calls local (`BPF_FIB_LKUP_RET_NOT_FWDED`), or, on a device
 /// that forwards nothing (`BPF_FIB_LKUP_RET_FWD_DISABLED`: the route lookup says nothing
 /// more there), an address of this host's interfaces ([`LOCAL_ADDRS`], which the daemon
 /// keeps). A listener bound to the wildcard address matches any destination, so the socket
 /// lookup alone would have a SYN to any address that reaches the NIC answered from it.
-/// An IPv4 source the stack would discard as a martian (0/8, 127/8, multicast, reserved,
-/// broadcast) is not answered either.
+/// An IPv4 source the stack would discard as a martian is [`Dest::Martian`].
 #[inline(always)]
 pub(crate) fn for_this_host<const V4: bool>(
     ctx: &XdpContext,
     b: *mut CookieBuf,
     l3: usize,
-) -> bool {
+) -> Dest {
     let Some(eth) = parse::header(ctx, 0, 6) else {
-        return false;
+        return Dest::Elsewhere;
     };
     if eth.field::<u8>(0) & 1 != 0 {
-        return false;
+        return Dest::Elsewhere;
     }
     // SAFETY: this CPU's buffer; plain data for the helper. Each family checks its own header
     // length in its own branch (a length chosen by a flag reloaded from the stack is one the
@@ -456,11 +468,11 @@ pub(crate) fn for_this_host<const V4: bool>(
         (*p).l4_protocol = IPPROTO_TCP;
         if V4 {
             let Some(ip) = parse::header(ctx, l3, 20) else {
-                return false;
+                return Dest::Elsewhere;
             };
             let a: u8 = ip.field(12);
-            if a == 0 || a == 127 || a >= 224 {
-                return false;
+            if a == 0 || a == 127 || a & 0xf0 == 224 || ip.field::<u32>(12) == u32::MAX {
+                return Dest::Martian;
             }
             (*p).family = 2; // AF_INET
             (*p).__bindgen_anon_3.ipv4_src = ip.field(12);
@@ -472,7 +484,7 @@ pub(crate) fn for_this_host<const V4: bool>(
             core::ptr::write_unaligned(d.add(12) as *mut u32, ip.field::<u32>(16));
         } else {
             let Some(ip) = parse::header(ctx, l3, 40) else {
-                return false;
+                return Dest::Elsewhere;
             };
             (*p).family = 10; // AF_INET6
             (*p).__bindgen_anon_3.ipv6_src = ip.field(8);
@@ -488,8 +500,13 @@ pub(crate) fn for_this_host<const V4: bool>(
             core::mem::size_of::<FibLookup>() as i32,
             0,
         );
-        rc == BPF_FIB_LKUP_RET_NOT_FWDED as i64
+        if rc == BPF_FIB_LKUP_RET_NOT_FWDED as i64
             || (rc == BPF_FIB_LKUP_RET_FWD_DISABLED as i64 && LOCAL_ADDRS.get(&(*b).dst).is_some())
+        {
+            Dest::Here
+        } else {
+            Dest::Elsewhere
+        }
     }
 }
 

@@ -164,8 +164,8 @@ fn phase(label: &str, policy: Option<&str>, flood: bool) -> Phase {
     p
 }
 
-fn resets(o: &Outcome) -> i64 {
-    o.evidence.get("server OutRsts").copied().unwrap_or(0)
+fn resets(p: &Phase) -> i64 {
+    p.o.evidence.get("server OutRsts").copied().unwrap_or(0)
 }
 
 /// The host answers the flood with resets without a filter and sends none with the rule;
