@@ -514,3 +514,109 @@ threshold = { count = 200, interval = "1h" }
         .collect();
     assert_eq!(cidrs, ["198.19.9.1/32"]);
 }
+
+/// `key = "dst"`: one budget per protected address. A flood of 1,000 sources to one address
+/// gets exactly its threshold through; the other address, of either family, keeps its
+/// budget whole; `top` names each state by its destination.
+#[test]
+fn key_dst_gives_each_destination_its_own_budget() {
+    kernel_test!();
+    let mut s = Scenario::new("rld");
+    s.start(
+        r#"
+[[rule]]
+name = "per-service"
+match = { protocol = "udp" }
+key = "dst"
+threshold = { count = 300, interval = "1h" }
+algorithm = "fixed_window"
+"#,
+    );
+    let b = s.pair.b().clone();
+    let second4 = Ipv4Addr::new(
+        b.ipv4.octets()[0],
+        b.ipv4.octets()[1],
+        b.ipv4.octets()[2],
+        3,
+    );
+    ratelimit_tests::link::add_address(&s.server, &b.name, &format!("{second4}/24"));
+    let sink = s.sink(PORT);
+    let mut tx = s.sender();
+    let to = |src: IpAddr, dst: IpAddr| {
+        let f = match (src, dst) {
+            (IpAddr::V4(a), IpAddr::V4(d)) => s.builder().ipv4(a, d),
+            (IpAddr::V6(a), IpAddr::V6(d)) => s.builder().ipv6(a, d),
+            _ => unreachable!(),
+        };
+        f.udp(40000, PORT).pad_to(60).build()
+    };
+    // 1,000 sources flood the first address; 200 others send to the second, 100 over IPv6.
+    let flood: Vec<Vec<u8>> = (0..1000u32)
+        .map(|i| {
+            to(
+                IpAddr::V4(Ipv4Addr::from(0xc6_14_00_00 | i)),
+                IpAddr::V4(b.ipv4),
+            )
+        })
+        .collect();
+    let other: Vec<Vec<u8>> = (0..200u32)
+        .map(|i| {
+            to(
+                IpAddr::V4(Ipv4Addr::from(0xc6_15_00_00 | i)),
+                IpAddr::V4(second4),
+            )
+        })
+        .collect();
+    let v6: Vec<Vec<u8>> = (0..100u16)
+        .map(|i| {
+            let src = Ipv6Addr::new(0x2001, 0xdb8, 0x15, 0, 0, 0, 0, i + 1);
+            to(IpAddr::V6(src), IpAddr::V6(b.ipv6))
+        })
+        .collect();
+    tx.send_n(flood.iter(), 1000, None);
+    tx.send_n(other.iter(), 200, None);
+    tx.send_n(v6.iter(), 100, None);
+    sink.wait_total(600, Duration::from_secs(10));
+    sink.wait_quiet(Duration::from_millis(300));
+    let got = sink.stop();
+    let from = |lo: u32, n: u32| {
+        (0..n)
+            .map(|i| got.from(IpAddr::V4(Ipv4Addr::from(lo | i))))
+            .sum::<u64>()
+    };
+    assert_eq!(
+        from(0xc6_14_00_00, 1000),
+        300,
+        "the flooded address: its threshold"
+    );
+    assert_eq!(
+        from(0xc6_15_00_00, 200),
+        200,
+        "the other address: its whole budget"
+    );
+    assert_eq!(got.total, 600, "and IPv6's address its own");
+    let st = s.stats();
+    assert_eq!(rule_counter(&st, "per-service", "dropped"), 700);
+    assert_eq!(reason(&st, "state_created"), 3, "one state per destination");
+    let top = s.daemon().cli_json(&["top", "-n", "10"]);
+    let mut clients: Vec<(String, String, u64)> = top
+        .as_array()
+        .expect("top --json is a list")
+        .iter()
+        .map(|c| {
+            (
+                c["key"].as_str().unwrap().to_string(),
+                c["client"].as_str().unwrap().to_string(),
+                c["packets"].as_u64().unwrap(),
+            )
+        })
+        .collect();
+    clients.sort();
+    let mut want = vec![
+        ("fields".to_string(), format!("dst={}", b.ipv4), 1000),
+        ("fields".to_string(), format!("dst={}", b.ipv6), 100),
+        ("fields".to_string(), format!("dst={second4}"), 200),
+    ];
+    want.sort();
+    assert_eq!(clients, want);
+}

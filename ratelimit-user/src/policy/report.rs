@@ -203,7 +203,8 @@ pub fn stats_of(all: &[Vec<Pb>], ifaces: &[(u32, String)], rule_names: &[String]
 pub struct Client {
     pub rule: String,
     pub key: Key,
-    /// CIDR for `ip`, country code for `region`, `*` for `all` and `overflow`.
+    /// CIDR for `ip`, country code for `region`, the fields for `fields` (`dst=192.0.2.1
+    /// dst_port=53`), `*` for `all` and `overflow`.
     pub client: String,
     pub packets: u64,
     pub bytes: u64,
