@@ -28,8 +28,10 @@ pub const MAX_OVERRIDES: u32 = 65_536;
 pub const MAX_REGION_OVERRIDES: u32 = 4_096;
 /// CIDR → region entries loaded from the GeoIP database.
 pub const MAX_REGION_PREFIXES: u32 = 1_048_576;
-/// Destination port ranges one rule may match, and source port ranges.
+/// Destination port ranges one rule may match.
 pub const MAX_PORT_RANGES: usize = 8;
+/// Source port ranges one rule may match (a reflection rule names many services).
+pub const MAX_SRC_PORT_RANGES: usize = 16;
 /// Length ranges, and TTL ranges, of one rule.
 pub const MAX_LENGTH_RANGES: usize = 4;
 /// Payload conditions of one rule.

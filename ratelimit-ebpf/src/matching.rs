@@ -17,7 +17,7 @@ use aya_ebpf::{bindings::xdp_md, helpers::bpf_xdp_load_bytes, programs::XdpConte
 use ratelimit_common::{
     addr::IpKey,
     caps::{
-        MAX_LENGTH_RANGES, MAX_PAYLOAD_FETCHES, MAX_PAYLOAD_MATCHES, MAX_PORT_RANGES, MAX_RULES,
+        MAX_LENGTH_RANGES, MAX_PAYLOAD_FETCHES, MAX_PAYLOAD_MATCHES, MAX_RULES, MAX_SRC_PORT_RANGES,
     },
     maps::*,
 };
@@ -145,7 +145,7 @@ fn more(rule: &RuleConfig, pkt: &Parsed, ext: &Ext) -> bool {
         if !pkt.l4 || (pkt.proto != PROTO_TCP && pkt.proto != PROTO_UDP) {
             return false;
         }
-        if !in_ranges::<MAX_PORT_RANGES>(&m.src_ports, m.src_port_count, ext.sport) {
+        if !in_ranges::<MAX_SRC_PORT_RANGES>(&m.src_ports, m.src_port_count, ext.sport) {
             return false;
         }
     }

@@ -4,7 +4,9 @@
 //! the rule (`RULE_DST_MATCH`, `RULE_EXCEPT`, `RULE_TCP_STATE`), answered by the
 //! destinations trie, the sources trie and a socket lookup.
 
-use crate::caps::{MAX_LENGTH_RANGES, MAX_PAYLOAD_FETCHES, MAX_PAYLOAD_MATCHES, MAX_PORT_RANGES};
+use crate::caps::{
+    MAX_LENGTH_RANGES, MAX_PAYLOAD_FETCHES, MAX_PAYLOAD_MATCHES, MAX_SRC_PORT_RANGES,
+};
 
 /// An inclusive range of a 16-bit field: ports, lengths, TTLs.
 #[repr(C)]
@@ -72,7 +74,7 @@ pub struct MoreMatch {
     pub ttl_count: u8,
     /// `FRAGMENT_*`.
     pub fragment: u8,
-    pub src_ports: [PortRange; MAX_PORT_RANGES],
+    pub src_ports: [PortRange; MAX_SRC_PORT_RANGES],
     /// Of the IP packet's length in bytes (IPv4 total length; IPv6 payload length + 40).
     pub lengths: [PortRange; MAX_LENGTH_RANGES],
     /// Of the IPv4 TTL / IPv6 hop limit.

@@ -4,7 +4,7 @@
 
 use crate::{
     addr::IpKey,
-    caps::{MAX_LENGTH_RANGES, MAX_PAYLOAD_FETCHES, MAX_PORT_RANGES},
+    caps::{MAX_LENGTH_RANGES, MAX_PAYLOAD_FETCHES, MAX_PORT_RANGES, MAX_SRC_PORT_RANGES},
     maps::*,
 };
 
@@ -76,7 +76,7 @@ pub fn more_matches(rule: &RuleConfig, pkt: &Parsed, fetched: &Fetched) -> bool 
         if !pkt.l4 || (pkt.proto != PROTO_TCP && pkt.proto != PROTO_UDP) {
             return false;
         }
-        let n = (m.src_port_count as usize).min(MAX_PORT_RANGES);
+        let n = (m.src_port_count as usize).min(MAX_SRC_PORT_RANGES);
         if !m.src_ports[..n].iter().any(|r| r.holds(pkt.sport)) {
             return false;
         }

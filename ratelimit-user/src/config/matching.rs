@@ -19,7 +19,7 @@ pub struct Match {
     /// Inclusive ranges, `lo <= hi`, no port 0; at most `caps::MAX_PORT_RANGES`; only with TCP
     /// or UDP; empty = any port.
     pub dst_ports: Vec<(u16, u16)>,
-    /// As `dst_ports`, of the source port.
+    /// As `dst_ports`, of the source port; at most `caps::MAX_SRC_PORT_RANGES`.
     pub src_ports: Vec<(u16, u16)>,
     /// Source networks the rule is limited to; empty = any source.
     pub src: Vec<IpNet>,

@@ -6,7 +6,7 @@
 use std::collections::BTreeMap;
 
 use ratelimit_common::{
-    caps::{MAX_LENGTH_RANGES, MAX_PAYLOAD_FETCHES, MAX_PAYLOAD_MATCHES, MAX_PORT_RANGES},
+    caps::{MAX_LENGTH_RANGES, MAX_PAYLOAD_FETCHES, MAX_PAYLOAD_MATCHES, MAX_SRC_PORT_RANGES},
     maps::*,
 };
 
@@ -69,7 +69,7 @@ fn bits(v: &[u8]) -> [u32; 8] {
 pub fn more_match(m: &Match, reads: &[Read]) -> (u32, MoreMatch) {
     let mut more = MoreMatch::default();
     let mut flags = 0;
-    debug_assert!(m.src_ports.len() <= MAX_PORT_RANGES);
+    debug_assert!(m.src_ports.len() <= MAX_SRC_PORT_RANGES);
     debug_assert!(m.length.len() <= MAX_LENGTH_RANGES && m.ttl.len() <= MAX_LENGTH_RANGES);
     more.src_port_count = ranges(&mut more.src_ports, &m.src_ports);
     more.length_count = ranges(&mut more.lengths, &m.length);

@@ -241,3 +241,54 @@ fn except_is_a_list_of_sources() {
     );
     assert!(parse("t.toml", &rule("r", "except = []\n")).is_err());
 }
+
+#[test]
+fn a_reflection_rule_names_up_to_sixteen_source_ports() {
+    let ports = |n: u16| {
+        (1..=n)
+            .map(|p| format!("\"{}\"", p * 100))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    let text = rule(
+        "refl",
+        &format!(
+            "match = {{ protocol = \"udp\", src_ports = [{}], length = [\"400-65535\"] }}\n",
+            ports(16)
+        ),
+    );
+    assert_eq!(ok(&text).rules[0].matcher.src_ports.len(), 16);
+    let text = rule(
+        "refl",
+        &format!(
+            "match = {{ protocol = \"udp\", src_ports = [{}] }}\n",
+            ports(17)
+        ),
+    );
+    assert_eq!(
+        errors(&text),
+        [at(
+            &text,
+            "\"1700\"",
+            0,
+            "rule \"refl\": match.src_ports: too many port ranges; at most 16 fit"
+        )]
+    );
+    // Destination ports keep their eight.
+    let text = rule(
+        "svc",
+        &format!(
+            "match = {{ protocol = \"udp\", dst_ports = [{}] }}\n",
+            ports(9)
+        ),
+    );
+    assert_eq!(
+        errors(&text),
+        [at(
+            &text,
+            "\"900\"",
+            0,
+            "rule \"svc\": match.dst_ports: too many port ranges; at most 8 fit"
+        )]
+    );
+}

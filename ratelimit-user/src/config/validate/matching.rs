@@ -36,13 +36,13 @@ pub(super) fn matcher(mut t: Table, tot: &mut Totals, ck: &mut Checker) -> Match
             m.tcp_flags = parse_tcp_flags(s).map_err(|e| f.invalid(ck, e)).ok();
         }
     }
-    for (name, out) in [
-        ("dst_ports", &mut m.dst_ports),
-        ("src_ports", &mut m.src_ports),
+    for (name, out, max) in [
+        ("dst_ports", &mut m.dst_ports, caps::MAX_PORT_RANGES),
+        ("src_ports", &mut m.src_ports, caps::MAX_SRC_PORT_RANGES),
     ] {
         if let Some(f) = t.get(name) {
             needs(&f, ck, Protocol::has_ports, "\"tcp\" or \"udp\"");
-            *out = ports(&f, ck);
+            *out = ports(&f, ck, max);
         }
     }
     if let Some(f) = t.get("src") {
@@ -110,8 +110,8 @@ pub(super) fn except(f: &Field, tot: &mut Totals, ck: &mut Checker) -> Vec<IpNet
     nets(f, ck, "source", &mut tot.src, &mut tot.src_reported)
 }
 
-/// `dst_ports` / `src_ports`: at most `caps::MAX_PORT_RANGES` ports or ranges.
-fn ports(f: &Field, ck: &mut Checker) -> Vec<(u16, u16)> {
+/// `dst_ports` / `src_ports`: at most `max` ports or ranges.
+fn ports(f: &Field, ck: &mut Checker, max: usize) -> Vec<(u16, u16)> {
     let mut out = Vec::new();
     let Some(items) = f.array(ck) else {
         return out;
@@ -130,14 +130,8 @@ fn ports(f: &Field, ck: &mut Checker) -> Vec<(u16, u16)> {
         };
         match range {
             Err(msg) => e.invalid(ck, msg),
-            Ok(_) if i == caps::MAX_PORT_RANGES => e.invalid(
-                ck,
-                format!(
-                    "too many port ranges; at most {} fit",
-                    caps::MAX_PORT_RANGES
-                ),
-            ),
-            Ok(r) if i < caps::MAX_PORT_RANGES => out.push(r),
+            Ok(_) if i == max => e.invalid(ck, format!("too many port ranges; at most {max} fit")),
+            Ok(r) if i < max => out.push(r),
             Ok(_) => {}
         }
     }
