@@ -27,7 +27,7 @@ pub mod rule;
 
 pub use ban::BanCommand;
 pub use fleet::{FleetCommand, FleetKeyArgs};
-pub use local::{DetachArgs, RunArgs, XdpModeArg};
+pub use local::{CheckConfigArgs, DetachArgs, RunArgs, XdpModeArg};
 pub use overrides::{OverrideAddArgs, OverrideCommand, OverrideTargetArgs};
 pub use packaging::{write_completions, write_manpage};
 pub use pressure::{PressureArgs, PressureCommand};
@@ -62,8 +62,9 @@ fn socket_help() -> String {
 pub enum Command {
     /// Load and attach the XDP program and run the daemon.
     Run(RunArgs),
-    /// Validate a config file: exit 0, or exit 1 with `file:line:col: message` lines.
-    CheckConfig { file: PathBuf },
+    /// Validate a config file: exit 0, or exit 1 with `file:line:col: message` lines; or print
+    /// the embedded default policy (what `run` enforces without a config file).
+    CheckConfig(CheckConfigArgs),
     /// Daemon, program and interface status.
     Status(JsonArg),
     /// Packet and byte counters by verdict, reason, interface and rule.
@@ -168,7 +169,7 @@ pub fn run(cli: Cli) -> anyhow::Result<ExitCode> {
             return packaging::print_generated(write_manpage(&mut std::io::stdout().lock()));
         }
         Command::Run(args) => return local::run(&cli, args),
-        Command::CheckConfig { file } => return Ok(local::check_config(file)),
+        Command::CheckConfig(args) => return Ok(local::check_config(args)),
         Command::Detach(args) => return local::detach(&cli, args),
         Command::Status(j) => (Request::Status, j.json),
         Command::Stats(j) => (Request::Stats, j.json),

@@ -28,6 +28,7 @@
 use std::fmt;
 use std::path::Path;
 
+mod default_policy;
 mod exposure;
 mod fleet;
 mod host;
@@ -39,6 +40,7 @@ mod tree;
 mod validate;
 pub mod values;
 
+pub use default_policy::{default_policy, host_resolvers, resolvers};
 pub use exposure::fleet_warnings;
 pub use fleet::*;
 pub use host::*;

@@ -505,3 +505,31 @@ pub fn run_with_timeout(cmd: &mut Command, timeout: Duration) -> Result<Output, 
         stderr: err_t.join().unwrap_or_default(),
     })
 }
+
+/// The embedded default policy, as `ratelimit check-config --print-default --resolv-conf F`
+/// prints it for a host whose resolv.conf is `resolv_conf`.
+///
+/// # Panics
+///
+/// If the command fails.
+pub fn print_default(resolv_conf: &str) -> String {
+    let dir = crate::server::temp_dir();
+    std::fs::create_dir_all(&dir).expect("the temp dir");
+    let conf = dir.join(format!(
+        "resolv-{}-{:?}.conf",
+        std::process::id(),
+        std::thread::current().id()
+    ));
+    std::fs::write(&conf, resolv_conf).expect("writing the resolv.conf");
+    let out = Command::new(crate::env::ratelimit_bin())
+        .args(["check-config", "--print-default", "--resolv-conf"])
+        .arg(&conf)
+        .output();
+    let _ = std::fs::remove_file(&conf);
+    let out = out.expect("running ratelimit check-config --print-default");
+    assert!(
+        out.status.success(),
+        "check-config --print-default: {out:?}"
+    );
+    String::from_utf8(out.stdout).expect("UTF-8")
+}

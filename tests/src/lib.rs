@@ -20,6 +20,7 @@ pub mod bans;
 pub mod control_load;
 pub mod daemon;
 pub mod delay;
+pub mod dns;
 pub mod env;
 pub mod faketime;
 pub mod fixture;

@@ -11,6 +11,7 @@ use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::time::{Duration, Instant};
 
 use ratelimit_tests::{
+    daemon::print_default,
     kernel_test,
     link::{add_address, add_route},
     nginx::{Hping3, Nginx},
@@ -26,7 +27,8 @@ const LONG_LIVED: u8 = 4;
 const LONG_LIVED_EVERY: Duration = Duration::from_millis(250);
 /// How long the clients run, per phase.
 const PHASE: Duration = Duration::from_secs(6);
-const RULE: &str = "out-of-state";
+/// The rule's name, here and in the embedded default policy.
+const RULE: &str = "out-of-state-tcp";
 
 /// The ready out-of-state rule (packaging/ratelimit.example.toml): a TCP segment without SYN
 /// that no local socket accepts, one a second for the whole host.
@@ -178,8 +180,11 @@ fn an_out_of_state_ack_flood_is_dropped_before_the_kernel_resets_it() {
     let quiet = phase("no flood, no filter", None, false);
     let none = phase("ACK flood, no filter", None, true);
     let ours = phase("ACK flood, out-of-state rule", Some(&rule()), true);
+    // The embedded default policy, whose out-of-state rule is the same.
+    let default = print_default("");
+    let dflt = phase("ACK flood, embedded default", Some(&default), true);
 
-    for p in [&quiet, &none, &ours] {
+    for p in [&quiet, &none, &ours, &dflt] {
         assert!(p.o.requests >= 300, "{}", p.o.line());
         assert_eq!(p.o.failures, 0, "{}", p.o.line());
         assert!(p.long_lived.0 >= 15, "{:?}", p.long_lived);
@@ -216,10 +221,25 @@ fn an_out_of_state_ack_flood_is_dropped_before_the_kernel_resets_it() {
         "rule matched {matched}, dropped {dropped}, hping3 sent {sent}"
     );
     let limit = (quiet.o.pct(0.99) * 2).max(quiet.o.pct(0.99) + Duration::from_millis(5));
+    for p in [&ours, &dflt] {
+        assert!(
+            p.o.pct(0.99) <= limit,
+            "{}: p99 {:?} under the flood, over {limit:?} (no flood {:?})",
+            p.o.label,
+            p.o.pct(0.99),
+            quiet.o.pct(0.99)
+        );
+    }
+    // The default: the same resets (none to the flood), the same drops.
+    let sent = dflt.o.flood_sent.unwrap_or(0);
     assert!(
-        ours.o.pct(0.99) <= limit,
-        "p99 {:?} under the flood with the rule, over {limit:?} (no flood {:?})",
-        ours.o.pct(0.99),
-        quiet.o.pct(0.99)
+        resets(&dflt) <= bound,
+        "{} resets with the default",
+        resets(&dflt)
+    );
+    let (matched, dropped) = dflt.matched.expect("the daemon's counters");
+    assert!(
+        matched >= sent * 9 / 10 && dropped + bound as u64 >= matched,
+        "default: rule matched {matched}, dropped {dropped}, hping3 sent {sent}"
     );
 }

@@ -40,6 +40,9 @@ const DEBIAN_PACKAGES: &[&str] = &[
     // service is disabled, see `PACKAGE_SERVICES`; the test runs nginx with its own config).
     "nginx-light",
     "hping3",
+    // The reflection test: real reflectors (dnsmasq, the binary alone: no service, no config;
+    // the test runs it with its own command line).
+    "dnsmasq-base",
     // The durability test traces the daemon's fsyncs and renames.
     "strace",
     // The benchmark's plots draw their text with this font.

@@ -15,6 +15,7 @@ pub fn status() -> Status {
         pid: 4242,
         started: "2024-05-01T10:00:00.000Z".into(),
         config: Some("/etc/ratelimit/ratelimit.toml".into()),
+        policy: "config".into(),
         adopted_pinned_state: true,
         bpffs_dir: "/sys/fs/bpf/ratelimit".into(),
         preview_all: false,

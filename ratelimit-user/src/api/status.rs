@@ -17,6 +17,9 @@ pub struct Status {
     pub started: String,
     /// The config file, if the daemon was started with one.
     pub config: Option<String>,
+    /// The policy in force: `"config"` (the file's), or `"default"` without a config file (the
+    /// embedded default policy, which `ratelimit check-config --print-default` prints).
+    pub policy: String,
     /// The daemon took over the maps and program a previous daemon pinned.
     pub adopted_pinned_state: bool,
     pub bpffs_dir: String,

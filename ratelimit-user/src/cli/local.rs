@@ -32,6 +32,24 @@ pub enum XdpModeArg {
 }
 
 #[derive(Args, Debug)]
+pub struct CheckConfigArgs {
+    /// The config file to validate.
+    #[arg(
+        required_unless_present = "print_default",
+        conflicts_with = "print_default"
+    )]
+    pub file: Option<PathBuf>,
+    /// Print the embedded default policy as config text (to start a config from), its
+    /// reflection rule excepting the resolvers of `--resolv-conf`.
+    #[arg(long)]
+    pub print_default: bool,
+    /// With `--print-default`: the resolv.conf whose resolvers the reflection rule excepts
+    /// (default: /etc/resolv.conf, and the upstreams of a local systemd-resolved stub).
+    #[arg(long, value_name = "FILE", requires = "print_default")]
+    pub resolv_conf: Option<PathBuf>,
+}
+
+#[derive(Args, Debug)]
 pub struct DetachArgs {
     /// Only this interface (repeatable); default: all.
     #[arg(long = "iface", value_name = "IF")]
@@ -62,8 +80,12 @@ pub(super) fn run(cli: &Cli, args: &RunArgs) -> anyhow::Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// `ratelimit check-config FILE`: 0 for a file the daemon would accept, 1 with its errors.
-pub(super) fn check_config(file: &Path) -> ExitCode {
+/// `ratelimit check-config FILE`: 0 for a file the daemon would accept, 1 with its errors;
+/// `--print-default`: the embedded default policy.
+pub(super) fn check_config(args: &CheckConfigArgs) -> ExitCode {
+    let Some(file) = &args.file else {
+        return print_default(args.resolv_conf.as_deref());
+    };
     match config::load(file) {
         Ok(cfg) => match cfg
             .fleet
@@ -109,4 +131,20 @@ pub(super) fn detach(cli: &Cli, args: &DetachArgs) -> anyhow::Result<ExitCode> {
         println!("detached from {}", done.join(", "));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `ratelimit check-config --print-default [--resolv-conf FILE]`.
+fn print_default(resolv_conf: Option<&Path>) -> ExitCode {
+    let resolvers = match resolv_conf {
+        None => config::host_resolvers(),
+        Some(f) => match std::fs::read_to_string(f) {
+            Ok(text) => config::resolvers(&text),
+            Err(e) => {
+                eprintln!("{}: {e}", f.display());
+                return ExitCode::FAILURE;
+            }
+        },
+    };
+    print!("{}", config::default_policy(&resolvers));
+    ExitCode::SUCCESS
 }

@@ -43,7 +43,10 @@ use crate::{
 pub(super) fn load_config(path: Option<&PathBuf>) -> anyhow::Result<Config> {
     match path {
         Some(p) => config::load(p).map_err(|e| anyhow::anyhow!("{e}")),
-        None => Ok(config::parse("<defaults>", "").map_err(|e| anyhow::anyhow!("{e}"))?),
+        None => {
+            let text = config::default_policy(&config::host_resolvers());
+            config::parse("<default policy>", &text).map_err(|e| anyhow::anyhow!("{e}"))
+        }
     }
 }
 

@@ -365,6 +365,12 @@ impl Reports {
             pid: std::process::id(),
             started: crate::clock::rfc3339(self.started),
             config: view.config.clone(),
+            policy: if view.config.is_some() {
+                "config"
+            } else {
+                "default"
+            }
+            .into(),
             adopted_pinned_state: view.adopted,
             bpffs_dir: view.bpffs_dir.clone(),
             preview_all: view.preview_all,
