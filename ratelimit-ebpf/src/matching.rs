@@ -209,19 +209,29 @@ pub fn needs(g: &GlobalConfig, pkt: &Parsed) -> u32 {
     need
 }
 
-/// Make what the rules ask of this packet ([`needs`]) into `rl` (`ETH`: the frame has an
-/// Ethernet header; a socket lookup is made only then). A static function, not inlined, so
-/// that what it holds is not on the entry's stack; its parts are static functions of their
-/// own, called one after the other, so that neither one's stack adds to the other's.
+/// Make what the rules ask of this packet ([`needs`]) into `rl` (`eth`: non-zero if the frame
+/// has an Ethernet header; a socket lookup is made only then). A global BPF function: the
+/// verifier walks it once, whatever the states its callers reach it in (as a static function
+/// it was walked again for each, which cost 6.1's verifier 176,000 instructions), and its
+/// stack is its own. Its parts are static functions, called one after the other, so that
+/// neither one's stack adds to the other's.
+#[unsafe(no_mangle)]
 #[inline(never)]
-pub fn prepare<const ETH: bool>(ctx: *mut xdp_md, rl: *mut RuleLoop) {
+pub extern "C" fn rl_prepare(ctx: *mut xdp_md, rl: *mut RuleLoop, eth: u64) -> u64 {
+    if ctx.is_null() || rl.is_null() {
+        return 0;
+    }
     // SAFETY: this CPU's scratch record, used only during this packet.
     let need = needs(policy::global(), unsafe { &(*rl).pkt });
     if need & NEED_EXT != 0 {
-        read_frame::<ETH>(ctx, rl, need);
+        if eth != 0 {
+            read_frame::<true>(ctx, rl, need);
+        } else {
+            read_frame::<false>(ctx, rl, need);
+        }
     }
     if need & NEED_CONN != 0 {
-        let conn = if ETH {
+        let conn = if eth != 0 {
             // SAFETY: the scratch record's packet, written by the entry for this packet.
             conn::connection(ctx, unsafe { &raw const (*rl).pkt })
         } else {
@@ -232,6 +242,7 @@ pub fn prepare<const ETH: bool>(ctx: *mut xdp_md, rl: *mut RuleLoop) {
     }
     // SAFETY: as above.
     unsafe { (*rl).have = need };
+    0
 }
 
 /// [`Ext`], then the payload reads and the destinations trie's answer.
@@ -246,7 +257,9 @@ fn read_frame<const ETH: bool>(ctx: *mut xdp_md, rl: *mut RuleLoop, need: u32) {
     }
     if need & NEED_DST != 0 {
         rl.dst_key.set(&rl.ext.dst, rl.pkt.v4);
-        rl.dst_mask = policy::dests_at(rl.dst_key.key());
+        // The key on the stack: 6.1 takes no global function's argument as a map key.
+        let key = rl.dst_key.on_stack();
+        rl.dst_mask = policy::dests_at(key.key());
     }
 }
 

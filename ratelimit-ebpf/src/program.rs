@@ -124,7 +124,7 @@ fn decide<const ETH: bool>(ctx: &XdpContext, slot: Slot, pkt: Parsed, len: u64) 
     // where one state of the verifier reaches it: a static function is verified again for
     // every state that reaches its call.
     if global_cfg.rule_count != 0 {
-        matching::prepare::<ETH>(ctx.ctx, rl);
+        matching::rl_prepare(ctx.ctx, rl, ETH as u64);
     }
     if global_cfg.flags & (GLOBAL_HAS_ALLOW | GLOBAL_HAS_DENY) != 0 {
         let v = policy::sources_at(key);

@@ -479,7 +479,7 @@ fn exceeded(env: &Env, i: u32, preview: bool, exceed_pass: bool, drop_counter: u
 }
 
 /// The fields of a `KEY_TUPLE` key (`ClientKey::tuple`) from the packet: its destination and
-/// source port as `matching::prepare` read them (every rule set with such a key has them read,
+/// source port as `matching::rl_prepare` read them (every rule set with such a key has them read,
 /// `GLOBAL_KEY_TUPLE`), its destination port and protocol as the parser did. A packet without
 /// ports (a non-first fragment, ICMP, a cut header) has ports 0. Without a branch: each field
 /// is masked by its bit, so the verifier walks one path, not one per combination of fields.

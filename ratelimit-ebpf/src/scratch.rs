@@ -159,6 +159,21 @@ impl SrcTrieKey {
         self.w3 = ((hi >> 56) & !m) as u8;
     }
 
+    /// A copy on the stack (word by word), for a lookup from a global function, whose
+    /// argument's memory 6.1's verifier takes as no map key.
+    #[inline(always)]
+    pub fn on_stack(&self) -> SrcTrieKey {
+        SrcTrieKey {
+            _pad: 0,
+            prefix_len: self.prefix_len,
+            w0: self.w0,
+            w1: self.w1,
+            w2: self.w2,
+            w3: self.w3,
+            _tail: [0; 7],
+        }
+    }
+
     /// The key as the trie's map type has it.
     #[inline(always)]
     pub fn key(&self) -> &Key<LpmAddr> {
