@@ -103,7 +103,7 @@ pub fn sources_at(key: &Key<LpmAddr>) -> ListValue {
 /// type=mem expected=fp, pkt, pkt_meta, map_key, map_value").
 #[inline(always)]
 pub fn rule_sources(src: &IpKey) -> (u32, u32) {
-    match SOURCES.get(&full(src)) {
+    match SOURCES.get(full(src)) {
         Some(v) => (v.rule_src_mask, v.rule_except_mask),
         None => (0, 0),
     }

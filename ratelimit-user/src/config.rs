@@ -51,8 +51,6 @@ pub use rule::*;
 
 #[cfg(test)]
 mod tests;
-#[cfg(test)]
-mod tests_keys;
 
 pub use values::{
     MAX_BAN_DURATION, MIN_BYTE_AMOUNT, TcpFlags, Unit, aliases_ipv4, check_ban_duration,

@@ -254,3 +254,6 @@ keyword_enum!(
         L4Payload = "l4_payload",
     }
 );
+
+#[cfg(test)]
+mod tests;

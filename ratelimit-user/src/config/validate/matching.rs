@@ -92,14 +92,14 @@ pub(super) fn matcher(mut t: Table, tot: &mut Totals, ck: &mut Checker) -> Match
             );
         }
     }
-    if let (Some(f), Some(Fragment::Later)) = (&fragment_field, m.fragment) {
-        if m.tcp_flags.is_some() || m.tcp_state.is_some() {
-            f.error_at_key(
-                ck,
-                "= \"later\" never matches with tcp_flags or tcp_state: a non-first \
-                 fragment carries no TCP header",
-            );
-        }
+    if let (Some(f), Some(Fragment::Later)) = (&fragment_field, m.fragment)
+        && (m.tcp_flags.is_some() || m.tcp_state.is_some())
+    {
+        f.error_at_key(
+            ck,
+            "= \"later\" never matches with tcp_flags or tcp_state: a non-first \
+             fragment carries no TCP header",
+        );
     }
     t.finish(ck);
     m

@@ -1,7 +1,7 @@
 //! `key`: the keywords, lists of packet fields, and what they are refused with.
 
-use super::tests::{at, error, errors, ok, rule};
 use super::{KeyField, KeyFields, KeyKind};
+use crate::config::tests::{at, error, errors, ok, rule};
 use ratelimit_common::maps::{
     KEY_FIELD_DST, KEY_FIELD_DST_PORT, KEY_FIELD_PROTOCOL, KEY_FIELD_SRC_PORT,
 };
