@@ -326,3 +326,52 @@ impl KeepAlive {
         Ok(t0.elapsed())
     }
 }
+
+/// The web lab: a fresh scenario with nginx on its protected end (port 80, 2 workers,
+/// [`BODY`] bytes a page) and a default route there, so that answers to spoofed sources leave
+/// as on a host on the Internet (without one the server could not answer them, and would keep
+/// no state for them). nginx stops before the scenario goes (fields drop in order).
+pub struct WebLab {
+    pub nginx: crate::nginx::Nginx,
+    pub server: SocketAddr,
+    pub s: Scenario,
+}
+
+impl WebLab {
+    /// The lab, its names prefixed by `prefix`.
+    pub fn new(prefix: &str) -> WebLab {
+        let s = Scenario::new(prefix);
+        let (a, b) = (s.pair.a().clone(), s.pair.b().clone());
+        crate::link::add_route(&s.server, "default", &b.name, Some(&a.ipv4.to_string()));
+        let server = SocketAddr::V4(SocketAddrV4::new(b.ipv4, 80));
+        let nginx = crate::nginx::Nginx::start(&s.server, server, 2, BODY);
+        WebLab { nginx, server, s }
+    }
+
+    /// `n` client addresses on the client end from `.first` of the lab's /24, each its own.
+    pub fn clients(&self, first: u8, n: u8) -> Vec<Ipv4Addr> {
+        let a = self.s.pair.a();
+        let net = self.s.pair.index();
+        (0..n)
+            .map(|i| {
+                let src = Ipv4Addr::new(198, 18, net, first + i);
+                crate::link::add_address(&self.s.client, &a.name, &format!("{src}/24"));
+                src
+            })
+            .collect()
+    }
+
+    /// One request from each of `srcs`, each of which must be served (addresses resolved,
+    /// nginx warm).
+    pub fn warm(&self, label: &str, srcs: &[Ipv4Addr]) {
+        let server = self.server;
+        let warm = self.s.client.enter(|| {
+            srcs.iter()
+                .map(|&src| request(src, server))
+                .collect::<Vec<_>>()
+        });
+        for (src, r) in srcs.iter().zip(&warm) {
+            assert!(r.is_ok(), "{label}: warm-up request from {src}: {r:?}");
+        }
+    }
+}

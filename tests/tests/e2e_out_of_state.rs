@@ -7,16 +7,14 @@
 //! socket accepts: the host sends no reset to the flood (the server's `OutRsts` stays flat),
 //! legitimate requests keep their latency, and every connection, new or old, keeps working.
 
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
 use std::time::{Duration, Instant};
 
 use ratelimit_tests::{
     daemon::print_default,
     kernel_test,
-    link::{add_address, add_route},
-    nginx::{Hping3, Nginx},
-    scenario::{Scenario, rule_counter},
-    webload::{BODY, KeepAlive, Outcome, delta, request, run_clients, snapshot},
+    nginx::Hping3,
+    scenario::rule_counter,
+    webload::{KeepAlive, Outcome, WebLab, delta, run_clients, snapshot},
 };
 
 /// Clients making a new connection per request, each from its own address.
@@ -58,42 +56,24 @@ struct Phase {
 /// daemon with `policy` (None: nothing attached), then hping3's ACK flood if `flood`, and the
 /// clients.
 fn phase(label: &str, policy: Option<&str>, flood: bool) -> Phase {
-    let mut s = Scenario::new("rlos");
-    let (a, b) = (s.pair.a().clone(), s.pair.b().clone());
-    let net = s.pair.index();
-    let srcs: Vec<Ipv4Addr> = (0..CLIENTS)
-        .map(|i| Ipv4Addr::new(198, 18, net, 101 + i))
-        .collect();
-    let olds: Vec<Ipv4Addr> = (0..LONG_LIVED)
-        .map(|i| Ipv4Addr::new(198, 18, net, 181 + i))
-        .collect();
-    for src in srcs.iter().chain(&olds) {
-        add_address(&s.client, &a.name, &format!("{src}/24"));
-    }
-    // The resets to the flood's sources leave by a default route, as on a host on the
-    // Internet.
-    add_route(&s.server, "default", &b.name, Some(&a.ipv4.to_string()));
-    let server = SocketAddr::V4(SocketAddrV4::new(b.ipv4, 80));
-    let nginx = Nginx::start(&s.server, server, 2, BODY);
+    let mut lab = WebLab::new("rlos");
+    let srcs = lab.clients(101, CLIENTS);
+    let olds = lab.clients(181, LONG_LIVED);
+    let server = lab.server;
     // Connections that exist before the daemon starts.
-    let mut old: Vec<KeepAlive> = s.client.enter(|| {
+    let mut old: Vec<KeepAlive> = lab.s.client.enter(|| {
         olds.iter()
             .map(|&src| KeepAlive::open(src, server).expect("a long-lived connection"))
             .collect()
     });
     if let Some(p) = policy {
-        s.start(p);
+        lab.s.start(p);
     }
-    let warm = s.client.enter(|| {
-        srcs.iter()
-            .map(|&src| request(src, server))
-            .collect::<Vec<_>>()
-    });
-    for (src, r) in srcs.iter().zip(&warm) {
-        assert!(r.is_ok(), "{label}: warm-up request from {src}: {r:?}");
-    }
+    lab.warm(label, &srcs);
+    let s = &lab.s;
+    let (a, b) = (s.pair.a().clone(), s.pair.b().clone());
     let stats_before = policy.map(|_| s.stats());
-    let before = snapshot(&s);
+    let before = snapshot(s);
     let target = b.ipv4.to_string();
     let mut hping = flood.then(|| {
         let args = [
@@ -142,13 +122,13 @@ fn phase(label: &str, policy: Option<&str>, flood: bool) -> Phase {
     });
     o.flood_sent = hping.as_mut().and_then(Hping3::stop);
     o.label = label.to_string();
-    o.evidence = delta(&before, &snapshot(&s));
+    o.evidence = delta(&before, &snapshot(s));
     let matched = stats_before.map(|before| {
         let st = s.stats();
         let d = |c| rule_counter(&st, RULE, c) - rule_counter(&before, RULE, c);
         (d("matched"), d("dropped"))
     });
-    drop(nginx);
+    drop(lab);
     let p = Phase {
         o,
         long_lived,

@@ -13,15 +13,14 @@
 //! server namespace's TcpExt (listen queue, SYN cookies), the clients' retransmissions, the
 //! kernel's backlog drops and the daemon's own counters.
 
-use std::net::{Ipv4Addr, SocketAddr, SocketAddrV4};
+use std::net::Ipv4Addr;
 use std::time::{Duration, Instant};
 
 use ratelimit_tests::{
     kernel_test,
-    link::{add_address, add_route},
-    nginx::{Hping3, Nginx},
-    scenario::{Scenario, reason, rule_counter, verdict},
-    webload::{BODY, Outcome, delta, first_service, request, run_clients, snapshot},
+    nginx::Hping3,
+    scenario::{reason, rule_counter, verdict},
+    webload::{Outcome, WebLab, delta, first_service, run_clients, snapshot},
 };
 
 /// Legitimate clients, each from its own address.
@@ -57,40 +56,22 @@ ban_duration = "60s"
 /// One phase on a fresh lab: nginx on the server end, the daemon with `policy` attached to
 /// it (None: nothing attached), 20 clients and hping3 on the client end.
 fn phase(label: &str, policy: Option<&str>) -> Outcome {
-    let mut s = Scenario::new("rlrt");
-    let (a, b) = (s.pair.a().clone(), s.pair.b().clone());
-    let net = s.pair.index();
-    let srcs: Vec<Ipv4Addr> = (0..CLIENTS)
-        .map(|i| Ipv4Addr::new(198, 18, net, 101 + i))
-        .collect();
-    let late: Vec<Ipv4Addr> = (0..LATE_CLIENTS)
-        .map(|i| Ipv4Addr::new(198, 18, net, 151 + i))
-        .collect();
-    for src in srcs.iter().chain(&late) {
-        add_address(&s.client, &a.name, &format!("{src}/24"));
-    }
-    // Answers to the flood's sources leave by a default route, as on a host on the Internet
-    // (without one the server could not answer them, and would keep no state for them).
-    add_route(&s.server, "default", &b.name, Some(&a.ipv4.to_string()));
-    let server = SocketAddr::V4(SocketAddrV4::new(b.ipv4, 80));
-    let nginx = Nginx::start(&s.server, server, 2, BODY);
+    let mut lab = WebLab::new("rlrt");
+    let srcs = lab.clients(101, CLIENTS);
+    let late = lab.clients(151, LATE_CLIENTS);
+    let server = lab.server;
     // An XDP program on the client end in every phase, so that cookies answered from XDP
     // reach the clients (a veth's condition, not a NIC's); it has no rules.
-    let peer = s.peer_program();
+    let peer = lab.s.peer_program();
     if let Some(p) = policy {
-        s.start(p);
+        lab.s.start(p);
     }
-    // Every client once before the flood: addresses resolved, nginx warm.
-    let warm = s.client.enter(|| {
-        srcs.iter()
-            .map(|&src| request(src, server))
-            .collect::<Vec<_>>()
-    });
-    for (src, r) in srcs.iter().zip(&warm) {
-        assert!(r.is_ok(), "{label}: warm-up request from {src}: {r:?}");
-    }
+    // Every client once before the flood.
+    lab.warm(label, &srcs);
+    let s = &lab.s;
+    let (a, b) = (s.pair.a().clone(), s.pair.b().clone());
     let stats_before = policy.map(|_| s.stats());
-    let before = snapshot(&s);
+    let before = snapshot(s);
     let target = b.ipv4.to_string();
     let mut flood = Hping3::start(
         &s.client,
@@ -135,7 +116,7 @@ fn phase(label: &str, policy: Option<&str>) -> Outcome {
     o.flood_sent = flood.stop();
     o.heavy_sent = heavy.stop();
     o.label = label.to_string();
-    let after = snapshot(&s);
+    let after = snapshot(s);
     o.evidence = delta(&before, &after);
     if let Some(before) = stats_before {
         let st = s.stats();
@@ -184,8 +165,8 @@ fn phase(label: &str, policy: Option<&str>) -> Outcome {
         );
         o.evidence.insert("daemon bans".into(), banned.len() as i64);
     }
-    drop(nginx);
     drop(peer);
+    drop(lab);
     o
 }
 

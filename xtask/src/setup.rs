@@ -43,6 +43,8 @@ const DEBIAN_PACKAGES: &[&str] = &[
     // The reflection test: real reflectors (dnsmasq, the binary alone: no service, no config;
     // the test runs it with its own command line).
     "dnsmasq-base",
+    // The live matching test floods pings (`ping -f`).
+    "iputils-ping",
     // The durability test traces the daemon's fsyncs and renames.
     "strace",
     // The benchmark's plots draw their text with this font.
