@@ -183,6 +183,15 @@ fn payload(m: &MoreMatch, rl: &RuleLoop) -> bool {
     true
 }
 
+/// Whether any rule of `g` asks anything of a packet beyond the parser's facts ([`needs`]
+/// answers 0 for every packet otherwise).
+#[inline(always)]
+pub fn any_needs(g: &GlobalConfig) -> bool {
+    g.fetch_count != 0
+        || g.flags & (GLOBAL_DST_MATCH | GLOBAL_MORE_MATCH | GLOBAL_KEY_TUPLE | GLOBAL_TCP_STATE)
+            != 0
+}
+
 /// What the rules of `g` ask of a packet like `pkt` beyond the parser's facts (`NEED_*`):
 /// payload reads for a packet whose L4 header was read; the destinations trie's answer; a
 /// socket lookup for a TCP segment without SYN whose header was read.

@@ -121,10 +121,13 @@ fn decide<const ETH: bool>(ctx: &XdpContext, slot: Slot, pkt: Parsed, len: u64) 
         (*rl).src_key.key()
     };
     // What the rules ask of the frame beyond the parser's facts (`matching.rs`), made here,
-    // where one state of the verifier reaches it: a static function is verified again for
-    // every state that reaches its call.
-    if global_cfg.rule_count != 0 {
+    // once a packet, before the lists; without a rule that asks for any, no call at all (a
+    // call costs about 20 ns on this path).
+    if global_cfg.rule_count != 0 && matching::any_needs(global_cfg) {
         matching::rl_prepare(ctx.ctx, rl, ETH as u64);
+    } else {
+        // SAFETY: this CPU's scratch record, used only during this packet.
+        unsafe { (*rl).have = 0 };
     }
     if global_cfg.flags & (GLOBAL_HAS_ALLOW | GLOBAL_HAS_DENY) != 0 {
         let v = policy::sources_at(key);
