@@ -105,6 +105,21 @@ pub(super) fn matcher(mut t: Table, tot: &mut Totals, ck: &mut Checker) -> Match
     m
 }
 
+/// The items of the list `f` (none if it is not one, said so); an empty list is refused:
+/// leaving the key out is how a rule matches `any`.
+fn listed<'a>(f: &Field<'a>, ck: &mut Checker, any: &str) -> Vec<Field<'a>> {
+    let Some(items) = f.array(ck) else {
+        return Vec::new();
+    };
+    if items.is_empty() {
+        f.error(
+            ck,
+            format!("must not be empty; leave it out to match {any}"),
+        );
+    }
+    items
+}
+
 /// A rule's `except`: source networks it never matches.
 pub(super) fn except(f: &Field, tot: &mut Totals, ck: &mut Checker) -> Vec<IpNet> {
     nets(f, ck, "source", &mut tot.src, &mut tot.src_reported)
@@ -113,12 +128,7 @@ pub(super) fn except(f: &Field, tot: &mut Totals, ck: &mut Checker) -> Vec<IpNet
 /// `dst_ports` / `src_ports`: at most `max` ports or ranges.
 fn ports(f: &Field, ck: &mut Checker, max: usize) -> Vec<(u16, u16)> {
     let mut out = Vec::new();
-    let Some(items) = f.array(ck) else {
-        return out;
-    };
-    if items.is_empty() {
-        f.error(ck, "must not be empty; leave it out to match any port");
-    }
+    let items = listed(f, ck, "any port");
     for (i, e) in items.iter().enumerate() {
         let range = match e.node() {
             Node::Int(n) => check_port(*n).map(|p| (p, p)),
@@ -148,15 +158,7 @@ fn nets(
     reported: &mut bool,
 ) -> Vec<IpNet> {
     let mut out = Vec::new();
-    let Some(items) = f.array(ck) else {
-        return out;
-    };
-    if items.is_empty() {
-        f.error(
-            ck,
-            format!("must not be empty; leave it out to match any {what}"),
-        );
-    }
+    let items = listed(f, ck, &format!("any {what}"));
     let cap = if what == "destination" {
         caps::MAX_RULE_DST_ENTRIES
     } else {
@@ -183,15 +185,7 @@ fn nets(
 /// `length` / `ttl`: at most `caps::MAX_LENGTH_RANGES` values or ranges in `min..=max`.
 fn ranges(f: &Field, ck: &mut Checker, what: &str, min: u32, max: u32) -> Vec<(u32, u32)> {
     let mut out = Vec::new();
-    let Some(items) = f.array(ck) else {
-        return out;
-    };
-    if items.is_empty() {
-        f.error(
-            ck,
-            format!("must not be empty; leave it out to match any {what}"),
-        );
-    }
+    let items = listed(f, ck, &format!("any {what}"));
     for (i, e) in items.iter().enumerate() {
         let r = match e.node() {
             Node::Int(n) => parse_range(&n.to_string(), what, min, max),
@@ -220,12 +214,7 @@ fn ranges(f: &Field, ck: &mut Checker, what: &str, min: u32, max: u32) -> Vec<(u
 /// `icmp_types` / `icmp_codes`: numbers 0..=255, each once.
 fn numbers(f: &Field, ck: &mut Checker) -> Vec<u8> {
     let mut out = Vec::new();
-    let Some(items) = f.array(ck) else {
-        return out;
-    };
-    if items.is_empty() {
-        f.error(ck, "must not be empty; leave it out to match any");
-    }
+    let items = listed(f, ck, "any");
     for e in &items {
         if let Some(n) = int_in(e, ck, 0, 255)
             && !out.contains(&(n as u8))
@@ -240,12 +229,7 @@ fn numbers(f: &Field, ck: &mut Checker) -> Vec<u8> {
 /// rules together at most `caps::MAX_PAYLOAD_FETCHES`.
 fn payloads(f: &Field, tot: &mut Totals, ck: &mut Checker) -> Vec<Payload> {
     let mut out = Vec::new();
-    let Some(items) = f.array(ck) else {
-        return out;
-    };
-    if items.is_empty() {
-        f.error(ck, "must not be empty; leave it out to match any payload");
-    }
+    let items = listed(f, ck, "any payload");
     if items.len() > caps::MAX_PAYLOAD_MATCHES {
         f.error(
             ck,
