@@ -57,10 +57,9 @@ fn tracked_entry(i: u32) -> (ClientKey, ClientState) {
     let key = ClientKey {
         rule: 0,
         kind: KEY_IP,
-        proto: 0,
-        fields: 0,
         prefix_len: 128,
         addr: IpKey::from_v4((TRACKED_BASE + i).to_be_bytes()).addr,
+        ..ClientKey::default()
     };
     // 1..=1000 packets, spread over the set; the hot entry far above every other.
     let packets = if i == HOT {

@@ -906,10 +906,9 @@ fn populate_more(maps: &mut Maps, from: u64, to: u64) -> (f64, u64) {
         let k = ClientKey {
             rule: 0,
             kind: KEY_IP,
-            proto: 0,
-            fields: 0,
             prefix_len: 128,
             addr: IpKey::from_v4(a).addr,
+            ..ClientKey::default()
         };
         if maps.clients.put(&k, &state).is_err() {
             untracked += 1;

@@ -25,6 +25,8 @@ pub struct Event {
     pub prefix_len: u32,
     /// Client key: the masked address, the region code in the first two bytes, or zero.
     pub addr: [u8; 16],
+    /// `KEY_TUPLE` with `KEY_FIELD_SRC`: the key's masked source address, else zero.
+    pub src: [u8; 16],
     /// CLOCK_MONOTONIC (bpf_ktime_get_ns) when the event happened.
     pub ts_ns: u64,
     /// The limiter's estimate of the client's cost in the current interval.
@@ -33,4 +35,25 @@ pub struct Event {
     pub threshold: u64,
     /// Ban expiry (CLOCK_MONOTONIC) for `EV_BAN`, else 0.
     pub expires_ns: u64,
+}
+
+impl Event {
+    /// `key_kind` of an event about `key`.
+    #[inline(always)]
+    pub fn key_kind_of(key: &crate::maps::ClientKey) -> u32 {
+        key.kind as u32 | (key.proto as u32) << 8 | (key.fields as u32) << 16
+    }
+
+    /// The client key the event is about.
+    pub fn key(&self) -> crate::maps::ClientKey {
+        crate::maps::ClientKey {
+            rule: self.rule as u8,
+            kind: self.key_kind as u8,
+            proto: (self.key_kind >> 8) as u8,
+            fields: (self.key_kind >> 16) as u8,
+            prefix_len: self.prefix_len,
+            addr: self.addr,
+            src: self.src,
+        }
+    }
 }

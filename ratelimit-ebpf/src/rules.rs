@@ -42,7 +42,7 @@ use crate::{
     parse::Parsed,
     policy,
     scratch::{Env, Ext, RuleLoop},
-    state::{StateFor, zero_addr},
+    state::{StateFor, masked_copy, zero_addr},
     stats::{self, Slot},
 };
 
@@ -284,6 +284,7 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
     key.fields = 0;
     key.prefix_len = 0;
     zero_addr(&mut key.addr);
+    zero_addr(&mut key.src);
     // The limit in force: the precomputed relaxed one while the host has room, which is the
     // limit itself without `elastic` (a select by the level; see `RuleConfig::limit_now`).
     let relaxed = env.relaxed != 0;
@@ -303,7 +304,7 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
             limit = o.limit_now(relaxed);
         }
     } else if rule.key == KEY_TUPLE {
-        tuple_key(key, rule.key_fields, pkt, &rl.ext);
+        tuple_key(key, rule, pkt, &rl.ext);
     } else if rule.key == KEY_REGION {
         let region = policy::region_of(&pkt.src);
         key.addr[0] = region[0];
@@ -390,7 +391,7 @@ fn apply(rl: &mut RuleLoop, i: u32, rule: &RuleConfig) -> RuleVerdict {
     j.fleet = 0;
     if global
         && (key.kind == KEY_ALL || key.kind == KEY_REGION)
-        && let Some(a) = crate::state::fleet_add(key)
+        && let Some(a) = crate::state::fleet_add()
     {
         // SAFETY: a live map value, copied (the daemon replaces it whole).
         j.add = unsafe { *a };
@@ -478,26 +479,27 @@ fn exceeded(env: &Env, i: u32, preview: bool, exceed_pass: bool, drop_counter: u
     }
 }
 
-/// The fields of a `KEY_TUPLE` key (`ClientKey::tuple`) from the packet: its destination and
-/// source port as `matching::rl_prepare` read them (every rule set with such a key has them read,
-/// `GLOBAL_KEY_TUPLE`), its destination port and protocol as the parser did. A packet without
-/// ports (a non-first fragment, ICMP, a cut header) has ports 0. Without a branch: each field
-/// is masked by its bit, so the verifier walks one path, not one per combination of fields.
+/// The fields of rule `rule`'s `KEY_TUPLE` key (`ClientKey::tuple`) from the packet: its
+/// source masked to the rule's prefix and its destination port and protocol as the parser
+/// read them, its destination and source port as `matching::rl_prepare` did (every rule set
+/// with such a key has them read, `GLOBAL_KEY_TUPLE`). A packet without ports (a non-first
+/// fragment, ICMP, a cut header) has ports 0. Without a branch on the fields: each is masked
+/// by its bit, so the verifier walks one path, not one per combination of fields.
 #[inline(always)]
-fn tuple_key(key: &mut ClientKey, fields: u8, pkt: &Parsed, ext: &Ext) {
+fn tuple_key(key: &mut ClientKey, rule: &RuleConfig, pkt: &Parsed, ext: &Ext) {
+    let fields = rule.key_fields;
     let f = fields as u32;
     // All ones if the field is in the key, else zero.
     let mask = |bit: u8| 0u32.wrapping_sub((f / bit as u32) & 1);
     key.fields = fields;
-    let a = mask(KEY_FIELD_DST);
-    let src = &ext.dst.addr as *const [u8; 16] as *const u32;
-    let dst = &raw mut key.addr as *mut u32;
-    // SAFETY: 16 bytes each side, as four aligned words (both fields are 4-aligned).
-    unsafe {
-        for w in 0..4 {
-            core::ptr::write_volatile(dst.add(w), core::ptr::read_volatile(src.add(w)) & a);
-        }
-    }
+    masked_copy(&mut key.addr, &ext.dst.addr, mask(KEY_FIELD_DST));
+    let plen = if pkt.v4 {
+        V4_MAPPED_PREFIX + rule.v4_prefix as u32
+    } else {
+        rule.v6_prefix as u32
+    };
+    masked_copy(&mut key.src, &pkt.src.addr, mask(KEY_FIELD_SRC));
+    mask_addr(&mut key.src, plen);
     key.prefix_len = (pkt.dport as u32 & mask(KEY_FIELD_DST_PORT)) << 16
         | (ext.sport as u32 & mask(KEY_FIELD_SRC_PORT));
     key.proto = (pkt.proto as u32 & mask(KEY_FIELD_PROTOCOL)) as u8;

@@ -47,13 +47,22 @@ static KEYED: HashMap<ClientKey, SharedState> =
 #[map(name = "RL_FLEET_ADD")]
 static FLEET_ADD: HashMap<ClientKey, FleetAdd> = HashMap::pinned(MAX_SHARED_STATES, 0);
 
-/// What the other hosts counted for shared key `key` of a global rule, if the daemon wrote
-/// it.
+/// What the other hosts counted for the packet's shared key (the scratch record's, see
+/// [`scratch_key`]) of a global rule, if the daemon wrote it.
 #[inline(always)]
-pub fn fleet_add(key: &ClientKey) -> Option<*const FleetAdd> {
-    // The key on the stack: 6.1 takes no other memory as a map key (see `on_stack`).
-    let key = &on_stack(key);
-    FLEET_ADD.get_ptr(key)
+pub fn fleet_add() -> Option<*const FleetAdd> {
+    FLEET_ADD.get_ptr(scratch_key()?)
+}
+
+/// The packet's key in this CPU's scratch record (`RuleLoop::key`), reached through the map
+/// rather than the pointer a global BPF function was given: as a map value, 6.1's verifier
+/// takes it as a map key, so no copy of it on the stack (see [`on_stack`]), whose room the
+/// rule evaluation's call chain cannot spare.
+#[inline(always)]
+fn scratch_key() -> Option<&'static ClientKey> {
+    let p = crate::scratch::SCRATCH.get_ptr(0)?;
+    // SAFETY: this CPU's scratch record, a live map value.
+    Some(unsafe { &(*p).key })
 }
 
 /// Per rule: the one aggregate state shared by the sources that get no state of their own
@@ -103,13 +112,16 @@ fn shared_map(kind: u8) -> &'static HashMap<ClientKey, SharedState> {
     if kind == KEY_TUPLE { &KEYED } else { &SHARED }
 }
 
-/// The state of a shared key, created on its first packet. A `KEY_TUPLE` key that finds its
-/// map full gets the rule's overflow state (`key` rewritten to say so); another shared key
-/// that finds no room passes unlimited ([`StateFor::Nothing`]), counted by the caller.
+/// The state of the packet's shared key `key` (the scratch record's, read through the map:
+/// [`scratch_key`]), created on its first packet. A `KEY_TUPLE` key that finds its map full
+/// gets the rule's overflow state (`key` rewritten to say so); another shared key that finds
+/// no room passes unlimited ([`StateFor::Nothing`]), counted by the caller.
 #[inline(always)]
 pub fn shared_state(env: &Env, key: &mut ClientKey) -> StateFor {
     let map = shared_map(key.kind);
-    let k = &on_stack(key);
+    let Some(k) = scratch_key() else {
+        return StateFor::Nothing;
+    };
     if let Some(p) = map.get_ptr_mut(k) {
         return StateFor::Shared(p);
     }
@@ -166,6 +178,7 @@ pub fn overflow(key: &mut ClientKey) {
     key.fields = 0;
     key.prefix_len = 0;
     zero_addr(&mut key.addr);
+    zero_addr(&mut key.src);
 }
 
 /// Builds a key with explicit stores. A struct literal with zeroed fields becomes a call to
@@ -184,6 +197,7 @@ pub fn client_key(rule: u8, kind: u8, prefix_len: u32, addr: [u8; 16]) -> Client
         core::ptr::write_volatile(a.add(1), w(4));
         core::ptr::write_volatile(a.add(2), w(8));
         core::ptr::write_volatile(a.add(3), w(12));
+        zero_addr(&mut (*p).src);
         k.assume_init()
     }
 }
@@ -191,13 +205,34 @@ pub fn client_key(rule: u8, kind: u8, prefix_len: u32, addr: [u8; 16]) -> Client
 /// A copy of `key` on the stack, for a map helper. Inside a global BPF function every pointer
 /// argument (and what is derived from it) is untyped memory, which 6.1's verifier does not
 /// take as a map key: only the stack, a packet or a map ("R2 type=mem expected=fp, pkt,
-/// pkt_meta, map_key, map_value"; 6.12 takes it). Six word stores: no memcpy, no byte loop.
+/// pkt_meta, map_key, map_value"; 6.12 takes it). Ten word stores: no memcpy, no byte
+/// loop.
 #[inline(always)]
 fn on_stack(key: &ClientKey) -> ClientKey {
     let mut k = client_key(key.rule, key.kind, key.prefix_len, key.addr);
     k.proto = key.proto;
     k.fields = key.fields;
+    copy_addr(&mut k.src, &key.src);
     k
+}
+
+/// `*to = *from`, as four word loads and stores.
+#[inline(always)]
+pub fn copy_addr(to: &mut [u8; 16], from: &[u8; 16]) {
+    masked_copy(to, from, u32::MAX);
+}
+
+/// `*to = *from & mask`, word by word (`mask` all ones or zero).
+#[inline(always)]
+pub fn masked_copy(to: &mut [u8; 16], from: &[u8; 16], mask: u32) {
+    let s = from as *const [u8; 16] as *const u32;
+    let d = to as *mut [u8; 16] as *mut u32;
+    // SAFETY: 16 bytes each side, as four words (both fields are 4-aligned).
+    unsafe {
+        for w in 0..4 {
+            core::ptr::write_volatile(d.add(w), core::ptr::read_volatile(s.add(w)) & mask);
+        }
+    }
 }
 
 #[inline(always)]

@@ -28,6 +28,7 @@
 mod banning;
 mod fleet;
 mod level;
+mod lift;
 pub mod lock;
 mod news;
 mod reload;
@@ -347,6 +348,7 @@ fn ban_event(kind: u32, b: &BanEntry, now: u64) -> Event {
         key_kind: KEY_IP as u32,
         prefix_len: b.prefix_len,
         addr: b.addr,
+        src: [0; 16],
         ts_ns: now,
         count: 0,
         threshold: 0,

@@ -505,10 +505,9 @@ pub fn key_v4(a: [u8; 4]) -> ClientKey {
     ClientKey {
         rule: 0,
         kind: KEY_IP,
-        proto: 0,
-        fields: 0,
         prefix_len: 128,
         addr: IpKey::from_v4(a).addr,
+        ..ClientKey::default()
     }
 }
 

@@ -211,6 +211,16 @@ action = "rate_based_ban"
 threshold = { count = 5, interval = "1h" }
 ban_threshold = { count = 10, interval = "1h" }
 ban_duration = "1h"
+
+[[rule]]
+name = "per-client-port"
+match = { protocol = "udp", dst_ports = ["9002"] }
+key = ["ip", "dst_port"]
+action = "rate_based_ban"
+threshold = { count = 5, interval = "1h" }
+algorithm = "fixed_window"
+ban_threshold = { count = 10, interval = "1h" }
+ban_duration = "1h"
 "#,
     );
     let sink = s.sink(PORT);
@@ -248,6 +258,42 @@ ban_duration = "1h"
     sink.wait_quiet(Duration::from_millis(300));
     assert_eq!(sink.stop().from(ip4(46, 2)), 5);
     assert_eq!(rule_counter(&s.stats(), "all-ban", "bans"), 1);
+    // A rule keyed by the source and a port: every ban of its keys lifted at once.
+    let keyed = s.sink(PORT + 2);
+    for c in [3, 4] {
+        tx.send_n(std::iter::repeat(s.udp(ip4(46, c), PORT + 2)), 20, None);
+    }
+    keyed.wait_quiet(Duration::from_millis(300));
+    assert_eq!(rule_counter(&s.stats(), "per-client-port", "bans"), 2);
+    assert!(
+        err(&["ban", "del", "--rule", "per-client-port", "--region", "DE"]).contains("--region")
+    );
+    let out = s
+        .daemon()
+        .cli_json(&["ban", "del", "--rule", "per-client-port"]);
+    assert_eq!(out["lifted"], 2, "{out}");
+    assert!(err(&["ban", "del", "--rule", "per-client-port"]).contains("no ban in force"));
+    let mut lifted: Vec<String> = s
+        .events()
+        .into_iter()
+        .filter(|e| e["event"] == "unban" && e["rule"] == "per-client-port")
+        .map(|e| format!("{} {}", e["key"], e["client"]))
+        .collect();
+    lifted.sort();
+    assert_eq!(
+        lifted,
+        [
+            format!("\"fields\" \"ip={} dst_port=9002\"", ip4(46, 3)),
+            format!("\"fields\" \"ip={} dst_port=9002\"", ip4(46, 4)),
+        ]
+    );
+    tx.send_n(std::iter::repeat(s.udp(ip4(46, 3), PORT + 2)), 8, None);
+    keyed.wait_quiet(Duration::from_millis(300));
+    assert_eq!(
+        keyed.stop().from(ip4(46, 3)),
+        5 + 5,
+        "a clean meter after the lift"
+    );
     // Gone from the state directory too: a reboot does not bring it back.
     s.daemon_mut().stop();
     assert!(s.daemon().detach().status.success());

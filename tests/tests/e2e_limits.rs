@@ -6,7 +6,7 @@
 
 use std::{
     net::{IpAddr, Ipv4Addr, Ipv6Addr},
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use ratelimit_tests::{
@@ -619,4 +619,116 @@ algorithm = "fixed_window"
     ];
     want.sort();
     assert_eq!(clients, want);
+}
+
+/// `key = ["ip", "dst_port"]`: a budget per client prefix and destination port, in both
+/// families; the idle states of a short-memory rule are removed while the others stay.
+#[test]
+fn key_ip_and_dst_port_budgets_each_client_per_port_and_idle_states_go() {
+    kernel_test!();
+    let mut s = Scenario::new("rlk");
+    s.start(&format!(
+        r#"
+[[rule]]
+name = "per-client-port"
+match = {{ protocol = "udp", dst_ports = ["{a}-{b}"] }}
+key = ["ip", "dst_port"]
+ipv4_prefix = 24
+threshold = {{ count = 100, interval = "1h" }}
+algorithm = "fixed_window"
+
+[[rule]]
+name = "short-memory"
+match = {{ protocol = "udp", dst_ports = ["{c}"] }}
+key = ["ip", "src_port"]
+threshold = {{ count = 1000, interval = "1s" }}
+"#,
+        a = PORT,
+        b = PORT + 1,
+        c = PORT + 2,
+    ));
+    let b = s.pair.b().clone();
+    let sink = s.sink(PORT);
+    let mut tx = s.sender();
+    let frame = |src: IpAddr, sport: u16, dport: u16| {
+        let f = match src {
+            IpAddr::V4(a) => s.builder().ipv4(a, b.ipv4),
+            IpAddr::V6(a) => s.builder().ipv6(a, b.ipv6),
+        };
+        f.udp(sport, dport).pad_to(60).build()
+    };
+    let v4 = |net: u32, i: u32| IpAddr::V4(Ipv4Addr::from(net | i));
+    // 300 frames from three sources of one /24, 50 from another /24, 150 from one IPv6 /64,
+    // all to PORT; 100 more from the first /24 to PORT + 1; 40 sources to PORT + 2.
+    let mut frames: Vec<Vec<u8>> = (0..300)
+        .map(|i| frame(v4(0xc6_14_00_00, 1 + i % 3), 4000, PORT))
+        .collect();
+    frames.extend((0..50).map(|i| frame(v4(0xc6_15_00_00, 1 + i), 4000, PORT)));
+    frames.extend((0..150u16).map(|i| {
+        frame(
+            IpAddr::V6(Ipv6Addr::new(0x2001, 0xdb8, 0x15, 0, 0, 0, 0, i + 1)),
+            4000,
+            PORT,
+        )
+    }));
+    frames.extend((0..100).map(|_| frame(v4(0xc6_14_00_00, 9), 4000, PORT + 1)));
+    frames.extend((0..40).map(|i| frame(v4(0xc6_16_00_00, i + 1), 5000 + i as u16, PORT + 2)));
+    let n = frames.len() as u64;
+    tx.send_n(frames.iter(), n, None);
+    sink.wait_total(250, Duration::from_secs(10));
+    sink.wait_quiet(Duration::from_millis(300));
+    let got = sink.stop();
+    let from = |lo: u32, n: u32| (0..n).map(|i| got.from(v4(lo, i))).sum::<u64>();
+    assert_eq!(
+        from(0xc6_14_00_00, 4),
+        100,
+        "one /24 to one port: its threshold"
+    );
+    assert_eq!(from(0xc6_15_00_00, 64), 50, "another /24: its whole budget");
+    assert_eq!(got.total, 250, "and the IPv6 /64 its threshold");
+    let st = s.stats();
+    assert_eq!(
+        rule_counter(&st, "per-client-port", "admitted"),
+        350,
+        "PORT + 1 has its own"
+    );
+    assert_eq!(rule_counter(&st, "per-client-port", "dropped"), 250);
+    assert_eq!(rule_counter(&st, "short-memory", "admitted"), 40);
+    let states = |s: &Scenario| {
+        let top = s.daemon().cli_json(&["top", "-n", "100"]);
+        let mut v: Vec<(String, String)> = top
+            .as_array()
+            .expect("top --json is a list")
+            .iter()
+            .map(|c| {
+                (
+                    c["rule"].as_str().unwrap().to_string(),
+                    c["client"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect();
+        v.sort();
+        v
+    };
+    let first = states(&s);
+    let mut want: Vec<(String, String)> = [
+        "ip=198.20.0.0 dst_port=9000",
+        "ip=198.20.0.0 dst_port=9001",
+        "ip=198.21.0.0 dst_port=9000",
+        "ip=2001:db8:15:: dst_port=9000",
+    ]
+    .iter()
+    .map(|c| ("per-client-port".to_string(), c.to_string()))
+    .collect();
+    assert_eq!(first.len(), want.len() + 40, "{first:#?}");
+    // The short-memory rule's states hold nothing two seconds after their last packet: gone
+    // within a period of the reaper or two (bound: 20 s on a busy machine).
+    let t0 = Instant::now();
+    let mut now = first;
+    while now.len() > want.len() && t0.elapsed() < Duration::from_secs(20) {
+        std::thread::sleep(Duration::from_millis(500));
+        now = states(&s);
+    }
+    want.sort();
+    assert_eq!(now, want, "after {:?}", t0.elapsed());
 }

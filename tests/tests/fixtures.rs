@@ -1710,10 +1710,9 @@ fn a_full_shared_state_map_fails_open_counts_each_packet_once_and_is_logged() {
         let key = ClientKey {
             rule: 15,
             kind: KEY_REGION,
-            proto: 0,
-            fields: 0,
             prefix_len: 0,
             addr,
+            ..ClientKey::default()
         };
         fx.maps
             .clients

@@ -164,7 +164,7 @@ fn each_match_field_matches_exactly_what_it_says() {
 const KEYED: &str = r#"
 [[rule]]
 name = "svc"
-match = { protocol = "tcp" }
+match = { protocol = "tcp", dst_ports = ["80", "443"] }
 key = ["dst", "dst_port"]
 threshold = { count = 2, interval = "1h" }
 algorithm = "fixed_window"
@@ -182,6 +182,14 @@ match = { protocol = "icmp" }
 key = ["protocol", "src_port"]
 threshold = { count = 1, interval = "1h" }
 algorithm = "fixed_window"
+
+[[rule]]
+name = "client-svc"
+match = { protocol = "tcp", dst_ports = ["7000-7001"] }
+key = ["ip", "dst_port"]
+ipv4_prefix = 24
+threshold = { count = 1, interval = "1h" }
+algorithm = "fixed_window"
 "#;
 
 #[test]
@@ -196,6 +204,9 @@ fn keys_of_packet_fields_count_each_combination_apart() {
             "2001:db8:40::1".parse().unwrap(),
             dst.parse::<Ipv6Addr>().unwrap(),
         )
+    };
+    let from = |src: [u8; 4], dst: [u8; 4]| {
+        Frame::new(CLIENT_MAC, SERVER_MAC).ipv4(Ipv4Addr::from(src), Ipv4Addr::from(dst))
     };
     let a = [198, 18, 0, 2];
     let b = [198, 18, 0, 3];
@@ -229,6 +240,24 @@ fn keys_of_packet_fields_count_each_combination_apart() {
              to(a).icmp_echo(1, 1)),
         case("ICMP to B: one key for the protocol", XDP_DROP,
              "drop_rule per-proto/matched per-proto/dropped", to(b).icmp_echo(1, 2)),
+        case("198.18.40.1 to A:7000, first", XDP_PASS,
+             "pass state_created client-svc/matched client-svc/admitted", to(a).tcp(1, 7000, syn)),
+        case("another source of its /24 to B:7000: the same key", XDP_DROP,
+             "drop_rule client-svc/matched client-svc/dropped",
+             from([198, 18, 40, 200], b).tcp(2, 7000, syn)),
+        case("the same source to A:7001: a budget of its own", XDP_PASS,
+             "pass state_created client-svc/matched client-svc/admitted", to(a).tcp(1, 7001, syn)),
+        case("another /24 to A:7000 too", XDP_PASS,
+             "pass state_created client-svc/matched client-svc/admitted",
+             from([198, 18, 41, 1], a).tcp(1, 7000, syn)),
+        case("IPv6 to port 7000, first", XDP_PASS,
+             "pass state_created client-svc/matched client-svc/admitted",
+             to6("2001:db8::2").tcp(1, 7000, syn)),
+        case("IPv6, another source of the /64: the same key", XDP_DROP,
+             "drop_rule client-svc/matched client-svc/dropped",
+             Frame::new(CLIENT_MAC, SERVER_MAC)
+                 .ipv6("2001:db8:40::7".parse().unwrap(), "2001:db8::3".parse().unwrap())
+                 .tcp(1, 7000, syn)),
     ];
     fx.run_table("ratelimit", &cases);
 
@@ -247,6 +276,10 @@ fn keys_of_packet_fields_count_each_combination_apart() {
     assert_eq!(
         labels,
         [
+            "client-svc: ip=198.18.40.0 dst_port=7000",
+            "client-svc: ip=198.18.40.0 dst_port=7001",
+            "client-svc: ip=198.18.41.0 dst_port=7000",
+            "client-svc: ip=2001:db8:40:: dst_port=7000",
             "per-dst: dst=198.18.0.2",
             "per-dst: dst=198.18.0.3",
             "per-proto: src_port=0 protocol=icmp",

@@ -59,7 +59,8 @@ const MAX_SOURCES: u32 = 1 << 18;
 /// Rule by rule: a SYN ban rule per /32 and /124 (fixed window), a token bucket of packets,
 /// one ICMP bucket for everyone (sliding window), a UDP ban rule in preview, a TCP/22 ban rule
 /// whose exceed action is pass, a source-list rule with an override for half its /24, a byte
-/// threshold per /2 (byte thresholds are at least 64 KiB), and an ICMPv6 ban of the shared key. The ban rules' IPv6 prefixes are
+/// threshold per /2 (byte thresholds are at least 64 KiB), an ICMPv6 ban of the shared key,
+/// and a TCP ban rule keyed by the client's /28 (/120) and destination port. The ban rules' IPv6 prefixes are
 /// long (/124, /120) so that a ban covers few of the generated sources and the rest of the
 /// epoch still has rule verdicts to compare (that an IPv6 ban never covers an IPv4 client is
 /// kept by `fuzz-regressions/aliasing-bogons-malformed.hex`). The pressure level is low: the

@@ -20,17 +20,30 @@ pub struct ClientKey {
     /// destination address (IPv4 mapped, as `IpKey`) for `KEY_TUPLE` with `KEY_FIELD_DST`,
     /// zero otherwise.
     pub addr: [u8; 16],
+    /// `KEY_TUPLE` with `KEY_FIELD_SRC`: the source address (IPv4 mapped) masked to the
+    /// rule's `v4_prefix` / `v6_prefix`; else zero. (Its prefix length is the rule's, so the
+    /// key does not repeat it: 16 bytes more on the BPF stack's every copy of a key.)
+    pub src: [u8; 16],
 }
 
 impl ClientKey {
     /// The key of rule `rule`'s `KEY_TUPLE` bucket made of the fields `fields`
-    /// (`KEY_FIELD_*`) of a packet to `dst`, between ports `sport` and `dport` (0 for a
-    /// packet without ports), of protocol `proto`.
+    /// (`KEY_FIELD_*`) of a packet from `src` (already masked to the rule's prefix) to `dst`, between ports `sport` and `dport` (0 for a packet without ports), of
+    /// protocol `proto`.
     #[inline(always)]
-    pub fn tuple(rule: u8, fields: u8, dst: &[u8; 16], dport: u16, sport: u16, proto: u8) -> Self {
+    pub fn tuple(
+        rule: u8,
+        fields: u8,
+        src: &[u8; 16],
+        dst: &[u8; 16],
+        dport: u16,
+        sport: u16,
+        proto: u8,
+    ) -> Self {
         use super::rule::*;
         let has = |f: u8| fields & f != 0;
         ClientKey {
+            src: if has(KEY_FIELD_SRC) { *src } else { [0; 16] },
             rule,
             kind: KEY_TUPLE,
             proto: if has(KEY_FIELD_PROTOCOL) { proto } else { 0 },

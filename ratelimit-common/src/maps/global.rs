@@ -107,8 +107,9 @@ pub const GLOBAL_DST_MATCH: u32 = 1 << 5;
 /// `GlobalConfig::flags`: a rule has `RULE_MORE_MATCH` (the fields it reads are read from the
 /// frame before the rules).
 pub const GLOBAL_MORE_MATCH: u32 = 1 << 6;
-/// `GlobalConfig::flags`: a rule is keyed by packet fields (`KEY_TUPLE`: the destination and
-/// source port are read from the frame before the rules).
+/// `GlobalConfig::flags`: a rule is keyed by the destination or the source port (`KEY_TUPLE`
+/// with `KEY_FIELD_DST` or `KEY_FIELD_SRC_PORT`: they are read from the frame before the
+/// rules).
 pub const GLOBAL_KEY_TUPLE: u32 = 1 << 7;
 
 /// The admission budget's GCRA constants for `rate` new states per second, `burst` at once:

@@ -17,8 +17,8 @@ pub const KEY_REGION: u8 = 2;
 /// random-source flood (never configured; chosen by the program).
 pub const KEY_OVERFLOW: u8 = 3;
 /// One bucket per combination of the packet fields in `RuleConfig::key_fields`
-/// (`KEY_FIELD_*`): the destination address, ports, protocol (`key = "dst"`, `key = ["dst",
-/// "dst_port"]`). Its states live beside the shared keys', in `RL_KEYED`.
+/// (`KEY_FIELD_*`): the source prefix, destination address, ports, protocol (`key = "dst"`,
+/// `key = ["ip", "dst_port"]`). Its states live beside the shared keys', in `RL_KEYED`.
 pub const KEY_TUPLE: u8 = 4;
 
 // `RuleConfig::key_fields` of a `KEY_TUPLE` rule (see `ClientKey` for where each is held).
@@ -26,6 +26,8 @@ pub const KEY_FIELD_DST: u8 = 1 << 0;
 pub const KEY_FIELD_DST_PORT: u8 = 1 << 1;
 pub const KEY_FIELD_SRC_PORT: u8 = 1 << 2;
 pub const KEY_FIELD_PROTOCOL: u8 = 1 << 3;
+/// The source address, masked to the rule's `v4_prefix` / `v6_prefix` (`ip` with other fields).
+pub const KEY_FIELD_SRC: u8 = 1 << 4;
 
 // Actions.
 pub const ACTION_THROTTLE: u8 = 0;

@@ -65,6 +65,7 @@ pub const fn slot_key(tag: u32, addr: [u8; 16]) -> ClientKey {
         fields: 0,
         prefix_len: (tag >> 6) & 0xff,
         addr,
+        src: [0; 16],
     }
 }
 

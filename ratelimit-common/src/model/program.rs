@@ -308,9 +308,15 @@ impl Model {
             key.prefix_len = plen;
             key.addr = pkt.src.masked(plen).addr;
         } else if rule.key == KEY_TUPLE {
+            let plen = if pkt.v4 {
+                V4_MAPPED_PREFIX + rule.v4_prefix as u32
+            } else {
+                rule.v6_prefix as u32
+            };
             key = ClientKey::tuple(
                 i as u8,
                 rule.key_fields,
+                &pkt.src.masked(plen).addr,
                 &pkt.dst.addr,
                 pkt.dport,
                 pkt.sport,

@@ -40,8 +40,8 @@ pub enum BanCommand {
         cidr: Option<String>,
         #[arg(long, value_name = "FILE", conflicts_with = "cidr")]
         file: Option<PathBuf>,
-        /// Lift the ban of a rule keyed `all` (or `region`, with --region): its shared meter
-        /// starts clean.
+        /// Lift the ban of a rule keyed `all` (or `region`, with --region), or every ban of a
+        /// rule keyed by packet fields: their meters start clean.
         #[arg(long, value_name = "RULE", conflicts_with_all = ["cidr", "file"])]
         rule: Option<String>,
         /// The region (ISO 3166-1 alpha-2) whose ban to lift, for a rule keyed `region`.

@@ -68,8 +68,8 @@ pub enum KeyKind {
     Ip,
     /// Per country from the GeoIP database.
     Region,
-    /// Per combination of packet fields (`key = "dst"`, `key = ["dst", "dst_port"]`): never
-    /// empty, never with `ip` (the per-source store keys on the source alone).
+    /// Per combination of packet fields (`key = "dst"`, `key = ["ip", "dst_port"]`): never
+    /// empty, never `ip` alone (that is `Ip`).
     Fields(KeyFields),
 }
 
@@ -89,9 +89,9 @@ keyword_enum!(
 pub struct KeyFields(pub u8);
 
 impl KeyFields {
-    /// The fields in their order, with their `KEY_FIELD_*` bits (`ip` has none: it is never
-    /// one of a `KeyFields`).
-    const BITS: [(KeyField, u8); 4] = [
+    /// The fields in their order, with their `KEY_FIELD_*` bits.
+    const BITS: [(KeyField, u8); 5] = [
+        (KeyField::Ip, ratelimit_common::maps::KEY_FIELD_SRC),
         (KeyField::Dst, ratelimit_common::maps::KEY_FIELD_DST),
         (
             KeyField::DstPort,
@@ -107,9 +107,12 @@ impl KeyFields {
         ),
     ];
 
-    /// The bit of `f`, None for `ip`.
-    pub fn bit(f: KeyField) -> Option<u8> {
-        Self::BITS.iter().find(|(g, _)| *g == f).map(|(_, b)| *b)
+    /// The bit of `f`.
+    pub fn bit(f: KeyField) -> u8 {
+        Self::BITS
+            .iter()
+            .find(|(g, _)| *g == f)
+            .map_or(0, |(_, b)| *b)
     }
 
     /// The fields, in a fixed order.
@@ -121,11 +124,21 @@ impl KeyFields {
     }
 
     pub fn has(self, f: KeyField) -> bool {
-        Self::bit(f).is_some_and(|b| self.0 & b != 0)
+        self.0 & Self::bit(f) != 0
     }
 }
 
 impl KeyKind {
+    /// Whether the key holds the source address (aggregated to `ipv4_prefix` /
+    /// `ipv6_prefix`): `"ip"`, or a list with `"ip"`.
+    pub fn has_source(self) -> bool {
+        match self {
+            KeyKind::Ip => true,
+            KeyKind::Fields(f) => f.has(KeyField::Ip),
+            _ => false,
+        }
+    }
+
     /// `key = "dst"`.
     pub const DST: KeyKind = KeyKind::Fields(KeyFields(ratelimit_common::maps::KEY_FIELD_DST));
 }
@@ -170,7 +183,7 @@ impl FromStr for KeyKind {
             _ => Err(format!(
                 "must be one of {}, or a list of up to three of {} (got {s:?})",
                 values::quoted_list(&["all", "ip", "region", "dst"]),
-                values::quoted_list(&["dst", "dst_port", "src_port", "protocol"]),
+                values::quoted_list(&["ip", "dst", "dst_port", "src_port", "protocol"]),
             )),
         }
     }

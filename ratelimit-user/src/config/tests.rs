@@ -808,8 +808,8 @@ fn action_and_algorithm_dependent_fields() {
     assert_eq!(
         errors(&text),
         [
-            "t.toml:5:1: rule \"r\": ipv4_prefix only applies to key = \"ip\" (this rule has key = \"all\")",
-            "t.toml:6:1: rule \"r\": ipv6_prefix only applies to key = \"ip\" (this rule has key = \"all\")",
+            "t.toml:5:1: rule \"r\": ipv4_prefix only applies to a key with \"ip\" (this rule has key = \"all\")",
+            "t.toml:6:1: rule \"r\": ipv6_prefix only applies to a key with \"ip\" (this rule has key = \"all\")",
             "t.toml:6:15: rule \"r\": ipv6_prefix must be between 1 and 128",
             "t.toml:7:14: rule \"r\": soft_limit must be greater than 0 and at most 1",
         ]
@@ -1104,7 +1104,7 @@ fn errors_are_collected_and_sorted() {
     assert_eq!(positions, [(2, 7), (3, 23), (3, 37), (4, 8), (6, 12)]);
     assert_eq!(
         e.to_string(),
-        "t.toml:2:7: rule #1: key must be one of \"all\", \"ip\", \"region\" or \"dst\", or a list of up to three of \"dst\", \"dst_port\", \"src_port\" or \"protocol\" (got \"bogus\")\n\
+        "t.toml:2:7: rule #1: key must be one of \"all\", \"ip\", \"region\" or \"dst\", or a list of up to three of \"ip\", \"dst\", \"dst_port\", \"src_port\" or \"protocol\" (got \"bogus\")\n\
          t.toml:3:23: rule #1: threshold.count must be at least 1\n\
          t.toml:3:37: rule #1: threshold.interval must be greater than 0\n\
          t.toml:4:8: rule #1: name must not be empty\n\

@@ -1,5 +1,5 @@
-//! The owner's bans: `ban add|del|lift`, the expiry sweep, the saves to `state_dir` and the
-//! events of operator bans.
+//! The owner's bans: `ban add|del` (a rule's own bans are lifted in `lift.rs`), the expiry
+//! sweep, the saves to `state_dir` and the events of operator bans.
 
 use std::time::{Duration, Instant, SystemTime};
 
@@ -17,11 +17,10 @@ use super::{
     fleet::{FLEET_LIFTS_FILE, FLEET_LIFTS_MAX},
 };
 use crate::{
-    api::{BanLifted, BanSpec, BansAdded, BansRemoved},
+    api::{BanSpec, BansAdded, BansRemoved},
     config, events,
     policy::apply::prefix,
     policy::bans,
-    policy::report,
 };
 
 /// One ban write of a request, to undo it: (table, prefix length, address, the ban that was
@@ -143,6 +142,7 @@ impl State {
                 key_kind: KEY_IP as u32,
                 prefix_len: b.prefix_len,
                 addr: b.addr,
+                src: [0; 16],
                 ts_ns: b.expires_ns,
                 count: 0,
                 threshold: 0,
@@ -355,96 +355,6 @@ impl State {
             removed,
             not_found: missing,
             published_only,
-        })
-    }
-
-    /// Lift the aggregate ban of a rule keyed `all` or `region` (IP bans are removed by
-    /// prefix). The shared state's meters start clean, as when a ban ends on its own; its
-    /// totals stay. An `unban` event line says so, and the saved bans drop it.
-    pub(super) fn ban_lift(
-        &mut self,
-        rule: &str,
-        region: Option<&str>,
-    ) -> anyhow::Result<BanLifted> {
-        let rules = self.live_rules();
-        let Some(i) = rules.iter().position(|(n, _)| n == rule) else {
-            bail!(
-                "no rule named {rule:?} (rules: {})",
-                self.rule_names().join(", ")
-            );
-        };
-        let r = rules[i].1;
-        if r.key != KEY_ALL && r.key != KEY_REGION {
-            bail!(
-                "rule {rule:?} is keyed {}: its bans are per client; remove one with `ratelimit ban del CIDR`",
-                crate::policy::report::key_name(r.key)
-            );
-        }
-        if r.action != ACTION_BAN {
-            bail!("rule {rule:?} does not ban (its action is not rate_based_ban)");
-        }
-        let mut key = ClientKey {
-            rule: i as u8,
-            kind: r.key,
-            ..ClientKey::default()
-        };
-        match (r.key, region) {
-            (KEY_REGION, Some(cc)) => {
-                let cc = cc.to_ascii_uppercase();
-                match cc.as_bytes() {
-                    &[x, y] if x.is_ascii_uppercase() && y.is_ascii_uppercase() => {
-                        key.addr[0] = x;
-                        key.addr[1] = y;
-                    }
-                    _ => bail!("--region {cc:?}: expected a two-letter region code, e.g. NL"),
-                }
-            }
-            (KEY_REGION, None) => {
-                bail!("rule {rule:?} is keyed region: say which region's ban with --region CC")
-            }
-            (_, Some(_)) => bail!("rule {rule:?} is keyed all: it has one ban, no --region"),
-            (_, None) => {}
-        }
-        let now = crate::clock::mono_ns();
-        let what = match region {
-            Some(cc) => format!("rule {rule:?} in region {}", cc.to_ascii_uppercase()),
-            None => format!("rule {rule:?}"),
-        };
-        let st = match self.maps.clients.shared.get(&key, 0) {
-            Ok(st) if st.banned_until_ns > now => st,
-            _ => bail!("no ban in force for {what}"),
-        };
-        // The meters are clean already: the program clears them when it issues a ban, and a
-        // banned key's packets are not metered.
-        let lifted = SharedState {
-            banned_until_ns: 0,
-            ..st
-        };
-        // BPF_EXIST: the state must still be there (an expiry in between would have lifted
-        // it already).
-        self.maps
-            .clients
-            .shared
-            .insert(key, lifted, 2)
-            .with_context(|| format!("lifting the ban of {what}"))?;
-        self.events.operator(vec![Event {
-            kind: EV_UNBAN,
-            rule: u32::from(key.rule),
-            key_kind: u32::from(key.kind),
-            prefix_len: key.prefix_len,
-            addr: key.addr,
-            ts_ns: now,
-            count: 0,
-            threshold: 0,
-            expires_ns: 0,
-        }]);
-        info!(%what, "aggregate ban lifted");
-        self.bans_changed();
-        Ok(BanLifted {
-            lifted: 1,
-            rule: rule.to_string(),
-            key: report::Key::of(key.kind),
-            region: region.map(|c| c.to_ascii_uppercase()),
         })
     }
 }

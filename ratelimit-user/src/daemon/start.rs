@@ -341,6 +341,8 @@ fn start_owner(
     reports
         .spawn_census()
         .context("starting the reports' census thread")?;
+    super::tasks::spawn_keyed_reaper(&reports, state.cfg.daemon.bpffs_dir.clone())
+        .context("starting the idle keyed states' thread")?;
     let control_socket = state.cfg.daemon.control_socket.clone();
     let news = Arc::new(NewsBox::default());
     tokio::spawn(own(state, jobs_rx, news.clone()));

@@ -95,3 +95,33 @@ pub(super) async fn watch_local_addrs(handle: Handle) -> anyhow::Result<()> {
         handle.with(|s| s.maps.refresh_local_addrs()).await?;
     }
 }
+
+/// Remove the idle states of keys of packet fields ([`crate::kernel::keyed`]) every
+/// [`crate::kernel::keyed::PERIOD`], on a thread of its own with a handle of its own (a walk
+/// of a full map takes a few hundred syscalls a millisecond, too long for the owner task).
+/// Ends with the daemon's reports.
+pub(super) fn spawn_keyed_reaper(
+    reports: &Arc<crate::serve::reader::Reports>,
+    pin_dir: std::path::PathBuf,
+) -> anyhow::Result<()> {
+    use crate::kernel::keyed;
+    let me = Arc::downgrade(reports);
+    let mut map = keyed::open(&pin_dir)?;
+    std::thread::Builder::new()
+        .name("keyed-reaper".into())
+        .spawn(move || {
+            loop {
+                std::thread::sleep(keyed::PERIOD);
+                let Some(r) = me.upgrade() else { break };
+                let rules: Vec<_> = r.view().live_rules.iter().map(|(_, c)| *c).collect();
+                drop(r);
+                if keyed::any_keyed(&rules) {
+                    let gone = keyed::reap(&mut map, &rules, crate::clock::mono_ns());
+                    if gone > 0 {
+                        tracing::debug!(gone, "idle states of keys of packet fields removed");
+                    }
+                }
+            }
+        })?;
+    Ok(())
+}

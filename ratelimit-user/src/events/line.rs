@@ -1,7 +1,7 @@
 //! The lines' shapes: an event of the data plane or the operator, a change of the pressure
 //! level or of the fleet store's health, the summary of a second's suppressed events.
 
-use ratelimit_common::{event::*, maps::ClientKey};
+use ratelimit_common::event::*;
 use serde::Serialize;
 
 use super::Tally;
@@ -92,14 +92,7 @@ pub fn line_with(
     rule_names: &[String],
     time: &mut dyn FnMut(u64) -> String,
 ) -> EventLine {
-    let key = ClientKey {
-        rule: e.rule as u8,
-        kind: e.key_kind as u8,
-        proto: (e.key_kind >> 8) as u8,
-        fields: (e.key_kind >> 16) as u8,
-        prefix_len: e.prefix_len,
-        addr: e.addr,
-    };
+    let key = e.key();
     EventLine {
         time: time(e.ts_ns),
         event: kind_name(e.kind),

@@ -21,6 +21,7 @@ fn ev(kind: u32, ts_ns: u64) -> Event {
         key_kind: ratelimit_common::maps::KEY_IP as u32,
         prefix_len: 128,
         addr: [0; 16],
+        src: [0; 16],
         ts_ns,
         count: 1,
         threshold: 1,

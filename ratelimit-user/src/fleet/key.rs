@@ -190,6 +190,7 @@ pub fn targets(
                     fields: 0,
                     prefix_len,
                     addr: a,
+                    ..ClientKey::default()
                 },
                 name,
                 bucket,

@@ -129,7 +129,10 @@ pub fn global_flags(rules: &[RuleConfig]) -> u32 {
     .iter()
     .filter(|(rule, _)| any(*rule))
     .fold(0, |acc, (_, global)| acc | global)
-        | if rules.iter().any(|r| r.key == KEY_TUPLE) {
+        | if rules
+            .iter()
+            .any(|r| r.key == KEY_TUPLE && r.key_fields & (KEY_FIELD_DST | KEY_FIELD_SRC_PORT) != 0)
+        {
             GLOBAL_KEY_TUPLE
         } else {
             0

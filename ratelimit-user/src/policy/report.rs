@@ -278,9 +278,13 @@ pub fn client_label(k: &ClientKey) -> String {
     }
 }
 
-/// A `KEY_TUPLE` key's fields, as `dst=192.0.2.1 dst_port=53 protocol=udp`.
+/// A `KEY_TUPLE` key's fields, as `ip=198.51.100.7 dst=192.0.2.1 dst_port=53 protocol=udp`
+/// (the source masked to the rule's prefix: `ip=198.51.100.0` for a /24).
 fn tuple_label(k: &ClientKey) -> String {
     let mut parts = Vec::new();
+    if k.fields & KEY_FIELD_SRC != 0 {
+        parts.push(format!("ip={}", net_of(128, &IpKey { addr: k.src }).addr()));
+    }
     if k.fields & KEY_FIELD_DST != 0 {
         parts.push(format!(
             "dst={}",

@@ -3,7 +3,7 @@
 use super::{KeyField, KeyFields, KeyKind};
 use crate::config::tests::{at, error, errors, ok, rule};
 use ratelimit_common::maps::{
-    KEY_FIELD_DST, KEY_FIELD_DST_PORT, KEY_FIELD_PROTOCOL, KEY_FIELD_SRC_PORT,
+    KEY_FIELD_DST, KEY_FIELD_DST_PORT, KEY_FIELD_PROTOCOL, KEY_FIELD_SRC, KEY_FIELD_SRC_PORT,
 };
 
 fn key_of(line: &str) -> KeyKind {
@@ -33,6 +33,20 @@ fn keys_read_as_keywords_and_as_lists_of_fields() {
     assert_eq!(KeyKind::Ip.toml(), "\"ip\"");
     assert!(KeyFields(KEY_FIELD_DST).has(KeyField::Dst));
     assert!(!KeyFields(KEY_FIELD_DST).has(KeyField::Ip));
+    // With the source: its prefixes apply.
+    let text = rule(
+        "r",
+        "key = [\"dst_port\", \"ip\"]\nipv4_prefix = 24\nipv6_prefix = 48",
+    );
+    let r = &ok(&text).rules[0];
+    assert_eq!(
+        r.key,
+        KeyKind::Fields(KeyFields(KEY_FIELD_SRC | KEY_FIELD_DST_PORT))
+    );
+    assert_eq!((r.ipv4_prefix, r.ipv6_prefix), (24, 48));
+    assert!(r.key.has_source() && KeyKind::Ip.has_source() && !KeyKind::DST.has_source());
+    assert_eq!(r.key.toml(), "[\"ip\", \"dst_port\"]");
+    assert_eq!(r.key.to_string(), "ip+dst_port");
     for k in ["\"all\"", "\"ip\"", "\"region\"", "\"dst\""] {
         assert_eq!(k.trim_matches('"').parse::<KeyKind>().unwrap().toml(), k);
     }
@@ -49,7 +63,7 @@ fn bad_keys_are_refused_where_they_are_written() {
             "\"dest\"",
             0,
             "rule \"r\": key must be one of \"all\", \"ip\", \"region\" or \"dst\", or a list of \
-             up to three of \"dst\", \"dst_port\", \"src_port\" or \"protocol\" (got \"dest\")"
+             up to three of \"ip\", \"dst\", \"dst_port\", \"src_port\" or \"protocol\" (got \"dest\")"
         )
     );
     let text = rule(
@@ -88,14 +102,13 @@ fn bad_keys_are_refused_where_they_are_written() {
             "rule \"r\": key must be one of \"ip\", \"dst\", \"dst_port\", \"src_port\" or \"protocol\" (got \"port\")"
         )
     );
-    assert!(
-        bad("key = [\"ip\", \"dst_port\"]").contains("\"ip\" cannot be combined with other fields"),
-    );
+    assert!(bad("key = [\"ip\", \"ip\"]").contains("\"ip\" is listed twice"));
     assert!(bad("key = [1]").contains("key"), "{}", bad("key = [1]"));
     // What a key of fields does not take.
     assert!(
-        bad("key = \"dst\"\nipv4_prefix = 24")
-            .ends_with("ipv4_prefix only applies to key = \"ip\" (this rule has key = \"dst\")")
+        bad("key = \"dst\"\nipv4_prefix = 24").ends_with(
+            "ipv4_prefix only applies to a key with \"ip\" (this rule has key = \"dst\")"
+        )
     );
     let text = rule(
         "r",

@@ -130,7 +130,7 @@ fn name(t: &mut Table, tot: &mut Totals, ck: &mut Checker) -> String {
 }
 
 /// `key` (`"region"` needs a `[geoip]` database), then `ipv4_prefix` and `ipv6_prefix` (only
-/// with key = "ip").
+/// with a key of the source: `"ip"`, or a list with `"ip"`).
 fn key(t: &mut Table, has_geoip: bool, ck: &mut Checker) -> (Option<KeyKind>, u8, u8) {
     let key_field = t.get("key");
     let key = match &key_field {
@@ -145,11 +145,11 @@ fn key(t: &mut Table, has_geoip: bool, ck: &mut Checker) -> (Option<KeyKind>, u8
         let Some(f) = t.get(name) else {
             return default;
         };
-        if let Some(k) = key.filter(|&k| k != KeyKind::Ip) {
+        if let Some(k) = key.filter(|&k| !k.has_source()) {
             f.error_at_key(
                 ck,
                 format!(
-                    "only applies to key = \"ip\" (this rule has key = {})",
+                    "only applies to a key with \"ip\" (this rule has key = {})",
                     k.toml()
                 ),
             );
@@ -161,9 +161,7 @@ fn key(t: &mut Table, has_geoip: bool, ck: &mut Checker) -> (Option<KeyKind>, u8
     (key, ipv4_prefix, ipv6_prefix)
 }
 
-/// `key = [..]`: one to three distinct fields of the packet. `["ip"]` is `"ip"`; `ip` with
-/// other fields is refused: a per-source state is keyed by the source alone (give each
-/// service a rule of its own, with `dst` or `dst_ports` in its match and key = "ip").
+/// `key = [..]`: one to three distinct fields of the packet. `["ip"]` is `"ip"`.
 fn key_fields(f: &Field, ck: &mut Checker) -> Option<KeyKind> {
     let items = f.array(ck)?;
     if items.is_empty() || items.len() > 3 {
@@ -175,42 +173,25 @@ fn key_fields(f: &Field, ck: &mut Checker) -> Option<KeyKind> {
     }
     let mut bits = 0u8;
     let mut ok = true;
-    let mut ip = false;
     for e in &items {
         let Some(field) = keyword::<KeyField>(e, ck) else {
             ok = false;
             continue;
         };
         let bit = KeyFields::bit(field);
-        let seen = match bit {
-            None => std::mem::replace(&mut ip, true),
-            Some(b) => {
-                let had = bits & b != 0;
-                bits |= b;
-                had
-            }
-        };
-        if seen {
+        if bits & bit != 0 {
             e.error(ck, format!("\"{field}\" is listed twice"));
             ok = false;
         }
+        bits |= bit;
     }
     if !ok {
         return None;
     }
-    match (ip, bits) {
-        (true, 0) => Some(KeyKind::Ip),
-        (true, _) => {
-            f.error(
-                ck,
-                "\"ip\" cannot be combined with other fields: a per-source state is keyed by the \
-                 source alone (for a per-client budget per service, give each service a rule of \
-                 its own with `dst` or `dst_ports` in its match and key = \"ip\")",
-            );
-            None
-        }
-        (false, b) => Some(KeyKind::Fields(KeyFields(b))),
+    if bits == KeyFields::bit(KeyField::Ip) {
+        return Some(KeyKind::Ip);
     }
+    Some(KeyKind::Fields(KeyFields(bits)))
 }
 
 /// A rule's limits as read; `None` where absent or invalid.
