@@ -7,6 +7,8 @@
 //!   parser then XDP_PASS). "Ours" is the daemon's own program, linked unchanged into the
 //!   benchmark's object (`object.rs`); the cases that spread runs over many sources run it
 //!   behind the object's per-run source variation.
+//! * Match fields: the pass path of a rule with each match field, and a frame that meets it
+//!   (`matching.rs`).
 //! * Scale: the pass path with 1k .. 1M (10M in the full run) tracked sources in the map.
 //! * Memory: bytes per tracked source from the kernel's own accounting (map fdinfo memlock).
 //! * Control plane: 100k bans inserted, and one walk of every tracked source (what `top` does).
@@ -17,6 +19,7 @@
 mod control;
 mod fleet;
 mod flood;
+mod matching;
 mod object;
 mod part;
 mod plots;
@@ -477,6 +480,8 @@ fn main() {
         "drop",
         b.paired(OURS, &frame_udp([198, 18, 201, 1]), XDP_DROP),
     );
+    // What each match field costs a packet that meets it (`matching.rs`).
+    matching::run(&mut b, &mut maps, &cfg, &mut push);
     push(
         "floor: the clock (bpf_ktime_get_ns), then XDP_PASS",
         "ref_clock",
