@@ -125,6 +125,9 @@ fn cases() -> Vec<Case> {
         c("key: [\"dst\", \"dst_port\"]",
           "match = { protocol = \"udp\", dst_ports = [\"9000\"] }\nkey = [\"dst\", \"dst_port\"]",
           |w| v4(w).udp(40000, 9000).pad_to(64).build()),
+        c("key: [\"ip\", \"dst_port\"]",
+          "match = { protocol = \"udp\", dst_ports = [\"9000\"] }\nkey = [\"ip\", \"dst_port\"]",
+          |w| v4(w).udp(40000, 9000).pad_to(64).build()),
         c(PLAIN_AFTER, PLAIN,
           |w| v4(w).udp(40000, 9000).pad_to(64).build()),
     ]
