@@ -519,6 +519,16 @@ fn packaging_manpage_covers_every_command() {
             "no {section}"
         );
     }
+    // The exit status the CLI gives (tests/cli.rs checks them): 1 for an error, 2 for usage.
+    let status = text
+        .split(".SH \"EXIT STATUS\"")
+        .nth(1)
+        .and_then(|t| t.split(".SH ").next())
+        .expect("an EXIT STATUS section");
+    assert!(
+        status.contains("1 on any error") && status.contains("2 for a usage error"),
+        "{status}"
+    );
     // Options of the commands, from the clap definitions.
     for opt in ["--xdp-mode", "--ban-threshold", "--bpffs-dir", "--for"] {
         assert!(text.contains(opt), "{opt}");

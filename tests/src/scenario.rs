@@ -109,16 +109,23 @@ impl Scenario {
 
     /// `GET path` from the daemon's HTTP listener: (status, body).
     pub fn http_get(&self, path: &str) -> (u16, String) {
+        let (status, _, body) = self.http_request(path, "");
+        (status, body)
+    }
+
+    /// `GET path` with the header lines `headers` (each ending in CRLF): (status, the
+    /// response's header lines, body).
+    pub fn http_request(&self, path: &str, headers: &str) -> (u16, String, String) {
         use std::io::{Read as _, Write as _};
         let port = self.http_port.expect("scenario built with_http");
-        let path = path.to_string();
+        let (path, headers) = (path.to_string(), headers.to_string());
         self.server.enter(move || {
             let mut c = std::net::TcpStream::connect(("127.0.0.1", port))
                 .expect("connect to the daemon's HTTP listener");
             c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
             write!(
                 c,
-                "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+                "GET {path} HTTP/1.1\r\nHost: localhost\r\n{headers}Connection: close\r\n\r\n"
             )
             .unwrap();
             let mut resp = String::new();
@@ -128,11 +135,8 @@ impl Scenario {
                 .nth(1)
                 .and_then(|s| s.parse().ok())
                 .unwrap_or(0);
-            let body = resp
-                .split_once("\r\n\r\n")
-                .map(|(_, b)| b.to_string())
-                .unwrap_or_default();
-            (status, body)
+            let (head, body) = resp.split_once("\r\n\r\n").unwrap_or((&resp, ""));
+            (status, head.to_string(), body.to_string())
         })
     }
 

@@ -163,4 +163,40 @@ fn prometheus_sums_agree_with_the_packets_sent_and_received() {
         []
     );
     assert_eq!(v("ratelimit_build_info"), 1.0);
+
+    // Prometheus asked for OpenMetrics; a scraper that does not gets the classic text format,
+    // which promtool (Debian 12's 2.42: a classic parser) checks without a complaint.
+    let (code, head, body) = s.http_request("/metrics", "");
+    assert_eq!(code, 200);
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("content-type: text/plain; version=0.0.4"),
+        "{head}"
+    );
+    assert!(!body.contains("# EOF"), "{body}");
+    let file = s.daemon().config_dir().join("metrics.txt");
+    std::fs::write(&file, &body).unwrap();
+    let check = std::process::Command::new("promtool")
+        .args(["check", "metrics"])
+        .stdin(std::fs::File::open(&file).unwrap())
+        .output()
+        .expect("running promtool");
+    assert!(
+        check.status.success(),
+        "promtool check metrics: {}\n{}{}",
+        check.status,
+        String::from_utf8_lossy(&check.stdout),
+        String::from_utf8_lossy(&check.stderr)
+    );
+    let (code, head, body) = s.http_request(
+        "/metrics",
+        "Accept: application/openmetrics-text;version=1.0.0,text/plain;version=0.0.4;q=0.5\r\n",
+    );
+    assert_eq!(code, 200);
+    assert!(
+        head.to_ascii_lowercase()
+            .contains("content-type: application/openmetrics-text"),
+        "{head}"
+    );
+    assert!(body.ends_with("# EOF\n"), "{body}");
 }

@@ -267,9 +267,10 @@ fn clippy_bpf() -> std::process::Command {
 }
 
 /// Builds the [`GUEST_TESTS`] binaries once on the host, then runs each in a guest of each of
-/// [`vm::KERNELS`], [`GUESTS_AT_ONCE`] kernels at a time; prints per kernel its guests' output,
-/// then the counts, the program's verified instruction count and the time. Every kernel runs
-/// even when one fails; the step fails if any kernel did not boot or any test failed.
+/// [`vm::KERNELS`], [`GUESTS_AT_ONCE`] guests at a time; prints each guest's output whole as
+/// it ends, then per kernel and test the counts, the program's verified instruction count and
+/// the time. Every guest runs even when one fails; the step fails if any kernel did not boot
+/// or any test failed.
 fn other_kernels(filter: &[String]) -> Result<()> {
     let mut build = util::cargo([
         "test",
@@ -294,44 +295,63 @@ fn other_kernels(filter: &[String]) -> Result<()> {
     for test in GUEST_TESTS {
         exes.push(test_executable(&json, test.name)?);
     }
-    // Each guest is one emulated CPU's thread (`tcg,thread=single`): two at once keep both of
-    // a 2-core host busy. Their outputs are printed whole, one kernel after the other.
     // Prepared one after the other (a first preparation downloads and unpacks packages).
-    let mut kernels: Vec<_> = vm::KERNELS
-        .iter()
-        .map(|k| (k, Some(vm::prepare(*k))))
-        .collect();
-    let printing = std::sync::Mutex::new(());
-    let mut results: Vec<KernelRun> = Vec::new();
-    for kernels in kernels.chunks_mut(GUESTS_AT_ONCE) {
-        let runs: Vec<KernelRun> = std::thread::scope(|scope| {
-            let handles: Vec<_> = kernels
-                .iter_mut()
-                .map(|(kernel, prepared)| {
-                    let (exes, printing) = (&exes, &printing);
-                    let prepared = prepared.take().expect("prepared once");
-                    scope.spawn(move || {
-                        let run = one_kernel(kernel, prepared, exes, filter);
-                        let _one_at_a_time = printing.lock().unwrap_or_else(|e| e.into_inner());
-                        print!("{}", run.output);
-                        run
-                    })
-                })
-                .collect();
-            handles
-                .into_iter()
-                .map(|h| h.join().expect("a guest's thread"))
-                .collect()
-        });
-        results.extend(runs);
+    let mut results: Vec<Vec<Option<Guest>>> = Vec::new();
+    let mut kernels = Vec::new();
+    for kernel in vm::KERNELS {
+        match vm::prepare(*kernel) {
+            Ok(prepared) => {
+                let label = format!(
+                    "kernel {} ({}, {})",
+                    kernel.name, prepared.release, prepared.version
+                );
+                kernels.push(Some((label, prepared)));
+                results.push(vec![None; GUEST_TESTS.len()]);
+            }
+            Err(error) => {
+                let line = format!("kernel {}: not prepared: {error:#}", kernel.name);
+                println!("{line}");
+                results.push(vec![Some(Guest { line, failed: true })]);
+                kernels.push(None);
+            }
+        }
     }
+    // The jobs, longest first (the fixtures, then the fuzz test; the newest kernel first),
+    // taken by [`GUESTS_AT_ONCE`] workers: each guest is one emulation thread
+    // (`tcg,thread=single`), so two keep a 2-core machine busy.
+    let jobs: Vec<(usize, usize)> = (0..GUEST_TESTS.len())
+        .flat_map(|t| (0..kernels.len()).rev().map(move |k| (k, t)))
+        .filter(|&(k, _)| kernels[k].is_some())
+        .collect();
+    let queue = std::sync::Mutex::new(jobs.into_iter());
+    let done = std::sync::Mutex::new(results);
+    std::thread::scope(|scope| {
+        for _ in 0..GUESTS_AT_ONCE {
+            scope.spawn(|| {
+                loop {
+                    let next = queue.lock().unwrap_or_else(|e| e.into_inner()).next();
+                    let Some((k, t)) = next else { break };
+                    let Some((label, prepared)) = &kernels[k] else {
+                        continue;
+                    };
+                    let (output, guest) =
+                        one_guest(label, prepared, &GUEST_TESTS[t], &exes[t], filter);
+                    let mut done = done.lock().unwrap_or_else(|e| e.into_inner());
+                    // Printed whole, under the lock: guests' outputs never interleave.
+                    print!("{output}");
+                    done[k][t] = Some(guest);
+                }
+            });
+        }
+    });
+    let results = done.into_inner().unwrap_or_else(|e| e.into_inner());
     println!();
     let mut failures = Vec::new();
-    for run in &results {
-        for line in &run.lines {
-            println!("{line}");
+    for guest in results.iter().flatten().flatten() {
+        println!("{}", guest.line);
+        if guest.failed {
+            failures.push(guest.line.clone());
         }
-        failures.extend(run.failures.iter().cloned());
     }
     if !failures.is_empty() {
         bail!("on other kernels:\n{}", failures.join("\n"));
@@ -342,89 +362,69 @@ fn other_kernels(filter: &[String]) -> Result<()> {
 /// How many guests run at once: each takes one host core.
 const GUESTS_AT_ONCE: usize = 2;
 
-/// What the guests of one kernel printed and found.
-struct KernelRun {
-    /// The guests' output, with a header per test binary and its summary line.
-    output: String,
-    /// One summary line per test binary.
-    lines: Vec<String>,
-    failures: Vec<String>,
+/// What one guest found: its summary line, and whether it failed.
+#[derive(Clone)]
+struct Guest {
+    line: String,
+    failed: bool,
 }
 
-/// Each of [`GUEST_TESTS`] (its executable in `exes`) in a guest of `kernel` (as `prepared`),
-/// one after the other.
-fn one_kernel(
-    kernel: &vm::Kernel,
-    prepared: Result<vm::Prepared>,
-    exes: &[String],
+/// `test` (its executable `exe`) in a guest of the kernel `prepared` (`label` names it): the
+/// guest's output (a header, what it printed, its summary line) and what it found.
+fn one_guest(
+    label: &str,
+    prepared: &vm::Prepared,
+    test: &GuestTest,
+    exe: &str,
     filter: &[String],
-) -> KernelRun {
-    use std::fmt::Write as _;
-    let mut run = KernelRun {
-        output: String::new(),
-        lines: Vec::new(),
-        failures: Vec::new(),
-    };
-    let prepared = match prepared {
-        Ok(prepared) => prepared,
-        Err(error) => {
-            let line = format!("kernel {}: not prepared: {error:#}", kernel.name);
-            let _ = writeln!(run.output, "{line}");
-            run.failures.push(line.clone());
-            run.lines.push(line);
-            return run;
-        }
-    };
-    let label = format!(
-        "kernel {} ({}, {})",
-        kernel.name, prepared.release, prepared.version
-    );
-    for (test, exe) in GUEST_TESTS.iter().zip(exes) {
-        let (name, exclude) = (test.name, test.exclude);
-        let mut command: Vec<std::ffi::OsString> = vec![
-            exe.into(),
-            "--test-threads=1".into(),
-            // The fixture table prints the verified instruction count.
-            "--nocapture".into(),
-        ];
-        command.extend(filter.iter().map(Into::into));
-        for skip in exclude {
-            command.push("--skip".into());
-            command.push(skip.into());
-        }
-        let _ = writeln!(run.output, "\n---- {label}: {name}");
-        let mut env = vec![("RATELIMIT_KERNEL_TESTS".to_string(), "1".to_string())];
-        env.extend(test.env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
-        let line = match vm::boot(&prepared, &command, &env, GUEST_TIMEOUT, false) {
-            Ok(guest) => {
-                run.output.push_str(&guest.output);
-                let counts = parse_counts(&guest.output);
-                let verified = parse_verified(&guest.output)
-                    .map_or("not printed".to_string(), |(x, v)| {
-                        format!("{v} verified ({x} translated)")
-                    });
-                let line = format!(
-                    "{label}: {name}: {} passed, {} failed; program: {verified}; {:.0} s",
-                    counts.passed,
-                    counts.failed,
-                    guest.elapsed.as_secs_f64()
-                );
-                if guest.status != 0 || counts.failed != 0 || counts.binaries == 0 {
-                    run.failures
-                        .push(format!("{line} (exit status {})", guest.status));
-                }
-                line
-            }
-            Err(error) => {
-                let line = format!("{label}: {name}: did not run: {error:#}");
-                run.failures.push(line.clone());
-                line
-            }
-        };
-        let _ = writeln!(run.output, "{line}");
-        run.lines.push(line);
+) -> (String, Guest) {
+    let mut command: Vec<std::ffi::OsString> = vec![
+        exe.into(),
+        "--test-threads=1".into(),
+        // The fixture table prints the verified instruction count.
+        "--nocapture".into(),
+    ];
+    command.extend(filter.iter().map(Into::into));
+    for skip in test.exclude {
+        command.push("--skip".into());
+        command.push(skip.into());
     }
-    run
+    let name = test.name;
+    let mut output = format!("\n---- {label}: {name}\n");
+    let mut env = vec![("RATELIMIT_KERNEL_TESTS".to_string(), "1".to_string())];
+    env.extend(test.env.iter().map(|(k, v)| (k.to_string(), v.to_string())));
+    let guest = match vm::boot(prepared, &command, &env, GUEST_TIMEOUT, false) {
+        Ok(run) => {
+            output.push_str(&run.output);
+            let counts = parse_counts(&run.output);
+            let verified = parse_verified(&run.output)
+                .map_or("not printed".to_string(), |(x, v)| {
+                    format!("{v} verified ({x} translated)")
+                });
+            let line = format!(
+                "{label}: {name}: {} passed, {} failed; program: {verified}; {:.0} s",
+                counts.passed,
+                counts.failed,
+                run.elapsed.as_secs_f64()
+            );
+            let failed = run.status != 0 || counts.failed != 0 || counts.binaries == 0;
+            Guest {
+                line: if failed {
+                    format!("{line} (exit status {})", run.status)
+                } else {
+                    line
+                },
+                failed,
+            }
+        }
+        Err(error) => Guest {
+            line: format!("{label}: {name}: did not run: {error:#}"),
+            failed: true,
+        },
+    };
+    output.push_str(&guest.line);
+    output.push('\n');
+    (output, guest)
 }
 
 /// The executable of integration test `name` in cargo's JSON messages.

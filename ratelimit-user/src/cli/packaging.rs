@@ -257,7 +257,9 @@ fn trailer() -> Roff {
 
     r.control("SH", ["EXIT STATUS"]);
     r.text([roman(
-        "0 on success; 1 on any error, including a config file that check-config rejects.",
+        "0 on success; 1 on any error (a config file that check-config rejects, a daemon that \
+         cannot be reached, a request the daemon refuses), with the reason on standard error; \
+         2 for a usage error (an unknown command or option, a value that does not parse).",
     )]);
 
     r.control("SH", ["ENVIRONMENT"]);

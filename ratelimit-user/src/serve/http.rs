@@ -35,10 +35,6 @@ pub use conns::HttpCounts;
 pub use listener::{bind, serve};
 pub use metrics::{FleetGauges, Gauges, render_metrics, snapshot};
 
-/// Content type of `/metrics`: the OpenMetrics text format, which Prometheus negotiates by
-/// default (and which reads as plain text with `curl`).
-pub const METRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
-
 /// Default `n` of `/v1/top`, as for `ratelimit top`.
 const DEFAULT_TOP_N: usize = 10;
 /// Largest `n` of `/v1/top`; above it the request is a 400.

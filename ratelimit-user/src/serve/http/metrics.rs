@@ -2,8 +2,10 @@
 //! families, a module per group of them, in the order they are exposed: the data plane's
 //! counters ([`counters`]), the rules' ([`rules`]), the daemon's tables ([`state`]), its own
 //! workings ([`daemon`]), pressure ([`pressure`]) and fleet mode ([`fleet`]); [`openmetrics`]
-//! writes them as OpenMetrics text.
+//! writes them as OpenMetrics text, which [`classic`] rewrites for a scraper that does not ask
+//! for OpenMetrics.
 
+pub mod classic;
 mod counters;
 mod daemon;
 mod fleet;

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use axum::{
     Json, Router,
     extract::{Query, State},
-    http::{HeaderValue, Method, StatusCode, Uri, header},
+    http::{HeaderMap, HeaderValue, Method, StatusCode, Uri, header},
     response::{IntoResponse, Response},
     routing::get,
 };
@@ -14,8 +14,9 @@ use serde::Deserialize;
 use tracing::warn;
 
 use super::{
-    Backend, DEFAULT_TOP_N, ENDPOINTS, MAX_LIST, MAX_TOP_N, METRICS_CONTENT_TYPE, conns::Conns,
-    metrics::render_metrics,
+    Backend, DEFAULT_TOP_N, ENDPOINTS, MAX_LIST, MAX_TOP_N,
+    conns::Conns,
+    metrics::{classic, render_metrics},
 };
 use crate::api::{Answer, Request, TopBy};
 
@@ -134,15 +135,19 @@ async fn answer_list<B: Backend>(backend: &B, req: Request, limit: usize) -> Res
     resp
 }
 
-async fn metrics<B: Backend>(State(app): State<App<B>>) -> Response {
+/// `/metrics`, in the format the scraper prefers (see [`classic`]).
+async fn metrics<B: Backend>(State(app): State<App<B>>, headers: HeaderMap) -> Response {
+    let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok());
     match app.backend.snapshot().await {
         Ok((stats, mut gauges)) => {
             gauges.http = app.conns.counts();
-            (
-                [(header::CONTENT_TYPE, METRICS_CONTENT_TYPE)],
-                render_metrics(&stats, &gauges),
-            )
-                .into_response()
+            let text = render_metrics(&stats, &gauges);
+            if classic::wants_openmetrics(accept) {
+                ([(header::CONTENT_TYPE, classic::OPENMETRICS)], text).into_response()
+            } else {
+                let text = classic::to_classic(&text);
+                ([(header::CONTENT_TYPE, classic::CLASSIC)], text).into_response()
+            }
         }
         Err(e) => {
             warn!("/metrics: {e:#}");

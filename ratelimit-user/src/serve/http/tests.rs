@@ -838,13 +838,14 @@ async fn http_routes_status_codes_and_bodies() {
     let fake = Fake::default();
     let server = serve_fake(listener, fake.clone(), Limits::DEFAULT);
 
+    // Without an Accept header: the classic text format (OpenMetrics on request: e2e_prometheus).
     let (st, head, body) = exchange(addr, "GET", "/metrics").await;
     assert_eq!(st, 200);
     assert!(
-        head.contains("content-type: application/openmetrics-text; version=1.0.0"),
+        head.contains("content-type: text/plain; version=0.0.4"),
         "{head}"
     );
-    assert!(body.contains("ratelimit_up 1\n") && body.ends_with("# EOF\n"));
+    assert!(body.contains("ratelimit_up 1\n") && !body.contains("# EOF"));
 
     // The bodies are the control API's answers, read back as its types.
     use api::samples;
@@ -1040,4 +1041,44 @@ async fn http_bind_address_in_use_is_explained() {
             "http_listen {addr}: address in use; set [daemon] http_listen to another address or \"off\""
         )
     );
+}
+
+/// The classic text format of the whole exposition: every sample's family has its help and
+/// type under the sample's own name (a histogram's under its base name), counters end in
+/// `_total`, and nothing of OpenMetrics' own is left (`info`, `# UNIT`, `# EOF`).
+#[test]
+fn http_metrics_classic_format_names_every_family_by_its_samples() {
+    use super::metrics::classic::to_classic;
+    let om = render_metrics(&synthetic(), &GAUGES);
+    assert!(om.ends_with("# EOF\n"));
+    let text = to_classic(&om);
+    let mut typed = std::collections::HashMap::new();
+    let mut helped = std::collections::HashSet::new();
+    let mut samples = 0;
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (name, kind) = rest.split_once(' ').unwrap();
+            assert!(["counter", "gauge", "histogram"].contains(&kind), "{line}");
+            assert_eq!(kind == "counter", name.ends_with("_total"), "{line}");
+            typed.insert(name.to_string(), kind.to_string());
+        } else if let Some(rest) = line.strip_prefix("# HELP ") {
+            helped.insert(rest.split_once(' ').unwrap().0.to_string());
+        } else {
+            assert!(!line.starts_with('#'), "{line}");
+            let name = line.split(['{', ' ']).next().unwrap();
+            let family = ["_bucket", "_sum", "_count"]
+                .iter()
+                .find_map(|s| {
+                    name.strip_suffix(s)
+                        .filter(|b| typed.get(*b).is_some_and(|k| k == "histogram"))
+                })
+                .unwrap_or(name);
+            assert!(
+                typed.contains_key(family) && helped.contains(family),
+                "{line}"
+            );
+            samples += 1;
+        }
+    }
+    assert!(samples > 50, "{samples}");
 }
