@@ -641,7 +641,10 @@ algorithm = "fixed_window"
 name = "short-memory"
 match = {{ protocol = "udp", dst_ports = ["{c}"] }}
 key = ["ip", "src_port"]
+action = "rate_based_ban"
 threshold = {{ count = 1000, interval = "1s" }}
+ban_threshold = {{ count = 5, interval = "1s" }}
+ban_duration = "1s"
 "#,
         a = PORT,
         b = PORT + 1,
@@ -673,6 +676,8 @@ threshold = {{ count = 1000, interval = "1s" }}
     }));
     frames.extend((0..100).map(|_| frame(v4(0xc6_14_00_00, 9), 4000, PORT + 1)));
     frames.extend((0..40).map(|i| frame(v4(0xc6_16_00_00, i + 1), 5000 + i as u16, PORT + 2)));
+    // One of them banned for a second: 20 frames over the ban threshold of 5.
+    frames.extend((0..20).map(|_| frame(v4(0xc6_16_00_00, 99), 6000, PORT + 2)));
     let n = frames.len() as u64;
     tx.send_n(frames.iter(), n, None);
     sink.wait_total(250, Duration::from_secs(10));
@@ -693,7 +698,9 @@ threshold = {{ count = 1000, interval = "1s" }}
         "PORT + 1 has its own"
     );
     assert_eq!(rule_counter(&st, "per-client-port", "dropped"), 250);
-    assert_eq!(rule_counter(&st, "short-memory", "admitted"), 40);
+    // The banned source's first 5 (its ban threshold), then its ban.
+    assert_eq!(rule_counter(&st, "short-memory", "admitted"), 40 + 5);
+    assert_eq!(rule_counter(&st, "short-memory", "bans"), 1);
     let states = |s: &Scenario| {
         let top = s.daemon().cli_json(&["top", "-n", "100"]);
         let mut v: Vec<(String, String)> = top
@@ -720,7 +727,7 @@ threshold = {{ count = 1000, interval = "1s" }}
     .iter()
     .map(|c| ("per-client-port".to_string(), c.to_string()))
     .collect();
-    assert_eq!(first.len(), want.len() + 40, "{first:#?}");
+    assert_eq!(first.len(), want.len() + 41, "{first:#?}");
     // The short-memory rule's states hold nothing two seconds after their last packet: gone
     // within a period of the reaper or two (bound: 20 s on a busy machine).
     let t0 = Instant::now();
@@ -731,4 +738,16 @@ threshold = {{ count = 1000, interval = "1s" }}
     }
     want.sort();
     assert_eq!(now, want, "after {:?}", t0.elapsed());
+    // The ban ended in a state no packet reaches again: its `unban` came with the removal.
+    let of_ban: Vec<String> = s
+        .events()
+        .into_iter()
+        .filter(|e| e["rule"] == "short-memory")
+        .map(|e| format!("{} {}", e["event"], e["client"]))
+        .collect();
+    let client = "\"ip=198.22.0.99 src_port=6000\"";
+    assert_eq!(
+        of_ban,
+        [format!("\"ban\" {client}"), format!("\"unban\" {client}")]
+    );
 }

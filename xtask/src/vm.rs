@@ -684,7 +684,10 @@ pub fn boot(
 ) -> Result<GuestRun> {
     let runs = util::target_dir()?.join("vm");
     std::fs::create_dir_all(&runs)?;
-    let out = runs.join(format!("{}-{}", prepared.release, std::process::id()));
+    // One directory per guest: guests of one kernel may run at once (`xtask test`'s pool).
+    static GUESTS: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = GUESTS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    let out = runs.join(format!("{}-{}-{n}", prepared.release, std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
     std::fs::create_dir_all(&out)?;
     let script = out.join("stage2.sh");

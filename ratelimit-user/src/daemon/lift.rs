@@ -137,8 +137,9 @@ impl State {
     }
 }
 
-/// The `unban` event of a ban lifted by the operator from `key`'s state, at `now`.
-fn unban_event(key: &ClientKey, now: u64) -> Event {
+/// The `unban` event of a ban of `key`'s state that ended at `now` (lifted by the operator, or
+/// found ended in a state removed as idle).
+pub(super) fn unban_event(key: &ClientKey, now: u64) -> Event {
     Event {
         kind: EV_UNBAN,
         rule: u32::from(key.rule),

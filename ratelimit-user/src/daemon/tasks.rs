@@ -114,12 +114,20 @@ pub(super) fn spawn_keyed_reaper(
                 std::thread::sleep(keyed::PERIOD);
                 let Some(r) = me.upgrade() else { break };
                 let rules: Vec<_> = r.view().live_rules.iter().map(|(_, c)| *c).collect();
-                drop(r);
-                if keyed::any_keyed(&rules) {
-                    let gone = keyed::reap(&mut map, &rules, crate::clock::mono_ns());
-                    if gone > 0 {
-                        tracing::debug!(gone, "idle states of keys of packet fields removed");
-                    }
+                let gone = keyed::reap(&mut map, &rules, crate::clock::mono_ns());
+                // A ban that ended in a state nothing reaches again: its `unban`, at its end.
+                let ended: Vec<_> = gone
+                    .iter()
+                    .filter_map(|(k, until)| until.map(|t| super::lift::unban_event(k, t)))
+                    .collect();
+                if !ended.is_empty() {
+                    r.events.operator(ended);
+                }
+                if !gone.is_empty() {
+                    tracing::debug!(
+                        gone = gone.len(),
+                        "idle states of keys of packet fields removed"
+                    );
                 }
             }
         })?;

@@ -24,35 +24,53 @@ pub fn open(pin_dir: &Path) -> anyhow::Result<HashMap<MapData, ClientKey, Shared
     Ok(HashMap::try_from(Map::HashMap(map))?)
 }
 
-/// Whether any of `rules` keeps states in `RL_KEYED`.
-pub fn any_keyed(rules: &[RuleConfig]) -> bool {
-    rules.iter().any(|r| r.key == KEY_TUPLE)
+/// Whether the state `s` of a key of rule `rule` (the rule in force at the key's position, if
+/// any) holds nothing at `now_ns` (CLOCK_MONOTONIC): its last packet more than the rule's
+/// `protect_ms` ago and no ban in force, or its rule no longer keyed by packet fields (the
+/// program no longer counts in it). A state whose rule is not known (a rule added since the
+/// rules were read) or whose memory is not known (`protect_ms` 0) is kept.
+pub fn idle(s: &SharedState, rule: Option<&RuleConfig>, now_ns: u64) -> bool {
+    match rule {
+        None => false,
+        Some(r) if r.key != KEY_TUPLE => true,
+        Some(r) if r.protect_ms == 0 => false,
+        Some(r) => {
+            let memory_ns = u64::from(r.protect_ms) * 1_000_000;
+            s.banned_until_ns <= now_ns && s.state.last_ns.saturating_add(memory_ns) < now_ns
+        }
+    }
 }
 
-/// Whether the state `s` of a key of rule `rule` holds nothing at `now_ns`
-/// (CLOCK_MONOTONIC): its last packet more than the rule's `protect_ms` ago, no ban in force.
-/// A state of a rule that is gone (no `rule`) holds nothing either.
-pub fn idle(s: &SharedState, rule: Option<&RuleConfig>, now_ns: u64) -> bool {
-    let memory_ns = rule.map_or(0, |r| u64::from(r.protect_ms) * 1_000_000);
-    s.banned_until_ns <= now_ns && s.state.last_ns.saturating_add(memory_ns) < now_ns
-}
+/// A state removed: its key, and the end of the ban it held, if it held one (ended: the
+/// program sends a ban's `unban` only when the key's next packet comes, which for this key
+/// it never will; the caller says so).
+pub type Reaped = (ClientKey, Option<u64>);
 
 /// Remove the idle states of `map` (see [`idle`]) at `now_ns`, `rules` being the rules in
-/// force by position. Returns how many went.
+/// force by position. Each is judged again just before its removal (a walk of a full map takes
+/// a while), so a state that took a packet or a ban in between stays.
 pub fn reap(
     map: &mut HashMap<MapData, ClientKey, SharedState>,
     rules: &[RuleConfig],
     now_ns: u64,
-) -> u64 {
-    let gone: Vec<ClientKey> = map
+) -> Vec<Reaped> {
+    let idle_now = |k: &ClientKey, s: &SharedState| idle(s, rules.get(k.rule as usize), now_ns);
+    let candidates: Vec<ClientKey> = map
         .iter()
         .filter_map(Result::ok)
-        .filter(|(k, s)| idle(s, rules.get(k.rule as usize), now_ns))
+        .filter(|(k, s)| idle_now(k, s))
         .map(|(k, _)| k)
         .collect();
-    // A packet between the look and the removal makes the state new again: it was idle
-    // for longer than it could remember, so that packet is counted in a fresh one.
-    gone.iter().filter(|k| map.remove(k).is_ok()).count() as u64
+    let mut gone = Vec::new();
+    for k in candidates {
+        let Ok(s) = map.get(&k, 0) else { continue };
+        // A packet between this look and the removal is counted in a fresh state: this one
+        // was idle for longer than it could remember.
+        if idle_now(&k, &s) && map.remove(&k).is_ok() {
+            gone.push((k, (s.banned_until_ns != 0).then_some(s.banned_until_ns)));
+        }
+    }
+    gone
 }
 
 #[cfg(test)]
@@ -62,6 +80,7 @@ mod tests {
     #[test]
     fn a_state_is_idle_after_its_rules_memory_and_not_while_banned() {
         let rule = RuleConfig {
+            key: KEY_TUPLE,
             protect_ms: 2_000,
             ..RuleConfig::default()
         };
@@ -87,9 +106,19 @@ mod tests {
             idle(&s(10 * sec, 14 * sec), Some(&rule), 14 * sec),
             "a ban that ended"
         );
+        assert!(!idle(&s(0, 0), None, 10 * sec), "a rule not known yet");
+        let zero = RuleConfig {
+            protect_ms: 0,
+            ..rule
+        };
+        assert!(!idle(&s(0, 0), Some(&zero), 10 * sec), "a memory not known");
+        let ip = RuleConfig {
+            key: ratelimit_common::maps::KEY_IP,
+            ..rule
+        };
         assert!(
-            idle(&s(10 * sec, 0), None, 10 * sec + 1),
-            "its rule is gone"
+            idle(&s(10 * sec, 14 * sec), Some(&ip), 11 * sec),
+            "no longer keyed so"
         );
         assert!(!idle(&s(u64::MAX, 0), Some(&rule), u64::MAX), "no overflow");
     }
