@@ -33,12 +33,7 @@ pub fn emit(
                 core::ptr::write_volatile(&raw mut (*e).rule, key.rule as u32);
                 core::ptr::write_volatile(&raw mut (*e).key_kind, Event::key_kind_of(key));
                 core::ptr::write_volatile(&raw mut (*e).prefix_len, key.prefix_len);
-                let a = &raw mut (*e).addr as *mut u32;
-                let s = &key.addr as *const [u8; 16] as *const u32;
-                core::ptr::write_volatile(a, core::ptr::read_volatile(s));
-                core::ptr::write_volatile(a.add(1), core::ptr::read_volatile(s.add(1)));
-                core::ptr::write_volatile(a.add(2), core::ptr::read_volatile(s.add(2)));
-                core::ptr::write_volatile(a.add(3), core::ptr::read_volatile(s.add(3)));
+                crate::state::copy_addr(&mut (*e).addr, &key.addr);
                 crate::state::copy_addr(&mut (*e).src, &key.src);
                 core::ptr::write_volatile(&raw mut (*e).ts_ns, now);
                 core::ptr::write_volatile(&raw mut (*e).count, count);

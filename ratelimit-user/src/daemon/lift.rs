@@ -77,20 +77,9 @@ impl State {
             Ok(st) if st.banned_until_ns > now => st,
             _ => bail!("no ban in force for {what}"),
         };
-        // The meters are clean already: the program clears them when it issues a ban, and a
-        // banned key's packets are not metered.
-        let lifted = SharedState {
-            banned_until_ns: 0,
-            ..st
-        };
-        // BPF_EXIST: the state must still be there (an expiry in between would have lifted
-        // it already).
-        self.maps
-            .clients
-            .shared
-            .insert(key, lifted, 2)
+        let event = lift(&mut self.maps.clients.shared, key, st, now)
             .with_context(|| format!("lifting the ban of {what}"))?;
-        self.events.operator(vec![unban_event(&key, now)]);
+        self.events.operator(vec![event]);
         info!(%what, "aggregate ban lifted");
         self.bans_changed();
         Ok(BanLifted {
@@ -113,17 +102,10 @@ impl State {
         if banned.is_empty() {
             bail!("no ban in force for rule {rule:?}");
         }
-        let mut events = Vec::new();
-        for (key, st) in banned {
-            let lifted = SharedState {
-                banned_until_ns: 0,
-                ..st
-            };
-            // BPF_EXIST: a state removed in between holds no ban any more.
-            if keyed.insert(key, lifted, 2).is_ok() {
-                events.push(unban_event(&key, now));
-            }
-        }
+        let events: Vec<Event> = banned
+            .into_iter()
+            .filter_map(|(key, st)| lift(keyed, key, st, now).ok())
+            .collect();
         let lifted = events.len() as u32;
         self.events.operator(events);
         info!(rule, lifted, "bans of a rule keyed by packet fields lifted");
@@ -135,6 +117,24 @@ impl State {
             region: None,
         })
     }
+}
+
+/// Lift the ban held in `key`'s state `st` (as read from `map`) at `now`: its `unban` event.
+/// The meters are clean already (the program clears them when it issues a ban, and a banned
+/// key's packets are not metered). BPF_EXIST: a state removed in between (an expiry lifts a
+/// ban too, a removal as idle holds none) is not written back.
+fn lift(
+    map: &mut aya::maps::HashMap<aya::maps::MapData, ClientKey, SharedState>,
+    key: ClientKey,
+    st: SharedState,
+    now: u64,
+) -> anyhow::Result<Event> {
+    let lifted = SharedState {
+        banned_until_ns: 0,
+        ..st
+    };
+    map.insert(key, lifted, 2)?;
+    Ok(unban_event(&key, now))
 }
 
 /// The `unban` event of a ban of `key`'s state that ended at `now` (lifted by the operator, or
